@@ -1,0 +1,96 @@
+"""Runtime settings: where the ROUTER socket binds, how peers are found, liveness timings.
+
+DYN_HOST    address to bind the request plane on (--host); default 0.0.0.0, or the first pinned
+            mDNS interface when DYN_MDNS_INTERFACES is set
+DYN_PORT    port to bind (--port); 0 picks a free one
+plus the discovery variables of ``dynamo_zmq.discovery`` (DYN_DISCOVERY, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from .discovery import DiscoveryConfig, add_discovery_args
+from .errors import InvalidArgument
+
+__all__ = ["RuntimeConfig", "add_runtime_args"]
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Everything a ``DistributedRuntime`` needs to know about its surroundings."""
+
+    discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
+    host: str | None = None
+    port: int = 0
+    #: Seconds a shutting-down process waits for in-flight requests before closing.
+    graceful_timeout: float = 30.0
+    #: Seconds between withdrawing (clients stop routing here) and refusing new requests, so
+    #: requests already on the wire are still served.
+    grace_period: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise InvalidArgument(f"port {self.port} out of range")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> RuntimeConfig:
+        port = environ.get("DYN_PORT", "0") or "0"
+        if not port.isdigit():
+            raise InvalidArgument(f"DYN_PORT must be a number, got {port!r}")
+        return cls(
+            discovery=DiscoveryConfig.from_env(environ),
+            host=environ.get("DYN_HOST") or None,
+            port=int(port),
+        )
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> RuntimeConfig:
+        return cls(
+            discovery=DiscoveryConfig.from_args(args),
+            host=getattr(args, "host", None) or None,
+            port=int(getattr(args, "port", 0) or 0),
+        )
+
+    @property
+    def bind_host(self) -> str:
+        if self.host:
+            return self.host
+        if self.discovery.mdns_interfaces:
+            return self.discovery.mdns_interfaces[0]
+        return "0.0.0.0"
+
+    def advertised_hosts(self) -> tuple[str, ...]:
+        """Addresses peers should connect to (the bind host, or this machine's if wildcard)."""
+        host = self.bind_host
+        if host not in ("0.0.0.0", "*"):
+            return (host,)
+        if self.discovery.mdns_interfaces:
+            return tuple(self.discovery.mdns_interfaces)
+        return _local_ipv4() or ("127.0.0.1",)
+
+
+def add_runtime_args(parser: argparse.ArgumentParser) -> None:
+    """Add ``--host``, ``--port`` and the discovery flags, defaulting to ``DYN_*`` variables."""
+    parser.add_argument("--host", default=os.environ.get("DYN_HOST"), help="bind address [DYN_HOST]")
+    parser.add_argument(
+        "--port", type=int, default=int(os.environ.get("DYN_PORT", "0") or 0), help="bind port, 0 = any [DYN_PORT]"
+    )
+    add_discovery_args(parser)
+
+
+def _local_ipv4() -> tuple[str, ...]:
+    """Non-loopback IPv4 addresses of this host, best effort."""
+    found: list[str] = []
+    try:
+        for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET):
+            ip = str(info[4][0])
+            if not ip.startswith("127.") and ip not in found:
+                found.append(ip)
+    except OSError:
+        pass
+    return tuple(found)

@@ -1,0 +1,37 @@
+"""Finding peers: mDNS on the LAN or a static list, behind one ``Discovery`` interface."""
+
+from __future__ import annotations
+
+from ._base import PROTOCOL_VERSION as PROTOCOL_VERSION
+from ._base import SERVICE_TYPE as SERVICE_TYPE
+from ._base import Advert as Advert
+from ._base import Discovery as Discovery
+from ._base import DiscoveryEvent as DiscoveryEvent
+from ._base import PeerAdded as PeerAdded
+from ._base import PeerRemoved as PeerRemoved
+from ._config import DiscoveryConfig as DiscoveryConfig
+from ._config import add_discovery_args as add_discovery_args
+from .mdns import MdnsDiscovery as MdnsDiscovery
+from .static import StaticDiscovery as StaticDiscovery
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "SERVICE_TYPE",
+    "Advert",
+    "Discovery",
+    "DiscoveryConfig",
+    "DiscoveryEvent",
+    "MdnsDiscovery",
+    "PeerAdded",
+    "PeerRemoved",
+    "StaticDiscovery",
+    "add_discovery_args",
+    "make_discovery",
+]
+
+
+def make_discovery(cfg: DiscoveryConfig) -> Discovery:
+    """Build the backend ``cfg.backend`` names (not started yet)."""
+    if cfg.backend == "static":
+        return StaticDiscovery(cfg)
+    return MdnsDiscovery(cfg)

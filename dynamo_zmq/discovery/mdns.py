@@ -1,0 +1,411 @@
+"""mDNS discovery: advertise instances as ``_dynamo-zmq._tcp.local.`` services and browse for peers.
+
+One ``AsyncZeroconf`` per ``MdnsDiscovery`` owns the sockets. Each advert is one service named
+``<namespace>-<instance id as 16 hex>``; its TXT carries only ``ns``, ``iid``, ``v`` and ``comps``.
+Each ``watch()`` owns one browser, the resolve tasks it starts, and the queue it yields from.
+Zeroconf failures after ``start()`` are logged, never raised into the caller's loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import re
+from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import Any
+
+import ifaddr
+from zeroconf import InterfaceChoice, IPVersion, ServiceStateChange, Zeroconf
+from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
+
+from ..errors import InvalidArgument
+from ._base import (
+    PROTOCOL_VERSION,
+    SERVICE_TYPE,
+    Advert,
+    Discovery,
+    DiscoveryEvent,
+    PeerAdded,
+    PeerRemoved,
+)
+from ._config import DiscoveryConfig, validate_address
+
+__all__ = ["MdnsDiscovery", "instance_name"]
+
+log = logging.getLogger(__name__)
+
+#: Longest DNS label; the instance label is ``<namespace>-<16 hex>``.
+_MAX_LABEL = 63
+#: TTL of every record we publish. RFC 6762 suggests 75 min for PTR/TXT; 2 min makes a peer that
+#: died without a goodbye leave browsers' caches sooner (liveness itself is the ping's job).
+_TTL = 120
+#: Budget for one TXT entry (the format allows 255 bytes per ``key=value``).
+_MAX_TXT_VALUE = 200
+_WILDCARDS = ("*", "0.0.0.0")
+_ADD_OR_UPDATE = (ServiceStateChange.Added, ServiceStateChange.Updated)
+
+
+def instance_name(namespace: str, instance_id: int) -> str:
+    """The service name for one advert: a DNS-safe namespace label plus the instance id in hex."""
+    safe = re.sub(r"[^A-Za-z0-9-]+", "-", namespace).strip("-") or "ns"
+    safe = safe[: _MAX_LABEL - 17].rstrip("-") or "ns"
+    return f"{safe}-{instance_id:016x}.{SERVICE_TYPE}"
+
+
+class MdnsDiscovery(Discovery):
+    """Advertise and browse over multicast DNS.
+
+    Args:
+        cfg: ``cfg.mdns_interfaces`` pins mDNS to those IPv4 addresses (``None``: all).
+        resolve_timeout: seconds one attempt to resolve a peer's records may take.
+        resolve_attempts: attempts before a peer that does not answer is skipped.
+    """
+
+    def __init__(
+        self,
+        cfg: DiscoveryConfig | None = None,
+        *,
+        resolve_timeout: float = 1.0,
+        resolve_attempts: int = 3,
+    ) -> None:
+        self._interfaces = tuple((cfg.mdns_interfaces if cfg else None) or ())
+        self._resolve_timeout = resolve_timeout
+        self._resolve_attempts = resolve_attempts
+        self._aiozc: AsyncZeroconf | None = None
+        self._closed = False
+        self._lock = asyncio.Lock()
+        self._adverts: dict[tuple[str, int], AsyncServiceInfo] = {}
+        self._watches: set[_Watch] = set()
+        #: zeroconf's pending announce broadcast per advert: cancelled on withdraw and close, so
+        #: a late announcement cannot resurrect a withdrawn advert.
+        self._announcing: dict[tuple[str, int], asyncio.Future[Any]] = {}
+        #: goodbye broadcasts and cancelled announcements, awaited by close().
+        self._finishing: set[asyncio.Future[Any]] = set()
+
+    async def start(self) -> None:
+        """Open the mDNS sockets and wait until zeroconf runs.
+
+        Raises:
+            InvalidArgument: a pinned interface address is not one of this host's.
+            OSError: the sockets could not be opened.
+            RuntimeError: the discovery was closed.
+        """
+        async with self._lock:
+            await self._start_locked()
+
+    async def advertise(self, advert: Advert) -> None:
+        """Register ``advert``, or update it if this (namespace, instance id) is already advertised.
+
+        Raises:
+            InvalidArgument: the advert has no IPv4 ``tcp://`` address or an oversized namespace.
+            RuntimeError: the discovery was closed.
+        """
+        info = self._service_info(advert)
+        async with self._lock:
+            await self._start_locked()
+            aiozc = self._aiozc
+            assert aiozc is not None
+            key = (advert.namespace, advert.instance_id)
+            self._cancel_announce(key)
+            try:
+                if key in self._adverts:
+                    sent = await aiozc.async_update_service(info)
+                else:
+                    sent = await aiozc.async_register_service(info, cooperating_responders=True)
+            except Exception:
+                log.exception("mDNS: could not advertise %s", info.name)
+                return
+            self._adverts[key] = info
+            if isinstance(sent, asyncio.Future):
+                self._announcing[key] = sent
+
+    async def withdraw(self, advert: Advert) -> None:
+        """Unregister ``advert``; peers see the goodbye within milliseconds. Unknown is ignored."""
+        async with self._lock:
+            key = (advert.namespace, advert.instance_id)
+            self._cancel_announce(key)
+            info = self._adverts.pop(key, None)
+            if info is None or self._aiozc is None:
+                return
+            try:
+                sent = await self._aiozc.async_unregister_service(info)
+            except Exception:
+                log.exception("mDNS: could not withdraw %s", info.name)
+                return
+            self._finish_later(sent)
+
+    async def watch(self, namespace: str | None = None) -> AsyncIterator[DiscoveryEvent]:
+        """Yield peers advertising ``namespace`` (all when ``None``) and follow their changes.
+
+        Ends when ``close()`` is called. Close it early with ``contextlib.aclosing``.
+        """
+        async with self._lock:
+            if self._closed:
+                return
+            await self._start_locked()
+            assert self._aiozc is not None
+            w = _Watch(self._aiozc.zeroconf, namespace, self._interfaces, self)
+            self._watches.add(w)
+        try:
+            w.start()
+            while (event := await w.queue.get()) is not None:
+                yield event
+        finally:
+            self._watches.discard(w)
+            await w.stop()
+
+    async def close(self) -> None:
+        """Withdraw every advert, end every watch and close the sockets. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        async with self._lock:
+            for w in list(self._watches):
+                await w.stop()
+            for key in list(self._announcing):
+                self._cancel_announce(key)
+            # Goodbyes of earlier withdrawals may not have been sent yet: let them finish.
+            await asyncio.gather(*self._finishing, return_exceptions=True)
+            aiozc, self._aiozc = self._aiozc, None
+            self._adverts.clear()
+            if aiozc is not None:
+                try:
+                    await aiozc.async_close()  # sends the goodbyes first
+                except Exception:
+                    log.exception("mDNS: error while closing zeroconf")
+
+    async def _start_locked(self) -> None:
+        if self._closed:
+            raise RuntimeError("MdnsDiscovery is closed")
+        if self._aiozc is not None:
+            return
+        # zeroconf leaks a socket when an interface is unknown, so check first.
+        unknown = set(self._interfaces) - set(_local_ipv4())
+        if unknown:
+            raise InvalidArgument(
+                f"cannot pin mDNS to {', '.join(sorted(unknown))}: not an address of this host"
+            )
+        interfaces = list(self._interfaces) or InterfaceChoice.All
+        aiozc = AsyncZeroconf(interfaces=interfaces, ip_version=IPVersion.V4Only)
+        try:
+            await aiozc.zeroconf.async_wait_for_start()
+        except BaseException:
+            await aiozc.async_close()
+            raise
+        self._aiozc = aiozc
+
+    def _cancel_announce(self, key: tuple[str, int]) -> None:
+        fut = self._announcing.pop(key, None)
+        if fut is not None:
+            fut.cancel()
+            self._finish_later(fut)
+
+    def _finish_later(self, fut: Any) -> None:
+        if isinstance(fut, asyncio.Future) and not fut.done():
+            self._finishing.add(fut)
+            fut.add_done_callback(self._finishing.discard)
+
+    def _service_info(self, advert: Advert) -> AsyncServiceInfo:
+        ns_bytes = len(advert.namespace.encode())
+        if not advert.namespace or ns_bytes > _MAX_TXT_VALUE:
+            raise InvalidArgument(
+                f"namespace must be 1-{_MAX_TXT_VALUE} bytes for mDNS, got {ns_bytes}"
+            )
+        if not 0 <= advert.instance_id < 2**64:
+            raise InvalidArgument(f"instance id {advert.instance_id} is not a u64")
+        ips, port = _advert_endpoint(advert.addresses, self._interfaces)
+        name = instance_name(advert.namespace, advert.instance_id)
+        return AsyncServiceInfo(
+            SERVICE_TYPE,
+            name,
+            port=port,
+            properties={
+                "ns": advert.namespace,
+                "iid": f"{advert.instance_id:016x}",
+                "v": str(advert.protocol_version),
+                "comps": _join_limited(advert.components, _MAX_TXT_VALUE),
+            },
+            server=name.removesuffix(SERVICE_TYPE) + "local.",
+            host_ttl=_TTL,
+            other_ttl=_TTL,
+            parsed_addresses=ips,
+        )
+
+
+class _Watch:
+    """One ``watch()``: a browser, the resolve tasks it starts, and the events it queues."""
+
+    def __init__(
+        self, zc: Zeroconf, namespace: str | None, pinned: Sequence[str], owner: MdnsDiscovery
+    ) -> None:
+        self.queue: asyncio.Queue[DiscoveryEvent | None] = asyncio.Queue()
+        self._zc = zc
+        self._namespace = namespace
+        self._networks = _local_networks(pinned)
+        self._timeout_ms = owner._resolve_timeout * 1000
+        self._attempts = max(1, owner._resolve_attempts)
+        self._browser: AsyncServiceBrowser | None = None
+        self._known: dict[str, PeerAdded] = {}
+        self._resolving: dict[str, asyncio.Task[None]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._stopped = False
+
+    def start(self) -> None:
+        if not self._stopped:
+            self._browser = AsyncServiceBrowser(self._zc, SERVICE_TYPE, handlers=[self._on_change])
+
+    async def stop(self) -> None:
+        """Cancel the browser and resolve tasks and end the iterator. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        browser, self._browser = self._browser, None
+        if browser is not None:
+            try:
+                await browser.async_cancel()
+            except Exception:
+                log.exception("mDNS: error while cancelling a browser")
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self.queue.put_nowait(None)
+
+    def _on_change(
+        self, zeroconf: Zeroconf, service_type: str, name: str, state_change: ServiceStateChange
+    ) -> None:
+        if self._stopped:
+            return
+        try:
+            previous = self._resolving.pop(name, None)
+            if previous is not None:
+                previous.cancel()
+            if state_change in _ADD_OR_UPDATE:
+                task = asyncio.get_running_loop().create_task(
+                    self._resolve(name), name=f"mdns-resolve {name}"
+                )
+                self._resolving[name] = task
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            elif (old := self._known.pop(name, None)) is not None:
+                self.queue.put_nowait(PeerRemoved(old.address, old.instance_id))
+        except Exception:
+            log.exception("mDNS: error handling %s for %s", state_change, name)
+
+    async def _resolve(self, name: str) -> None:
+        try:
+            info = AsyncServiceInfo(SERVICE_TYPE, name)
+            for _ in range(self._attempts):
+                if await info.async_request(self._zc, self._timeout_ms):
+                    break
+            else:
+                log.debug("mDNS: %s did not resolve in %d attempts", name, self._attempts)
+                return
+            self._publish(name, self._event(info))
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("mDNS: error resolving %s", name)
+        finally:
+            if self._resolving.get(name) is asyncio.current_task():
+                del self._resolving[name]
+
+    def _event(self, info: AsyncServiceInfo) -> PeerAdded | None:
+        """The ``PeerAdded`` for a resolved service, or ``None`` if it is not for this watch."""
+        props = info.decoded_properties
+        ns = props.get("ns")
+        if ns is None or (self._namespace is not None and ns != self._namespace):
+            return None
+        if props.get("v") != str(PROTOCOL_VERSION):
+            log.debug("mDNS: skipping %s: protocol version %r", info.name, props.get("v"))
+            return None
+        try:
+            instance_id = int(props.get("iid") or "", 16)
+        except ValueError:
+            return None
+        ip = _pick_ip(info.parsed_addresses(IPVersion.V4Only), self._networks)
+        if ip is None or not info.port:
+            return None
+        comps = tuple(c for c in (props.get("comps") or "").split(",") if c)
+        return PeerAdded(f"tcp://{ip}:{info.port}", ns, instance_id, comps)
+
+    def _publish(self, name: str, event: PeerAdded | None) -> None:
+        old = self._known.get(name)
+        if event == old:
+            return
+        if old is not None and (event is None or event.address != old.address):
+            self.queue.put_nowait(PeerRemoved(old.address, old.instance_id))
+        if event is None:
+            self._known.pop(name, None)
+            return
+        self._known[name] = event
+        self.queue.put_nowait(event)
+
+
+def _advert_endpoint(addresses: Iterable[str], pinned: Sequence[str]) -> tuple[list[str], int]:
+    """IPv4 addresses and the port to advertise; wildcard hosts become the local addresses."""
+    ips: list[str] = []
+    port: int | None = None
+    for address in addresses:
+        host, _, port_text = validate_address(address)[len("tcp://") :].rpartition(":")
+        if port is None:
+            port = int(port_text)
+        elif int(port_text) != port:
+            log.debug("mDNS: not advertising %s: one port per advert", address)
+            continue
+        if host in _WILDCARDS:
+            ips.extend(pinned or _reachable_ipv4())
+            continue
+        try:
+            ips.append(str(ipaddress.IPv4Address(host)))
+        except ValueError:
+            log.debug("mDNS: not advertising %s: host is not an IPv4 address", address)
+    if port is None or not ips:
+        raise InvalidArgument(f"no IPv4 tcp://host:port address to advertise in {addresses!r}")
+    return list(dict.fromkeys(ips)), port
+
+
+def _local_ipv4() -> list[str]:
+    """This host's IPv4 addresses."""
+    return [str(ip.ip) for a in ifaddr.get_adapters() for ip in a.ips if isinstance(ip.ip, str)]
+
+
+def _reachable_ipv4() -> list[str]:
+    """What a wildcard bind is advertised as: this host's addresses, loopback only if alone."""
+    found = _local_ipv4()
+    outside = [ip for ip in found if not ipaddress.IPv4Address(ip).is_loopback]
+    return outside or found
+
+
+def _local_networks(pinned: Sequence[str]) -> list[ipaddress.IPv4Network]:
+    """Networks of the pinned interfaces, or of every interface when none is pinned."""
+    return [
+        ipaddress.IPv4Network(f"{ip.ip}/{ip.network_prefix}", strict=False)
+        for adapter in ifaddr.get_adapters()
+        for ip in adapter.ips
+        if isinstance(ip.ip, str) and (not pinned or ip.ip in pinned)
+    ]
+
+
+def _pick_ip(ips: Sequence[str], networks: Sequence[ipaddress.IPv4Network]) -> str | None:
+    """The first address on one of ``networks``, preferring non-loopback; else the first."""
+
+    def rank(ip: str) -> tuple[bool, bool]:
+        addr = ipaddress.IPv4Address(ip)
+        return (not any(addr in net for net in networks), addr.is_loopback)
+
+    return min(ips, key=rank) if ips else None
+
+
+def _join_limited(names: Iterable[str], limit: int) -> str:
+    """Comma-join ``names``, dropping the ones past ``limit`` bytes."""
+    out: list[str] = []
+    size = 0
+    for name in names:
+        size += len(name.encode()) + (1 if out else 0)
+        if size > limit:
+            log.debug("mDNS: TXT comps truncated at %r", name)
+            break
+        out.append(name)
+    return ",".join(out)

@@ -1,0 +1,138 @@
+"""Typed errors shared by every layer, and their wire form.
+
+Every error that can cross a process boundary is a ``DynamoError`` with a stable ``kind`` string.
+The wire carries ``(kind, message)``; ``from_wire`` rebuilds the same class on the other side.
+
+    DynamoError                      base; ``kind`` names it on the wire
+    ├── InvalidArgument              the request itself is wrong (not retryable)
+    ├── CannotConnect                no live instance could be reached (retryable)
+    ├── Disconnected                 the peer vanished mid-stream (retryable / migratable)
+    ├── ConnectionTimeout            connecting or discovering took too long (retryable)
+    ├── ResponseTimeout              the peer stopped answering within the deadline
+    ├── Cancelled                    the caller stopped or killed the request
+    ├── EngineShutdown               the worker is draining and admits nothing new (retryable)
+    ├── StreamIncomplete             a stream ended without its terminal or with a sequence gap
+    └── Unknown                      anything else, including a handler's unexpected exception
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "Cancelled",
+    "CannotConnect",
+    "ConnectionTimeout",
+    "Disconnected",
+    "DynamoError",
+    "EngineShutdown",
+    "InvalidArgument",
+    "ResponseTimeout",
+    "StreamIncomplete",
+    "Unknown",
+    "from_exception",
+    "from_wire",
+]
+
+
+class DynamoError(Exception):
+    """Base of all typed errors. ``kind`` is the stable wire name."""
+
+    kind: str = "Unknown"
+    #: Whether sending the same request to another instance may succeed.
+    retryable: bool = False
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.message!r})"
+
+
+class InvalidArgument(DynamoError):
+    """The request is malformed or names something that does not exist."""
+
+    kind = "InvalidArgument"
+
+
+class CannotConnect(DynamoError):
+    """No live instance serves the endpoint, or the one named is unreachable."""
+
+    kind = "CannotConnect"
+    retryable = True
+
+
+class Disconnected(DynamoError):
+    """The peer went away while a stream was open."""
+
+    kind = "Disconnected"
+    retryable = True
+
+
+class ConnectionTimeout(DynamoError):
+    """Waiting for an instance or a connection exceeded its deadline."""
+
+    kind = "ConnectionTimeout"
+    retryable = True
+
+
+class ResponseTimeout(DynamoError):
+    """The peer did not send the next response within the deadline."""
+
+    kind = "ResponseTimeout"
+
+
+class Cancelled(DynamoError):
+    """The request was stopped or killed by its caller."""
+
+    kind = "Cancelled"
+
+
+class EngineShutdown(DynamoError):
+    """The serving process is shutting down and admits no new work."""
+
+    kind = "EngineShutdown"
+    retryable = True
+
+
+class StreamIncomplete(DynamoError):
+    """A stream ended without exactly one terminal, or items were lost or reordered."""
+
+    kind = "StreamIncomplete"
+    retryable = True
+
+
+class Unknown(DynamoError):
+    """An error with no more specific kind (for example an exception in a handler)."""
+
+    kind = "Unknown"
+
+
+_BY_KIND: dict[str, type[DynamoError]] = {
+    cls.kind: cls
+    for cls in (
+        InvalidArgument,
+        CannotConnect,
+        Disconnected,
+        ConnectionTimeout,
+        ResponseTimeout,
+        Cancelled,
+        EngineShutdown,
+        StreamIncomplete,
+        Unknown,
+    )
+}
+
+
+def from_wire(kind: str, message: str) -> DynamoError:
+    """Rebuild the typed error a peer sent; unknown kinds become ``Unknown`` keeping the kind."""
+    cls = _BY_KIND.get(kind)
+    if cls is None:
+        return Unknown(f"{kind}: {message}")
+    return cls(message)
+
+
+def from_exception(exc: BaseException) -> DynamoError:
+    """Map any exception to the typed error that should cross the wire."""
+    if isinstance(exc, DynamoError):
+        return exc
+    return Unknown(f"{type(exc).__name__}: {exc}")

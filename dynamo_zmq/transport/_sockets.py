@@ -1,0 +1,166 @@
+"""The one place ZMQ sockets are made, and their asyncio driver.
+
+``make_socket`` applies the options every socket of a kind needs (linger, HWM, heartbeats,
+ROUTER_MANDATORY, IMMEDIATE). ``AsyncSocket`` drives a plain (non-asyncio) pyzmq socket from the
+event loop: receives drain with non-blocking calls until the queue is empty and only then await
+readiness (far more frames/s than one ``await`` per frame), and sends never block the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+
+import zmq
+
+__all__ = ["AsyncSocket", "SendResult", "make_socket"]
+
+log = logging.getLogger(__name__)
+
+#: Per-peer queue limit in messages. Streams are flow-controlled by credit, so this only bounds
+#: what one slow peer can hold; a full queue is backpressure, never a drop (ROUTER_MANDATORY).
+DEFAULT_HWM = 10_000
+
+
+def make_socket(
+    zctx: zmq.Context,
+    socket_type: int,
+    *,
+    bind: str | None = None,
+    connect: str | None = None,
+    hwm: int = DEFAULT_HWM,
+    heartbeat_ms: int = 500,
+) -> zmq.Socket:
+    """Create a socket with the project's standard options, bound or connected.
+
+    ``bind`` may end in ``:0`` or ``:*`` for an ephemeral port; read it back with
+    ``LAST_ENDPOINT``.
+    """
+    sock = zctx.socket(socket_type)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, hwm)
+        sock.setsockopt(zmq.RCVHWM, hwm)
+        if socket_type == zmq.ROUTER:
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if socket_type == zmq.DEALER:
+            # Queue only to completed connections: a dead peer gets nothing buffered for it.
+            sock.setsockopt(zmq.IMMEDIATE, 1)
+            sock.setsockopt(zmq.RECONNECT_IVL, 100)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        if heartbeat_ms and socket_type in (zmq.ROUTER, zmq.DEALER):
+            # ZMTP heartbeats run on ZMQ's I/O thread: they find a dead host or a cut link even
+            # when no application traffic flows. A stuck event loop is found by our own pings.
+            sock.setsockopt(zmq.HEARTBEAT_IVL, heartbeat_ms)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, heartbeat_ms * 3)
+            sock.setsockopt(zmq.HEARTBEAT_TTL, heartbeat_ms * 4)
+        if bind is not None:
+            if bind.endswith(":0"):
+                bind = bind[:-2] + ":*"
+            sock.bind(bind)
+        if connect is not None:
+            sock.connect(connect)
+    except BaseException:
+        sock.close(linger=0)
+        raise
+    return sock
+
+
+class SendResult:
+    SENT = 0
+    FULL = 1  # the peer's queue is at its HWM: try again later
+    GONE = 2  # the peer is not connected (ROUTER_MANDATORY: EHOSTUNREACH)
+
+
+class AsyncSocket:
+    """Drives a non-blocking pyzmq socket from the running asyncio loop.
+
+    The ZMQ file descriptor is edge-triggered: it signals when the socket's event state may have
+    changed, and reading ``EVENTS`` re-arms it. Every operation here therefore re-checks
+    ``EVENTS`` afterwards, so a readiness change consumed by a send is never missed.
+    """
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        self.sock = sock
+        self._loop = asyncio.get_running_loop()
+        self._readable = asyncio.Event()
+        self._writable = asyncio.Event()
+        self._fd = sock.getsockopt(zmq.FD)
+        self._closed = False
+        self._loop.add_reader(self._fd, self._poll_events)
+
+    def _poll_events(self) -> None:
+        if self._closed:
+            return
+        try:
+            events = self.sock.getsockopt(zmq.EVENTS)
+        except zmq.ZMQError:
+            return
+        if events & zmq.POLLIN:
+            self._readable.set()
+        if events & zmq.POLLOUT:
+            self._writable.set()
+
+    def recv_nowait(self) -> list[bytes] | None:
+        """One multipart message, or None when the queue is empty."""
+        try:
+            return self.sock.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return None
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    async def wait_readable(self) -> None:
+        """Return when a message can be received (or the socket was closed)."""
+        while not self._closed:
+            if self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                return
+            self._readable.clear()
+            await self._readable.wait()
+
+    def try_send(self, frames: list[bytes]) -> int:
+        """Send without blocking; returns a ``SendResult``."""
+        try:
+            self.sock.send_multipart(frames, zmq.NOBLOCK)
+            return SendResult.SENT
+        except zmq.Again:
+            return SendResult.FULL
+        except zmq.ZMQError as exc:
+            if exc.errno == errno.EHOSTUNREACH:
+                return SendResult.GONE
+            raise
+        finally:
+            # A send may consume the readiness signal of pending input: look again.
+            self._poll_events()
+
+    async def send(self, frames: list[bytes], timeout: float | None = None) -> int:
+        """Send, waiting while the peer's queue is full; returns SENT or GONE (or FULL on timeout)."""
+        deadline = None if timeout is None else self._loop.time() + timeout
+        backoff = 0.0005
+        while True:
+            result = self.try_send(frames)
+            if result != SendResult.FULL:
+                return result
+            if deadline is not None and self._loop.time() >= deadline:
+                return SendResult.FULL
+            # POLLOUT on a ROUTER means "some peer has room", not this one: back off as well.
+            self._writable.clear()
+            try:
+                await asyncio.wait_for(self._writable.wait(), backoff)
+            except asyncio.TimeoutError:
+                pass
+            backoff = min(backoff * 2, 0.02)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._readable.set()
+        try:
+            self._loop.remove_reader(self._fd)
+        except Exception:  # loop already closed
+            pass
+        self.sock.close(linger=0)

@@ -1,0 +1,493 @@
+"""The calling side of the request plane: one DEALER connection per remote process.
+
+A ``PeerConnection`` connects to one address, learns who is there (DESCRIBE), keeps checking
+that it is alive (socket monitor events, ZMTP heartbeats, and application pings that also catch a
+stuck event loop), and multiplexes any number of response streams over the socket. When the peer
+goes away every open stream ends with ``Disconnected``, never a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from .. import errors
+from ..context import Context
+from ..wire import (
+    Control,
+    Credit,
+    Data,
+    Describe,
+    Description,
+    End,
+    Error,
+    Kind,
+    Notice,
+    Ping,
+    Pong,
+    Request,
+    decode_item,
+    encode,
+)
+from ._sockets import AsyncSocket, SendResult, make_socket
+
+__all__ = ["PeerConnection", "PeerState", "Response", "ResponseStream"]
+
+log = logging.getLogger(__name__)
+
+_decoders = {
+    Kind.DATA: msgspec.msgpack.Decoder(Data),
+    Kind.END: msgspec.msgpack.Decoder(End),
+    Kind.ERROR: msgspec.msgpack.Decoder(Error),
+    Kind.PONG: msgspec.msgpack.Decoder(Pong),
+    Kind.INFO: msgspec.msgpack.Decoder(Description),
+    Kind.NOTICE: msgspec.msgpack.Decoder(Notice),
+}
+
+_request_ids = itertools.count(1)
+
+DEFAULT_WINDOW = 1024
+
+
+class PeerState(enum.Enum):
+    CONNECTING = "connecting"  # no handshake yet, or handshake done but not described yet
+    READY = "ready"  # described and answering pings
+    DOWN = "down"  # lost: disconnected or not answering; ZMQ keeps reconnecting
+    CLOSED = "closed"
+
+
+class Response:
+    """One streamed item; ``data()`` decodes it on first use (Dynamo's annotated response)."""
+
+    __slots__ = ("_raw", "_value")
+
+    _UNSET: Any = object()
+
+    def __init__(self, raw: msgspec.Raw) -> None:
+        self._raw = raw
+        self._value = Response._UNSET
+
+    def data(self) -> Any:
+        if self._value is Response._UNSET:
+            self._value = decode_item(self._raw)
+        return self._value
+
+    def raw(self) -> bytes:
+        return bytes(self._raw)
+
+    def __repr__(self) -> str:
+        return f"Response({self.data()!r})"
+
+
+class _StreamState:
+    __slots__ = (
+        "done",
+        "error",
+        "expected_seq",
+        "items",
+        "request_id",
+        "unconsumed_credit",
+        "unlink",
+        "waiter",
+        "window",
+    )
+
+    def __init__(self, request_id: int, window: int) -> None:
+        self.request_id = request_id
+        self.window = window
+        self.items: deque[msgspec.Raw] = deque()
+        self.expected_seq = 0
+        self.done = False
+        self.error: errors.DynamoError | None = None
+        self.waiter = asyncio.Event()
+        self.unconsumed_credit = 0
+        self.unlink: Callable[[], None] | None = None
+
+    def terminate(self, error: errors.DynamoError | None) -> None:
+        if not self.done:
+            self.done = True
+            self.error = error
+            self.waiter.set()
+        if self.unlink is not None:
+            self.unlink()
+            self.unlink = None
+
+
+class ResponseStream:
+    """Async iterator over one request's responses. Leaving it early kills the request."""
+
+    def __init__(
+        self,
+        conn: PeerConnection,
+        state: _StreamState,
+        ctx: Context,
+        annotated: bool,
+        idle_timeout: float | None,
+    ) -> None:
+        self._conn = conn
+        self._st = state
+        self._ctx = ctx
+        self._annotated = annotated
+        self._idle_timeout = idle_timeout
+        self._closed = False
+
+    @property
+    def context(self) -> Context:
+        return self._ctx
+
+    @property
+    def instance_id(self) -> int:
+        return self._conn.instance_id
+
+    def __aiter__(self) -> ResponseStream:
+        return self
+
+    async def __anext__(self) -> Any:
+        st = self._st
+        while True:
+            if st.items:
+                raw = st.items.popleft()
+                st.unconsumed_credit += 1
+                if st.unconsumed_credit >= st.window // 2 and not st.done:
+                    self._conn._send_control(Kind.CREDIT, Credit(st.request_id, st.unconsumed_credit))
+                    st.unconsumed_credit = 0
+                return Response(raw) if self._annotated else decode_item(raw)
+            if st.done:
+                self._release()
+                if st.error is not None:
+                    raise st.error
+                raise StopAsyncIteration
+            st.waiter.clear()
+            if self._idle_timeout is None:
+                await st.waiter.wait()
+            else:
+                try:
+                    await asyncio.wait_for(st.waiter.wait(), self._idle_timeout)
+                except asyncio.TimeoutError:
+                    self._conn._send_control(Kind.KILL, Control(st.request_id))
+                    st.terminate(errors.ResponseTimeout(f"no response within {self._idle_timeout}s"))
+
+    async def aclose(self) -> None:
+        """Stop listening; if the stream was still open, the server's context is killed."""
+        if not self._st.done:
+            self._conn._send_control(Kind.KILL, Control(self._st.request_id))
+            self._st.terminate(errors.Cancelled("stream closed by the caller"))
+        self._release()
+
+    def _release(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._conn._streams.pop(self._st.request_id, None)
+
+    def __del__(self) -> None:
+        # Dropped without being read to the end: the caller is gone, so is the request.
+        if not self._closed and not self._st.done:
+            with contextlib.suppress(Exception):
+                self._conn._send_control(Kind.KILL, Control(self._st.request_id))
+                self._st.terminate(None)
+                self._release()
+
+
+class PeerConnection:
+    """A DEALER connection to one serving process, with liveness and stream multiplexing.
+
+    Args:
+        zctx: the process's ZMQ context.
+        address: ``tcp://host:port`` of the peer's ROUTER socket.
+        on_change: called (synchronously) whenever state, description or draining changes.
+        ping_interval: seconds between application pings.
+        liveness_timeout: a READY peer silent for this long is marked DOWN.
+    """
+
+    def __init__(
+        self,
+        zctx: zmq.Context,
+        address: str,
+        on_change: Callable[[PeerConnection], None] | None = None,
+        ping_interval: float = 0.25,
+        liveness_timeout: float = 1.5,
+    ) -> None:
+        self._zctx = zctx
+        self.address = address
+        self._on_change = on_change
+        self._ping_interval = ping_interval
+        self._liveness_timeout = liveness_timeout
+        self.state = PeerState.CONNECTING
+        self.description: Description | None = None
+        self.draining = False
+        self.inflight = 0
+        self._connected = False
+        self._sock: AsyncSocket | None = None
+        self._monitor: AsyncSocket | None = None
+        self._streams: dict[int, _StreamState] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._last_rx = 0.0
+        self._last_describe = 0.0
+        self._described = asyncio.Event()
+        self._nonce = itertools.count(1)
+
+    def __repr__(self) -> str:
+        iid = f"{self.instance_id:x}" if self.description else "?"
+        return f"PeerConnection({self.address}, instance={iid}, {self.state.value})"
+
+    @property
+    def instance_id(self) -> int:
+        return self.description.instance_id if self.description else 0
+
+    @property
+    def routable(self) -> bool:
+        return self.state is PeerState.READY and not self.draining
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Create the socket and start connecting (never blocks; see ``wait_described``)."""
+        sock = make_socket(self._zctx, zmq.DEALER)
+        # Monitor before connecting, or a fast handshake is over before anyone listens.
+        monitor = sock.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+        )
+        sock.connect(self.address)
+        self._sock = AsyncSocket(sock)
+        self._monitor = AsyncSocket(monitor)
+        name = f"peer-{self.address}"
+        self._tasks = [
+            asyncio.create_task(self._recv_loop(), name=f"{name}-recv"),
+            asyncio.create_task(self._monitor_loop(), name=f"{name}-monitor"),
+            asyncio.create_task(self._ping_loop(), name=f"{name}-ping"),
+        ]
+
+    async def wait_described(self, timeout: float) -> Description:
+        """Wait for the first DESCRIBE answer; raises ConnectionTimeout."""
+        try:
+            await asyncio.wait_for(self._described.wait(), timeout)
+        except asyncio.TimeoutError:
+            raise errors.ConnectionTimeout(f"{self.address} did not answer within {timeout}s") from None
+        assert self.description is not None
+        return self.description
+
+    async def close(self) -> None:
+        if self.state is PeerState.CLOSED:
+            return
+        self._fail_streams(errors.Disconnected(f"connection to {self.address} closed"))
+        self.state = PeerState.CLOSED
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(BaseException):
+                await task
+        if self._sock is not None:
+            with contextlib.suppress(Exception):
+                self._sock.sock.disable_monitor()
+            self._sock.close()
+        if self._monitor is not None:
+            self._monitor.close()
+        self._changed()
+
+    # -- streams ---------------------------------------------------------------------------
+
+    async def open_stream(
+        self,
+        endpoint: str,
+        payload: msgspec.Raw,
+        context: Context | None = None,
+        *,
+        annotated: bool = True,
+        window: int = DEFAULT_WINDOW,
+        timeout: float | None = None,
+        idle_timeout: float | None = None,
+    ) -> ResponseStream:
+        """Send a request and return its response stream.
+
+        ``context`` links the call: stopping or killing it reaches the server. ``timeout`` is a
+        deadline the server enforces (ResponseTimeout); ``idle_timeout`` bounds the wait for each
+        next item on this side.
+        """
+        if self.state is not PeerState.READY or self._sock is None:
+            raise errors.CannotConnect(f"instance at {self.address} is {self.state.value}")
+        ctx = context if context is not None else Context()
+        request_id = next(_request_ids)
+        st = _StreamState(request_id, window)
+        self._streams[request_id] = st
+        req = Request(request_id, endpoint, ctx.id(), payload, window, timeout)
+        result = await self._sock.send([Kind.REQUEST, encode(req)], timeout=self._liveness_timeout)
+        if result != SendResult.SENT:
+            self._streams.pop(request_id, None)
+            raise errors.CannotConnect(f"could not send to {self.address}")
+        if self.state is not PeerState.READY and not st.done:
+            st.terminate(errors.Disconnected(f"instance at {self.address} went away"))
+
+        def on_cancel(killed: bool) -> None:
+            if st.done:
+                return
+            self._send_control(Kind.KILL if killed else Kind.STOP, Control(request_id))
+            if killed:
+                st.terminate(errors.Cancelled("request killed by the caller"))
+
+        st.unlink = ctx.add_listener(on_cancel)
+        return ResponseStream(self, st, ctx, annotated, idle_timeout)
+
+    def _send_control(self, kind: bytes, msg: msgspec.Struct) -> None:
+        if self._sock is None or self._sock.closed:
+            return
+        if self._sock.try_send([kind, encode(msg)]) == SendResult.FULL:
+            task = asyncio.get_running_loop().create_task(
+                self._sock.send([kind, encode(msg)], timeout=self._liveness_timeout),
+                name=f"control-{self.address}",
+            )
+            self._tasks.append(task)  # owned: cancelled on close, forgotten when done
+            task.add_done_callback(self._forget_task)
+
+    def _forget_task(self, task: asyncio.Task[Any]) -> None:
+        with contextlib.suppress(ValueError):
+            self._tasks.remove(task)
+
+    def _fail_streams(self, error: errors.DynamoError) -> None:
+        streams, self._streams = self._streams, {}
+        for st in streams.values():
+            st.terminate(error)
+
+    # -- background loops ------------------------------------------------------------------
+
+    async def _recv_loop(self) -> None:
+        sock = self._sock
+        assert sock is not None
+        while not sock.closed:
+            while (frames := sock.recv_nowait()) is not None:
+                try:
+                    self._dispatch(frames)
+                except Exception:
+                    log.exception("error handling a frame from %s", self.address)
+            await sock.wait_readable()
+
+    def _dispatch(self, frames: list[bytes]) -> None:
+        self._last_rx = time.monotonic()
+        if len(frames) != 2 or frames[0] not in _decoders:
+            log.warning("malformed frame from %s: %d parts", self.address, len(frames))
+            return
+        kind = frames[0]
+        try:
+            msg = _decoders[kind].decode(frames[1])
+        except msgspec.DecodeError as exc:
+            log.warning("undecodable %r frame from %s: %s", kind, self.address, exc)
+            return
+        if kind == Kind.DATA:
+            st = self._streams.get(msg.request_id)
+            if st is None or st.done:
+                return
+            if msg.seq != st.expected_seq:
+                self._send_control(Kind.KILL, Control(st.request_id))
+                st.terminate(
+                    errors.StreamIncomplete(f"frame {msg.seq} arrived, expected {st.expected_seq}")
+                )
+                return
+            st.expected_seq += 1
+            st.items.extend(msg.items)
+            st.waiter.set()
+        elif kind == Kind.END or kind == Kind.ERROR:
+            st = self._streams.get(msg.request_id)
+            if st is None:
+                if kind == Kind.ERROR and msg.request_id == 0:
+                    log.warning("%s reported: %s: %s", self.address, msg.kind, msg.message)
+                return
+            if msg.seq != st.expected_seq:
+                st.terminate(
+                    errors.StreamIncomplete(
+                        f"stream ended after {msg.seq} frames but {st.expected_seq} arrived"
+                    )
+                )
+            elif kind == Kind.ERROR:
+                st.terminate(errors.from_wire(msg.kind, msg.message))
+            else:
+                st.terminate(None)
+        elif kind == Kind.PONG:
+            self.inflight = msg.inflight
+            self._on_state(msg.instance_id, msg.rev, msg.draining)
+        elif kind == Kind.NOTICE:
+            self._on_state(msg.instance_id, msg.rev, msg.draining)
+        elif kind == Kind.INFO:
+            self._on_description(msg)
+
+    def _on_state(self, instance_id: int, rev: int, draining: bool) -> None:
+        desc = self.description
+        if desc is None or desc.instance_id != instance_id or desc.rev != rev:
+            self._request_description()
+        elif self.state is not PeerState.READY:
+            self.state = PeerState.READY  # came back from a stall
+            self._changed()
+        if draining != self.draining:
+            self.draining = draining
+            self._changed()
+
+    def _on_description(self, desc: Description) -> None:
+        old = self.description
+        if old is not None and old.instance_id != desc.instance_id:
+            # Same address, new process: the old instance's streams cannot complete.
+            self._fail_streams(errors.Disconnected(f"instance {old.instance_id:x} was replaced"))
+        self.description = desc
+        self.draining = desc.draining
+        self.state = PeerState.READY
+        self._described.set()
+        self._changed()
+
+    def _request_description(self) -> None:
+        now = time.monotonic()
+        if now - self._last_describe > 0.2:
+            self._last_describe = now
+            self._send_control(Kind.DESCRIBE, Describe(next(self._nonce)))
+
+    def _mark_down(self, reason: str) -> None:
+        if self.state is PeerState.CLOSED:
+            return
+        if self.state is not PeerState.DOWN:
+            log.info("peer %s down: %s", self, reason)
+        self._fail_streams(errors.Disconnected(f"instance at {self.address} {reason}"))
+        if self.state is not PeerState.DOWN:
+            self.state = PeerState.DOWN
+            self._changed()
+
+    async def _monitor_loop(self) -> None:
+        mon = self._monitor
+        assert mon is not None
+        while not mon.closed:
+            while (frames := mon.recv_nowait()) is not None:
+                event = parse_monitor_message(frames)["event"]
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    self._connected = True
+                    self._last_rx = time.monotonic()
+                    self._request_description()
+                elif event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
+                    self._connected = False
+                    self._mark_down("disconnected")
+            await mon.wait_readable()
+
+    async def _ping_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._ping_interval)
+            if self.description is None:
+                self._request_description()  # dropped harmlessly while not connected
+                continue
+            if not self._connected:
+                continue
+            self._send_control(Kind.PING, Ping(next(self._nonce)))
+            silent = time.monotonic() - self._last_rx
+            if self.state is PeerState.READY and silent > self._liveness_timeout:
+                self._mark_down(f"silent for {silent:.1f}s")
+
+    def _changed(self) -> None:
+        if self._on_change is not None:
+            try:
+                self._on_change(self)
+            except Exception:
+                log.exception("peer change callback failed")

@@ -1,0 +1,63 @@
+"""Shared fixtures: unique namespaces, real child processes (always stopped by pid)."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+
+# mDNS in tests never leaves loopback, whatever a test forgets to pass.
+os.environ["DYN_MDNS_INTERFACES"] = "127.0.0.1"
+
+from tests.support.procs import Proc
+
+
+@pytest.fixture
+def namespace() -> str:
+    """A namespace no other test (or parallel run) uses."""
+    return f"t{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def spawn() -> Iterator[Callable[..., Proc]]:
+    """Start ``python -m MODULE ARGS...`` children; all are stopped at teardown."""
+    procs: list[Proc] = []
+
+    def start(*args: str, env: dict[str, str] | None = None, ready: bool = True) -> Proc:
+        proc = Proc(list(args), env=env)
+        procs.append(proc)
+        return proc.wait_ready() if ready else proc
+
+    yield start
+    for proc in procs:
+        proc.stop()
+
+
+@pytest.fixture
+async def make_runtime():
+    """Build in-process runtimes pinned to loopback; all are closed at teardown."""
+    from dynamo_zmq.config import RuntimeConfig
+    from dynamo_zmq.discovery import DiscoveryConfig
+    from dynamo_zmq.runtime import DistributedRuntime
+
+    runtimes: list[DistributedRuntime] = []
+
+    def make(static: tuple[str, ...] | None = None, port: int = 0) -> DistributedRuntime:
+        if static is None:
+            disc = DiscoveryConfig(backend="mdns", mdns_interfaces=("127.0.0.1",))
+        else:
+            disc = DiscoveryConfig(backend="static", static_addresses=static)
+        rt = DistributedRuntime(config=RuntimeConfig(discovery=disc, host="127.0.0.1", port=port))
+        runtimes.append(rt)
+        return rt
+
+    yield make
+    for rt in runtimes:
+        await rt.close()
+
+
+def app_args(namespace: str, *extra: str) -> list[str]:
+    """Arguments for ``tests.support.app`` on loopback."""
+    return ["-m", "tests.support.app", "--namespace", namespace, "--host", "127.0.0.1", *extra]

@@ -1,0 +1,89 @@
+"""A small serving process for tests: ``python -m tests.support.app --role server|middle ...``.
+
+Endpoints (all in ``--namespace``, component ``--component``):
+- ``count``: yields ``{"i", "instance"}`` ``n`` times, ``delay`` seconds apart; notes in its
+  journal whether its context was stopped or killed.
+- ``journal``: yields the journal entries for ``context_id`` (what ``count`` observed).
+- ``relay`` (role middle): calls ``<namespace>.<target>.count`` passing its own context on.
+
+Prints ``READY <address> <instance_id hex>`` on stdout once serving, then serves until SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from dynamo_zmq.config import RuntimeConfig, add_runtime_args
+from dynamo_zmq.runtime import Context, DistributedRuntime
+
+JOURNAL: dict[str, list[str]] = {}
+
+
+def make_handlers(runtime: DistributedRuntime, args: argparse.Namespace):
+    async def count(request: dict, context: Context):
+        n = int(request.get("n", 10))
+        delay = float(request.get("delay", 0.0))
+        payload = "x" * int(request.get("pad", 0))
+        note = JOURNAL.setdefault(context.id(), [])
+        note.append("started")
+        try:
+            for i in range(n):
+                if context.is_stopped():
+                    note.append("stopped")
+                    return
+                item = {"i": i, "instance": runtime.instance_id}
+                if payload:
+                    item["pad"] = payload
+                yield item
+                if delay:
+                    await asyncio.sleep(delay)
+            note.append("completed")
+        except asyncio.CancelledError:
+            note.append("killed" if context.is_killed() else "cancelled")
+            raise
+
+    async def journal(request: dict):
+        for entry in JOURNAL.get(request["context_id"], []):
+            yield entry
+
+    async def relay(request: dict, context: Context):
+        client = await runtime.endpoint(f"{args.namespace}.{args.target}.count").client()
+        await client.wait_for_instances(timeout=10)
+        stream = await client.generate(request, context=context)
+        async for item in stream:
+            yield item.data()
+
+    return {"count": count, "journal": journal, "relay": relay}
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--namespace", required=True)
+    parser.add_argument("--component", default="backend")
+    parser.add_argument("--role", choices=["server", "middle"], default="server")
+    parser.add_argument("--target", default="backend", help="component the middle relays to")
+    add_runtime_args(parser)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+
+    runtime = DistributedRuntime(config=RuntimeConfig.from_args(args))
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, runtime.shutdown)
+    handlers = make_handlers(runtime, args)
+    component = runtime.namespace(args.namespace).component(args.component)
+    names = ["relay"] if args.role == "middle" else ["count", "journal"]
+    for name in names:
+        await component.endpoint(name).start_serving(handlers[name])
+    print(f"READY {runtime.address} {runtime.instance_id:x}", flush=True)
+    await runtime.wait_shutdown()
+    await runtime.drain(timeout=10)
+    await runtime.close()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,193 @@
+"""The Dynamo-compatible Python API, in one process and as a ported Dynamo worker."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import msgspec
+import pytest
+
+from dynamo_zmq import errors
+from dynamo_zmq.runtime import Context, DistributedRuntime, dynamo_endpoint
+from tests.support.waiting import until
+
+
+async def serve(rt: DistributedRuntime, path: str, handler) -> None:
+    await rt.endpoint(path).start_serving(handler)
+
+
+async def client_for(make_runtime, server: DistributedRuntime, path: str):
+    client = await make_runtime(static=(server.address,)).endpoint(path).client()
+    await client.wait_for_instances(timeout=10)
+    return client
+
+
+async def test_paths_and_names(make_runtime):
+    rt = make_runtime()
+    assert rt.endpoint("a.b.c").path == rt.namespace("a").component("b").endpoint("c").path == "a.b.c"
+    assert rt.endpoint("dyn://a.b.c").path == "a.b.c"
+    for bad in ("a.b", "a.b.c.d", "a..c"):
+        with pytest.raises(errors.InvalidArgument):
+            rt.endpoint(bad)
+
+
+async def test_handler_forms(make_runtime):
+    server = make_runtime(static=())
+
+    async def plain(request):
+        yield request["x"] + 1
+
+    async def with_context(request, context):
+        yield context.id()
+
+    class Owner:
+        async def method(self, request, context):
+            yield "method"
+
+    async def single(request):
+        return {"one": request}
+
+    await serve(server, "ns.c.plain", plain)
+    await serve(server, "ns.c.ctx", with_context)
+    await serve(server, "ns.c.method", Owner().method)
+    await serve(server, "ns.c.single", single)
+
+    c = await client_for(make_runtime, server, "ns.c.plain")
+    assert [r.data() async for r in await c.generate({"x": 1})] == [2]
+    assert [x async for x in await c.generate({"x": 5}, annotated=False)] == [6]
+
+    c = await client_for(make_runtime, server, "ns.c.ctx")
+    ctx = Context("my-request-id")
+    assert [r.data() async for r in await c.generate({}, context=ctx)] == ["my-request-id"]
+
+    c = await client_for(make_runtime, server, "ns.c.method")
+    assert [r.data() async for r in await c.random({})] == ["method"]
+
+    c = await client_for(make_runtime, server, "ns.c.single")
+    assert [r.data() async for r in await c.generate(7)] == [{"one": 7}]
+
+
+async def test_errors_cross_the_wire_typed(make_runtime):
+    server = make_runtime(static=())
+
+    async def failing(request):
+        yield 1
+        if request == "shutdown":
+            raise errors.EngineShutdown("going away")
+        raise RuntimeError("kaboom")
+
+    await serve(server, "ns.c.fail", failing)
+    c = await client_for(make_runtime, server, "ns.c.fail")
+    got = []
+    with pytest.raises(errors.EngineShutdown, match="going away"):
+        async for r in await c.generate("shutdown"):
+            got.append(r.data())
+    assert got == [1]
+    with pytest.raises(errors.Unknown, match="kaboom"):
+        async for _ in await c.generate("other"):
+            pass
+
+
+class Req(msgspec.Struct):
+    n: int
+
+
+async def test_dynamo_endpoint_validates(make_runtime):
+    server = make_runtime(static=())
+
+    @dynamo_endpoint(Req, dict)
+    async def handler(request: Req):
+        for i in range(request.n):
+            yield {"i": i}
+
+    await serve(server, "ns.c.gen", handler)
+    c = await client_for(make_runtime, server, "ns.c.gen")
+    assert [r.data()["i"] async for r in await c.generate({"n": 3})] == [0, 1, 2]
+    with pytest.raises(errors.InvalidArgument, match="invalid request"):
+        async for _ in await c.generate({"n": "three"}):
+            pass
+
+
+async def test_deadline_and_idle_timeout(make_runtime):
+    server = make_runtime(static=())
+
+    async def slow(request):
+        yield "first"
+        await asyncio.sleep(60)
+        yield "never"
+
+    await serve(server, "ns.c.slow", slow)
+    c = await client_for(make_runtime, server, "ns.c.slow")
+    seen = []
+    with pytest.raises(errors.ResponseTimeout):
+        async for r in await c.generate({}, timeout=0.3):
+            seen.append(r.data())
+    assert seen == ["first"]
+    with pytest.raises(errors.ResponseTimeout):
+        async for _ in await c.generate({}, idle_timeout=0.3):
+            pass
+    # Both requests are gone from the server, not left running.
+    for _ in range(100):
+        if not server._server._streams:
+            break
+        await asyncio.sleep(0.02)
+    assert not server._server._streams
+
+
+async def test_unregister_and_register_again(make_runtime):
+    server = make_runtime(static=())
+
+    async def hello(request):
+        yield "hi"
+
+    await serve(server, "ns.c.hello", hello)
+    endpoint = server.endpoint("ns.c.hello")
+    endpoint._handler = hello
+    c = await client_for(make_runtime, server, "ns.c.hello")
+    await server.endpoint("ns.c.hello").unregister_endpoint_instance()
+    await until(c, lambda: not c.instance_ids(), timeout=5)
+    assert c.instance_ids() == []
+    with pytest.raises(errors.CannotConnect):
+        await c.generate({})
+    await endpoint.register_endpoint_instance()
+    assert await c.wait_for_instances(timeout=5) == [server.instance_id]
+
+
+async def test_drain_finishes_inflight_and_refuses_new(make_runtime):
+    server = make_runtime(static=())
+
+    async def words(request, context):
+        for i in range(5):
+            yield i
+            await asyncio.sleep(0.05)
+
+    await serve(server, "ns.c.words", words)
+    c = await client_for(make_runtime, server, "ns.c.words")
+    inflight = await c.generate({})
+    drained = asyncio.create_task(server.drain(timeout=10))
+    assert [r.data() async for r in inflight] == [0, 1, 2, 3, 4]
+    assert await drained is True
+    await until(c, lambda: not c.instance_ids(), timeout=5)
+    assert c.instance_ids() == []
+
+
+async def test_ported_dynamo_worker_process(namespace, spawn, make_runtime):
+    """tests/support/dynamo_style_worker.py is Dynamo code with the import changed."""
+    proc = spawn(
+        "tests/support/dynamo_style_worker.py",
+        namespace,
+        env={"DYN_DISCOVERY": "static", "DYN_HOST": "127.0.0.1"},
+    )
+    client = await make_runtime(static=(proc.address,)).endpoint(f"{namespace}.backend.generate").client()
+    await client.wait_for_instances(timeout=15)
+    words = [r.data()["word"] async for r in await client.generate({"text": "the quick brown fox"})]
+    assert words == ["the", "quick", "brown", "fox"]
+
+    # SIGTERM mid-request: the request still completes, then the process exits 0.
+    stream = await client.generate({"text": "a b c d e f g h", "delay": 0.1})
+    first = await stream.__anext__()
+    proc.signal(signal.SIGTERM)
+    rest = [r.data()["word"] async for r in stream]
+    assert [first.data()["word"], *rest] == list("abcdefgh")
+    assert await asyncio.to_thread(proc.wait, 20) == 0

@@ -1,0 +1,116 @@
+"""Transport behaviour seen from a raw DEALER: coalescing, prompt delivery, credit."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from dynamo_zmq.wire import Credit, Data, End, Kind, Request, encode, encode_item
+
+_data = msgspec.msgpack.Decoder(Data)
+_end = msgspec.msgpack.Decoder(End)
+
+
+async def _raw_stream(address: str, endpoint: str, payload, window: int = 1_000_000, credit_after=None):
+    """Yield ('data', Data) / ('end', End) frames for one request over a bare DEALER."""
+    zctx = zmq.asyncio.Context()
+    sock = zctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(address)
+    try:
+        await sock.send_multipart([Kind.REQUEST, encode(Request(1, endpoint, "ctx", encode_item(payload), window))])
+        while True:
+            if not await sock.poll(10_000):
+                raise TimeoutError("server went quiet")
+            kind, body = await sock.recv_multipart()
+            if kind == Kind.DATA:
+                frame = _data.decode(body)
+                yield "data", frame
+                if credit_after is not None:
+                    await sock.send_multipart([Kind.CREDIT, encode(Credit(1, credit_after(frame)))])
+            elif kind == Kind.END:
+                yield "end", _end.decode(body)
+                return
+            else:
+                raise AssertionError(f"unexpected frame {kind!r}")
+    finally:
+        sock.close()
+        zctx.term()
+
+
+async def test_items_ready_together_share_frames(make_runtime):
+    rt = make_runtime(static=())
+
+    async def burst(request):
+        for i in range(request):  # no await between items: all ready in one loop tick
+            yield i
+
+    await rt.endpoint("ns.c.burst").start_serving(burst)
+    frames, items = 0, []
+    async for kind, msg in _raw_stream(rt.address, "ns.c.burst", 2000):
+        if kind == "data":
+            frames += 1
+            items += [msgspec.msgpack.decode(x) for x in msg.items]
+    assert items == list(range(2000))
+    assert frames < 2000 // 10  # coalesced, many items per frame
+
+
+async def test_an_idle_stream_sends_each_item_at_once(make_runtime):
+    rt = make_runtime(static=())
+    release = asyncio.Event()
+
+    async def gated(request):
+        yield "first"
+        await release.wait()  # the producer is blocked until the first item was received
+        yield "second"
+
+    await rt.endpoint("ns.c.gated").start_serving(gated)
+    seen = []
+    async for kind, msg in _raw_stream(rt.address, "ns.c.gated", None):
+        if kind == "data":
+            seen += [msgspec.msgpack.decode(x) for x in msg.items]
+            release.set()
+        else:
+            assert msg.seq == len(seen)  # terminal counts every DATA frame
+    assert seen == ["first", "second"]
+
+
+async def test_producer_waits_for_credit(make_runtime):
+    rt = make_runtime(static=())
+    produced = 0
+
+    async def many(request):
+        nonlocal produced
+        for i in range(100):
+            produced += 1
+            yield i
+
+    await rt.endpoint("ns.c.many").start_serving(many)
+    zctx = zmq.asyncio.Context()
+    sock = zctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(rt.address)
+    try:
+        await sock.send_multipart([Kind.REQUEST, encode(Request(1, "ns.c.many", "ctx", encode_item(None), 10))])
+        received = []
+        while len(received) < 10:
+            assert await sock.poll(5000)
+            kind, body = await sock.recv_multipart()
+            received += _data.decode(body).items
+        await asyncio.sleep(0.3)
+        assert not await sock.poll(0)  # nothing beyond the window
+        assert produced <= 11  # the generator was not run ahead of the credit
+        await sock.send_multipart([Kind.CREDIT, encode(Credit(1, 1000))])
+        while True:
+            assert await sock.poll(5000)
+            kind, body = await sock.recv_multipart()
+            if kind == Kind.END:
+                break
+            received += _data.decode(body).items
+        assert [msgspec.msgpack.decode(x) for x in received] == list(range(100))
+    finally:
+        sock.close()
+        zctx.term()
