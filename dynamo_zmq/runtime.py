@@ -27,10 +27,8 @@ import contextlib
 import dataclasses
 import functools
 import inspect
-import itertools
 import logging
 import os
-import random as _random
 import secrets
 import signal
 import socket
@@ -42,13 +40,14 @@ import msgspec
 import zmq
 
 from . import errors
+from ._client import Client, RouterMode
 from ._peers import PeerPool
 from .config import RuntimeConfig
 from .context import Context
-from .discovery import PROTOCOL_VERSION, Advert, Discovery, make_discovery
+from .discovery import Advert, Discovery, make_discovery
 from .transport import Handler as TransportHandler
-from .transport import PeerConnection, ResponseStream, Server
-from .wire import Description, EndpointInfo, decode_item, encode_item
+from .transport import PeerConnection, Server
+from .wire import PROTOCOL_VERSION, Description, EndpointInfo, decode_item
 
 __all__ = [
     "Client",
@@ -63,14 +62,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-class RouterMode:
-    """How ``Client.generate`` picks an instance (Dynamo's names)."""
-
-    RoundRobin = "round_robin"
-    Random = "random"
-    Direct = "direct"
 
 
 class DistributedRuntime:
@@ -215,8 +206,9 @@ class DistributedRuntime:
         return list(pool.peers.values())
 
     async def wait_peers_changed(self, timeout: float | None = None) -> None:
-        if self._peers is not None:
-            await self._peers.wait_changed(timeout)
+        """Wait until any discovered peer changes (or ``timeout``)."""
+        pool = await self._pool(None) if self._peers is None else self._peers
+        await pool.wait_changed(timeout)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -263,7 +255,7 @@ class DistributedRuntime:
         if self._peers is not None:
             await self._peers.close()
         await self._discovery.close()
-        self._zctx.term()
+        self._zctx.destroy(linger=0)
 
     async def __aenter__(self) -> DistributedRuntime:
         return self
@@ -369,97 +361,7 @@ class Endpoint:
     async def client(self, router_mode: str | None = None) -> Client:
         """A client for every live instance of this endpoint (default: round-robin)."""
         pool = await self.runtime._pool(self.namespace)
-        return Client(self, pool, router_mode or RouterMode.RoundRobin)
-
-
-class Client:
-    """Calls the live instances of one endpoint; picks by round-robin, random, or directly."""
-
-    def __init__(self, endpoint: Endpoint, pool: PeerPool, router_mode: str) -> None:
-        self.endpoint = endpoint
-        self._pool = pool
-        self._mode = router_mode
-        self._rr = itertools.count()
-
-    def instance_ids(self) -> list[int]:
-        """Ids of the instances currently able to take work, sorted."""
-        return [c.instance_id for c in self._pool.instances(self.endpoint.path)]
-
-    async def wait_for_instances(self, timeout: float | None = None) -> list[int]:
-        """Wait until at least one instance is live; raises ConnectionTimeout after ``timeout``."""
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
-        while not (ids := self.instance_ids()):
-            remaining = None if deadline is None else deadline - loop.time()
-            if remaining is not None and remaining <= 0:
-                raise errors.ConnectionTimeout(f"no instance of {self.endpoint.path} within {timeout}s")
-            await self._pool.wait_changed(remaining if remaining is not None else 1.0)
-        return ids
-
-    async def generate(
-        self, request: Any, annotated: bool = True, context: Context | None = None, **kwargs: Any
-    ) -> ResponseStream:
-        """Send with the client's router mode."""
-        if self._mode == RouterMode.Random:
-            return await self.random(request, context=context, annotated=annotated, **kwargs)
-        return await self.round_robin(request, context=context, annotated=annotated, **kwargs)
-
-    async def round_robin(self, request: Any, context: Context | None = None, **kwargs: Any) -> ResponseStream:
-        def pick(conns: list[PeerConnection]) -> list[PeerConnection]:
-            start = next(self._rr) % len(conns)
-            return conns[start:] + conns[:start]
-
-        return await self._send(request, pick, context, **kwargs)
-
-    async def random(self, request: Any, context: Context | None = None, **kwargs: Any) -> ResponseStream:
-        def pick(conns: list[PeerConnection]) -> list[PeerConnection]:
-            return _random.sample(conns, len(conns))
-
-        return await self._send(request, pick, context, **kwargs)
-
-    async def direct(
-        self, request: Any, instance_id: int, context: Context | None = None, **kwargs: Any
-    ) -> ResponseStream:
-        """Send to exactly ``instance_id``; CannotConnect if it is not live."""
-        instance_id = int(instance_id, 16) if isinstance(instance_id, str) else int(instance_id)
-
-        def pick(conns: list[PeerConnection]) -> list[PeerConnection]:
-            chosen = [c for c in conns if c.instance_id == instance_id]
-            if not chosen:
-                raise errors.CannotConnect(f"instance {instance_id:x} of {self.endpoint.path} is not live")
-            return chosen
-
-        return await self._send(request, pick, context, **kwargs)
-
-    async def _send(
-        self,
-        request: Any,
-        pick: Callable[[list[PeerConnection]], list[PeerConnection]],
-        context: Context | None,
-        annotated: bool = True,
-        timeout: float | None = None,
-        idle_timeout: float | None = None,
-    ) -> ResponseStream:
-        conns = self._pool.instances(self.endpoint.path)
-        if not conns:
-            raise errors.CannotConnect(f"no live instance of {self.endpoint.path}")
-        payload = encode_item(request)
-        last: errors.DynamoError | None = None
-        # An instance can die between the pick and the send: try the next candidate.
-        for conn in pick(conns):
-            try:
-                return await conn.open_stream(
-                    self.endpoint.path,
-                    payload,
-                    context,
-                    annotated=annotated,
-                    timeout=timeout,
-                    idle_timeout=idle_timeout,
-                )
-            except errors.CannotConnect as exc:
-                last = exc
-        assert last is not None
-        raise last
+        return Client(self.path, pool, router_mode or RouterMode.RoundRobin)
 
 
 # -- handlers -------------------------------------------------------------------------------

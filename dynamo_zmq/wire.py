@@ -22,6 +22,7 @@ import msgspec
 
 __all__ = [
     "CLIENT_KINDS",
+    "PROTOCOL_VERSION",
     "SERVER_KINDS",
     "Control",
     "Credit",
@@ -40,6 +41,11 @@ __all__ = [
     "encode",
     "encode_item",
 ]
+
+
+#: Bumped when the request-plane wire format changes incompatibly; peers of another version are
+#: never routed to.
+PROTOCOL_VERSION = 1
 
 
 class Kind:

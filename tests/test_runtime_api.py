@@ -191,3 +191,39 @@ async def test_ported_dynamo_worker_process(namespace, spawn, make_runtime):
     rest = [r.data()["word"] async for r in stream]
     assert [first.data()["word"], *rest] == list("abcdefgh")
     assert await asyncio.to_thread(proc.wait, 20) == 0
+
+
+async def test_failover_before_the_first_response(make_runtime):
+    """A retryable failure before any response moves the request; direct calls never move."""
+    a, b = make_runtime(static=()), make_runtime(static=())
+
+    async def who(request):
+        yield request
+
+    for rt in (a, b):
+        await serve(rt, "ns.c.who", who)
+    client = await make_runtime(static=(a.address, b.address)).endpoint("ns.c.who").client()
+    assert await until(client, lambda: len(client.instance_ids()) == 2)
+    a._server.refusing = True  # a admits nothing but still looks routable: the worst case
+
+    for i in range(4):
+        stream = await client.round_robin(i)
+        assert [r.data() async for r in stream] == [i]
+        assert stream.instance_id == b.instance_id
+    with pytest.raises(errors.EngineShutdown):
+        async for _ in await client.direct(0, a.instance_id):
+            pass
+
+
+async def test_direct_mode_client_needs_an_instance(make_runtime):
+    server = make_runtime(static=())
+
+    async def echo(request):
+        yield request
+
+    await serve(server, "ns.c.echo", echo)
+    client = await make_runtime(static=(server.address,)).endpoint("ns.c.echo").client("direct")
+    await client.wait_for_instances(timeout=10)
+    with pytest.raises(errors.InvalidArgument):
+        await client.generate(1)
+    assert [r.data() async for r in await client.generate(1, instance_id=server.instance_id)] == [1]

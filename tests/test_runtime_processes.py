@@ -137,3 +137,23 @@ async def test_round_robin_is_even_and_direct_is_exact(namespace, spawn, make_ru
 
     with pytest.raises(errors.CannotConnect):
         await client.direct({"n": 1}, 12345)
+
+
+async def test_a_frozen_instance_is_dropped_and_returns_when_it_thaws(namespace, spawn, make_runtime):
+    """SIGSTOP: no TCP reset, the process just stops answering (like a hung host)."""
+    frozen = spawn(*app_args(namespace, "--discovery", "static"))
+    client = await make_runtime(static=(frozen.address,)).endpoint(f"{namespace}.backend.count").client()
+    assert await client.wait_for_instances(timeout=15) == [frozen.instance_id]
+    stream = await client.generate({"n": 100_000, "delay": 0.005})
+    got = 0
+    try:
+        with pytest.raises(errors.Disconnected):
+            async for _ in stream:
+                got += 1
+                if got == 3:
+                    frozen.signal(signal.SIGSTOP)
+        assert await until(client, lambda: not client.instance_ids(), timeout=10)
+    finally:
+        frozen.signal(signal.SIGCONT)
+    assert await client.wait_for_instances(timeout=15) == [frozen.instance_id]
+    assert len(await collect(await client.generate({"n": 3}))) == 3

@@ -11,8 +11,7 @@ import abc
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-#: Bumped when the request-plane wire format changes incompatibly.
-PROTOCOL_VERSION = 1
+from ..wire import PROTOCOL_VERSION as PROTOCOL_VERSION
 
 SERVICE_TYPE = "_dynamo-zmq._tcp.local."
 

@@ -25,6 +25,7 @@ from zmq.utils.monitor import parse_monitor_message
 from .. import errors
 from ..context import Context
 from ..wire import (
+    PROTOCOL_VERSION,
     Control,
     Credit,
     Data,
@@ -191,11 +192,13 @@ class ResponseStream:
             self._conn._streams.pop(self._st.request_id, None)
 
     def __del__(self) -> None:
-        # Dropped without being read to the end: the caller is gone, so is the request.
-        if not self._closed and not self._st.done:
+        # Dropped without being read to the end: the caller is gone, so is the request. Release
+        # it even when its terminal already arrived, or the connection keeps it forever.
+        if not self._closed:
             with contextlib.suppress(Exception):
-                self._conn._send_control(Kind.KILL, Control(self._st.request_id))
-                self._st.terminate(None)
+                if not self._st.done:
+                    self._conn._send_control(Kind.KILL, Control(self._st.request_id))
+                    self._st.terminate(None)
                 self._release()
 
 
@@ -379,7 +382,7 @@ class PeerConnection:
         kind = frames[0]
         try:
             msg = _decoders[kind].decode(frames[1])
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, RecursionError) as exc:
             log.warning("undecodable %r frame from %s: %s", kind, self.address, exc)
             return
         if kind == Kind.DATA:
@@ -431,6 +434,14 @@ class PeerConnection:
             self._changed()
 
     def _on_description(self, desc: Description) -> None:
+        if desc.protocol_version != PROTOCOL_VERSION:
+            if self.state is not PeerState.DOWN:
+                log.warning(
+                    "%s speaks protocol %d, this process %d: not routing to it",
+                    self.address, desc.protocol_version, PROTOCOL_VERSION,
+                )
+            self._mark_down("speaks another protocol version")
+            return
         old = self.description
         if old is not None and old.instance_id != desc.instance_id:
             # Same address, new process: the old instance's streams cannot complete.

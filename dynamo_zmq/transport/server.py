@@ -215,7 +215,7 @@ class Server:
             return
         try:
             msg = decoder.decode(payload)
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, RecursionError) as exc:  # deep nesting raises RecursionError
             self._malformed(identity, f"bad {kind!r} payload: {exc}", _request_id_of(payload))
             return
         if kind == Kind.REQUEST:
@@ -250,15 +250,16 @@ class Server:
     def _on_request(self, identity: bytes, req: Request) -> None:
         key = (identity, req.request_id)
 
-        def reject(exc: errors.DynamoError) -> None:
-            err = Error(req.request_id, 0, exc.kind, exc.message)
+        def reject(exc: errors.DynamoError, request_id: int = req.request_id) -> None:
+            err = Error(request_id, 0, exc.kind, exc.message)
             self._send_nowait(identity, Kind.ERROR, encode(err))
 
         if req.request_id <= 0:
             reject(errors.InvalidArgument("request id must be positive"))
             return
         if key in self._streams:
-            reject(errors.InvalidArgument(f"request id {req.request_id} is already open"))
+            # Request 0: never inject a second terminal into the live stream with that id.
+            reject(errors.InvalidArgument(f"request id {req.request_id} is already open"), 0)
             return
         if self.refusing:
             reject(errors.EngineShutdown(f"instance {self.instance_id:x} is shutting down"))
@@ -311,7 +312,7 @@ class Server:
             err = errors.from_exception(exc)
             if isinstance(err, errors.Unknown):
                 log.exception("handler for request %d failed", st.request_id)
-            terminal = (Kind.ERROR, Error(st.request_id, 0, err.kind, err.message))
+            terminal = (Kind.ERROR, Error(st.request_id, 0, err.kind, _wire_text(err.message)))
         finally:
             aclose = getattr(agen, "aclose", None)
             if aclose is not None:
@@ -400,9 +401,11 @@ class Server:
 
     def _client_gone(self, identity: bytes) -> None:
         self._last_seen.pop(identity, None)
-        for (ident, _), st in list(self._streams.items()):
-            if ident == identity:
-                st.ctx.kill()
+        orphans = [st for (ident, _), st in self._streams.items() if ident == identity]
+        if orphans:
+            log.info("client %s is gone: killing its %d open streams", identity.hex(), len(orphans))
+        for st in orphans:
+            st.ctx.kill()
 
     async def _reap_loop(self) -> None:
         while True:
@@ -410,7 +413,6 @@ class Server:
             cutoff = time.monotonic() - CLIENT_TIMEOUT
             for identity, seen in list(self._last_seen.items()):
                 if seen < cutoff:
-                    log.info("client %s silent for %.1fs: killing its streams", identity.hex(), CLIENT_TIMEOUT)
                     self._client_gone(identity)
 
 
@@ -426,12 +428,22 @@ def _on_deadline(st: _Stream) -> None:
         st.ctx.kill()
 
 
+def _wire_text(text: object) -> str:
+    """``text`` as a str MessagePack can carry.
+
+    A handler's message may hold lone surrogates (text decoded with ``surrogateescape``), which
+    make the terminal unencodable: the client would wait forever. Escape them instead.
+    """
+    return str(text).encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _request_id_of(payload: bytes) -> int:
     """Best effort: the first element of an array-like payload, if it is a positive int."""
     try:
         value = msgspec.msgpack.decode(payload)
     except Exception:
         return 0
-    if isinstance(value, list) and value and isinstance(value[0], int) and value[0] > 0:
+    # type() rather than isinstance(): a bool is not an id (and would encode as true, not an int).
+    if isinstance(value, list) and value and type(value[0]) is int and value[0] > 0:
         return value[0]
     return 0

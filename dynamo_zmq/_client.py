@@ -1,0 +1,217 @@
+"""``Client``: calls the live instances of one endpoint, with routing and failover."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import random
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from . import errors
+from ._peers import PeerPool
+from .context import Context
+from .transport import PeerConnection, ResponseStream
+from .wire import encode_item
+
+__all__ = ["Client", "RouterMode"]
+
+log = logging.getLogger(__name__)
+
+#: Instances a request is tried on when each fails retryably before its first response.
+MAX_ATTEMPTS = 3
+
+
+class RouterMode:
+    """How ``Client.generate`` picks an instance (Dynamo's names)."""
+
+    RoundRobin = "round_robin"
+    Random = "random"
+    Direct = "direct"
+
+
+Picker = Callable[[list[PeerConnection]], list[PeerConnection]]
+
+
+class Client:
+    """Calls the live instances of one endpoint; picks by round-robin, random, or directly.
+
+    A request that fails with a retryable error (the instance died, or started shutting down)
+    before any response arrived is sent again to another instance, up to ``MAX_ATTEMPTS`` in
+    all; ``direct`` calls are never moved.
+    """
+
+    def __init__(self, path: str, pool: PeerPool, router_mode: str = RouterMode.RoundRobin) -> None:
+        if router_mode not in (RouterMode.RoundRobin, RouterMode.Random, RouterMode.Direct):
+            raise errors.InvalidArgument(f"unknown router mode {router_mode!r}")
+        self.path = path
+        self._pool = pool
+        self._mode = router_mode
+        self._rr = itertools.count()
+
+    def instance_ids(self) -> list[int]:
+        """Ids of the instances currently able to take work, sorted."""
+        return [c.instance_id for c in self._pool.instances(self.path)]
+
+    async def wait_for_instances(self, timeout: float | None = None) -> list[int]:
+        """Wait until at least one instance is live; raises ConnectionTimeout after ``timeout``."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while not (ids := self.instance_ids()):
+            remaining = None if deadline is None else deadline - loop.time()
+            if remaining is not None and remaining <= 0:
+                raise errors.ConnectionTimeout(f"no instance of {self.path} within {timeout}s")
+            await self._pool.wait_changed(min(remaining, 1.0) if remaining is not None else 1.0)
+        return ids
+
+    async def generate(
+        self, request: Any, annotated: bool = True, context: Context | None = None, **kwargs: Any
+    ) -> Any:
+        """Send with the client's router mode (``direct`` mode needs ``instance_id=``)."""
+        if self._mode == RouterMode.Direct:
+            instance_id = kwargs.pop("instance_id", None)
+            if instance_id is None:
+                raise errors.InvalidArgument("a direct-mode client needs instance_id= (or use direct())")
+            return await self.direct(request, instance_id, context=context, annotated=annotated, **kwargs)
+        if self._mode == RouterMode.Random:
+            return await self.random(request, context=context, annotated=annotated, **kwargs)
+        return await self.round_robin(request, context=context, annotated=annotated, **kwargs)
+
+    async def round_robin(self, request: Any, context: Context | None = None, **kwargs: Any) -> Any:
+        def pick(conns: list[PeerConnection]) -> list[PeerConnection]:
+            start = next(self._rr) % len(conns)
+            return conns[start:] + conns[:start]
+
+        return await self._send(request, pick, context, failover=True, **kwargs)
+
+    async def random(self, request: Any, context: Context | None = None, **kwargs: Any) -> Any:
+        def pick(conns: list[PeerConnection]) -> list[PeerConnection]:
+            return random.sample(conns, len(conns))
+
+        return await self._send(request, pick, context, failover=True, **kwargs)
+
+    async def direct(
+        self, request: Any, instance_id: int | str, context: Context | None = None, **kwargs: Any
+    ) -> Any:
+        """Send to exactly ``instance_id`` (int, or hex string); CannotConnect if it is not live."""
+        target = int(instance_id, 16) if isinstance(instance_id, str) else int(instance_id)
+
+        def pick(conns: list[PeerConnection]) -> list[PeerConnection]:
+            chosen = [c for c in conns if c.instance_id == target]
+            if not chosen:
+                raise errors.CannotConnect(f"instance {target:x} of {self.path} is not live")
+            return chosen
+
+        return await self._send(request, pick, context, failover=False, **kwargs)
+
+    async def _send(
+        self,
+        request: Any,
+        pick: Picker,
+        context: Context | None,
+        failover: bool,
+        **options: Any,
+    ) -> Any:
+        payload = encode_item(request)
+        stream = await self._open(payload, pick, context, exclude=set(), **options)
+        if not failover:
+            return stream
+        return FailoverStream(self, stream, payload, pick, context, options)
+
+    async def _open(
+        self,
+        payload: msgspec.Raw,
+        pick: Picker,
+        context: Context | None,
+        exclude: set[int],
+        annotated: bool = True,
+        timeout: float | None = None,
+        idle_timeout: float | None = None,
+    ) -> ResponseStream:
+        conns = [c for c in self._pool.instances(self.path) if c.instance_id not in exclude]
+        if not conns:
+            raise errors.CannotConnect(f"no live instance of {self.path}")
+        last: errors.DynamoError | None = None
+        # An instance can die between the pick and the send: try the next candidate.
+        for conn in pick(conns):
+            try:
+                return await conn.open_stream(
+                    self.path,
+                    payload,
+                    context,
+                    annotated=annotated,
+                    timeout=timeout,
+                    idle_timeout=idle_timeout,
+                )
+            except errors.CannotConnect as exc:
+                last = exc
+        assert last is not None
+        raise last
+
+
+class FailoverStream:
+    """A response stream that moves to another instance if the first fails before responding."""
+
+    def __init__(
+        self,
+        client: Client,
+        stream: ResponseStream,
+        payload: msgspec.Raw,
+        pick: Picker,
+        context: Context | None,
+        options: dict[str, Any],
+    ) -> None:
+        self._client = client
+        self._stream = stream
+        self._payload = payload
+        self._pick = pick
+        self._context = context
+        self._options = options
+        self._started = False
+        self._tried = {stream.instance_id}
+
+    @property
+    def context(self) -> Context:
+        return self._stream.context
+
+    @property
+    def instance_id(self) -> int:
+        """The instance now serving the request."""
+        return self._stream.instance_id
+
+    def __aiter__(self) -> FailoverStream:
+        return self
+
+    async def __anext__(self) -> Any:
+        while True:
+            try:
+                item = await self._stream.__anext__()
+            except errors.DynamoError as exc:
+                if not self._may_retry(exc):
+                    raise
+                log.info("request failed on instance %x before responding (%r): retrying", self.instance_id, exc)
+                try:
+                    self._stream = await self._client._open(
+                        self._payload, self._pick, self._stream.context, self._tried, **self._options
+                    )
+                except errors.CannotConnect:
+                    raise exc from None
+                self._tried.add(self._stream.instance_id)
+                continue
+            self._started = True
+            return item
+
+    def _may_retry(self, exc: errors.DynamoError) -> bool:
+        ctx = self._stream.context
+        return (
+            exc.retryable
+            and not self._started
+            and len(self._tried) < MAX_ATTEMPTS
+            and not ctx.is_stopped()
+        )
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()

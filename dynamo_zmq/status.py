@@ -1,0 +1,216 @@
+"""``python -m dynamo_zmq.status``: list the instances discovery finds, as a table or JSON.
+
+The tool only calls: it binds no request-plane socket and advertises nothing. It discovers peers
+(mDNS browse, or the static list), connects to each, asks for its description (DESCRIBE), and
+prints one row per (instance, namespace, component). A peer that does not answer in time is
+listed as ``unreachable`` rather than dropped.
+
+    python -m dynamo_zmq.status --namespace demo
+    python -m dynamo_zmq.status --discovery static --static-workers tcp://10.0.0.5:5555 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from .config import RuntimeConfig
+from .discovery import DiscoveryConfig, add_discovery_args
+from .errors import DynamoError
+from .runtime import DistributedRuntime
+from .transport import PeerConnection
+
+__all__ = ["collect_rows", "format_age", "format_table", "main"]
+
+#: Extra seconds an mDNS peer found near the end of the browse window gets to answer.
+ANSWER_GRACE = 1.0
+#: Columns of the table, in order: (header, row key).
+COLUMNS = (
+    ("NAMESPACE", "namespace"),
+    ("COMPONENT", "component"),
+    ("ENDPOINTS", "endpoints"),
+    ("INSTANCE", "instance_id"),
+    ("ADDRESS", "address"),
+    ("AGE", "age_human"),
+    ("STATE", "state"),
+)
+
+
+def format_age(seconds: float | None) -> str:
+    """``12s``, ``3m``, ``2h``, ``5d`` (``-`` when unknown)."""
+    if seconds is None:
+        return "-"
+    seconds = max(0, int(seconds))
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
+
+
+def _rows_of(conn: PeerConnection, namespace: str | None, now: float) -> list[dict[str, Any]]:
+    """The rows for one peer: one per (namespace, component) it serves, or one if unreachable."""
+    desc = conn.description
+    if desc is None:
+        return [
+            {
+                "namespace": None,
+                "component": None,
+                "endpoints": [],
+                "instance_id": None,
+                "address": conn.address,
+                "age": None,
+                "state": "unreachable",
+                "hostname": None,
+                "pid": None,
+                "rev": None,
+            }
+        ]
+    state = "draining" if conn.draining else conn.state.value
+    groups: dict[tuple[str, str], list[str]] = {}
+    for ep in desc.endpoints:
+        if namespace is None or ep.namespace == namespace:
+            groups.setdefault((ep.namespace, ep.component), []).append(ep.name)
+    if not groups and namespace is None:
+        groups[("", "")] = []  # answering but serving nothing (yet): still worth a row
+    age = max(0.0, now - desc.started_at)
+    return [
+        {
+            "namespace": ns or None,
+            "component": comp or None,
+            "endpoints": sorted(names),
+            "instance_id": f"{desc.instance_id:x}",
+            "address": conn.address,
+            "age": round(age, 3),
+            "state": state,
+            "hostname": desc.hostname,
+            "pid": desc.pid,
+            "rev": desc.rev,
+        }
+        for (ns, comp), names in sorted(groups.items())
+    ]
+
+
+async def _wait_for_peers(
+    runtime: DistributedRuntime, namespace: str | None, wait: float, static: bool
+) -> list[PeerConnection]:
+    """Browse for ``wait`` seconds (a static list: until every peer answered), then snapshot."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait
+    while True:
+        peers = await runtime.peers(namespace)
+        answered = all(p.description is not None for p in peers)
+        remaining = deadline - loop.time()
+        if remaining <= 0 or (static and peers and answered):
+            break
+        await runtime.wait_peers_changed(min(remaining, 0.1))
+    if not static:
+        # mDNS may have found a peer just before the deadline: give it a moment to answer.
+        grace_end = loop.time() + min(ANSWER_GRACE, wait)
+        while any(p.description is None for p in peers) and loop.time() < grace_end:
+            await runtime.wait_peers_changed(0.05)
+            peers = await runtime.peers(namespace)
+    return peers
+
+
+async def collect_rows(
+    discovery: DiscoveryConfig, namespace: str | None = None, wait: float = 2.0
+) -> list[dict[str, Any]]:
+    """Discover peers and describe each; returns the rows, sorted.
+
+    Args:
+        discovery: how to find peers.
+        namespace: only rows of this namespace (unreachable static peers are always listed).
+        wait: seconds to browse mDNS, or to wait for static peers to answer.
+    """
+    runtime = DistributedRuntime(config=RuntimeConfig(discovery=discovery))
+    try:
+        peers = await _wait_for_peers(runtime, namespace, wait, discovery.backend == "static")
+        now = time.time()
+        rows: list[dict[str, Any]] = []
+        seen: set[tuple[Any, ...]] = set()
+        for conn in sorted(peers, key=lambda c: c.address):
+            for row in _rows_of(conn, namespace, now):
+                # One instance reachable at two addresses is listed once.
+                key = (row["instance_id"] or row["address"], row["namespace"], row["component"])
+                if key not in seen:
+                    seen.add(key)
+                    rows.append(row)
+    finally:
+        await runtime.close()
+    rows.sort(
+        key=lambda r: (
+            r["namespace"] or "~",
+            r["component"] or "",
+            r["instance_id"] or "",
+            r["address"],
+        )
+    )
+    return rows
+
+
+def format_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The rows as an aligned text table."""
+    cells = [[header for header, _ in COLUMNS]]
+    for row in rows:
+        shown = {
+            **row,
+            "endpoints": ",".join(row["endpoints"]),
+            "age_human": format_age(row["age"]),
+        }
+        cells.append(
+            [str(shown[key]) if shown[key] not in (None, "") else "-" for _, key in COLUMNS]
+        )
+    widths = [max(len(line[i]) for line in cells) for i in range(len(COLUMNS))]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
+        for line in cells
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m dynamo_zmq.status",
+        description="List dynamo-zmq instances: namespace, component, endpoints, id, address, age.",
+    )
+    parser.add_argument("--namespace", default=None, help="only this namespace (default: all)")
+    parser.add_argument(
+        "--wait",
+        type=float,
+        default=2.0,
+        metavar="SECONDS",
+        help="how long to browse / wait for answers (default %(default)s)",
+    )
+    parser.add_argument("--json", action="store_true", help="print a JSON list of rows")
+    add_discovery_args(parser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the status tool; returns the exit code (0, or 2 for bad arguments)."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.wait < 0:
+        parser.error("--wait must not be negative")
+    try:
+        discovery = DiscoveryConfig.from_args(args)
+        rows = asyncio.run(collect_rows(discovery, args.namespace, args.wait))
+    except DynamoError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    elif rows:
+        print(format_table(rows))
+    else:
+        where = f"namespace {args.namespace!r}" if args.namespace else "any namespace"
+        print(f"no instances found in {where} ({args.discovery} discovery, {args.wait:g}s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""``python -m dynamo_zmq.status`` against real serving processes (mDNS on loopback, static)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+from dynamo_zmq.status import format_age
+from tests.conftest import app_args
+from tests.support.procs import ROOT
+
+
+def run_cli(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    """Run ``python ARGS...`` to completion; the child is stopped by pid whatever happens."""
+    env = {**os.environ, "DYN_MDNS_INTERFACES": "127.0.0.1"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.Popen(
+        [sys.executable, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def status_json(*args: str) -> list[dict]:
+    result = run_cli("-m", "dynamo_zmq.status", "--json", *args)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def assert_row(row: dict, namespace: str, component: str, endpoints: list[str], proc) -> None:
+    assert row["namespace"] == namespace
+    assert row["component"] == component
+    assert row["endpoints"] == endpoints
+    assert row["instance_id"] == f"{proc.instance_id:x}"
+    assert row["address"] == proc.address
+    assert row["age"] >= 0
+    assert row["state"] == "ready"
+    assert row["pid"] == proc.pid
+
+
+def test_format_age() -> None:
+    assert [format_age(s) for s in (None, -1, 0, 12.7, 60, 185, 7200, 90000)] == [
+        "-", "0s", "0s", "12s", "1m", "3m", "2h", "1d",
+    ]  # fmt: skip
+
+
+def test_lists_mdns_instances_of_the_namespace_only(namespace, spawn) -> None:
+    first = spawn(*app_args(namespace))
+    second = spawn(*app_args(namespace, "--role", "middle", "--component", "middle"))
+    other = spawn(*app_args(f"{namespace}x"))
+
+    rows = status_json("--namespace", namespace, "--wait", "3")
+
+    by_component = {row["component"]: row for row in rows}
+    assert len(rows) == 2, rows
+    assert_row(by_component["backend"], namespace, "backend", ["count", "journal"], first)
+    assert_row(by_component["middle"], namespace, "middle", ["relay"], second)
+    assert f"{other.instance_id:x}" not in {row["instance_id"] for row in rows}
+
+
+def test_static_list_shows_unreachable_peers(namespace, spawn) -> None:
+    server = spawn(*app_args(namespace, "--discovery", "static"))
+    dead = f"tcp://127.0.0.1:{free_port()}"
+
+    rows = status_json(
+        "--namespace", namespace, "--wait", "2",
+        "--discovery", "static", "--static-workers", f"{server.address},{dead}",
+    )  # fmt: skip
+
+    assert len(rows) == 2, rows
+    live = [row for row in rows if row["state"] != "unreachable"]
+    assert len(live) == 1
+    assert_row(live[0], namespace, "backend", ["count", "journal"], server)
+    (gone,) = [row for row in rows if row["state"] == "unreachable"]
+    assert gone["address"] == dead
+    assert gone["instance_id"] is None and gone["age"] is None
+
+
+def test_table_shows_the_instance(namespace, spawn) -> None:
+    server = spawn(*app_args(namespace))
+
+    result = run_cli("-m", "dynamo_zmq.status", "--namespace", namespace, "--wait", "3")
+
+    assert result.returncode == 0, result.stderr
+    header, *lines = result.stdout.splitlines()
+    assert header.split() == [
+        "NAMESPACE", "COMPONENT", "ENDPOINTS", "INSTANCE", "ADDRESS", "AGE", "STATE",
+    ]  # fmt: skip
+    assert len(lines) == 1, result.stdout
+    cells = lines[0].split()
+    assert cells[:5] == [
+        namespace,
+        "backend",
+        "count,journal",
+        f"{server.instance_id:x}",
+        server.address,
+    ]
+    assert cells[5].endswith("s") and cells[6] == "ready"
+
+
+def test_nothing_found_is_not_an_error(namespace) -> None:
+    assert status_json("--namespace", namespace, "--wait", "0.5") == []
+    result = run_cli("-m", "dynamo_zmq.status", "--namespace", namespace, "--wait", "0.5")
+    assert result.returncode == 0
+    assert "no instances found" in result.stdout
