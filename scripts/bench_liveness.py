@@ -71,7 +71,7 @@ async def main() -> None:
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--discovery", choices=["mdns", "static"], default="mdns")
     args = parser.parse_args()
-    print(f"| signal | discovery | trials | stream fails p50 / max (ms) | out of routing p50 / max (ms) |")
+    print("| signal | discovery | trials | stream fails p50 / max (ms) | out of routing p50 / max (ms) |")
     print("|---|---|---|---|---|")
     for name, sig in (("SIGKILL", signal.SIGKILL), ("SIGSTOP", signal.SIGSTOP)):
         results = [await trial(sig, args.discovery) for _ in range(args.trials)]
