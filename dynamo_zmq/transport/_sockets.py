@@ -45,8 +45,9 @@ def make_socket(
         if socket_type == zmq.ROUTER:
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         if socket_type == zmq.DEALER:
-            # Queue only to completed connections: a dead peer gets nothing buffered for it.
-            sock.setsockopt(zmq.IMMEDIATE, 1)
+            # Not IMMEDIATE: with it, ZMQ drops the frames already received from a peer when the
+            # connection drops (a finished stream's terminal could be lost). Callers check the
+            # peer is READY before sending a request instead.
             sock.setsockopt(zmq.RECONNECT_IVL, 100)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         if heartbeat_ms and socket_type in (zmq.ROUTER, zmq.DEALER):
@@ -154,7 +155,8 @@ class AsyncSocket:
                 pass
             backoff = min(backoff * 2, 0.02)
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
+        """Close; ``linger_ms`` lets ZMQ finish writing what is queued (terminal frames)."""
         if self._closed:
             return
         self._closed = True
@@ -163,4 +165,4 @@ class AsyncSocket:
             self._loop.remove_reader(self._fd)
         except Exception:  # loop already closed
             pass
-        self.sock.close(linger=0)
+        self.sock.close(linger=linger_ms)

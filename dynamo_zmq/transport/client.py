@@ -367,12 +367,18 @@ class PeerConnection:
         sock = self._sock
         assert sock is not None
         while not sock.closed:
-            while (frames := sock.recv_nowait()) is not None:
-                try:
-                    self._dispatch(frames)
-                except Exception:
-                    log.exception("error handling a frame from %s", self.address)
+            self._drain_pending()
             await sock.wait_readable()
+
+    def _drain_pending(self) -> None:
+        sock = self._sock
+        if sock is None or sock.closed:
+            return
+        while (frames := sock.recv_nowait()) is not None:
+            try:
+                self._dispatch(frames)
+            except Exception:
+                log.exception("error handling a frame from %s", self.address)
 
     def _dispatch(self, frames: list[bytes]) -> None:
         self._last_rx = time.monotonic()
@@ -480,6 +486,9 @@ class PeerConnection:
                     self._request_description()
                 elif event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
                     self._connected = False
+                    # Frames that arrived before the connection dropped are still queued on the
+                    # data socket: deliver them first, so finished streams end cleanly.
+                    self._drain_pending()
                     self._mark_down("disconnected")
             await mon.wait_readable()
 

@@ -187,7 +187,8 @@ class Server:
                 await task
         self._tasks = []
         if self._sock is not None:
-            self._sock.close()
+            # Let ZMQ's I/O thread write the last frames (terminals of just-finished streams).
+            self._sock.close(linger_ms=1000)
 
     # -- receiving -------------------------------------------------------------------------
 
