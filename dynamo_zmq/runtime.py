@@ -307,6 +307,7 @@ class Endpoint:
         self.name = name
         self.path = f"{self.namespace}.{self.component_name}.{name}"
         self._handler: Callable[..., Any] | None = None
+        self._request_type: type | None = None
 
     def __repr__(self) -> str:
         return f"Endpoint({self.path})"
@@ -319,12 +320,20 @@ class Endpoint:
         return self.runtime.instance_id
 
     async def start_serving(
-        self, handler: Callable[..., Any], metadata: dict[str, Any] | None = None
+        self,
+        handler: Callable[..., Any],
+        metadata: dict[str, Any] | None = None,
+        request_type: type | None = None,
     ) -> None:
-        """Register ``handler`` and advertise it; returns at once (see ``serve_endpoint``)."""
+        """Register ``handler`` and advertise it; returns at once (see ``serve_endpoint``).
+
+        With ``request_type`` (a msgspec Struct), requests are decoded and validated straight
+        into that type; a request that does not fit fails with InvalidArgument.
+        """
         self._handler = handler
+        self._request_type = request_type
         info = EndpointInfo(self.namespace, self.component_name, self.name, metadata or {})
-        await self.runtime._add_endpoint(info, _adapt_handler(handler))
+        await self.runtime._add_endpoint(info, _adapt_handler(handler, request_type))
 
     async def serve_endpoint(
         self,
@@ -356,7 +365,7 @@ class Endpoint:
     async def register_endpoint_instance(self) -> None:
         if self._handler is None:
             raise errors.InvalidArgument(f"{self.path} has no handler to register")
-        await self.start_serving(self._handler)
+        await self.start_serving(self._handler, request_type=self._request_type)
 
     async def client(self, router_mode: str | None = None) -> Client:
         """A client for every live instance of this endpoint (default: round-robin)."""
@@ -367,14 +376,17 @@ class Endpoint:
 # -- handlers -------------------------------------------------------------------------------
 
 
-def _adapt_handler(handler: Callable[..., Any]) -> TransportHandler:
+def _adapt_handler(handler: Callable[..., Any], request_type: type | None = None) -> TransportHandler:
     """Wrap a user handler ``(request)`` or ``(request, context)`` for the transport."""
     wants_context = _accepts_context(handler)
+    decode = decode_item if request_type is None else msgspec.msgpack.Decoder(request_type).decode
 
     async def run(payload: msgspec.Raw, ctx: Context) -> AsyncIterator[Any]:
         try:
-            request = decode_item(payload)
-        except msgspec.DecodeError as exc:
+            request = decode(payload)
+        except msgspec.ValidationError as exc:
+            raise errors.InvalidArgument(f"invalid request: {exc}") from exc
+        except (msgspec.DecodeError, RecursionError) as exc:
             raise errors.InvalidArgument(f"request is not valid MessagePack: {exc}") from exc
         result = handler(request, ctx) if wants_context else handler(request)
         if inspect.isawaitable(result) and not hasattr(result, "__aiter__"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -61,3 +62,16 @@ async def make_runtime():
 def app_args(namespace: str, *extra: str) -> list[str]:
     """Arguments for ``tests.support.app`` on loopback."""
     return ["-m", "tests.support.app", "--namespace", namespace, "--host", "127.0.0.1", *extra]
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama model directory, built once per session.
+
+    ``DYN_TINY_MODEL_DIR`` names a directory to build into and reuse across sessions.
+    """
+    from dynamo_zmq.tiny_model import build_tiny_model
+
+    cached = os.environ.get("DYN_TINY_MODEL_DIR")
+    out = Path(cached) if cached else tmp_path_factory.mktemp("tiny_model") / "model"
+    return build_tiny_model(out)

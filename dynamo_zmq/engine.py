@@ -1,0 +1,208 @@
+"""The engine contract: what a worker needs from an inference engine, and the messages it speaks.
+
+Lifecycle (numbered as Dynamo's backend-common numbers it):
+
+1. ``Engine.from_args(argv)`` / the constructor: parse the engine's own flags; no heavy work.
+2. ``await start(worker_id) -> EngineConfig``: load the model, bind KV-event sockets. Called once.
+3. ``generate(request, ctx)``: any number, concurrently; each yields ``LLMEngineOutput`` chunks
+   and ends with exactly one terminal chunk (``finish_reason`` set). ``ctx.is_stopped()`` asks
+   it to finish early with ``finish_reason="cancelled"``.
+4. ``await abort(ctx)``: optional; the worker calls it when a request is stopped or killed, so
+   the engine frees the sequence at once. Default: nothing.
+5. ``await drain()``: optional; called after the worker stopped admitting work, before cleanup.
+6. ``await cleanup()``: release everything. Idempotent, safe before ``start`` and never
+   concurrent with it.
+
+``PreprocessedRequest`` and ``LLMEngineOutput`` are msgspec Structs that cross the wire as plain
+MessagePack maps (new fields go last, with defaults).
+"""
+
+from __future__ import annotations
+
+import abc
+import argparse
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, ClassVar
+
+import msgspec
+
+from .context import Context
+
+__all__ = [
+    "EngineConfig",
+    "FinishReason",
+    "LLMEngine",
+    "LLMEngineOutput",
+    "OutputOptions",
+    "PreprocessedRequest",
+    "RoutingHints",
+    "SamplingOptions",
+    "StopConditions",
+    "Usage",
+    "cancelled_output",
+    "error_output",
+    "length_output",
+    "stop_output",
+]
+
+
+class FinishReason:
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+    ALL = frozenset({STOP, LENGTH, CANCELLED, ERROR})
+
+
+_WIRE = {"omit_defaults": True, "forbid_unknown_fields": False}
+
+
+class SamplingOptions(msgspec.Struct, **_WIRE):
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    n: int = 1
+
+
+class StopConditions(msgspec.Struct, **_WIRE):
+    max_tokens: int | None = None
+    min_tokens: int = 0
+    #: Stop strings (applied by the worker's post-processing, not the engine).
+    stop: list[str] = msgspec.field(default_factory=list)
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+
+
+class OutputOptions(msgspec.Struct, **_WIRE):
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    #: Ask the engine for text itself (native processing); otherwise the worker detokenizes.
+    detokenize: bool = False
+
+
+class RoutingHints(msgspec.Struct, **_WIRE):
+    #: Data-parallel rank the router chose inside the worker.
+    dp_rank: int | None = None
+    #: Blocks of the prompt the router expects to be cached there (informational).
+    overlap_blocks: int | None = None
+
+
+class PreprocessedRequest(msgspec.Struct, **_WIRE):
+    """A tokenized request, as the frontend sends it to a worker."""
+
+    token_ids: list[int]
+    model: str = ""
+    request_id: str = ""
+    sampling: SamplingOptions = msgspec.field(default_factory=SamplingOptions)
+    stop: StopConditions = msgspec.field(default_factory=StopConditions)
+    output: OutputOptions = msgspec.field(default_factory=OutputOptions)
+    routing: RoutingHints = msgspec.field(default_factory=RoutingHints)
+    #: End-of-sequence token ids of the model (the frontend knows them from the model card).
+    eos_token_ids: list[int] = msgspec.field(default_factory=list)
+    #: Slot for disaggregated prefill/decode parameters (opaque to the worker).
+    disaggregated_params: dict[str, Any] | None = None
+    annotations: list[str] = msgspec.field(default_factory=list)
+
+
+class Usage(msgspec.Struct, **_WIRE):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int | None = None
+
+
+class LLMEngineOutput(msgspec.Struct, **_WIRE):
+    """One chunk of a generation: new token ids, optional text, and on the last chunk the reason."""
+
+    token_ids: list[int] = msgspec.field(default_factory=list)
+    text: str | None = None
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    #: Error message when ``finish_reason == "error"``.
+    error: str | None = None
+    log_probs: list[float] | None = None
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.finish_reason is not None
+
+
+class EngineConfig(msgspec.Struct, **_WIRE):
+    """What an engine tells the worker (and through it, routers and frontends) after start."""
+
+    model_name: str
+    served_model_name: str = ""
+    context_length: int = 0
+    kv_block_size: int = 0
+    total_kv_blocks: int = 0
+    max_num_seqs: int = 0
+    max_num_batched_tokens: int = 0
+    data_parallel_size: int = 1
+    data_parallel_start_rank: int = 0
+    #: ZMQ PUB endpoint of the engine's KV events (vLLM format), if it publishes them.
+    kv_events_endpoint: str | None = None
+    #: ZMQ ROUTER endpoint answering replay requests for missed KV-event batches.
+    kv_replay_endpoint: str | None = None
+    extra: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+def stop_output(usage: Usage | None = None, token_ids: Sequence[int] = ()) -> LLMEngineOutput:
+    return LLMEngineOutput(list(token_ids), finish_reason=FinishReason.STOP, usage=usage)
+
+
+def length_output(usage: Usage | None = None, token_ids: Sequence[int] = ()) -> LLMEngineOutput:
+    return LLMEngineOutput(list(token_ids), finish_reason=FinishReason.LENGTH, usage=usage)
+
+
+def cancelled_output(usage: Usage | None = None) -> LLMEngineOutput:
+    return LLMEngineOutput(finish_reason=FinishReason.CANCELLED, usage=usage)
+
+
+def error_output(message: str, usage: Usage | None = None) -> LLMEngineOutput:
+    return LLMEngineOutput(finish_reason=FinishReason.ERROR, error=message, usage=usage)
+
+
+class LLMEngine(abc.ABC):
+    """An inference engine behind a worker. See the module docstring for the lifecycle."""
+
+    #: Name used by ``--engine NAME`` (engines also register under the
+    #: ``dynamo_zmq.engines`` entry-point group).
+    name: ClassVar[str] = ""
+
+    @classmethod  # noqa: B027 (optional hook)
+    def add_args(cls, parser: argparse.ArgumentParser) -> None:
+        """Add this engine's own command-line flags."""
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> LLMEngine:
+        """Build the engine from parsed flags (the worker's and the engine's own)."""
+        return cls()
+
+    @abc.abstractmethod
+    async def start(self, worker_id: int) -> EngineConfig:
+        """Load the model and return its configuration. Called once."""
+
+    @abc.abstractmethod
+    def generate(self, request: PreprocessedRequest, ctx: Context) -> AsyncIterator[LLMEngineOutput]:
+        """Stream outputs for one request, ending with exactly one terminal chunk."""
+
+    async def abort(self, ctx: Context) -> None:  # noqa: B027 (optional hook)
+        """Free the request of ``ctx`` now (stop or kill reached the worker)."""
+
+    async def drain(self) -> None:  # noqa: B027 (optional hook)
+        """Finish or hand off in-flight work; the worker admits nothing new."""
+
+    def stats(self) -> dict[str, float]:
+        """Optional live numbers for metrics and routing, e.g. ``kv_active_blocks``,
+        ``kv_total_blocks``, ``num_running``, ``num_waiting``."""
+        return {}
+
+    @abc.abstractmethod
+    async def cleanup(self) -> None:
+        """Release everything. Idempotent; safe before ``start``."""

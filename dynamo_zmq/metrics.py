@@ -1,0 +1,93 @@
+"""Worker metrics (Prometheus) and the small HTTP status server: /metrics, /health, /live."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+__all__ = ["StatusServer", "WorkerMetrics"]
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class WorkerMetrics:
+    """The worker's counters, gauges and histograms, in their own registry."""
+
+    def __init__(self, model: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model"]
+        r = self.registry
+        self.requests = Counter("dynamo_worker_requests", "Requests received", labels, registry=r)
+        self.inflight = Gauge("dynamo_worker_inflight_requests", "Requests in flight", labels, registry=r)
+        self.errors = Counter("dynamo_worker_errors", "Requests failed, by error kind", [*labels, "kind"], registry=r)
+        self.cancellations = Counter("dynamo_worker_cancellations", "Requests stopped or killed", labels, registry=r)
+        self.ttft = Histogram(
+            "dynamo_worker_time_to_first_token_seconds", "Time to first token", labels,
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.itl = Histogram(
+            "dynamo_worker_inter_token_latency_seconds", "Time between chunks", labels,
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.output_tokens = Counter("dynamo_worker_output_tokens", "Tokens generated", labels, registry=r)
+        self.kv_usage = Gauge("dynamo_worker_kv_usage_ratio", "Active KV blocks / total", labels, registry=r)
+        self.kv_active = Gauge("dynamo_worker_kv_active_blocks", "Active KV blocks", labels, registry=r)
+        self.healthy = Gauge("dynamo_worker_healthy", "1 when the health canary passes", labels, registry=r)
+        self.model = model
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class StatusServer:
+    """``GET /metrics``, ``/health`` (200 healthy / 503 not) and ``/live`` on a background thread."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        metrics: Callable[[], bytes],
+        health: Callable[[], tuple[bool, dict[str, object]]],
+    ) -> None:
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                if self.path == "/metrics":
+                    self._reply(200, owner._metrics(), CONTENT_TYPE_LATEST)
+                elif self.path == "/health":
+                    ok, body = owner._health()
+                    self._reply(200 if ok else 503, json.dumps(body).encode(), "application/json")
+                elif self.path == "/live":
+                    self._reply(200, b'{"status": "live"}', "application/json")
+                else:
+                    self._reply(404, b'{"error": "not found"}', "application/json")
+
+            def _reply(self, code: int, body: bytes, ctype: str) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self._metrics = metrics
+        self._health = health
+        self._httpd = ThreadingHTTPServer((host, port), Handler)
+        self._httpd.daemon_threads = True
+        self.port = self._httpd.server_address[1]
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="status-http", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()

@@ -1,0 +1,369 @@
+"""``python -m dynamo_zmq.worker``: serve one engine on the request plane.
+
+    python -m dynamo_zmq.worker --engine mocker --model-path DIR [--model-name NAME]
+        [--namespace dynamo] [--component backend] [--endpoint generate]
+        [--host H] [--port P] [--discovery mdns|static] [--disaggregation-mode agg|prefill|decode]
+        [--metrics-port P] [engine flags...]
+
+Every flag has a ``DYN_*`` environment variable (``--model-path`` -> ``DYN_MODEL_PATH``).
+Engines are found by name in the ``dynamo_zmq.engines`` entry-point group, or as
+``MODULE:CLASS``. Once serving, the worker prints ``READY <address> <instance id hex>``.
+
+Shutdown (SIGTERM/SIGINT): unregister -> grace period -> stop admitting (EngineShutdown) ->
+drain in-flight requests -> engine.drain() -> engine.cleanup() -> close sockets -> exit 0.
+A second signal skips the waiting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib
+import importlib.metadata
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from . import errors
+from .config import RuntimeConfig, add_runtime_args
+from .context import Context
+from .engine import (
+    EngineConfig,
+    FinishReason,
+    LLMEngine,
+    LLMEngineOutput,
+    PreprocessedRequest,
+    StopConditions,
+)
+from .metrics import StatusServer, WorkerMetrics
+from .model_card import CHUNK, ModelCard, build_card, read_card_file
+from .runtime import DistributedRuntime
+from .testing import validate_stream
+
+__all__ = ["ENGINE_GROUP", "Worker", "build_parser", "load_engine_class", "main"]
+
+log = logging.getLogger("dynamo_zmq.worker")
+
+ENGINE_GROUP = "dynamo_zmq.engines"
+
+
+def _env(name: str, default: Any = None) -> Any:
+    return os.environ.get(f"DYN_{name}", default)
+
+
+def load_engine_class(spec: str) -> type[LLMEngine]:
+    """``NAME`` from the entry-point group, or ``package.module:Class``."""
+    if ":" in spec:
+        module_name, _, attr = spec.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as exc:
+            raise errors.InvalidArgument(f"cannot load engine {spec!r}: {exc}") from exc
+    else:
+        found = {ep.name: ep for ep in importlib.metadata.entry_points(group=ENGINE_GROUP)}
+        if spec not in found:
+            known = ", ".join(sorted(found)) or "none installed"
+            raise errors.InvalidArgument(f"unknown engine {spec!r} (known: {known}; or use MODULE:CLASS)")
+        cls = found[spec].load()
+    if not (isinstance(cls, type) and issubclass(cls, LLMEngine)):
+        raise errors.InvalidArgument(f"engine {spec!r} is not an LLMEngine subclass")
+    return cls
+
+
+def build_parser(engine_cls: type[LLMEngine] | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m dynamo_zmq.worker", description="Serve an LLM engine on the dynamo-zmq request plane."
+    )
+    parser.add_argument("--engine", default=_env("ENGINE", "mocker"), help="engine name or MODULE:CLASS [DYN_ENGINE]")
+    parser.add_argument("--model-path", default=_env("MODEL_PATH"), help="model directory [DYN_MODEL_PATH]")
+    parser.add_argument("--model-name", default=_env("MODEL_NAME"), help="served model name [DYN_MODEL_NAME]")
+    parser.add_argument("--namespace", default=_env("NAMESPACE", "dynamo"), help="[DYN_NAMESPACE]")
+    parser.add_argument("--component", default=_env("COMPONENT", "backend"), help="[DYN_COMPONENT]")
+    parser.add_argument("--endpoint", default=_env("ENDPOINT", "generate"), help="[DYN_ENDPOINT]")
+    parser.add_argument(
+        "--disaggregation-mode", choices=["agg", "prefill", "decode"],
+        default=_env("DISAGGREGATION_MODE", "agg"), help="[DYN_DISAGGREGATION_MODE]",
+    )
+    parser.add_argument(
+        "--metrics-port", type=int, default=_env("METRICS_PORT"),
+        help="serve /metrics, /health, /live on this port (0 = any) [DYN_METRICS_PORT]",
+    )
+    parser.add_argument(
+        "--health-check-interval", type=float, default=float(_env("HEALTH_CHECK_INTERVAL", 10.0)),
+        help="run a 1-token canary after this many idle seconds [DYN_HEALTH_CHECK_INTERVAL]",
+    )
+    parser.add_argument(
+        "--grace-period", type=float, default=float(_env("GRACE_PERIOD", 0.5)),
+        help="seconds between unregistering and refusing new requests [DYN_GRACE_PERIOD]",
+    )
+    parser.add_argument(
+        "--graceful-timeout", type=float, default=float(_env("GRACEFUL_TIMEOUT", 30.0)),
+        help="seconds to wait for in-flight requests on shutdown [DYN_GRACEFUL_TIMEOUT]",
+    )
+    parser.add_argument(
+        "--debug-streams", action="store_true", default=_env("DEBUG_STREAMS", "") == "1",
+        help="validate every engine stream (one terminal, last) [DYN_DEBUG_STREAMS=1]",
+    )
+    add_runtime_args(parser)
+    if engine_cls is not None:
+        group = parser.add_argument_group(f"{engine_cls.name or engine_cls.__name__} engine")
+        engine_cls.add_args(group)  # type: ignore[arg-type]
+    return parser
+
+
+class Worker:
+    """Owns one engine and serves it: registration, admission, cancellation, health, metrics."""
+
+    def __init__(self, engine: LLMEngine, args: argparse.Namespace) -> None:
+        self.engine = engine
+        self.args = args
+        rc = RuntimeConfig.from_args(args)
+        self.runtime = DistributedRuntime(
+            config=RuntimeConfig(
+                discovery=rc.discovery, host=rc.host, port=rc.port,
+                graceful_timeout=args.graceful_timeout, grace_period=args.grace_period,
+            )
+        )
+        self.config: EngineConfig | None = None
+        self.card: ModelCard | None = None
+        self.metrics: WorkerMetrics | None = None
+        self.status: StatusServer | None = None
+        self.healthy = False
+        self.health_detail: dict[str, Any] = {"status": "starting"}
+        self._last_activity = time.monotonic()
+        self._inflight = 0
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._force = asyncio.Event()
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self._on_signal)
+        try:
+            await self._start()
+        except Exception as exc:
+            log.error("worker failed to start: %s", exc, exc_info=not isinstance(exc, errors.DynamoError))
+            await self._close()
+            return 1
+        print(f"READY {self.runtime.address} {self.runtime.instance_id:x}", flush=True)
+        await self.runtime.wait_shutdown()
+        log.info("shutting down: unregister, grace period, drain")
+        drain = asyncio.create_task(self.runtime.drain(), name="worker-drain")
+        force = asyncio.create_task(self._force.wait(), name="worker-force")
+        await asyncio.wait({drain, force}, return_when=asyncio.FIRST_COMPLETED)
+        force.cancel()
+        if not drain.done():
+            log.warning("second signal: not waiting for in-flight requests")
+            drain.cancel()
+        with contextlib.suppress(asyncio.CancelledError, asyncio.TimeoutError):
+            await asyncio.wait_for(self.engine.drain(), None if not self._force.is_set() else 1.0)
+        await self._close()
+        log.info("worker stopped")
+        return 0
+
+    def _on_signal(self) -> None:
+        if self.runtime.is_shutdown():
+            self._force.set()
+        self.runtime.shutdown()
+
+    async def _start(self) -> None:
+        args = self.args
+        self.config = config = await self.engine.start(self.runtime.instance_id)
+        if not config.model_name:
+            raise errors.InvalidArgument("engine reported an empty model name")
+        name = args.model_name or config.served_model_name or config.model_name
+        if args.model_path is None:
+            raise errors.InvalidArgument("--model-path (DYN_MODEL_PATH) is required")
+        self.card = build_card(
+            args.model_path, name, context_length=config.context_length,
+            kv_block_size=config.kv_block_size, role=args.disaggregation_mode,
+        )
+        self.metrics = WorkerMetrics(name)
+        if args.metrics_port is not None:
+            self.status = StatusServer(
+                self.runtime.config.bind_host if self.runtime.config.host else "0.0.0.0",
+                int(args.metrics_port), self._render_metrics, self._health,
+            )
+            self.status.start()
+            log.info("metrics and health on port %d", self.status.port)
+        component = self.runtime.namespace(args.namespace).component(args.component)
+        metadata = {
+            "model_card": msgspec.to_builtins(self.card),
+            "engine": msgspec.to_builtins(config),
+        }
+        await component.endpoint("model_files").start_serving(self._model_files)
+        await component.endpoint(args.endpoint).start_serving(
+            self._generate, metadata=metadata, request_type=PreprocessedRequest
+        )
+        await self._canary()
+        self._spawn(self._health_loop(), "worker-health")
+
+    async def _close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(BaseException):
+                await task
+        with contextlib.suppress(Exception):
+            await self.engine.cleanup()
+        if self.status is not None:
+            self.status.close()
+        await self.runtime.close()
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- serving ---------------------------------------------------------------------------
+
+    async def _generate(self, request: PreprocessedRequest, ctx: Context) -> AsyncIterator[LLMEngineOutput]:
+        m = self.metrics
+        assert m is not None
+        model = m.model
+        m.requests.labels(model).inc()
+        m.inflight.labels(model).inc()
+        self._inflight += 1
+        aborted = False
+
+        def on_cancel(killed: bool) -> None:
+            nonlocal aborted
+            if not aborted:
+                aborted = True
+                m.cancellations.labels(model).inc()
+                self._spawn(self.engine.abort(ctx), f"abort-{ctx.id()}")
+
+        remove = ctx.add_listener(on_cancel)
+        stream = self.engine.generate(request, ctx)
+        if self.args.debug_streams:
+            stream = validate_stream(stream)
+        start = last = time.monotonic()
+        first = True
+        try:
+            async for out in stream:
+                now = time.monotonic()
+                if out.token_ids:
+                    (m.ttft if first else m.itl).labels(model).observe(now - (start if first else last))
+                    m.output_tokens.labels(model).inc(len(out.token_ids))
+                    first, last = False, now
+                if out.finish_reason == FinishReason.ERROR:
+                    m.errors.labels(model, "EngineError").inc()
+                yield out
+        except Exception as exc:
+            m.errors.labels(model, errors.from_exception(exc).kind).inc()
+            raise
+        finally:
+            remove()
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(BaseException):
+                    await aclose()
+            m.inflight.labels(model).dec()
+            self._inflight -= 1
+            self._last_activity = time.monotonic()
+
+    async def _model_files(self, request: dict[str, Any]) -> AsyncIterator[bytes]:
+        """Stream one file the model card lists: ``{"name": "tokenizer.json"}``."""
+        assert self.card is not None
+        name = request.get("name") if isinstance(request, dict) else None
+        if not isinstance(name, str):
+            raise errors.InvalidArgument('model_files expects {"name": FILE}')
+        try:
+            data = await asyncio.to_thread(read_card_file, self.args.model_path, self.card, name)
+        except ValueError as exc:
+            raise errors.InvalidArgument(str(exc)) from exc
+        for offset in range(0, len(data), CHUNK):
+            yield data[offset : offset + CHUNK]
+
+    # -- health ----------------------------------------------------------------------------
+
+    async def _canary(self) -> None:
+        """Generate one token on the engine directly; the result sets ``healthy``."""
+        request = PreprocessedRequest(token_ids=[1], stop=StopConditions(max_tokens=1, ignore_eos=True))
+        ctx = Context(f"health-{time.monotonic_ns()}")
+        started = time.monotonic()
+        try:
+            async def one() -> LLMEngineOutput | None:
+                last = None
+                async for out in self.engine.generate(request, ctx):
+                    last = out
+                return last
+
+            out = await asyncio.wait_for(one(), 30)
+            ok = out is not None and out.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
+            detail = {"status": "healthy" if ok else "unhealthy", "finish_reason": out and out.finish_reason}
+        except Exception as exc:
+            ok, detail = False, {"status": "unhealthy", "error": f"{type(exc).__name__}: {exc}"}
+        detail["canary_seconds"] = round(time.monotonic() - started, 4)
+        if ok != self.healthy:
+            log.log(logging.INFO if ok else logging.WARNING, "health canary: %s", detail)
+        self.healthy, self.health_detail = ok, detail
+        if self.metrics is not None:
+            self.metrics.healthy.labels(self.metrics.model).set(1 if ok else 0)
+
+    async def _health_loop(self) -> None:
+        interval = self.args.health_check_interval
+        while True:
+            await asyncio.sleep(min(1.0, interval))
+            self._refresh_stats()
+            idle = time.monotonic() - self._last_activity
+            if self._inflight == 0 and idle >= interval:
+                await self._canary()
+                self._last_activity = time.monotonic()
+
+    def _refresh_stats(self) -> None:
+        if self.metrics is None:
+            return
+        stats = self.engine.stats()
+        active, total = stats.get("kv_active_blocks"), stats.get("kv_total_blocks")
+        if active is not None:
+            self.metrics.kv_active.labels(self.metrics.model).set(active)
+            if total:
+                self.metrics.kv_usage.labels(self.metrics.model).set(active / total)
+
+    def _health(self) -> tuple[bool, dict[str, Any]]:
+        return self.healthy and not self.runtime.is_shutdown(), dict(self.health_detail)
+
+    def _render_metrics(self) -> bytes:
+        assert self.metrics is not None
+        return self.metrics.render()
+
+
+def parse_args(argv: Sequence[str] | None = None) -> tuple[type[LLMEngine], argparse.Namespace]:
+    """Two passes: find ``--engine``, then parse with that engine's own flags added."""
+    pre, _ = build_parser().parse_known_args(argv)
+    engine_cls = load_engine_class(pre.engine)
+    args = build_parser(engine_cls).parse_args(argv)
+    if args.model_path is not None and not Path(args.model_path).is_dir():
+        raise errors.InvalidArgument(f"--model-path {args.model_path!r} is not a directory")
+    return engine_cls, args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(
+        level=os.environ.get("DYN_LOG", "INFO").upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        engine_cls, args = parse_args(argv)
+        engine = engine_cls.from_args(args)
+    except errors.DynamoError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 2
+    return asyncio.run(Worker(engine, args).run())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

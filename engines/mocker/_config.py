@@ -1,0 +1,170 @@
+"""The mocker's settings: one dataclass, its command-line flags (Dynamo's mocker names), and the
+few fields read from a model directory (``config.json`` / ``generation_config.json``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["MockerConfig", "add_mocker_args", "config_from_args", "read_model_dir"]
+
+DEFAULT_CONTEXT_LENGTH = 8192
+DEFAULT_VOCAB_SIZE = 32000
+_WILDCARDS = ("0.0.0.0", "*", "")
+
+
+@dataclass(frozen=True)
+class MockerConfig:
+    """Everything the mocker needs; ``from_args`` fills it from flags and the model directory."""
+
+    model_name: str = "mocker"
+    model_path: str | None = None
+    vocab_size: int = DEFAULT_VOCAB_SIZE
+    context_length: int = DEFAULT_CONTEXT_LENGTH
+    #: End-of-sequence ids of the model (added to each request's own ``eos_token_ids``).
+    eos_token_ids: tuple[int, ...] = ()
+    block_size: int = 64
+    #: KV blocks per data-parallel rank.
+    num_gpu_blocks: int = 16384
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    speedup_ratio: float = 1.0
+    data_parallel_size: int = 1
+    enable_prefix_caching: bool = True
+    #: Base seed of the token generator (a request's ``sampling.seed`` replaces it).
+    seed: int = 0
+    enable_kv_events: bool = True
+    kv_events_port: int = 0
+    kv_replay_port: int = 0
+    #: Published batches kept for replay.
+    replay_buffer_size: int = 10_000
+    #: Bind host of the KV-event sockets; None or a wildcard binds every interface.
+    host: str | None = None
+    #: Address advertised for the KV-event sockets (default: see ``advertised_host``).
+    advertise: str | None = None
+
+    def __post_init__(self) -> None:
+        positive = ("vocab_size", "context_length", "block_size", "num_gpu_blocks", "max_num_seqs",
+                    "max_num_batched_tokens", "data_parallel_size", "replay_buffer_size")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.speedup_ratio > 0:
+            raise ValueError(f"speedup_ratio must be > 0, got {self.speedup_ratio}")
+        for name in ("kv_events_port", "kv_replay_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ValueError(f"{name} out of range: {getattr(self, name)}")
+
+    @property
+    def bind_host(self) -> str:
+        """The ZMQ bind address of the KV-event sockets (``*`` for every interface)."""
+        return "*" if self.host is None or self.host in _WILDCARDS else self.host
+
+    def advertised_host(self) -> str:
+        """The address routers should connect to: ``advertise`` if set, else the bind host,
+        loopback when none was given, or this machine's address for a wildcard bind."""
+        if self.advertise:
+            return self.advertise
+        if self.host is None:
+            return "127.0.0.1"
+        if self.host not in _WILDCARDS:
+            return self.host
+        from dynamo_zmq.config import RuntimeConfig
+
+        return RuntimeConfig(host="0.0.0.0").advertised_hosts()[0]
+
+
+def add_mocker_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """Add the mocker's flags (names as in Dynamo's mocker)."""
+    add = parser.add_argument
+    add("--block-size", type=int, default=64, help="tokens per KV block")
+    add("--num-gpu-blocks-override", type=int, default=16384, help="KV blocks per data-parallel rank")
+    add("--max-num-seqs", type=int, default=256, help="running sequences per rank")
+    add("--max-num-batched-tokens", type=int, default=8192, help="token budget of one step")
+    add("--speedup-ratio", type=float, default=1.0, help="divide every simulated step time by this")
+    add("--data-parallel-size", type=int, default=1, help="data-parallel ranks in this engine")
+    add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+        help="reuse cached KV blocks of shared prefixes")
+    add("--mocker-seed", type=int, default=0, help="base seed of the generated tokens")
+    add("--kv-events-port", type=int, default=0, help="KV-event PUB port (0 = any)")
+    add("--kv-replay-port", type=int, default=0, help="KV-event replay ROUTER port (0 = any)")
+    add("--no-kv-events", action="store_true", default=False, help="do not publish KV events")
+
+
+def read_model_dir(path: str | Path) -> dict[str, Any]:
+    """``vocab_size``, ``context_length`` and ``eos_token_ids`` found in a model directory."""
+    root = Path(path)
+    cfg = _read_json(root / "config.json")
+    if cfg is None:
+        raise FileNotFoundError(f"{root / 'config.json'} not found")
+    found: dict[str, Any] = {}
+    if isinstance(cfg.get("vocab_size"), int):
+        found["vocab_size"] = cfg["vocab_size"]
+    if isinstance(cfg.get("max_position_embeddings"), int):
+        found["context_length"] = cfg["max_position_embeddings"]
+    eos = _eos_ids(cfg.get("eos_token_id"))
+    gen = _read_json(root / "generation_config.json") or {}
+    eos += [t for t in _eos_ids(gen.get("eos_token_id")) if t not in eos]
+    found["eos_token_ids"] = tuple(eos)
+    return found
+
+
+def config_from_args(args: argparse.Namespace) -> MockerConfig:
+    """Build a ``MockerConfig`` from the worker's parsed flags (missing flags take defaults)."""
+    def get(name: str, default: Any) -> Any:
+        value = getattr(args, name, None)
+        return default if value is None else value
+
+    host, advertise = _hosts(args)
+    model_path = getattr(args, "model_path", None)
+    from_dir = read_model_dir(model_path) if model_path else {}
+    name = getattr(args, "model_name", None) or (Path(model_path).resolve().name if model_path else "mocker")
+    return MockerConfig(
+        model_name=name,
+        model_path=str(model_path) if model_path else None,
+        block_size=get("block_size", 64),
+        num_gpu_blocks=get("num_gpu_blocks_override", 16384),
+        max_num_seqs=get("max_num_seqs", 256),
+        max_num_batched_tokens=get("max_num_batched_tokens", 8192),
+        speedup_ratio=get("speedup_ratio", 1.0),
+        data_parallel_size=get("data_parallel_size", 1),
+        enable_prefix_caching=get("enable_prefix_caching", True),
+        seed=get("mocker_seed", 0),
+        enable_kv_events=not get("no_kv_events", False),
+        kv_events_port=get("kv_events_port", 0),
+        kv_replay_port=get("kv_replay_port", 0),
+        host=host,
+        advertise=advertise,
+        **from_dir,
+    )
+
+
+def _hosts(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """Bind and advertised host of the KV sockets. Given the worker's flags (``--discovery``
+    and friends) and no concrete ``--host``, bind and advertise as its request plane does."""
+    host = getattr(args, "host", None) or None
+    if (host is None or host in _WILDCARDS) and hasattr(args, "discovery"):
+        from dynamo_zmq.config import RuntimeConfig
+
+        runtime = RuntimeConfig.from_args(args)
+        return runtime.bind_host, runtime.advertised_hosts()[0]
+    return host, None
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _eos_ids(value: Any) -> list[int]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return []

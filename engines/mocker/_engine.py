@@ -1,0 +1,227 @@
+"""``MockerEngine``: a CPU-only stand-in for vLLM that schedules, caches and publishes KV events
+like the real engine, but samples random tokens and sleeps for the simulated step time."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections.abc import AsyncIterator
+
+from dynamo_zmq.context import Context
+from dynamo_zmq.engine import (
+    EngineConfig,
+    LLMEngine,
+    LLMEngineOutput,
+    PreprocessedRequest,
+    Usage,
+    cancelled_output,
+    error_output,
+)
+
+from ._config import MockerConfig, add_mocker_args, config_from_args
+from ._kv_events import KvEvent
+from ._publisher import TOPIC, KvEventPublisher
+from ._scheduler import RankScheduler
+from ._sequence import SeqStatus, Sequence
+
+__all__ = ["MockerEngine"]
+
+
+class MockerEngine(LLMEngine):
+    """Simulated vLLM: continuous batching, chunked prefill, preemption, prefix caching and
+    vLLM-format KV events, per data-parallel rank, with Dynamo's mocker timing model.
+
+    Args:
+        config: the settings; ``from_args`` builds them from the worker's flags.
+    """
+
+    name = "mocker"
+
+    def __init__(self, config: MockerConfig | None = None) -> None:
+        self.config = config or MockerConfig()
+        self.engine_config: EngineConfig | None = None
+        self._ranks: list[RankScheduler] = []
+        self._publisher: KvEventPublisher | None = None
+        #: Live sequences by context id (for ``abort``).
+        self._live: dict[str, list[tuple[RankScheduler, Sequence]]] = {}
+        self._state = "new"  # new -> started -> closed
+
+    @classmethod
+    def add_args(cls, parser: argparse.ArgumentParser) -> None:
+        add_mocker_args(parser)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> MockerEngine:
+        return cls(config_from_args(args))
+
+    @property
+    def ranks(self) -> tuple[RankScheduler, ...]:
+        """The per-rank schedulers (their queues and block managers), for inspection."""
+        return tuple(self._ranks)
+
+    @property
+    def publisher(self) -> KvEventPublisher | None:
+        return self._publisher
+
+    async def start(self, worker_id: int) -> EngineConfig:
+        """Bind the KV-event sockets and start one scheduler per data-parallel rank."""
+        if self._state != "new":
+            raise RuntimeError(f"MockerEngine.start called when {self._state}")
+        self._state = "started"
+        cfg = self.config
+        try:
+            if cfg.enable_kv_events:
+                self._publisher = KvEventPublisher(
+                    cfg.bind_host, cfg.kv_events_port, cfg.kv_replay_port, cfg.replay_buffer_size
+                )
+                await self._publisher.start()
+            for rank in range(cfg.data_parallel_size):
+                sched = RankScheduler(rank, cfg, self._publish if self._publisher else None)
+                sched.start()
+                self._ranks.append(sched)
+        except BaseException:
+            await self.cleanup()
+            raise
+        events = replay = None
+        if self._publisher is not None:
+            host = cfg.advertised_host()
+            events = f"tcp://{host}:{self._publisher.events_port}"
+            replay = f"tcp://{host}:{self._publisher.replay_port}"
+        self.engine_config = EngineConfig(
+            model_name=cfg.model_name,
+            served_model_name=cfg.model_name,
+            context_length=cfg.context_length,
+            kv_block_size=cfg.block_size,
+            total_kv_blocks=cfg.num_gpu_blocks,
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            data_parallel_size=cfg.data_parallel_size,
+            data_parallel_start_rank=0,
+            kv_events_endpoint=events,
+            kv_replay_endpoint=replay,
+            extra={"engine": "mocker", "speedup_ratio": cfg.speedup_ratio,
+                   "enable_prefix_caching": cfg.enable_prefix_caching,
+                   "kv_events_topic": TOPIC.decode(), "kv_events_format": "vllm"},
+        )
+        return self.engine_config
+
+    def _publish(self, events: list[KvEvent], dp_rank: int) -> None:
+        if self._publisher is not None:
+            self._publisher.publish(events, dp_rank)
+
+    async def generate(self, request: PreprocessedRequest, ctx: Context) -> AsyncIterator[LLMEngineOutput]:
+        """Stream one token per step, ending with exactly one terminal chunk."""
+        prompt_usage = Usage(prompt_tokens=len(request.token_ids))
+        problem = self._check(request)
+        if problem is not None:
+            yield error_output(problem, prompt_usage)
+            return
+        if ctx.is_stopped():
+            yield cancelled_output(Usage(len(request.token_ids), 0, 0))
+            return
+        sched = self._pick_rank(request.routing.dp_rank)
+        seq = self._sequence(request)
+        key = ctx.id()
+        entry = (sched, seq)
+        self._live.setdefault(key, []).append(entry)
+        sched.add(seq)
+        remove_listener = ctx.add_listener(lambda _killed: sched.cancel(seq))
+        try:
+            while True:
+                if not seq.outbox:
+                    seq.ready.clear()
+                    await seq.ready.wait()
+                    continue
+                chunk = seq.outbox.popleft()
+                yield chunk
+                if chunk.finish_reason is not None:
+                    return
+        finally:
+            remove_listener()
+            live = self._live.get(key)
+            if live is not None:
+                live.remove(entry)
+                if not live:
+                    del self._live[key]
+            if seq.status is not SeqStatus.FINISHED:
+                sched.cancel(seq, emit=False)
+
+    def _check(self, request: PreprocessedRequest) -> str | None:
+        """Why ``request`` cannot run, or None."""
+        cfg = self.config
+        if self._state != "started":
+            return "the mocker engine is not running"
+        prompt = request.token_ids
+        if not prompt:
+            return "the prompt is empty"
+        if len(prompt) >= cfg.context_length:
+            return (f"the prompt has {len(prompt)} tokens but the context length is {cfg.context_length} "
+                    f"(at most {cfg.context_length - 1} prompt tokens)")
+        if min(prompt) < 0 or max(prompt) >= cfg.vocab_size:
+            return f"prompt token ids must be in [0, {cfg.vocab_size})"
+        if -(-len(prompt) // cfg.block_size) > cfg.num_gpu_blocks:
+            return (f"the prompt needs {-(-len(prompt) // cfg.block_size)} KV blocks; "
+                    f"a rank has {cfg.num_gpu_blocks}")
+        max_tokens = request.stop.max_tokens
+        if max_tokens is not None and max_tokens < 1:
+            return f"max_tokens must be at least 1, got {max_tokens}"
+        rank = request.routing.dp_rank
+        if rank is not None and not 0 <= rank < len(self._ranks):
+            return f"dp_rank {rank} out of range: this engine serves ranks 0..{len(self._ranks) - 1}"
+        return None
+
+    def _pick_rank(self, rank: int | None) -> RankScheduler:
+        if rank is not None:
+            return self._ranks[rank]
+        return min(self._ranks, key=lambda r: (r.load, r.blocks.num_active, r.rank))
+
+    def _sequence(self, request: PreprocessedRequest) -> Sequence:
+        cfg = self.config
+        room = cfg.context_length - len(request.token_ids)
+        stop = request.stop
+        return Sequence(
+            request.token_ids,
+            block_size=cfg.block_size,
+            vocab_size=cfg.vocab_size,
+            seed=cfg.seed if request.sampling.seed is None else request.sampling.seed,
+            max_tokens=room if stop.max_tokens is None else min(stop.max_tokens, room),
+            min_tokens=stop.min_tokens,
+            stop_token_ids=stop.stop_token_ids,
+            eos_token_ids=(*request.eos_token_ids, *cfg.eos_token_ids),
+            ignore_eos=stop.ignore_eos,
+            request_id=request.request_id,
+        )
+
+    async def abort(self, ctx: Context) -> None:
+        """Cancel every sequence of ``ctx`` now (its stream ends with ``cancelled``)."""
+        for sched, seq in list(self._live.get(ctx.id(), ())):
+            sched.cancel(seq)
+
+    async def drain(self) -> None:
+        """Wait until every rank is idle."""
+        await asyncio.gather(*(r.drain() for r in self._ranks))
+
+    def stats(self) -> dict[str, float]:
+        """KV blocks in use and sequences held, summed over the ranks (for worker metrics)."""
+        ranks = self._ranks
+        return {
+            "kv_active_blocks": float(sum(r.blocks.num_active for r in ranks)),
+            "kv_total_blocks": float(sum(r.blocks.num_blocks for r in ranks)),
+            "num_running": float(sum(len(r.running) for r in ranks)),
+            "num_waiting": float(sum(len(r.waiting) for r in ranks)),
+        }
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every rank's cached blocks (``AllBlocksCleared``); False if any rank is busy."""
+        return all([r.reset_prefix_cache() for r in self._ranks])
+
+    async def cleanup(self) -> None:
+        """Stop the schedulers (unfinished streams end with an error) and close the sockets.
+        Idempotent and safe before ``start``."""
+        self._state = "closed"
+        ranks, self._ranks = self._ranks, []
+        for sched in ranks:
+            await sched.close()
+        publisher, self._publisher = self._publisher, None
+        if publisher is not None:
+            await publisher.close()

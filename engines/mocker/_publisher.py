@@ -1,0 +1,141 @@
+"""The KV-event publisher: a PUB socket sending ``[topic, seq, payload]`` (vLLM's frames), a ring
+buffer of recent batches, and a replay ROUTER that resends missed batches on request.
+
+Replay protocol (vLLM's): a DEALER sends ``[b"", start_seq as 8-byte big-endian]``; the answer is
+one message ``[b"", topic, seq, payload]`` per buffered batch with ``seq >= start_seq``, in
+order, then the end marker ``[b"", b"", b"\\xff" * 8, b""]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+
+import zmq
+
+from dynamo_zmq.transport import AsyncSocket, SendResult, make_socket
+
+from ._kv_events import KvEvent, encode_batch
+
+__all__ = ["END_SEQ", "TOPIC", "KvEventPublisher"]
+
+log = logging.getLogger(__name__)
+
+TOPIC = b"kv-events"
+#: Seq frame of the replay end marker (-1 as a signed 8-byte big-endian integer).
+END_SEQ = b"\xff" * 8
+#: PUB drops silently beyond its high-water mark; vLLM uses 100k.
+PUB_HWM = 100_000
+#: Seconds a replay waits for a client that does not read before giving up on it.
+REPLAY_SEND_TIMEOUT = 5.0
+
+
+class KvEventPublisher:
+    """Publishes KV-event batches and serves replays. One owner of both sockets and the task."""
+
+    def __init__(self, bind_host: str = "*", events_port: int = 0, replay_port: int = 0,
+                 buffer_size: int = 10_000, topic: bytes = TOPIC) -> None:
+        self._bind_host = bind_host
+        self._ports = (events_port, replay_port)
+        self.topic = topic
+        self._buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=buffer_size)
+        self._next_seq = 0
+        self._zctx: zmq.Context | None = None
+        self._pub: zmq.Socket | None = None
+        self._replay: AsyncSocket | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.events_port = 0
+        self.replay_port = 0
+        self.dropped = 0
+
+    @property
+    def next_seq(self) -> int:
+        """The seq the next published batch will carry."""
+        return self._next_seq
+
+    async def start(self) -> None:
+        """Bind both sockets and start serving replays."""
+        if self._zctx is not None:
+            raise RuntimeError("publisher already started")
+        self._zctx = zmq.Context()
+        try:
+            self._pub = make_socket(self._zctx, zmq.PUB, bind=self._endpoint(self._ports[0]), hwm=PUB_HWM)
+            self.events_port = _bound_port(self._pub)
+            replay = make_socket(self._zctx, zmq.ROUTER, bind=self._endpoint(self._ports[1]), hwm=PUB_HWM)
+            self._replay = AsyncSocket(replay)
+            self.replay_port = _bound_port(replay)
+        except BaseException:
+            await self.close()
+            raise
+        self._task = asyncio.create_task(self._serve_replay(), name="mocker-kv-replay")
+
+    def _endpoint(self, port: int) -> str:
+        return f"tcp://{self._bind_host}:{port}"
+
+    def publish(self, events: list[KvEvent], dp_rank: int) -> int:
+        """Send one batch now (never blocks) and keep it for replay; returns its seq."""
+        seq = self._next_seq
+        self._next_seq += 1
+        payload = encode_batch(events, dp_rank)
+        self._buffer.append((seq, payload))
+        if self._pub is not None:
+            try:
+                self._pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload], zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                # Subscribers see the gap in seq and recover it through replay.
+                self.dropped += 1
+                if not isinstance(exc, zmq.Again):
+                    log.warning("KV event batch %d not sent: %s", seq, exc)
+        return seq
+
+    async def _serve_replay(self) -> None:
+        sock = self._replay
+        assert sock is not None
+        while not sock.closed:
+            await sock.wait_readable()
+            while (frames := sock.recv_nowait()) is not None:
+                try:
+                    await self._answer(sock, frames)
+                except zmq.ZMQError as exc:
+                    if sock.closed:
+                        return
+                    log.warning("KV replay failed: %s", exc)
+
+    async def _answer(self, sock: AsyncSocket, frames: list[bytes]) -> None:
+        # [identity, b"", start_seq] from a DEALER; [identity, start_seq] without the delimiter.
+        if len(frames) not in (2, 3) or (len(frames) == 3 and frames[1] != b"") or len(frames[-1]) != 8:
+            log.warning("ignoring malformed KV replay request: %r", frames[:4])
+            return
+        identity, prefix = frames[0], [frames[0], b""] if len(frames) == 3 else [frames[0]]
+        start = int.from_bytes(frames[-1], "big")
+        replies = [[*prefix, self.topic, seq.to_bytes(8, "big"), payload]
+                   for seq, payload in self._buffer if seq >= start]
+        replies.append([*prefix, b"", END_SEQ, b""])
+        for reply in replies:
+            result = await sock.send(reply, timeout=REPLAY_SEND_TIMEOUT)
+            if result != SendResult.SENT:
+                log.info("KV replay to %r abandoned (%s)", identity, "gone" if result == SendResult.GONE else "stalled")
+                return
+
+    async def close(self) -> None:
+        """Stop the replay task and close the sockets (idempotent)."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.wait({task})
+        if self._replay is not None:
+            self._replay.close()
+            self._replay = None
+        if self._pub is not None:
+            self._pub.close(linger=0)
+            self._pub = None
+        if self._zctx is not None:
+            self._zctx.term()
+            self._zctx = None
+
+
+def _bound_port(sock: zmq.Socket) -> int:
+    endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
+    text = endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
+    return int(text.rsplit(":", 1)[1])

@@ -1,0 +1,110 @@
+"""One request inside the mocker: its tokens, KV blocks, token generator, stop rules and the
+queue of chunks its stream has not read yet."""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import collections
+import enum
+import random
+from collections.abc import Iterable
+from collections.abc import Sequence as Seq
+
+import xxhash
+
+from dynamo_zmq.engine import FinishReason, LLMEngineOutput, Usage
+
+from ._hashing import block_hash
+
+__all__ = ["SeqStatus", "Sequence", "sequence_seed"]
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+def sequence_seed(seed: int, prompt: Seq[int]) -> int:
+    """The generator seed of a request: its seed mixed with a hash of its prompt."""
+    digest = xxhash.xxh64_intdigest(array.array("I", prompt).tobytes())
+    return ((seed & 0xFFFF_FFFF_FFFF_FFFF) << 64) | digest
+
+
+class Sequence:
+    """A request's state; the scheduler moves it between its queues and the stream reads it."""
+
+    def __init__(self, prompt: Seq[int], *, block_size: int, vocab_size: int, seed: int,
+                 max_tokens: int, min_tokens: int = 0, stop_token_ids: Iterable[int] = (),
+                 eos_token_ids: Iterable[int] = (), ignore_eos: bool = False,
+                 request_id: str = "") -> None:
+        self.request_id = request_id
+        self.tokens: list[int] = list(prompt)
+        self.num_prompt = len(self.tokens)
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.max_tokens = max_tokens
+        self.min_tokens = min_tokens
+        self.stop_token_ids = frozenset(stop_token_ids)
+        self.eos_token_ids = frozenset(() if ignore_eos else eos_token_ids)
+        self._rng = random.Random(sequence_seed(seed, self.tokens))
+        self._hashes: list[int] = []
+        self.status = SeqStatus.WAITING
+        #: KV blocks held (prefix hits first), tokens whose KV is computed, blocks already hashed.
+        self.block_ids: list[int] = []
+        self.num_computed = 0
+        self.num_hashed_blocks = 0
+        #: True until the first token after an admission is sampled (prefill or recompute).
+        self.in_prefill = True
+        #: Prompt tokens served from the prefix cache at the first admission.
+        self.cached_tokens: int | None = None
+        self.num_preemptions = 0
+        self.outbox: collections.deque[LLMEngineOutput] = collections.deque()
+        self.ready = asyncio.Event()
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed}, blocks={len(self.block_ids)})")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - self.num_prompt
+
+    def block_hashes(self, num_blocks: int) -> list[int]:
+        """Chained hashes of the first ``num_blocks`` full blocks (computed once, kept)."""
+        size = self.block_size
+        hashes = self._hashes
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            hashes.append(block_hash(hashes[-1] if hashes else None, self.tokens[i * size : (i + 1) * size]))
+        return hashes[:num_blocks]
+
+    def sample(self) -> int:
+        """The next token: uniform over the vocabulary, deterministic per (seed, prompt)."""
+        return self._rng.randrange(self.vocab_size)
+
+    def append(self, token: int) -> str | None:
+        """Add a generated token; returns the finish reason it causes, if any (vLLM's order:
+        length first, then nothing before ``min_tokens``, then eos and stop tokens)."""
+        self.tokens.append(token)
+        n = self.num_output
+        if n >= self.max_tokens:
+            return FinishReason.LENGTH
+        if n < self.min_tokens:
+            return None
+        if token in self.eos_token_ids or token in self.stop_token_ids:
+            return FinishReason.STOP
+        return None
+
+    def usage(self) -> Usage:
+        return Usage(self.num_prompt, self.num_output, self.cached_tokens or 0)
+
+    def emit(self, chunk: LLMEngineOutput) -> None:
+        """Queue a chunk for the stream and wake it."""
+        self.outbox.append(chunk)
+        self.ready.set()

@@ -1,0 +1,48 @@
+"""A small third-party-style engine loaded with ``--engine tests.support.engines:EchoEngine``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from dynamo_zmq.context import Context
+from dynamo_zmq.engine import EngineConfig, LLMEngine, LLMEngineOutput, PreprocessedRequest, Usage
+
+
+class EchoEngine(LLMEngine):
+    """Streams the prompt's tokens back, one per chunk, ``--echo-delay`` seconds apart."""
+
+    name = "echo"
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.delay = delay
+        self.aborted: list[str] = []
+
+    @classmethod
+    def add_args(cls, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--echo-delay", type=float, default=0.0)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> EchoEngine:
+        return cls(args.echo_delay)
+
+    async def start(self, worker_id: int) -> EngineConfig:
+        return EngineConfig(model_name="echo", context_length=4096, kv_block_size=16)
+
+    async def generate(self, request: PreprocessedRequest, ctx: Context):
+        limit = request.stop.max_tokens or len(request.token_ids)
+        tokens = (request.token_ids * (limit // max(1, len(request.token_ids)) + 1))[:limit]
+        for i, tok in enumerate(tokens):
+            if ctx.is_stopped():
+                yield LLMEngineOutput(finish_reason="cancelled", usage=Usage(len(request.token_ids), i))
+                return
+            yield LLMEngineOutput([tok])
+            if self.delay:
+                await asyncio.sleep(self.delay)
+        yield LLMEngineOutput(finish_reason="length", usage=Usage(len(request.token_ids), len(tokens)))
+
+    async def abort(self, ctx: Context) -> None:
+        self.aborted.append(ctx.id())
+
+    async def cleanup(self) -> None:
+        pass
