@@ -44,17 +44,29 @@ class Client:
     all; ``direct`` calls are never moved.
     """
 
-    def __init__(self, path: str, pool: PeerPool, router_mode: str = RouterMode.RoundRobin) -> None:
+    def __init__(
+        self,
+        path: str,
+        pool: PeerPool,
+        router_mode: str = RouterMode.RoundRobin,
+        select: Callable[[PeerConnection], bool] | None = None,
+    ) -> None:
         if router_mode not in (RouterMode.RoundRobin, RouterMode.Random, RouterMode.Direct):
             raise errors.InvalidArgument(f"unknown router mode {router_mode!r}")
         self.path = path
         self._pool = pool
         self._mode = router_mode
+        self._select = select
         self._rr = itertools.count()
+
+    def instances(self) -> list[PeerConnection]:
+        """Connections to the instances able to take work now (narrowed by ``select``)."""
+        conns = self._pool.instances(self.path)
+        return conns if self._select is None else [c for c in conns if self._select(c)]
 
     def instance_ids(self) -> list[int]:
         """Ids of the instances currently able to take work, sorted."""
-        return [c.instance_id for c in self._pool.instances(self.path)]
+        return [c.instance_id for c in self.instances()]
 
     async def wait_for_instances(self, timeout: float | None = None) -> list[int]:
         """Wait until at least one instance is live; raises ConnectionTimeout after ``timeout``."""
@@ -131,7 +143,7 @@ class Client:
         timeout: float | None = None,
         idle_timeout: float | None = None,
     ) -> ResponseStream:
-        conns = [c for c in self._pool.instances(self.path) if c.instance_id not in exclude]
+        conns = [c for c in self.instances() if c.instance_id not in exclude]
         if not conns:
             raise errors.CannotConnect(f"no live instance of {self.path}")
         last: errors.DynamoError | None = None
@@ -203,6 +215,13 @@ class FailoverStream:
                 continue
             self._started = True
             return item
+
+    def next_nowait(self) -> Any:
+        """The next item if it has already arrived, else ``ResponseStream.EMPTY``."""
+        item = self._stream.next_nowait()
+        if item is not ResponseStream.EMPTY:
+            self._started = True
+        return item
 
     def _may_retry(self, exc: errors.DynamoError) -> bool:
         ctx = self._stream.context

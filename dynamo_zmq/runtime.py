@@ -367,10 +367,17 @@ class Endpoint:
             raise errors.InvalidArgument(f"{self.path} has no handler to register")
         await self.start_serving(self._handler, request_type=self._request_type)
 
-    async def client(self, router_mode: str | None = None) -> Client:
-        """A client for every live instance of this endpoint (default: round-robin)."""
+    async def client(
+        self,
+        router_mode: str | None = None,
+        select: Callable[[PeerConnection], bool] | None = None,
+    ) -> Client:
+        """A client for every live instance of this endpoint (default: round-robin).
+
+        ``select`` narrows the instances further, e.g. to those serving one model.
+        """
         pool = await self.runtime._pool(self.namespace)
-        return Client(self.path, pool, router_mode or RouterMode.RoundRobin)
+        return Client(self.path, pool, router_mode or RouterMode.RoundRobin, select)
 
 
 # -- handlers -------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from tokenizers import Tokenizer
 
 from . import errors
 from .config import RuntimeConfig, add_runtime_args
@@ -45,6 +46,7 @@ from .engine import (
 )
 from .metrics import StatusServer, WorkerMetrics
 from .model_card import CHUNK, ModelCard, build_card, read_card_file
+from .postprocess import postprocess
 from .runtime import DistributedRuntime
 from .testing import validate_stream
 
@@ -120,7 +122,8 @@ def build_parser(engine_cls: type[LLMEngine] | None = None) -> argparse.Argument
 
 
 class Worker:
-    """Owns one engine and serves it: registration, admission, cancellation, health, metrics."""
+    """Owns one engine and serves it: registration, admission, cancellation, post-processing
+    (text and stop strings, see ``postprocess``), health, metrics."""
 
     def __init__(self, engine: LLMEngine, args: argparse.Namespace) -> None:
         self.engine = engine
@@ -134,6 +137,9 @@ class Worker:
         )
         self.config: EngineConfig | None = None
         self.card: ModelCard | None = None
+        #: The model's tokenizer, for post-processing (detokenization, stop strings); None
+        #: without a tokenizer.json, and then chunks pass through as the engine made them.
+        self.tokenizer: Tokenizer | None = None
         self.metrics: WorkerMetrics | None = None
         self.status: StatusServer | None = None
         self.healthy = False
@@ -189,6 +195,11 @@ class Worker:
             args.model_path, name, context_length=config.context_length,
             kv_block_size=config.kv_block_size, role=args.disaggregation_mode,
         )
+        tokenizer_file = Path(args.model_path) / "tokenizer.json"
+        if tokenizer_file.is_file():
+            self.tokenizer = await asyncio.to_thread(Tokenizer.from_file, str(tokenizer_file))
+        else:
+            log.info("no tokenizer.json in %s: no detokenization or stop strings", args.model_path)
         self.metrics = WorkerMetrics(name)
         if args.metrics_port is not None:
             self.status = StatusServer(
@@ -236,18 +247,28 @@ class Worker:
         m.inflight.labels(model).inc()
         self._inflight += 1
         aborted = False
+        # The engine's own context follows the request's, and a stop string can stop it alone.
+        engine_ctx = Context(ctx.id())
+        ctx.link_child(engine_ctx)
 
-        def on_cancel(killed: bool) -> None:
+        def abort(cancelled: bool) -> None:
             nonlocal aborted
             if not aborted:
                 aborted = True
-                m.cancellations.labels(model).inc()
-                self._spawn(self.engine.abort(ctx), f"abort-{ctx.id()}")
+                if cancelled:  # the client stopped or killed the request
+                    m.cancellations.labels(model).inc()
+                self._spawn(self.engine.abort(engine_ctx), f"abort-{ctx.id()}")
 
-        remove = ctx.add_listener(on_cancel)
-        stream = self.engine.generate(request, ctx)
+        async def stop_engine() -> None:  # a stop string matched: not a cancellation
+            engine_ctx.stop()
+            abort(cancelled=False)
+
+        remove = ctx.add_listener(lambda killed: abort(cancelled=True))
+        stream = self.engine.generate(request, engine_ctx)
         if self.args.debug_streams:
             stream = validate_stream(stream)
+        if self.tokenizer is not None or request.output.detokenize:
+            stream = postprocess(stream, request, self.tokenizer, stop_engine)
         start = last = time.monotonic()
         first = True
         try:

@@ -87,6 +87,11 @@ class Response:
     def raw(self) -> bytes:
         return bytes(self._raw)
 
+    @property
+    def payload(self) -> msgspec.Raw:
+        """The item's MessagePack bytes, uncopied (decode with a typed decoder)."""
+        return self._raw
+
     def __repr__(self) -> str:
         return f"Response({self.data()!r})"
 
@@ -154,16 +159,30 @@ class ResponseStream:
     def __aiter__(self) -> ResponseStream:
         return self
 
+    #: Returned by ``next_nowait`` when no item is waiting.
+    EMPTY: Any = object()
+
+    def next_nowait(self) -> Any:
+        """The next item if it has already arrived, else ``EMPTY``; never waits, never raises.
+
+        Lets a consumer batch what is ready (e.g. several SSE events in one write).
+        """
+        return self._pop() if self._st.items else ResponseStream.EMPTY
+
+    def _pop(self) -> Any:
+        st = self._st
+        raw = st.items.popleft()
+        st.unconsumed_credit += 1
+        if st.unconsumed_credit >= st.window // 2 and not st.done:
+            self._conn._send_control(Kind.CREDIT, Credit(st.request_id, st.unconsumed_credit))
+            st.unconsumed_credit = 0
+        return Response(raw) if self._annotated else decode_item(raw)
+
     async def __anext__(self) -> Any:
         st = self._st
         while True:
             if st.items:
-                raw = st.items.popleft()
-                st.unconsumed_credit += 1
-                if st.unconsumed_credit >= st.window // 2 and not st.done:
-                    self._conn._send_control(Kind.CREDIT, Credit(st.request_id, st.unconsumed_credit))
-                    st.unconsumed_credit = 0
-                return Response(raw) if self._annotated else decode_item(raw)
+                return self._pop()
             if st.done:
                 self._release()
                 if st.error is not None:

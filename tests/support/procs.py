@@ -46,8 +46,9 @@ class Proc:
             buf += chunk
             for line in buf.decode(errors="replace").splitlines():
                 if line.startswith("READY "):
-                    _, self.address, iid = line.split()
-                    self.instance_id = int(iid, 16)
+                    parts = line.split()
+                    self.address = parts[1]
+                    self.instance_id = int(parts[2], 16) if len(parts) > 2 else 0
                     return self
         raise TimeoutError(f"process not ready in {timeout}s:\n{self.logs()}")
 

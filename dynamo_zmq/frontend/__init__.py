@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP frontend: request parsing, preprocessing, models and serving."""

@@ -1,0 +1,110 @@
+"""``python -m dynamo_zmq.frontend``: the OpenAI-compatible HTTP entry point.
+
+    python -m dynamo_zmq.frontend [--http-host 127.0.0.1] [--http-port 8000]
+        [--router-mode round-robin|random] [--namespace dynamo]
+        [--discovery mdns|static] [--static-workers tcp://h:p,...] [--request-timeout S]
+
+Every flag has a ``DYN_*`` variable (``--http-port`` -> ``DYN_HTTP_PORT``). Prints
+``READY http://HOST:PORT`` once it accepts connections.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+
+import uvicorn
+
+from .. import errors
+from ..config import RuntimeConfig
+from ..discovery import DiscoveryConfig, add_discovery_args
+from ..runtime import DistributedRuntime
+from .app import FrontendApp
+from .models import ModelManager
+
+log = logging.getLogger("dynamo_zmq.frontend")
+
+ROUTER_MODES = {"round-robin": "round_robin", "random": "random"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    env = os.environ.get
+    parser = argparse.ArgumentParser(prog="python -m dynamo_zmq.frontend", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--http-host", default=env("DYN_HTTP_HOST", "127.0.0.1"), help="[DYN_HTTP_HOST]")
+    parser.add_argument("--http-port", type=int, default=int(env("DYN_HTTP_PORT", "8000")), help="0 = any [DYN_HTTP_PORT]")
+    parser.add_argument(
+        "--router-mode", choices=sorted(ROUTER_MODES), default=env("DYN_ROUTER_MODE", "round-robin"),
+        help="[DYN_ROUTER_MODE]",
+    )
+    parser.add_argument("--namespace", default=env("DYN_NAMESPACE", "dynamo"), help="[DYN_NAMESPACE]")
+    parser.add_argument(
+        "--request-timeout", type=float, default=float(env("DYN_REQUEST_TIMEOUT", "300")),
+        help="seconds to wait for a worker's next output before 504 [DYN_REQUEST_TIMEOUT]",
+    )
+    parser.add_argument("--model-cache", default=env("DYN_MODEL_CACHE"), help="where fetched tokenizer files are kept")
+    add_discovery_args(parser)
+    return parser
+
+
+async def serve(args: argparse.Namespace) -> int:
+    runtime = DistributedRuntime(config=RuntimeConfig(discovery=DiscoveryConfig.from_args(args)))
+    manager = ModelManager(runtime, args.namespace, ROUTER_MODES[args.router_mode], args.model_cache)
+
+    async def start() -> ModelManager:
+        await manager.start()
+        return manager
+
+    async def stop() -> None:
+        await manager.close()
+        await runtime.close()
+
+    app = FrontendApp(start, stop, request_timeout=args.request_timeout)
+    config = uvicorn.Config(
+        app, host=args.http_host, port=args.http_port, loop="none", http="httptools",
+        lifespan="on", log_level="warning", access_log=False, timeout_graceful_shutdown=5,
+    )
+    server = uvicorn.Server(config)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+    task = asyncio.create_task(server.serve(), name="uvicorn")
+    while not server.started and not task.done():  # noqa: ASYNC110 (uvicorn offers no event)
+        await asyncio.sleep(0.02)
+    if task.done():
+        await task
+        return 1
+    host, port = server.servers[0].sockets[0].getsockname()[:2]
+    print(f"READY http://{host}:{port}", flush=True)
+    await task
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(
+        level=os.environ.get("DYN_LOG", "INFO").upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        args = build_parser().parse_args(argv)
+        DiscoveryConfig.from_args(args)
+    except errors.DynamoError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 2
+    try:
+        import uvloop
+
+        return uvloop.run(serve(args))
+    except ImportError:
+        return asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,409 @@
+"""Preprocessing: OpenAI requests to ``PreprocessedRequest`` (chat template, tokens, options).
+
+A ``Preprocessor`` is built once per model from its tokenizer files (``tokenizer.json``,
+``tokenizer_config.json``, ``chat_template.jinja``, ``generation_config.json``, ``config.json``)
+and compiles the chat template once. Templates render as Hugging Face ``transformers`` renders
+them: a sandboxed jinja2 environment with ``trim_blocks`` and ``lstrip_blocks``, the
+``loopcontrols`` extension, ``{% generation %}`` blocks, ``raise_exception``, ``strftime_now``
+and transformers' ``tojson`` filter. Chat prompts are tokenized without special tokens (the
+template carries them); text completion prompts with them (the tokenizer's post-processor).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2 import nodes
+from jinja2.ext import Extension
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from ..engine import OutputOptions, PreprocessedRequest, SamplingOptions, StopConditions
+from ..model_card import ModelCard
+from .errors import bad_request, prompt_too_long
+from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, FunctionDefinition
+
+__all__ = ["Preprocessor", "template_environment"]
+
+_SPECIAL_TOKENS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+    "additional_special_tokens",
+)
+#: Template variables that request ``chat_template_kwargs`` may not override.
+_RESERVED = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+
+
+class _GenerationBlock(Extension):
+    """``{% generation %}...{% endgeneration %}`` (transformers' assistant masks): the body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body, lineno=lineno)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # transformers' filter: no HTML escaping, json.dumps options exposed.
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+def template_environment() -> ImmutableSandboxedEnvironment:
+    """The jinja2 environment chat templates are compiled in (as transformers builds it)."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_GenerationBlock, "jinja2.ext.loopcontrols"],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text(encoding="utf-8"))
+    return data if isinstance(data, dict) else {}
+
+
+def _token_text(value: Any) -> Any:
+    """A special token as tokenizer_config stores it: a string or an AddedToken dict."""
+    if isinstance(value, dict):
+        return value.get("content")
+    if isinstance(value, list):
+        return [_token_text(v) for v in value]
+    return value
+
+
+def _ids(value: Any) -> list[int]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return []
+
+
+def _unique(values: Iterable[int]) -> list[int]:
+    return list(dict.fromkeys(values))
+
+
+class Preprocessor:
+    """Turns parsed OpenAI requests into ``PreprocessedRequest`` for one model.
+
+    Args:
+        model_dir: directory holding the model's tokenizer and config files.
+        card: the model's card; ``card.name`` is the served name, and ``card.context_length``
+            (else ``config.json``'s ``max_position_embeddings``) bounds prompt plus output.
+
+    Attributes:
+        tokenizer: the ``tokenizers.Tokenizer``.
+        eos_token_ids: end-of-sequence ids (generation_config, config, then the tokenizer's).
+        bos_token / eos_token: the special tokens' text, or None.
+        context_length: the maximum of prompt plus output tokens (0 when unknown: no limit).
+        vocab_size: token ids at or above it are rejected in token prompts.
+    """
+
+    def __init__(self, model_dir: Path | str, card: ModelCard) -> None:
+        root = Path(model_dir)
+        self.card = card
+        self.model = card.name
+        self.tokenizer = Tokenizer.from_file(str(root / "tokenizer.json"))
+        tok_config = _read_json(root / "tokenizer_config.json")
+        special_map = _read_json(root / "special_tokens_map.json")
+        gen_config = _read_json(root / "generation_config.json")
+        config = _read_json(root / "config.json")
+
+        self.special_tokens: dict[str, Any] = {}
+        for name in _SPECIAL_TOKENS:
+            value = _token_text(tok_config.get(name, special_map.get(name)))
+            if value is not None:
+                self.special_tokens[name] = value
+        self.bos_token: str | None = self.special_tokens.get("bos_token")
+        self.eos_token: str | None = self.special_tokens.get("eos_token")
+
+        eos = _ids(gen_config.get("eos_token_id")) + _ids(config.get("eos_token_id"))
+        if isinstance(self.eos_token, str):
+            tok_eos = self.tokenizer.token_to_id(self.eos_token)
+            if tok_eos is not None:
+                eos.append(tok_eos)
+        self.eos_token_ids: list[int] = _unique(eos)
+
+        max_pos = config.get("max_position_embeddings")
+        self.context_length: int = card.context_length or (
+            max_pos if isinstance(max_pos, int) and max_pos > 0 else 0
+        )
+        vocab = config.get("vocab_size")
+        self.vocab_size: int = max(
+            self.tokenizer.get_vocab_size(with_added_tokens=True),
+            vocab if isinstance(vocab, int) else 0,
+        )
+
+        self._env = template_environment()
+        self._templates: dict[str, jinja2.Template] = {}
+        jinja_file = root / "chat_template.jinja"
+        source: Any = (
+            jinja_file.read_text(encoding="utf-8")
+            if jinja_file.is_file()
+            else tok_config.get("chat_template")
+        )
+        if isinstance(source, str):
+            self._templates["default"] = self._env.from_string(source)
+        elif isinstance(source, list):
+            for item in source:
+                if isinstance(item, dict) and isinstance(item.get("template"), str):
+                    self._templates[str(item.get("name"))] = self._env.from_string(item["template"])
+
+    def __repr__(self) -> str:
+        return f"Preprocessor(model={self.model!r}, context_length={self.context_length})"
+
+    # -- chat -----------------------------------------------------------------------------------
+
+    def _template(self, with_tools: bool) -> jinja2.Template:
+        if with_tools and "tool_use" in self._templates:
+            return self._templates["tool_use"]
+        if "default" in self._templates:
+            return self._templates["default"]
+        if len(self._templates) == 1:
+            return next(iter(self._templates.values()))
+        raise bad_request(
+            f"Model {self.model!r} has no chat template; use /v1/completions instead",
+            param="messages",
+        )
+
+    @staticmethod
+    def _message(message: ChatMessage) -> dict[str, Any]:
+        content = message.content
+        if content is None:
+            text = ""
+        elif isinstance(content, str):
+            text = content
+        else:
+            text = "\n".join(part.text or "" for part in content)
+        out: dict[str, Any] = {"role": message.role, "content": text}
+        if message.name is not None:
+            out["name"] = message.name
+        if message.tool_calls is not None:
+            calls = []
+            for call in message.tool_calls:
+                arguments: Any = call.function.arguments
+                if isinstance(arguments, str):
+                    try:  # templates expect a mapping, as vLLM passes it
+                        parsed = json.loads(arguments)
+                    except ValueError:
+                        parsed = None
+                    if isinstance(parsed, dict):
+                        arguments = parsed
+                item: dict[str, Any] = {
+                    "type": call.type,
+                    "function": {"name": call.function.name, "arguments": arguments},
+                }
+                if call.id is not None:
+                    item["id"] = call.id
+                calls.append(item)
+            out["tool_calls"] = calls
+        if message.tool_call_id is not None:
+            out["tool_call_id"] = message.tool_call_id
+        if message.reasoning_content is not None:
+            out["reasoning_content"] = message.reasoning_content
+        return out
+
+    def render(self, req: ChatCompletionRequest) -> str:
+        """The chat prompt text of ``req``, rendered with the model's template.
+
+        Raises:
+            HttpError: 400 when the model has no template or the template rejects the request.
+        """
+        tools = None
+        if req.tools:
+            tools = [{"type": t.type, "function": _function_dict(t.function)} for t in req.tools]
+        template = self._template(tools is not None)
+        messages = [self._message(m) for m in req.messages]
+        variables: dict[str, Any] = dict(self.special_tokens)
+        if req.chat_template_kwargs:
+            variables.update(
+                (k, v) for k, v in req.chat_template_kwargs.items() if k not in _RESERVED
+            )
+        variables["messages"] = messages
+        variables["tools"] = tools
+        variables["documents"] = req.documents
+        variables["add_generation_prompt"] = req.add_generation_prompt is not False
+        try:
+            text = template.render(variables)
+        except jinja2.TemplateError as exc:
+            raise bad_request(
+                f"Chat template error: {exc.message or exc}", param="messages"
+            ) from exc
+        except Exception as exc:  # a template's own bug on this input: the request can't render
+            raise bad_request(
+                f"Chat template failed on this request: {type(exc).__name__}: {exc}",
+                param="messages",
+            ) from exc
+        if req.continue_final_message:
+            text = _continue_final(text, messages[-1]["content"])
+        return text
+
+    def chat(self, req: ChatCompletionRequest) -> PreprocessedRequest:
+        """Render, tokenize and translate a parsed chat request.
+
+        Raises:
+            HttpError: 400 (template or tokenization errors), 413 (context length exceeded).
+        """
+        text = self.render(req)
+        token_ids = self._encode(text, bool(req.add_special_tokens), "messages")
+        max_tokens = req.max_completion_tokens
+        name = "max_completion_tokens"
+        if max_tokens is None:
+            max_tokens, name = req.max_tokens, "max_tokens"
+        return self._build(req, token_ids, max_tokens, name, "messages")
+
+    # -- completions ----------------------------------------------------------------------------
+
+    def completion(self, req: CompletionRequest) -> PreprocessedRequest:
+        """Tokenize (or check) the prompt and translate a parsed completion request.
+
+        Raises:
+            HttpError: 400 (bad token ids, empty prompt), 413 (context length exceeded).
+        """
+        prompt = req.prompt
+        if isinstance(prompt, str):
+            add_special = req.add_special_tokens is not False
+            token_ids = self._encode(prompt, add_special, "prompt")
+        else:
+            token_ids = list(prompt)  # type: ignore[arg-type]
+            if not token_ids:
+                raise bad_request("'prompt' must not be empty", param="prompt")
+            top = max(token_ids)
+            if self.vocab_size and top >= self.vocab_size:
+                raise bad_request(
+                    f"Token id {top} is out of vocabulary (size {self.vocab_size})",
+                    param="prompt",
+                    code="invalid_value",
+                )
+        return self._build(req, token_ids, req.max_tokens, "max_tokens", "prompt")
+
+    # -- shared ---------------------------------------------------------------------------------
+
+    def _encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        try:
+            ids: list[int] = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        except Exception as exc:  # tokenizers raises plain exceptions on odd input
+            raise bad_request(f"The {param} could not be tokenized: {exc}", param=param) from exc
+        if not ids:
+            raise bad_request(f"The {param} tokenized to nothing", param=param)
+        return ids
+
+    def _build(
+        self,
+        req: ChatCompletionRequest | CompletionRequest,
+        token_ids: list[int],
+        max_tokens: int | None,
+        max_name: str,
+        what: str,
+    ) -> PreprocessedRequest:
+        n = len(token_ids)
+        ctx = self.context_length
+        kind = "input messages" if what == "messages" else "input prompt"
+        if ctx:
+            if n >= ctx:
+                raise prompt_too_long(
+                    f"This model's maximum context length is {ctx} tokens. However, your request "
+                    f"has {n} input tokens. Please reduce the length of the {kind}.",
+                    param=what,
+                )
+            if max_tokens is None:
+                max_tokens = ctx - n
+            elif n + max_tokens > ctx:
+                raise prompt_too_long(
+                    f"This model's maximum context length is {ctx} tokens. However, you requested "
+                    f"{n + max_tokens} tokens ({n} in the {what}, {max_tokens} in the completion). "
+                    f"Please reduce the length of the {what} or completion.",
+                    param=max_name,
+                )
+        min_tokens = req.min_tokens or 0
+        if max_tokens is not None and min_tokens > max_tokens:
+            raise prompt_too_long(
+                f"'min_tokens' ({min_tokens}) exceeds the {max_tokens} tokens left in this "
+                f"model's context ({ctx} tokens, {n} in the {what}).",
+                param="min_tokens",
+            )
+        stop = req.stop
+        return PreprocessedRequest(
+            token_ids=token_ids,
+            model=self.model,
+            sampling=SamplingOptions(
+                temperature=req.temperature,
+                top_p=req.top_p,
+                top_k=req.top_k,
+                min_p=req.min_p,
+                seed=req.seed,
+                presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty,
+                repetition_penalty=req.repetition_penalty,
+                n=req.n or 1,
+            ),
+            stop=StopConditions(
+                max_tokens=max_tokens,
+                min_tokens=min_tokens,
+                stop=[stop] if isinstance(stop, str) else list(stop or ()),
+                stop_token_ids=list(req.stop_token_ids or ()),
+                ignore_eos=bool(req.ignore_eos),
+                include_stop_str_in_output=bool(req.include_stop_str_in_output),
+            ),
+            output=OutputOptions(skip_special_tokens=req.skip_special_tokens is not False),
+            eos_token_ids=list(self.eos_token_ids),
+        )
+
+
+def _function_dict(function: FunctionDefinition) -> dict[str, Any]:
+    out: dict[str, Any] = {"name": function.name}
+    if function.description is not None:
+        out["description"] = function.description
+    if function.parameters is not None:
+        out["parameters"] = function.parameters
+    if function.strict is not None:
+        out["strict"] = function.strict
+    return out
+
+
+def _continue_final(text: str, final: str) -> str:
+    """Cut the rendering right after the final message's content (transformers' rule)."""
+    final = final.strip()
+    if not final:
+        return text
+    at = text.rfind(final)
+    if at < 0:
+        raise bad_request(
+            "'continue_final_message' needs the final message's content in the rendered prompt",
+            param="continue_final_message",
+        )
+    return text[: at + len(final)]

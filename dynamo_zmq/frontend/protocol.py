@@ -1,0 +1,389 @@
+"""OpenAI request bodies: msgspec Structs, decoded once, then validated in Python.
+
+``parse_chat`` / ``parse_completion`` turn a request body into a ``ChatCompletionRequest`` /
+``CompletionRequest`` or raise ``HttpError`` 400 with a message naming the field. Unknown fields
+are ignored, as OpenAI does. Valid OpenAI options this server does not implement yet (``n > 1``,
+logprobs, echo, logit_bias, JSON response formats, guided decoding, ``best_of > 1``, ``suffix``,
+...) are rejected with 400, never silently ignored.
+
+After ``parse_completion`` the ``prompt`` is either a ``str`` or a ``list[int]``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import msgspec
+
+from .errors import bad_request, unsupported
+
+__all__ = [
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "CompletionRequest",
+    "ContentPart",
+    "FunctionCall",
+    "FunctionDefinition",
+    "ResponseFormat",
+    "StreamOptions",
+    "Tool",
+    "ToolCall",
+    "parse_chat",
+    "parse_completion",
+]
+
+_I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
+
+
+class ContentPart(msgspec.Struct):
+    """One part of a message's content; only ``{"type": "text", "text": ...}`` is supported."""
+
+    type: str
+    text: str | None = None
+
+
+class FunctionCall(msgspec.Struct):
+    name: str
+    #: A JSON string, as OpenAI sends it (an object is accepted too).
+    arguments: str | dict[str, Any] = ""
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    function: FunctionCall
+    id: str | None = None
+    type: str = "function"
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+
+class FunctionDefinition(msgspec.Struct, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, kw_only=True):
+    function: FunctionDefinition
+    type: str = "function"
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    type: str
+    json_schema: dict[str, Any] | None = None
+
+
+class _BaseRequest(msgspec.Struct, kw_only=True):
+    """Fields shared by chat and completion requests (OpenAI's, then vLLM's extensions)."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM extensions.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = False
+    skip_special_tokens: bool | None = True
+    spaces_between_special_tokens: bool | None = True
+    add_special_tokens: bool | None = None
+    use_beam_search: bool | None = False
+    prompt_logprobs: int | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+
+
+class ChatCompletionRequest(_BaseRequest, kw_only=True):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    echo: bool | None = False
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
+    modalities: list[str] | None = None
+    audio: Any = None
+    prediction: Any = None
+    functions: Any = None
+    function_call: Any = None
+
+
+class CompletionRequest(_BaseRequest, kw_only=True):
+    """``POST /v1/completions``; after parsing, ``prompt`` is a ``str`` or a ``list[int]``."""
+
+    prompt: str | list[str | int | list[int]]
+    logprobs: int | None = None
+    echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+_chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
+_completion_decoder = msgspec.json.Decoder(CompletionRequest)
+_PATH = re.compile(r" - at `\$\.?(.*)`$")
+
+
+def _decode(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
+    try:
+        return decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        match = _PATH.search(text)
+        if match is not None:
+            param = match.group(1) or None
+            text = text[: match.start()] + (f" at '{param}'" if param else "")
+        else:
+            missing = re.search(r"missing required field `(\w+)`", text)
+            param = missing.group(1) if missing else None
+        if text.startswith("Expected"):
+            code = "invalid_type"
+        elif "missing required field" in text:
+            code = "missing_required_parameter"
+        else:
+            code = "invalid_value"
+        raise bad_request(f"Invalid request: {text}", param=param, code=code) from exc
+    except msgspec.DecodeError as exc:
+        raise bad_request(
+            f"The request body is not valid JSON: {exc}", code="invalid_json"
+        ) from exc
+    except RecursionError as exc:
+        raise bad_request("The request body is nested too deeply", code="invalid_json") from exc
+
+
+def _range(value: float | None, name: str, lo: float, hi: float, *, lo_open: bool = False) -> None:
+    if value is None:
+        return
+    ok = (lo < value if lo_open else lo <= value) and value <= hi
+    if not ok:
+        low = f"greater than {lo}" if lo_open else f"at least {lo}"
+        raise bad_request(
+            f"'{name}' must be {low} and at most {hi}, got {value}",
+            param=name,
+            code="invalid_value",
+        )
+
+
+def _validate_common(req: _BaseRequest) -> None:
+    _range(req.temperature, "temperature", 0.0, 2.0)
+    _range(req.top_p, "top_p", 0.0, 1.0, lo_open=True)
+    _range(req.min_p, "min_p", 0.0, 1.0)
+    _range(req.presence_penalty, "presence_penalty", -2.0, 2.0)
+    _range(req.frequency_penalty, "frequency_penalty", -2.0, 2.0)
+    _range(req.repetition_penalty, "repetition_penalty", 0.0, 2.0, lo_open=True)
+    _range(req.seed, "seed", _I64_MIN, _I64_MAX)
+    _range(req.max_tokens, "max_tokens", 1, _I64_MAX)
+    _range(req.min_tokens, "min_tokens", 0, _I64_MAX)
+    _range(req.n, "n", 1, _I64_MAX)
+    if req.top_k is not None and req.top_k != -1:
+        _range(req.top_k, "top_k", 0, _I64_MAX)
+    if req.stop is not None:
+        stops = [req.stop] if isinstance(req.stop, str) else req.stop
+        if any(not s for s in stops):
+            raise bad_request(
+                "'stop' strings must not be empty", param="stop", code="invalid_value"
+            )
+    if (
+        req.stop_token_ids
+        and not 0 <= min(req.stop_token_ids) <= max(req.stop_token_ids) <= _I64_MAX
+    ):
+        raise bad_request(
+            "'stop_token_ids' must be non-negative token ids",
+            param="stop_token_ids",
+            code="invalid_value",
+        )
+    if req.stream_options is not None and not req.stream:
+        raise bad_request(
+            "'stream_options' is only allowed when 'stream' is true", param="stream_options"
+        )
+    # Valid options that are not implemented yet: refuse, never ignore.
+    if req.n is not None and req.n > 1:
+        raise unsupported("n", "only one choice per request (n=1)")
+    if req.logit_bias:
+        raise unsupported("logit_bias")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise unsupported("response_format", f"type {req.response_format.type!r}")
+    if req.use_beam_search:
+        raise unsupported("use_beam_search")
+    if req.prompt_logprobs is not None:
+        raise unsupported("prompt_logprobs")
+    if req.spaces_between_special_tokens is False:
+        raise unsupported("spaces_between_special_tokens", "only true")
+    for name in (
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+        "structured_outputs",
+    ):
+        if getattr(req, name) is not None:
+            raise unsupported(name)
+
+
+def _check_min_tokens(req: _BaseRequest, max_tokens: int | None, name: str) -> None:
+    if max_tokens is not None and req.min_tokens is not None and req.min_tokens > max_tokens:
+        raise bad_request(
+            f"'min_tokens' ({req.min_tokens}) must not exceed '{name}' ({max_tokens})",
+            param="min_tokens",
+            code="invalid_value",
+        )
+
+
+def _validate_chat(req: ChatCompletionRequest) -> None:
+    _validate_common(req)
+    _range(req.max_completion_tokens, "max_completion_tokens", 1, _I64_MAX)
+    if req.max_completion_tokens is not None:
+        _check_min_tokens(req, req.max_completion_tokens, "max_completion_tokens")
+    else:
+        _check_min_tokens(req, req.max_tokens, "max_tokens")
+    if not req.messages:
+        raise bad_request("'messages' must contain at least one message", param="messages")
+    for i, message in enumerate(req.messages):
+        if isinstance(message.content, list):
+            for j, part in enumerate(message.content):
+                param = f"messages[{i}].content[{j}]"
+                if part.type != "text":
+                    raise unsupported(param, f"content part type {part.type!r} (only 'text')")
+                if part.text is None:
+                    raise bad_request(
+                        f"'{param}' of type 'text' needs a 'text' string", param=param
+                    )
+    if req.logprobs:
+        raise unsupported("logprobs")
+    if req.top_logprobs:
+        raise unsupported("top_logprobs")
+    if req.echo:
+        raise unsupported("echo")
+    if req.chat_template is not None:
+        raise unsupported("chat_template", "the model's own template is always used")
+    if req.modalities is not None and any(m != "text" for m in req.modalities):
+        raise unsupported("modalities", "only 'text'")
+    for name in ("audio", "prediction", "functions", "function_call"):
+        if getattr(req, name) is not None:
+            raise unsupported(name)
+    if req.tools:
+        for i, tool in enumerate(req.tools):
+            if tool.type != "function":
+                raise unsupported(f"tools[{i}].type", f"tool type {tool.type!r} (only 'function')")
+    choice = req.tool_choice
+    if choice is not None and choice not in ("none", "auto"):
+        if choice == "required" or isinstance(choice, dict):
+            raise unsupported("tool_choice", "only 'auto' and 'none'")
+        raise bad_request(
+            f"'tool_choice' must be 'none', 'auto', 'required' or a function, got {choice!r}",
+            param="tool_choice",
+            code="invalid_value",
+        )
+    if req.continue_final_message and req.add_generation_prompt:
+        raise bad_request(
+            "'continue_final_message' and 'add_generation_prompt' cannot both be true",
+            param="continue_final_message",
+        )
+
+
+def _validate_completion(req: CompletionRequest) -> None:
+    _validate_common(req)
+    _check_min_tokens(req, req.max_tokens, "max_tokens")
+    if req.logprobs is not None:
+        raise unsupported("logprobs")
+    if req.echo:
+        raise unsupported("echo")
+    if req.suffix is not None:
+        raise unsupported("suffix")
+    _range(req.best_of, "best_of", 1, _I64_MAX)
+    if req.best_of is not None and req.best_of > 1:
+        raise unsupported("best_of", "only best_of=1")
+    req.prompt = _one_prompt(req.prompt)
+
+
+def _one_prompt(prompt: str | list[Any]) -> str | list[int]:
+    """The single prompt of a completion: a string or a list of token ids."""
+    if isinstance(prompt, str):
+        return prompt
+    if not prompt:
+        raise bad_request("'prompt' must not be empty", param="prompt")
+    first = prompt[0]
+    if isinstance(first, int):
+        try:
+            lo = min(prompt)
+        except TypeError:
+            lo = None
+        if not isinstance(lo, int):
+            raise bad_request(
+                "'prompt' must be a string, a list of token ids, or a list with one of either",
+                param="prompt",
+                code="invalid_value",
+            )
+        if lo < 0:
+            raise bad_request(f"'prompt' has a negative token id {lo}", param="prompt")
+        return prompt
+    if len(prompt) != 1:
+        raise bad_request(
+            f"A batch of {len(prompt)} prompts is not supported yet; send one prompt per request",
+            param="prompt",
+            code="unsupported_parameter",
+        )
+    if isinstance(first, list):
+        return _one_prompt(first)
+    return first
+
+
+def parse_chat(body: bytes) -> ChatCompletionRequest:
+    """Decode and validate a chat completion request.
+
+    Raises:
+        HttpError: 400 for malformed JSON, wrong types, missing fields, bad values or
+            unsupported options.
+    """
+    req: ChatCompletionRequest = _decode(_chat_decoder, body)
+    _validate_chat(req)
+    return req
+
+
+def parse_completion(body: bytes) -> CompletionRequest:
+    """Decode and validate a completion request; ``prompt`` becomes a ``str`` or ``list[int]``.
+
+    Raises:
+        HttpError: 400 for malformed JSON, wrong types, missing fields, bad values or
+            unsupported options (including a batch of several prompts).
+    """
+    req: CompletionRequest = _decode(_completion_decoder, body)
+    _validate_completion(req)
+    return req

@@ -1,0 +1,118 @@
+"""OpenAI response bodies: SSE chunks as OpenAI sends them, and aggregated responses.
+
+Chunks are built from pre-encoded byte templates; only the text of each delta is JSON-encoded
+per token (msgspec), which keeps the per-chunk cost at a few microseconds.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import msgspec
+
+__all__ = ["DONE", "ChatFormatter", "CompletionFormatter", "sse_error"]
+
+DONE = b"data: [DONE]\n\n"
+
+_json = msgspec.json.encode
+
+
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def sse_error(body: bytes) -> bytes:
+    """An error inside an already-started stream (the body is an OpenAI error object)."""
+    return b"data: " + body + b"\n\n"
+
+
+class _Formatter:
+    object_chunk = b""
+    object_full = ""
+    id_prefix = ""
+
+    def __init__(self, model: str) -> None:
+        self.id = f"{self.id_prefix}{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = model
+        self._head = (
+            b'data: {"id":' + _json(self.id) + b',"object":"' + self.object_chunk + b'","created":'
+            + str(self.created).encode() + b',"model":' + _json(model) + b',"choices":['
+        )
+
+    def usage_chunk(self, prompt: int, completion: int) -> bytes:
+        return self._head + b'],"usage":' + _json(_usage(prompt, completion)) + b"}\n\n"
+
+
+class ChatFormatter(_Formatter):
+    """``chat.completion.chunk`` events and the ``chat.completion`` body."""
+
+    object_chunk = b"chat.completion.chunk"
+    id_prefix = "chatcmpl-"
+
+    def role_chunk(self) -> bytes:
+        return (
+            self._head
+            + b'{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n'
+        )
+
+    def content_chunk(self, text: str) -> bytes:
+        return (
+            self._head + b'{"index":0,"delta":{"content":' + _json(text)
+            + b'},"logprobs":null,"finish_reason":null}]}\n\n'
+        )
+
+    def finish_chunk(self, finish_reason: str) -> bytes:
+        return (
+            self._head + b'{"index":0,"delta":{},"logprobs":null,"finish_reason":' + _json(finish_reason) + b"}]}\n\n"
+        )
+
+    def full(self, text: str, finish_reason: str, prompt: int, completion: int) -> bytes:
+        return _json(
+            {
+                "id": self.id,
+                "object": "chat.completion",
+                "created": self.created,
+                "model": self.model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": text},
+                        "logprobs": None,
+                        "finish_reason": finish_reason,
+                    }
+                ],
+                "usage": _usage(prompt, completion),
+            }
+        )
+
+
+class CompletionFormatter(_Formatter):
+    """``text_completion`` events and body."""
+
+    object_chunk = b"text_completion"
+    id_prefix = "cmpl-"
+
+    def role_chunk(self) -> bytes:
+        return b""
+
+    def content_chunk(self, text: str) -> bytes:
+        return (
+            self._head + b'{"index":0,"text":' + _json(text) + b',"logprobs":null,"finish_reason":null}]}\n\n'
+        )
+
+    def finish_chunk(self, finish_reason: str) -> bytes:
+        return self._head + b'{"index":0,"text":"","logprobs":null,"finish_reason":' + _json(finish_reason) + b"}]}\n\n"
+
+    def full(self, text: str, finish_reason: str, prompt: int, completion: int) -> bytes:
+        return _json(
+            {
+                "id": self.id,
+                "object": "text_completion",
+                "created": self.created,
+                "model": self.model,
+                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+                "usage": _usage(prompt, completion),
+            }
+        )

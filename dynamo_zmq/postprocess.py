@@ -1,0 +1,281 @@
+"""Worker-side post-processing: incremental detokenization and stop strings.
+
+The frontend sends token ids; the worker turns the engine's token stream back into text, so this
+work scales with the engines (see docs/architecture.md, "Frontend"). Three pieces, each usable
+alone:
+
+- ``IncrementalDetokenizer``: token ids -> text deltas (``tokenizers.decoders.DecodeStream``),
+  never emitting half a UTF-8 character that a later token completes.
+- ``StopStringMatcher``: text deltas -> text deltas cut at the first stop string, holding back
+  only what could still become a stop string.
+- ``postprocess(stream, request, tokenizer, stop_engine)``: wraps an engine stream; each engine
+  chunk becomes one chunk with ``token_ids`` and a ``text`` delta, and the stream ends with
+  exactly one terminal. A stop string ends it early with ``finish_reason="stop"``, then the
+  worker's ``stop_engine()`` frees the engine sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING
+
+from tokenizers.decoders import DecodeStream
+
+from .engine import FinishReason, LLMEngineOutput, PreprocessedRequest, Usage
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+__all__ = ["IncrementalDetokenizer", "PostProcessor", "StopStringMatcher", "postprocess"]
+
+#: What a lossy UTF-8 decode puts where a character is incomplete.
+REPLACEMENT = "\ufffd"
+#: Prompt tokens the detokenizer sees before the first generated one (leading spaces, merges).
+PROMPT_CONTEXT = 8
+#: Finish reasons some engines use, mapped to the four the wire knows.
+_FINISH_ALIASES = {
+    "eos": FinishReason.STOP,
+    "stop_token": FinishReason.STOP,
+    "max_tokens": FinishReason.LENGTH,
+    "abort": FinishReason.CANCELLED,
+}
+
+
+class IncrementalDetokenizer:
+    """Token ids in, text deltas out; their concatenation plus ``flush()`` is the full decode.
+
+    ``DecodeStream`` returns ``None`` while the decoded window ends in an incomplete character,
+    so a delta never carries a replacement character that a later token would complete. It is
+    seeded with the last ``PROMPT_CONTEXT`` prompt tokens, so the first generated token decodes
+    as it would in context (SentencePiece-style decoders drop a leading space otherwise).
+
+    Args:
+        tokenizer: the model's ``tokenizers.Tokenizer``.
+        prompt_ids: the prompt; only its tail is used, as context.
+        skip_special_tokens: leave special tokens out of the text.
+    """
+
+    __slots__ = ("_done", "_pending", "_skip", "_stream", "_tokenizer")
+
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        seed = list(prompt_ids[-PROMPT_CONTEXT:])
+        # A seed whose text ends in an incomplete character makes DecodeStream start from an
+        # empty prefix, and the seed's text would leak into the first delta: cut it back.
+        while seed and self._decode(seed).endswith(REPLACEMENT):
+            seed.pop()
+        self._stream = DecodeStream(seed, skip_special_tokens=skip_special_tokens)
+        #: Ids whose text is out, ending on a character boundary (context for ``flush``).
+        self._done: list[int] = seed
+        #: Ids fed since the last delta (their text is still incomplete, or empty).
+        self._pending: list[int] = []
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
+
+    def step(self, token_id: int) -> str:
+        """Add one token; returns the new text ("" while a character is incomplete)."""
+        self._pending.append(token_id)
+        text = self._stream.step(self._tokenizer, token_id)
+        if text is None:
+            return ""
+        self._done, self._pending = self._pending, []
+        return text
+
+    def flush(self) -> str:
+        """The text still held back at the end of the stream (incomplete characters decode to
+        replacement characters, as a full decode would). Call once, after the last ``step``."""
+        if not self._pending:
+            return ""
+        base = self._decode(self._done)
+        full = self._decode(self._done + self._pending)
+        text = full[len(base) :] if full.startswith(base) else self._decode(self._pending)
+        self._done, self._pending = self._pending, []
+        return text
+
+
+class StopStringMatcher:
+    """Cuts a text stream at the first stop string, never emitting part of one.
+
+    ``feed`` holds back the longest tail of the text that is a proper prefix of some stop string
+    (at most ``max(len(stop)) - 1`` characters). The first stop string to *complete* wins (on a
+    tie, the longer one), so the result does not depend on how the text was split into deltas.
+
+    Args:
+        stops: the stop strings; empty ones are ignored.
+        include_stop_str: emit the matched stop string too.
+    """
+
+    __slots__ = ("_buf", "_include", "_max_hold", "_prefixes", "matched", "stops")
+
+    def __init__(self, stops: Sequence[str], include_stop_str: bool = False) -> None:
+        #: The distinct, non-empty stop strings.
+        self.stops = tuple(dict.fromkeys(s for s in stops if s))
+        self._include = include_stop_str
+        self._prefixes = frozenset(s[:k] for s in self.stops for k in range(1, len(s)))
+        self._max_hold = max((len(s) for s in self.stops), default=1) - 1
+        self._buf = ""
+        #: The stop string that matched, once one has.
+        self.matched: str | None = None
+
+    def feed(self, delta: str) -> tuple[str, bool]:
+        """Add text; returns ``(text_to_emit, matched)``. After a match, returns ``("", True)``."""
+        if self.matched is not None:
+            return "", True
+        buf = self._buf + delta
+        best: tuple[int, int] | None = None  # (end, start) of the first stop string to complete
+        for stop in self.stops:
+            start = buf.find(stop)
+            if start >= 0:
+                key = (start + len(stop), start)
+                if best is None or key < best:
+                    best, self.matched = key, stop
+        if best is not None:
+            self._buf = ""
+            return buf[: best[0] if self._include else best[1]], True
+        hold = self._hold(buf)
+        self._buf = buf[len(buf) - hold :]
+        return buf[: len(buf) - hold], False
+
+    def flush(self) -> str:
+        """The held-back text, at the end of a stream that did not match."""
+        text, self._buf = self._buf, ""
+        return text
+
+    def _hold(self, buf: str) -> int:
+        for k in range(min(len(buf), self._max_hold), 0, -1):
+            if buf[-k:] in self._prefixes:
+                return k
+        return 0
+
+
+class PostProcessor:
+    """Per-request state: turns each engine chunk into one chunk with ``token_ids`` and ``text``.
+
+    Text comes from the detokenizer, or from the engine itself when ``request.output.detokenize``
+    asks for native processing (``tokenizer`` may then be None). Stop strings apply either way,
+    after ``request.stop.min_tokens`` tokens, as vLLM applies them.
+
+    Raises:
+        ValueError: no tokenizer and the request does not ask the engine for text.
+    """
+
+    def __init__(self, request: PreprocessedRequest, tokenizer: Tokenizer | None) -> None:
+        if tokenizer is None and not request.output.detokenize:
+            raise ValueError("a tokenizer is needed unless the engine detokenizes")
+        self._detok = (
+            None
+            if request.output.detokenize or tokenizer is None
+            else IncrementalDetokenizer(tokenizer, request.token_ids, request.output.skip_special_tokens)
+        )
+        stop = request.stop
+        self._matcher = StopStringMatcher(stop.stop, stop.include_stop_str_in_output)
+        self._min_tokens = stop.min_tokens
+        # EOS / stop-token text stays out of the output unless asked for (vLLM's rule).
+        self._stop_ids = (
+            frozenset() if stop.include_stop_str_in_output
+            else frozenset(request.eos_token_ids) | frozenset(stop.stop_token_ids)
+        )
+        self._prompt_tokens = len(request.token_ids)
+        self.completion_tokens = 0
+        #: True once a stop string ended the stream.
+        self.stopped_by_string = False
+
+    def process(self, out: LLMEngineOutput) -> LLMEngineOutput:
+        """One engine chunk in, one chunk out; the result is terminal when the stream ends here
+        (the engine's terminal, or a stop string)."""
+        ids = out.token_ids
+        parts: list[str] = []
+        if self._detok is None:
+            self.completion_tokens += len(ids)
+            text, matched = self._match(out.text or "")
+            parts.append(text)
+            if matched:
+                return self._stopped(out, ids, parts)
+        else:
+            skip_last = out.finish_reason == FinishReason.STOP and bool(ids) and ids[-1] in self._stop_ids
+            for n, token in enumerate(ids):
+                self.completion_tokens += 1
+                delta = "" if skip_last and n == len(ids) - 1 else self._detok.step(token)
+                text, matched = self._match(delta)
+                parts.append(text)
+                if matched:
+                    return self._stopped(out, ids[: n + 1], parts)
+        if not out.is_terminal:
+            return LLMEngineOutput(ids, text="".join(parts), log_probs=out.log_probs)
+        if self._detok is not None:
+            text, matched = self._match(self._detok.flush())
+            parts.append(text)
+            if matched:
+                return self._stopped(out, ids, parts)
+        parts.append(self._matcher.flush())
+        reason = out.finish_reason or FinishReason.ERROR
+        usage = out.usage or Usage(self._prompt_tokens, self.completion_tokens)
+        return LLMEngineOutput(
+            ids, text="".join(parts), finish_reason=_FINISH_ALIASES.get(reason, reason),
+            usage=usage, error=out.error, log_probs=out.log_probs,
+        )
+
+    def missing_terminal(self) -> LLMEngineOutput:
+        """The terminal for an engine stream that ended without one: an error, after the text
+        still held back."""
+        text = self._detok.flush() if self._detok is not None else ""
+        return LLMEngineOutput(
+            text=text + self._matcher.flush(), finish_reason=FinishReason.ERROR,
+            usage=Usage(self._prompt_tokens, self.completion_tokens),
+            error="engine stream ended without a terminal chunk",
+        )
+
+    def _match(self, delta: str) -> tuple[str, bool]:
+        if not self._matcher.stops:
+            return delta, False
+        if self.completion_tokens <= self._min_tokens:
+            return self._matcher.flush() + delta, False
+        return self._matcher.feed(delta)
+
+    def _stopped(self, out: LLMEngineOutput, ids: list[int], parts: list[str]) -> LLMEngineOutput:
+        self.stopped_by_string = True
+        log_probs = out.log_probs[: len(ids)] if out.log_probs is not None else None
+        return LLMEngineOutput(
+            ids, text="".join(parts), finish_reason=FinishReason.STOP,
+            usage=Usage(self._prompt_tokens, self.completion_tokens), log_probs=log_probs,
+        )
+
+
+async def postprocess(
+    stream: AsyncIterator[LLMEngineOutput],
+    request: PreprocessedRequest,
+    tokenizer: Tokenizer | None,
+    stop_engine: Callable[[], Awaitable[None]] | None = None,
+) -> AsyncIterator[LLMEngineOutput]:
+    """Wrap an engine stream with detokenization and stop strings (see ``PostProcessor``).
+
+    Yields exactly one terminal, last. When a stop string ends the stream before the engine
+    did, ``stop_engine()`` is awaited before that terminal is yielded and the engine stream is
+    not read further. Closing this generator closes ``stream``.
+
+    Args:
+        stream: what ``engine.generate(request, ctx)`` returned.
+        request: the request being served (stop conditions, output options, prompt).
+        tokenizer: the model's tokenizer; None only if the engine produces text itself.
+        stop_engine: frees the engine's sequence after a stop string (the worker stops the
+            engine's context and calls ``engine.abort``).
+    """
+    proc = PostProcessor(request, tokenizer)
+    try:
+        async for out in stream:
+            chunk = proc.process(out)
+            if chunk.is_terminal:
+                if proc.stopped_by_string and not out.is_terminal and stop_engine is not None:
+                    await stop_engine()
+                yield chunk
+                return
+            yield chunk
+        yield proc.missing_terminal()
+    finally:
+        aclose = getattr(stream, "aclose", None)
+        if aclose is not None:
+            await aclose()
