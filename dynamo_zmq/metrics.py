@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -42,6 +44,26 @@ class WorkerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def for_model(self) -> ModelMetrics:
+        """The per-model children, resolved once (``labels()`` costs microseconds per call)."""
+        m = self.model
+        return ModelMetrics(
+            requests=self.requests.labels(m), inflight=self.inflight.labels(m),
+            cancellations=self.cancellations.labels(m), ttft=self.ttft.labels(m), itl=self.itl.labels(m),
+            output_tokens=self.output_tokens.labels(m), engine_errors=self.errors.labels(m, "EngineError"),
+        )
+
+
+@dataclass(frozen=True)
+class ModelMetrics:
+    requests: Any
+    inflight: Any
+    cancellations: Any
+    ttft: Any
+    itl: Any
+    output_tokens: Any
+    engine_errors: Any
 
 
 class StatusServer:

@@ -388,7 +388,9 @@ def _adapt_handler(handler: Callable[..., Any], request_type: type | None = None
     wants_context = _accepts_context(handler)
     decode = decode_item if request_type is None else msgspec.msgpack.Decoder(request_type).decode
 
-    async def run(payload: msgspec.Raw, ctx: Context) -> AsyncIterator[Any]:
+    def run(payload: msgspec.Raw, ctx: Context) -> AsyncIterator[Any]:
+        # A plain function, so the handler's own async generator is what the server iterates:
+        # no extra generator layer per item.
         try:
             request = decode(payload)
         except msgspec.ValidationError as exc:
@@ -396,13 +398,18 @@ def _adapt_handler(handler: Callable[..., Any], request_type: type | None = None
         except (msgspec.DecodeError, RecursionError) as exc:
             raise errors.InvalidArgument(f"request is not valid MessagePack: {exc}") from exc
         result = handler(request, ctx) if wants_context else handler(request)
-        if inspect.isawaitable(result) and not hasattr(result, "__aiter__"):
-            yield await result  # a plain coroutine: one response
-            return
-        async for item in result:
-            yield item
+        if hasattr(result, "__aiter__"):
+            return result  # type: ignore[no-any-return]
+        if inspect.isawaitable(result):
+            return _single(result)
+        raise errors.Unknown(f"handler returned {type(result).__name__}, not an async iterator")
 
     return run
+
+
+async def _single(result: Any) -> AsyncIterator[Any]:
+    """A handler that is a plain coroutine answers with one response."""
+    yield await result
 
 
 def _accepts_context(handler: Callable[..., Any]) -> bool:

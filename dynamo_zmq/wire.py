@@ -6,7 +6,8 @@ MessagePack encoding of the Struct for that kind (array-like, so field order is 
 fields go last, with defaults).
 
 Client (DEALER) -> server (ROUTER): REQUEST, STOP, KILL, CREDIT, PING, DESCRIBE.
-Server -> client: DATA, END, ERROR, PONG, INFO, NOTICE.
+Server -> client: DATA, END, ERROR, PONG, INFO, NOTICE, and BATCH (several streams' DATA, END and
+ERROR frames to one client in one message).
 
 A stream is the DATA frames of one request id, numbered ``seq`` 0, 1, 2, ...; each carries a list
 of items (items that became ready together are coalesced into one frame). It ends with exactly one
@@ -24,6 +25,7 @@ __all__ = [
     "CLIENT_KINDS",
     "PROTOCOL_VERSION",
     "SERVER_KINDS",
+    "Batch",
     "Control",
     "Credit",
     "Data",
@@ -64,6 +66,7 @@ class Kind:
     PONG = b"p"
     INFO = b"i"
     NOTICE = b"n"
+    BATCH = b"b"
 
 
 _STRUCT = {"array_like": True, "omit_defaults": False, "gc": False}
@@ -126,6 +129,15 @@ class Error(msgspec.Struct, **_STRUCT):
     message: str
 
 
+class Batch(msgspec.Struct, **_STRUCT):
+    """Several streams' frames to one client, sent in one message (same meaning as sending each
+    DATA, then each END, then each ERROR)."""
+
+    data: list[Data]
+    ends: list[End] = msgspec.field(default_factory=list)
+    errors: list[Error] = msgspec.field(default_factory=list)
+
+
 class Pong(msgspec.Struct, **_STRUCT):
     nonce: int
     instance_id: int
@@ -184,6 +196,7 @@ SERVER_KINDS: dict[bytes, type[msgspec.Struct]] = {
     Kind.PONG: Pong,
     Kind.INFO: Description,
     Kind.NOTICE: Notice,
+    Kind.BATCH: Batch,
 }
 
 

@@ -201,6 +201,7 @@ class Worker:
         else:
             log.info("no tokenizer.json in %s: no detokenization or stop strings", args.model_path)
         self.metrics = WorkerMetrics(name)
+        self._model_metrics = self.metrics.for_model()
         if args.metrics_port is not None:
             self.status = StatusServer(
                 self.runtime.config.bind_host if self.runtime.config.host else "0.0.0.0",
@@ -240,11 +241,10 @@ class Worker:
     # -- serving ---------------------------------------------------------------------------
 
     async def _generate(self, request: PreprocessedRequest, ctx: Context) -> AsyncIterator[LLMEngineOutput]:
-        m = self.metrics
-        assert m is not None
-        model = m.model
-        m.requests.labels(model).inc()
-        m.inflight.labels(model).inc()
+        assert self.metrics is not None
+        m = self._model_metrics
+        m.requests.inc()
+        m.inflight.inc()
         self._inflight += 1
         aborted = False
         # The engine's own context follows the request's, and a stop string can stop it alone.
@@ -256,7 +256,7 @@ class Worker:
             if not aborted:
                 aborted = True
                 if cancelled:  # the client stopped or killed the request
-                    m.cancellations.labels(model).inc()
+                    m.cancellations.inc()
                 self._spawn(self.engine.abort(engine_ctx), f"abort-{ctx.id()}")
 
         async def stop_engine() -> None:  # a stop string matched: not a cancellation
@@ -270,27 +270,31 @@ class Worker:
         if self.tokenizer is not None or request.output.detokenize:
             stream = postprocess(stream, request, self.tokenizer, stop_engine)
         start = last = time.monotonic()
-        first = True
+        tokens = 0
         try:
             async for out in stream:
-                now = time.monotonic()
                 if out.token_ids:
-                    (m.ttft if first else m.itl).labels(model).observe(now - (start if first else last))
-                    m.output_tokens.labels(model).inc(len(out.token_ids))
-                    first, last = False, now
+                    now = time.monotonic()
+                    if tokens:
+                        m.itl.observe(now - last)
+                    else:
+                        m.ttft.observe(now - start)
+                    tokens += len(out.token_ids)
+                    last = now
                 if out.finish_reason == FinishReason.ERROR:
-                    m.errors.labels(model, "EngineError").inc()
+                    m.engine_errors.inc()
                 yield out
         except Exception as exc:
-            m.errors.labels(model, errors.from_exception(exc).kind).inc()
+            self.metrics.errors.labels(self.metrics.model, errors.from_exception(exc).kind).inc()
             raise
         finally:
+            m.output_tokens.inc(tokens)
             remove()
             aclose = getattr(stream, "aclose", None)
             if aclose is not None:
                 with contextlib.suppress(BaseException):
                     await aclose()
-            m.inflight.labels(model).dec()
+            m.inflight.dec()
             self._inflight -= 1
             self._last_activity = time.monotonic()
 

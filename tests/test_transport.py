@@ -8,10 +8,11 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from dynamo_zmq.wire import Credit, Data, End, Kind, Request, encode, encode_item
+from dynamo_zmq.wire import Batch, Credit, Data, End, Kind, Request, encode, encode_item
 
 _data = msgspec.msgpack.Decoder(Data)
 _end = msgspec.msgpack.Decoder(End)
+_batch = msgspec.msgpack.Decoder(Batch)
 
 
 async def _raw_stream(address: str, endpoint: str, payload, window: int = 1_000_000, credit_after=None):
@@ -34,6 +35,13 @@ async def _raw_stream(address: str, endpoint: str, payload, window: int = 1_000_
             elif kind == Kind.END:
                 yield "end", _end.decode(body)
                 return
+            elif kind == Kind.BATCH:  # several frames in one message: the same, in order
+                batch = _batch.decode(body)
+                for frame in batch.data:
+                    yield "data", frame
+                for end in batch.ends:
+                    yield "end", end
+                    return
             else:
                 raise AssertionError(f"unexpected frame {kind!r}")
     finally:
@@ -109,8 +117,44 @@ async def test_producer_waits_for_credit(make_runtime):
             kind, body = await sock.recv_multipart()
             if kind == Kind.END:
                 break
+            if kind == Kind.BATCH:
+                batch = _batch.decode(body)
+                received += [x for d in batch.data for x in d.items]
+                if batch.ends:
+                    break
+                continue
             received += _data.decode(body).items
         assert [msgspec.msgpack.decode(x) for x in received] == list(range(100))
     finally:
         sock.close()
         zctx.term()
+
+
+async def test_concurrent_streams_to_one_client_share_messages(make_runtime):
+    """Items of many streams produced in one tick reach the client in far fewer messages."""
+    server = make_runtime(static=())
+    tick = asyncio.Event()
+
+    async def lockstep(request):
+        for i in range(20):
+            yield i
+            await tick.wait()  # every stream yields once per tick, like an engine step
+
+    await server.endpoint("ns.c.lockstep").start_serving(lockstep)
+    client = await make_runtime(static=(server.address,)).endpoint("ns.c.lockstep").client()
+    await client.wait_for_instances(timeout=10)
+    streams = [await client.generate(None, annotated=False) for _ in range(32)]
+    conn = client.instances()[0]
+    frames_before = conn.frames_received
+
+    async def ticker():
+        for _ in range(40):
+            await asyncio.sleep(0.01)
+            tick.set()
+            tick.clear()
+
+    ticking = asyncio.create_task(ticker())
+    results = [[x async for x in s] for s in streams]
+    await ticking
+    assert results == [list(range(20))] * 32
+    assert conn.frames_received - frames_before < 32 * 20 // 4

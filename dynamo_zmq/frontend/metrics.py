@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 __all__ = ["FrontendMetrics"]
@@ -36,6 +38,15 @@ class FrontendMetrics:
         self.disconnected = Counter(
             "dynamo_frontend_disconnected_clients", "Clients that went away mid-request", ["model"], registry=r
         )
+
+        self._children: dict[str, tuple[Any, Any]] = {}
+
+    def token_metrics(self, model: str) -> tuple[Any, Any]:
+        """(ttft, itl) children for ``model``, resolved once: they are used per chunk."""
+        found = self._children.get(model)
+        if found is None:
+            found = self._children[model] = (self.ttft.labels(model), self.itl.labels(model))
+        return found
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -18,6 +18,12 @@ __all__ = ["AsyncSocket", "SendResult", "make_socket"]
 
 log = logging.getLogger(__name__)
 
+# Plain ints: pyzmq's enum flags cost several microseconds per operation on the hot path.
+_NOBLOCK = int(zmq.NOBLOCK)
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
+_POLLOUT = int(zmq.POLLOUT)
+
 #: Per-peer queue limit in messages. Streams are flow-controlled by credit, so this only bounds
 #: what one slow peer can hold; a full queue is backpressure, never a drop (ROUTER_MANDATORY).
 DEFAULT_HWM = 10_000
@@ -95,18 +101,18 @@ class AsyncSocket:
         if self._closed:
             return
         try:
-            events = self.sock.getsockopt(zmq.EVENTS)
+            events = self.sock.getsockopt(_EVENTS)
         except zmq.ZMQError:
             return
-        if events & zmq.POLLIN:
+        if events & _POLLIN:
             self._readable.set()
-        if events & zmq.POLLOUT:
+        if events & _POLLOUT:
             self._writable.set()
 
     def recv_nowait(self) -> list[bytes] | None:
         """One multipart message, or None when the queue is empty."""
         try:
-            return self.sock.recv_multipart(zmq.NOBLOCK)
+            return self.sock.recv_multipart(_NOBLOCK)
         except zmq.Again:
             return None
 
@@ -117,7 +123,7 @@ class AsyncSocket:
     async def wait_readable(self) -> None:
         """Return when a message can be received (or the socket was closed)."""
         while not self._closed:
-            if self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if self.sock.getsockopt(_EVENTS) & _POLLIN:
                 return
             self._readable.clear()
             await self._readable.wait()
@@ -125,7 +131,7 @@ class AsyncSocket:
     def try_send(self, frames: list[bytes]) -> int:
         """Send without blocking; returns a ``SendResult``."""
         try:
-            self.sock.send_multipart(frames, zmq.NOBLOCK)
+            self.sock.send_multipart(frames, _NOBLOCK)
             return SendResult.SENT
         except zmq.Again:
             return SendResult.FULL

@@ -26,6 +26,7 @@ from .. import errors
 from ..context import Context
 from ..wire import (
     PROTOCOL_VERSION,
+    Batch,
     Control,
     Credit,
     Data,
@@ -54,6 +55,7 @@ _decoders = {
     Kind.PONG: msgspec.msgpack.Decoder(Pong),
     Kind.INFO: msgspec.msgpack.Decoder(Description),
     Kind.NOTICE: msgspec.msgpack.Decoder(Notice),
+    Kind.BATCH: msgspec.msgpack.Decoder(Batch),
 }
 
 _request_ids = itertools.count(1)
@@ -249,6 +251,8 @@ class PeerConnection:
         self.description: Description | None = None
         self.draining = False
         self.inflight = 0
+        #: Messages received from the peer (for tests and debugging).
+        self.frames_received = 0
         self._connected = False
         self._sock: AsyncSocket | None = None
         self._monitor: AsyncSocket | None = None
@@ -401,6 +405,7 @@ class PeerConnection:
 
     def _dispatch(self, frames: list[bytes]) -> None:
         self._last_rx = time.monotonic()
+        self.frames_received += 1
         if len(frames) != 2 or frames[0] not in _decoders:
             log.warning("malformed frame from %s: %d parts", self.address, len(frames))
             return
@@ -411,34 +416,18 @@ class PeerConnection:
             log.warning("undecodable %r frame from %s: %s", kind, self.address, exc)
             return
         if kind == Kind.DATA:
-            st = self._streams.get(msg.request_id)
-            if st is None or st.done:
-                return
-            if msg.seq != st.expected_seq:
-                self._send_control(Kind.KILL, Control(st.request_id))
-                st.terminate(
-                    errors.StreamIncomplete(f"frame {msg.seq} arrived, expected {st.expected_seq}")
-                )
-                return
-            st.expected_seq += 1
-            st.items.extend(msg.items)
-            st.waiter.set()
-        elif kind == Kind.END or kind == Kind.ERROR:
-            st = self._streams.get(msg.request_id)
-            if st is None:
-                if kind == Kind.ERROR and msg.request_id == 0:
-                    log.warning("%s reported: %s: %s", self.address, msg.kind, msg.message)
-                return
-            if msg.seq != st.expected_seq:
-                st.terminate(
-                    errors.StreamIncomplete(
-                        f"stream ended after {msg.seq} frames but {st.expected_seq} arrived"
-                    )
-                )
-            elif kind == Kind.ERROR:
-                st.terminate(errors.from_wire(msg.kind, msg.message))
-            else:
-                st.terminate(None)
+            self._on_data(msg)
+        elif kind == Kind.END:
+            self._on_end(msg, None)
+        elif kind == Kind.ERROR:
+            self._on_end(msg, msg)
+        elif kind == Kind.BATCH:
+            for data in msg.data:
+                self._on_data(data)
+            for end in msg.ends:
+                self._on_end(end, None)
+            for err in msg.errors:
+                self._on_end(err, err)
         elif kind == Kind.PONG:
             self.inflight = msg.inflight
             self._on_state(msg.instance_id, msg.rev, msg.draining)
@@ -446,6 +435,33 @@ class PeerConnection:
             self._on_state(msg.instance_id, msg.rev, msg.draining)
         elif kind == Kind.INFO:
             self._on_description(msg)
+
+    def _on_data(self, msg: Data) -> None:
+        st = self._streams.get(msg.request_id)
+        if st is None or st.done:
+            return
+        if msg.seq != st.expected_seq:
+            self._send_control(Kind.KILL, Control(st.request_id))
+            st.terminate(errors.StreamIncomplete(f"frame {msg.seq} arrived, expected {st.expected_seq}"))
+            return
+        st.expected_seq += 1
+        st.items.extend(msg.items)
+        st.waiter.set()
+
+    def _on_end(self, msg: End | Error, error: Error | None) -> None:
+        st = self._streams.get(msg.request_id)
+        if st is None:
+            if error is not None and msg.request_id == 0:
+                log.warning("%s reported: %s: %s", self.address, error.kind, error.message)
+            return
+        if msg.seq != st.expected_seq:
+            st.terminate(
+                errors.StreamIncomplete(f"stream ended after {msg.seq} frames but {st.expected_seq} arrived")
+            )
+        elif error is not None:
+            st.terminate(errors.from_wire(error.kind, error.message))
+        else:
+            st.terminate(None)
 
     def _on_state(self, instance_id: int, rev: int, draining: bool) -> None:
         desc = self.description

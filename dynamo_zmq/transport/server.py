@@ -23,6 +23,7 @@ import zmq
 from .. import errors
 from ..context import Context
 from ..wire import (
+    Batch,
     Control,
     Credit,
     Data,
@@ -70,11 +71,13 @@ class _Stream:
         "credit",
         "ctx",
         "finishing",
+        "gone",
         "identity",
         "request_id",
         "scheduled",
         "seq",
         "task",
+        "terminal",
         "timed_out",
         "wake",
     )
@@ -89,6 +92,9 @@ class _Stream:
         self.scheduled = False
         self.timed_out = False
         self.finishing = False
+        self.gone = False
+        #: The END or ERROR waiting to go out after ``buf`` (set when the handler is done).
+        self.terminal: End | Error | None = None
         self.wake = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
 
@@ -343,50 +349,68 @@ class Server:
                 asyncio.get_running_loop().call_soon(self._flush)
 
     def _flush(self) -> None:
-        """Send every stream's buffered items, one DATA frame each (runs once per loop tick)."""
+        """Send what every dirty stream has buffered (runs once per loop tick).
+
+        All streams to one peer go out in one message: a DATA (or END/ERROR) frame when a single
+        stream has something, else a BATCH of every stream's DATA, END and ERROR. With many
+        concurrent streams this turns one ZMQ send per token per stream into one per tick.
+        """
         self._flush_pending = False
         dirty, self._dirty = self._dirty, []
-        blocked: list[_Stream] = []
+        by_peer: dict[bytes, list[_Stream]] = {}
         for st in dirty:
             st.scheduled = False
-            result = self._send_buffered(st)
+            if st.buf or st.terminal is not None:
+                by_peer.setdefault(st.identity, []).append(st)
+        blocked: list[_Stream] = []
+        for identity, streams in by_peer.items():
+            result = self._send_to_peer(identity, streams)
             if result == SendResult.FULL:
-                blocked.append(st)
+                blocked.extend(streams)
             elif result == SendResult.GONE:
-                self._client_gone(st.identity)
+                self._client_gone(identity)
         if blocked:
             asyncio.get_running_loop().call_later(0.002, self._reschedule, blocked)
 
-    def _reschedule(self, streams: list[_Stream]) -> None:
+    def _send_to_peer(self, identity: bytes, streams: list[_Stream]) -> int:
+        data: list[Data] = []
+        ends: list[End] = []
+        errs: list[Error] = []
         for st in streams:
-            if st.buf and (st.identity, st.request_id) in self._streams:
-                self._schedule(st)
-
-    def _send_buffered(self, st: _Stream) -> int:
-        if not st.buf:
-            return SendResult.SENT
-        frame = encode(Data(st.request_id, st.seq, st.buf))
-        result = self._send_nowait(st.identity, Kind.DATA, frame)
+            seq = st.seq
+            if st.buf:
+                data.append(Data(st.request_id, seq, st.buf))
+                seq += 1
+            if st.terminal is not None:
+                st.terminal.seq = seq
+                (ends if isinstance(st.terminal, End) else errs).append(st.terminal)
+        if len(data) + len(ends) + len(errs) == 1:
+            kind, msg = (Kind.DATA, data[0]) if data else (Kind.END, ends[0]) if ends else (Kind.ERROR, errs[0])
+            result = self._send_nowait(identity, kind, encode(msg))
+        else:
+            result = self._send_nowait(identity, Kind.BATCH, encode(Batch(data, ends, errs)))
         if result == SendResult.SENT:
-            st.seq += 1
-            st.buf = []
-            st.wake.set()
+            for st in streams:
+                if st.buf:
+                    st.seq += 1
+                    st.buf = []
+                st.terminal = None
+                st.wake.set()
         return result
 
+    def _reschedule(self, streams: list[_Stream]) -> None:
+        for st in streams:
+            if (st.buf or st.terminal is not None) and (st.identity, st.request_id) in self._streams:
+                self._schedule(st)
+
     async def _finish(self, st: _Stream, kind: bytes, terminal: Any) -> None:
-        """Send what is buffered, then the terminal; gives up only if the client is gone."""
-        assert self._sock is not None
-        while st.buf:
-            result = self._send_buffered(st)
-            if result == SendResult.GONE:
-                return
-            if result == SendResult.FULL:
-                await asyncio.sleep(0.002)
-        terminal.seq = st.seq
-        frames = [st.identity, kind, encode(terminal)]
-        result = await self._sock.send(frames, timeout=CLIENT_TIMEOUT)
-        if result != SendResult.SENT:
-            log.info("terminal of request %d not delivered: client gone", st.request_id)
+        """Queue the terminal after what is buffered and wait until both are sent (or the
+        client is gone)."""
+        st.terminal = terminal
+        self._schedule(st)
+        while st.terminal is not None and not st.gone:
+            st.wake.clear()
+            await st.wake.wait()
 
     def _send_nowait(self, identity: bytes, kind: bytes, payload: bytes) -> int:
         if self._sock is None or self._sock.closed:
@@ -406,6 +430,8 @@ class Server:
         if orphans:
             log.info("client %s is gone: killing its %d open streams", identity.hex(), len(orphans))
         for st in orphans:
+            st.gone = True
+            st.wake.set()
             st.ctx.kill()
 
     async def _reap_loop(self) -> None:
