@@ -135,4 +135,8 @@ def from_exception(exc: BaseException) -> DynamoError:
     """Map any exception to the typed error that should cross the wire."""
     if isinstance(exc, DynamoError):
         return exc
-    return Unknown(f"{type(exc).__name__}: {exc}")
+    try:
+        text = str(exc)
+    except Exception:  # an exception whose __str__ fails still gets a terminal
+        text = "<unprintable>"
+    return Unknown(f"{type(exc).__name__}: {text}")

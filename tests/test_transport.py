@@ -154,7 +154,9 @@ async def test_concurrent_streams_to_one_client_share_messages(make_runtime):
             tick.clear()
 
     ticking = asyncio.create_task(ticker())
-    results = [[x async for x in s] for s in streams]
+    results = []
+    for stream in streams:
+        results.append([x async for x in stream])
     await ticking
     assert results == [list(range(20))] * 32
     assert conn.frames_received - frames_before < 32 * 20 // 4

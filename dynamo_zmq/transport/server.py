@@ -287,8 +287,9 @@ class Server:
         # Also when the task is cancelled before it ever ran (its body's finally never runs).
         st.task.add_done_callback(lambda _t: self._forget(st))
         st.ctx.add_listener(lambda killed: _on_kill(st) if killed else st.wake.set())
-        if req.timeout is not None and req.timeout > 0:
-            asyncio.get_running_loop().call_later(req.timeout, _on_deadline, st)
+        if req.timeout is not None and 0 < req.timeout < 1e9:
+            timer = asyncio.get_running_loop().call_later(req.timeout, _on_deadline, st)
+            st.task.add_done_callback(lambda _t: timer.cancel())
 
     # -- streaming -------------------------------------------------------------------------
 
@@ -335,10 +336,16 @@ class Server:
             self._idle.set()
 
     async def _wait_room(self, st: _Stream) -> None:
-        """Block the producer until the buffer is sent and the client granted credit."""
-        while (st.credit <= 0 or st.buf) and not st.ctx.is_killed():
+        """Block the producer until the buffer is sent and the client granted credit.
+
+        A STOP lets the producer run once more so it can see ``is_stopped()`` and finish; one
+        that keeps producing into a full buffer after that is killed.
+        """
+        while (st.credit <= 0 or st.buf) and not st.ctx.is_stopped():
             st.wake.clear()
             await st.wake.wait()
+        if st.ctx.is_stopped() and len(st.buf) > MAX_BATCH:
+            st.ctx.kill()
 
     def _schedule(self, st: _Stream) -> None:
         if not st.scheduled:
