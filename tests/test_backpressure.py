@@ -2,6 +2,11 @@
 
 Without credit the server would encode a whole long stream at once and the client's receive
 loop would queue all of it; with credit, at most one window of items is ever in flight.
+
+Checked when this was written: the same slow read with a window of 10**9 queued 19,996 items and
+grew the client by 31 MB (the bound here is ~7.7 MB), while the server stayed flat, since the
+client drains its socket eagerly. So the client's memory and queue are the sharp checks; the
+server's RSS is checked too, for a server that would buffer instead.
 """
 
 from __future__ import annotations
