@@ -12,10 +12,10 @@ template carries them); text completion prompts with them (the tokenizer's post-
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import jinja2
 from jinja2 import nodes
@@ -117,6 +117,18 @@ def _unique(values: Iterable[int]) -> list[int]:
     return list(dict.fromkeys(values))
 
 
+class NativeTokenizerLike(Protocol):
+    """The tokenizer-adapter interface of native processing: an engine's own tokenizer and chat
+    template (e.g. ``engines.vllm.native.NativeTokenizer``)."""
+
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True, **kwargs: Any,
+    ) -> list[int]: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+
 class Preprocessor:
     """Turns parsed OpenAI requests into ``PreprocessedRequest`` for one model.
 
@@ -137,6 +149,7 @@ class Preprocessor:
         root = Path(model_dir)
         self.card = card
         self.model = card.name
+        self.native: NativeTokenizerLike | None = None
         self.tokenizer = Tokenizer.from_file(str(root / "tokenizer.json"))
         tok_config = _read_json(root / "tokenizer_config.json")
         special_map = _read_json(root / "special_tokens_map.json")
@@ -278,8 +291,11 @@ class Preprocessor:
         Raises:
             HttpError: 400 (template or tokenization errors), 413 (context length exceeded).
         """
-        text = self.render(req)
-        token_ids = self._encode(text, bool(req.add_special_tokens), "messages")
+        if self.native is not None:
+            token_ids = self._native_chat(req)
+        else:
+            text = self.render(req)
+            token_ids = self._encode(text, bool(req.add_special_tokens), "messages")
         max_tokens = req.max_completion_tokens
         name = "max_completion_tokens"
         if max_tokens is None:
@@ -295,7 +311,9 @@ class Preprocessor:
             HttpError: 400 (bad token ids, empty prompt), 413 (context length exceeded).
         """
         prompt = req.prompt
-        if isinstance(prompt, str):
+        if isinstance(prompt, str) and self.native is not None:
+            token_ids = self._native_call(self.native.encode, prompt, "prompt")
+        elif isinstance(prompt, str):
             add_special = req.add_special_tokens is not False
             token_ids = self._encode(prompt, add_special, "prompt")
         else:
@@ -310,6 +328,36 @@ class Preprocessor:
                     code="invalid_value",
                 )
         return self._build(req, token_ids, req.max_tokens, "max_tokens", "prompt")
+
+    # -- native processing ---------------------------------------------------------------------
+
+    def use_native(self, tokenizer: NativeTokenizerLike) -> None:
+        """Tokenize with the engine's own tokenizer and chat template from now on, and ask the
+        worker for the engine's own detokenization (``output.detokenize``). Parameter
+        extraction (sampling, stop, limits) stays ours."""
+        self.native = tokenizer
+
+    def _native_chat(self, req: ChatCompletionRequest) -> list[int]:
+        assert self.native is not None
+        tools = None
+        if req.tools:
+            tools = [{"type": t.type, "function": _function_dict(t.function)} for t in req.tools]
+        messages = [self._message(m) for m in req.messages]
+        kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in _RESERVED}
+        return self._native_call(
+            self.native.apply_chat_template, messages, "messages",
+            tools=tools, add_generation_prompt=req.add_generation_prompt is not False, **kwargs,
+        )
+
+    @staticmethod
+    def _native_call(fn: Any, value: Any, param: str, **kwargs: Any) -> list[int]:
+        try:
+            ids = list(fn(value, **kwargs))
+        except Exception as exc:  # the engine's tokenizer or template rejected the input
+            raise bad_request(f"The {param} could not be tokenized: {exc}", param=param) from exc
+        if not ids:
+            raise bad_request(f"The {param} tokenized to nothing", param=param)
+        return ids
 
     # -- shared ---------------------------------------------------------------------------------
 
@@ -379,7 +427,9 @@ class Preprocessor:
                 ignore_eos=bool(req.ignore_eos),
                 include_stop_str_in_output=bool(req.include_stop_str_in_output),
             ),
-            output=OutputOptions(skip_special_tokens=req.skip_special_tokens is not False),
+            output=OutputOptions(
+                skip_special_tokens=req.skip_special_tokens is not False, detokenize=self.native is not None
+            ),
             eos_token_ids=list(self.eos_token_ids),
         )
 

@@ -1,0 +1,385 @@
+"""``VllmEngine``: vLLM v1's ``AsyncLLM`` as an ``LLMEngine``.
+
+Lifecycle: the constructor stores settings; ``start`` imports vLLM, applies CPU-friendly defaults,
+picks KV-event ports, builds the ``AsyncLLM`` (a thread, so the event loop stays live while the
+engine-core process loads the model) and reports an ``EngineConfig``; ``generate`` streams
+``RequestOutput`` deltas as ``LLMEngineOutput`` chunks, exactly one terminal last; ``abort``
+aborts every vLLM request of a context; ``cleanup`` shuts vLLM down (idempotent).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import logging
+import os
+import socket
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+from dynamo_zmq import errors
+from dynamo_zmq.context import Context
+from dynamo_zmq.engine import (
+    EngineConfig,
+    LLMEngine,
+    LLMEngineOutput,
+    PreprocessedRequest,
+    Usage,
+    cancelled_output,
+    error_output,
+)
+
+from ._options import (
+    VllmOptions,
+    add_vllm_args,
+    engine_args_from_args,
+    import_vllm,
+    options_from_args,
+)
+from ._sampling import sampling_params, to_output
+from ._stats import make_stat_logger
+
+__all__ = ["KV_TOPIC", "VllmEngine"]
+
+log = logging.getLogger("engines.vllm")
+
+#: Topic of the KV-event PUB frames (``[topic, seq, payload]``).
+KV_TOPIC = "kv-events"
+#: Tokens per KV block on the CPU when not given (vLLM's CPU backend wants multiples of 32).
+CPU_BLOCK_SIZE = 32
+
+
+class VllmEngine(LLMEngine):
+    """vLLM behind a dynamo-zmq worker.
+
+    Args:
+        engine_args: vLLM's ``AsyncEngineArgs``, or a dict of its fields (``model`` at least).
+        options: the adapter's own settings (native processing, KV-event ports).
+    """
+
+    name = "vllm"
+
+    def __init__(self, engine_args: Any = None, options: VllmOptions | None = None) -> None:
+        self.engine_args = engine_args if engine_args is not None else {}
+        self.options = options or VllmOptions()
+        self.engine_config: EngineConfig | None = None
+        self._llm: Any = None
+        self._stats: dict[str, float] = {}
+        self._ids = itertools.count()
+        #: vLLM request ids by context id (for ``abort``).
+        self._live: dict[str, set[str]] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._state = "new"  # new -> starting -> started -> closed
+
+    # -- construction ----------------------------------------------------------------------
+
+    @classmethod
+    def add_args(cls, parser: argparse.ArgumentParser) -> None:
+        add_vllm_args(parser)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> VllmEngine:
+        return cls(engine_args_from_args(args), options_from_args(args))
+
+    @property
+    def llm(self) -> Any:
+        """The running ``AsyncLLM`` (None before ``start`` and after ``cleanup``)."""
+        return self._llm
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(self, worker_id: int) -> EngineConfig:
+        """Build the ``AsyncLLM`` (loads the model in vLLM's engine-core process)."""
+        if self._state != "new":
+            raise RuntimeError(f"VllmEngine.start called when {self._state}")
+        self._state = "starting"
+        import_vllm()
+        from vllm.platforms import current_platform
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        cpu = current_platform.is_cpu()
+        if cpu:
+            # The uni executor keeps the model in vLLM's engine-core process (no extra worker
+            # process); vLLM's CPU platform only allows it with this set. Inherited by the child.
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        args = self._build_engine_args(cpu)
+        try:
+            llm = await asyncio.to_thread(
+                AsyncLLM.from_engine_args, args, stat_loggers=[make_stat_logger(self._stats)]
+            )
+        except Exception as exc:
+            self._state = "new"
+            raise errors.InvalidArgument(f"vLLM failed to start: {exc}") from exc
+        if self._state == "closed":  # cleanup ran while vLLM was loading
+            await asyncio.to_thread(llm.shutdown, self.options.shutdown_timeout)
+            raise RuntimeError("VllmEngine was cleaned up while starting")
+        self._llm = llm
+        self._state = "started"
+        self.engine_config = self._engine_config(llm, args)
+        return self.engine_config
+
+    def _build_engine_args(self, cpu: bool) -> Any:
+        from vllm.config import KVEventsConfig
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        given = self.engine_args
+        fields = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+        if isinstance(given, AsyncEngineArgs):
+            kw = {name: getattr(given, name) for name in fields}
+        else:
+            unknown = sorted(set(given) - fields)
+            if unknown:
+                raise errors.InvalidArgument(f"unknown vLLM engine args: {', '.join(unknown)}")
+            kw = dict(given)
+        if not kw.get("model"):
+            raise errors.InvalidArgument("the vllm engine needs a model (--model-path)")
+        if kw.get("enforce_eager") is None:
+            kw["enforce_eager"] = cpu  # torch.compile on a CPU costs minutes at start
+        if cpu and kw.get("block_size") is None:
+            kw["block_size"] = CPU_BLOCK_SIZE
+        world = (kw.get("tensor_parallel_size") or 1) * (kw.get("pipeline_parallel_size") or 1)
+        if kw.get("distributed_executor_backend") is None and world == 1:
+            kw["distributed_executor_backend"] = "uni"
+        if kw.get("enable_prefix_caching") is None:
+            kw["enable_prefix_caching"] = True
+        opts = self.options
+        if opts.kv_events and kw.get("kv_events_config") is None:
+            events = opts.kv_events_port or _free_port()
+            replay = opts.kv_replay_port or _free_port(exclude=events)
+            # vLLM binds only endpoints with a wildcard ("*"); it connects to any other.
+            kw["kv_events_config"] = KVEventsConfig(
+                enable_kv_cache_events=True, publisher="zmq",
+                endpoint=f"tcp://*:{events}", replay_endpoint=f"tcp://*:{replay}",
+                buffer_steps=opts.kv_buffer_steps, hwm=100_000, topic=KV_TOPIC,
+            )
+        try:
+            return AsyncEngineArgs(**kw)
+        except (ValueError, TypeError) as exc:
+            raise errors.InvalidArgument(f"invalid vLLM engine args: {exc}") from exc
+
+    def _engine_config(self, llm: Any, args: Any) -> EngineConfig:
+        cfg = llm.vllm_config
+        model, cache, sched, par = cfg.model_config, cfg.cache_config, cfg.scheduler_config, cfg.parallel_config
+        # vLLM's served name defaults to the model path; a local directory serves as its name.
+        served = model.served_model_name
+        if isinstance(served, (list, tuple)):
+            served = served[0] if served else None
+        model_id = str(model.model)
+        if not served or served == model_id:
+            served = Path(model_id).name if Path(model_id).is_dir() else model_id
+        events = replay = None
+        endpoints: list[str] = []
+        kv = cfg.kv_events_config
+        if kv is not None and kv.enable_kv_cache_events and kv.publisher == "zmq":
+            host = self.options.advertised_host()
+            events = _advertise(kv.endpoint, host)
+            replay = _advertise(kv.replay_endpoint, host) if kv.replay_endpoint else None
+            # vLLM offsets the ports of data-parallel rank r by r.
+            endpoints = [_offset(events, r) for r in range(par.data_parallel_size)] if events else []
+        return EngineConfig(
+            model_name=model_id,
+            served_model_name=served,
+            context_length=int(model.max_model_len),
+            kv_block_size=int(cache.block_size),
+            total_kv_blocks=int(cache.num_gpu_blocks or 0),
+            max_num_seqs=int(sched.max_num_seqs),
+            max_num_batched_tokens=int(sched.max_num_batched_tokens),
+            data_parallel_size=int(par.data_parallel_size),
+            data_parallel_start_rank=int(getattr(par, "data_parallel_rank", 0) or 0),
+            kv_events_endpoint=events,
+            kv_replay_endpoint=replay,
+            extra={
+                "engine": "vllm",
+                "vllm_version": _vllm_version(),
+                "native_processing": self.options.native_processing,
+                # The frontend's tokenizer adapter for native processing (loaded by name).
+                "native_tokenizer": "engines.vllm.native:NativeTokenizer",
+                "enable_prefix_caching": bool(cache.enable_prefix_caching),
+                "kv_events_topic": kv.topic if kv is not None else None,
+                "kv_events_format": "vllm",
+                "kv_events_endpoints": endpoints,
+                "model_path": str(model.model),
+            },
+        )
+
+    async def drain(self) -> None:
+        """Nothing to hand off: the worker already waited for in-flight requests."""
+
+    async def cleanup(self) -> None:
+        """Abort what is left and shut vLLM down. Idempotent; safe before ``start``."""
+        self._state = "closed"
+        llm, self._llm = self._llm, None
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(BaseException):
+                await task
+        if llm is not None:
+            with contextlib.suppress(Exception):
+                await llm.abort([rid for rids in self._live.values() for rid in rids])
+            # vLLM's output task would log the engine core's exit as a failure: stop it first.
+            handler = getattr(llm, "output_handler", None)
+            if handler is not None:
+                handler.cancel()
+                with contextlib.suppress(BaseException):
+                    await handler
+            await asyncio.to_thread(llm.shutdown, self.options.shutdown_timeout)
+        self._live.clear()
+
+    def stats(self) -> dict[str, float]:
+        """KV-cache use and queue lengths from vLLM's last scheduler stats."""
+        if self._llm is None or not self._stats:
+            return {}
+        out = dict(self._stats)
+        total = self.engine_config.total_kv_blocks if self.engine_config else 0
+        if total:
+            out["kv_total_blocks"] = float(total)
+            out["kv_active_blocks"] = round(out.get("kv_usage", 0.0) * total)
+        return out
+
+    # -- requests --------------------------------------------------------------------------
+
+    def _check(self, request: PreprocessedRequest) -> str | None:
+        """Why ``request`` cannot run (as an error chunk), or None."""
+        if self._state != "started" or self._llm is None:
+            return "the vLLM engine is not running"
+        if not request.token_ids:
+            return "the prompt is empty"
+        rank = request.routing.dp_rank
+        size = self.engine_config.data_parallel_size if self.engine_config else 1
+        if rank is not None and not 0 <= rank < size:
+            return f"dp_rank {rank} out of range: this engine serves ranks 0..{size - 1}"
+        return None
+
+    async def generate(self, request: PreprocessedRequest, ctx: Context) -> AsyncIterator[LLMEngineOutput]:
+        """Stream vLLM's deltas for ``request``; exactly one terminal chunk, last.
+
+        Raises:
+            InvalidArgument: vLLM rejected the request (sampling options, prompt too long).
+        """
+        prompt_tokens = len(request.token_ids)
+        problem = self._check(request)
+        if problem is not None:
+            yield error_output(problem, Usage(prompt_tokens))
+            return
+        if ctx.is_stopped():
+            yield cancelled_output(Usage(prompt_tokens, 0))
+            return
+        from vllm.exceptions import VLLMValidationError
+        from vllm.inputs import TokensPrompt
+
+        detokenize = self.options.native_processing or request.output.detokenize
+        params = sampling_params(request, self.options.native_processing)
+        llm = self._llm
+        size = self.engine_config.data_parallel_size if self.engine_config else 1
+        rank = request.routing.dp_rank if size > 1 else None
+        rid = f"{ctx.id()}-{next(self._ids)}"
+        key = ctx.id()
+        self._live.setdefault(key, set()).add(rid)
+        stream = llm.generate(
+            TokensPrompt(prompt_token_ids=list(request.token_ids)), params, rid, data_parallel_rank=rank
+        )
+        remove = ctx.add_listener(lambda _killed: self._spawn_abort(llm, [rid]))
+        completion = 0
+        terminal = False
+        try:
+            while True:
+                try:
+                    out = await stream.__anext__()
+                except StopAsyncIteration:
+                    break
+                except (VLLMValidationError, ValueError, TypeError) as exc:
+                    raise errors.InvalidArgument(f"vLLM rejected the request: {exc}") from exc
+                chunk, completion = to_output(out, prompt_tokens, completion, detokenize)
+                if chunk is None:
+                    continue
+                if ctx.is_stopped() and not chunk.is_terminal:
+                    # Stopped before vLLM knew the request (abort found nothing) or while the
+                    # abort is on its way: end now; closing the stream aborts it in vLLM.
+                    if chunk.token_ids or chunk.text:
+                        yield chunk
+                    terminal = True
+                    yield cancelled_output(Usage(prompt_tokens, completion))
+                    return
+                if chunk.is_terminal:
+                    terminal = True
+                yield chunk
+                if terminal:
+                    return
+            if not terminal:
+                terminal = True
+                usage = Usage(prompt_tokens, completion)
+                if ctx.is_stopped():
+                    yield cancelled_output(usage)
+                else:
+                    yield error_output("vLLM's stream ended without a finish reason", usage)
+        finally:
+            remove()
+            rids = self._live.get(key)
+            if rids is not None:
+                rids.discard(rid)
+                if not rids:
+                    del self._live[key]
+            # Closing vLLM's generator early aborts the request inside vLLM.
+            with contextlib.suppress(Exception):
+                await stream.aclose()
+
+    async def abort(self, ctx: Context) -> None:
+        """Abort every vLLM request of ``ctx`` now (its streams end with ``cancelled``)."""
+        rids = list(self._live.get(ctx.id(), ()))
+        if rids and self._llm is not None:
+            await self._llm.abort(rids)
+
+    def _spawn_abort(self, llm: Any, rids: list[str]) -> None:
+        task = asyncio.get_running_loop().create_task(llm.abort(rids), name=f"vllm-abort-{rids[0]}")
+        self._tasks.add(task)
+        task.add_done_callback(_forget(self._tasks))
+
+
+def _forget(tasks: set[asyncio.Task[Any]]) -> Callable[[asyncio.Task[Any]], None]:
+    def done(task: asyncio.Task[Any]) -> None:
+        tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("vLLM abort failed: %r", task.exception())
+
+    return done
+
+
+def _free_port(exclude: int = 0) -> int:
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("", 0))
+            port = int(sock.getsockname()[1])
+        if port != exclude:
+            return port
+
+
+def _advertise(endpoint: str | None, host: str) -> str | None:
+    """``tcp://*:PORT`` -> ``tcp://HOST:PORT`` (other endpoints are kept as they are)."""
+    if not endpoint:
+        return None
+    scheme, _, rest = endpoint.partition("://")
+    addr, _, port = rest.rpartition(":")
+    if scheme == "tcp" and addr in ("*", "0.0.0.0", "[::]", "::"):
+        return f"tcp://{host}:{port}"
+    return endpoint
+
+
+def _offset(endpoint: str, rank: int) -> str:
+    if rank == 0 or not endpoint.startswith("tcp://"):
+        return endpoint
+    base, _, port = endpoint.rpartition(":")
+    return f"{base}:{int(port) + rank}"
+
+
+def _vllm_version() -> str:
+    try:
+        from vllm import __version__
+    except ImportError:  # pragma: no cover
+        return "unknown"
+    return str(__version__)
+

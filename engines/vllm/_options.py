@@ -1,0 +1,158 @@
+"""The adapter's own settings and flags, and how vLLM's engine flags join the worker's parser.
+
+The worker owns ``--model-path`` (vLLM's ``--model`` defaults to it), ``--model-name`` (vLLM's
+``--served-model-name`` defaults to it), ``--host``/``--port`` and discovery. vLLM's
+``AsyncEngineArgs`` flags are added next to them unchanged; a vLLM flag whose name the worker
+already uses is left out (today only ``-h/--help``), and none of vLLM's destinations clash
+with the worker's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from dynamo_zmq import errors
+
+__all__ = [
+    "INSTALL_HINT",
+    "VllmOptions",
+    "add_vllm_args",
+    "engine_args_from_args",
+    "import_vllm",
+    "options_from_args",
+]
+
+log = logging.getLogger("engines.vllm")
+
+INSTALL_HINT = "install the `vllm` extra: pip install 'dynamo-zmq[vllm]'"
+_WILDCARDS = ("0.0.0.0", "*", "")
+#: vLLM flags whose default we replace by None, to tell "unset" from a value (see _engine).
+_UNSET_DEFAULTS = ("model", "enforce_eager")
+
+
+@dataclass(frozen=True)
+class VllmOptions:
+    """What the adapter itself decides; vLLM's own settings are ``AsyncEngineArgs``."""
+
+    #: Ask vLLM for text and give it the stop strings (``--native-processing``); the worker's
+    #: post-processing then passes the engine's text through.
+    native_processing: bool = False
+    #: Publish vLLM's KV events on ZMQ (``--no-kv-events`` turns them off).
+    kv_events: bool = True
+    kv_events_port: int = 0
+    kv_replay_port: int = 0
+    #: Published batches kept for replay (vLLM's ``buffer_steps``).
+    kv_buffer_steps: int = 10_000
+    #: Address advertised for the KV-event sockets; None: see ``advertised_host``.
+    advertise: str | None = None
+    #: Bind host of the worker (only used to choose the advertised address).
+    host: str | None = None
+    #: Seconds vLLM's engine-core process gets to exit on cleanup before it is killed.
+    shutdown_timeout: float = 2.0
+
+    def __post_init__(self) -> None:
+        for name in ("kv_events_port", "kv_replay_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise errors.InvalidArgument(f"{name} out of range: {getattr(self, name)}")
+
+    def advertised_host(self) -> str:
+        """``advertise``, else the concrete bind host, else loopback (no host given) or this
+        machine's address (wildcard host), as the mocker advertises its KV sockets."""
+        if self.advertise:
+            return self.advertise
+        if self.host is None:
+            return "127.0.0.1"
+        if self.host not in _WILDCARDS:
+            return self.host
+        from dynamo_zmq.config import RuntimeConfig
+
+        return RuntimeConfig(host="0.0.0.0").advertised_hosts()[0]
+
+
+def _log_to_stderr() -> None:
+    # A worker's stdout carries its READY line; vLLM logs to stdout unless told otherwise.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+
+
+def import_vllm() -> Any:
+    """``import vllm``, or ``InvalidArgument`` saying how to install it."""
+    _log_to_stderr()
+    try:
+        import vllm
+        from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: F401
+    except ImportError as exc:
+        raise errors.InvalidArgument(f"the vllm engine needs vLLM ({exc}); {INSTALL_HINT}") from exc
+    return vllm
+
+
+def add_vllm_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """Add the adapter's flags, then vLLM's engine flags (when vLLM is installed)."""
+    add = parser.add_argument
+    add("--native-processing", "--vllm-processing", dest="native_processing", action="store_true",
+        default=False, help="vLLM detokenizes and applies stop strings itself (the worker passes "
+        "its text through); the frontend must then tokenize with the model's own tokenizer")
+    add("--kv-events-port", type=int, default=0, help="KV-event PUB port (0 = a free one)")
+    add("--kv-replay-port", type=int, default=0, help="KV-event replay ROUTER port (0 = a free one)")
+    add("--no-kv-events", action="store_true", default=False,
+        help="do not publish KV events (also keeps vLLM's --kv-events-config if given)")
+    add("--kv-advertise-host", default=None, help="address routers use for the KV-event sockets")
+    _log_to_stderr()
+    try:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    except ImportError as exc:
+        log.debug("vLLM not importable (%s): its engine flags are not offered", exc)
+        return
+    source = FlexibleArgumentParser(add_help=False)
+    AsyncEngineArgs.add_cli_args(source)
+    taken = parser._option_string_actions  # shared with the parser when this is a group
+    for action in source._actions:
+        clash = [s for s in action.option_strings if s in taken]
+        if clash or not action.option_strings:
+            if clash:
+                log.debug("vLLM flag %s clashes with the worker's: left out", "/".join(clash))
+            continue
+        if action.dest in _UNSET_DEFAULTS:
+            action.default = None
+        parser._add_action(action)
+
+
+def engine_args_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """vLLM's ``AsyncEngineArgs`` fields from parsed flags (the worker's model flags mapped in)."""
+    import_vllm()
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    fields = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+    kwargs = {name: getattr(args, name) for name in fields if hasattr(args, name)}
+    model_path = getattr(args, "model_path", None)
+    if kwargs.get("model") is None:
+        if model_path is None:
+            raise errors.InvalidArgument("the vllm engine needs --model-path (or --model)")
+        kwargs["model"] = str(model_path)
+    model_name = getattr(args, "model_name", None)
+    if model_name and not kwargs.get("served_model_name"):
+        kwargs["served_model_name"] = [model_name]
+    return kwargs
+
+
+def options_from_args(args: argparse.Namespace) -> VllmOptions:
+    host = getattr(args, "host", None) or None
+    advertise = getattr(args, "kv_advertise_host", None)
+    if advertise is None and (host is None or host in _WILDCARDS) and hasattr(args, "discovery"):
+        from dynamo_zmq.config import RuntimeConfig
+
+        runtime = RuntimeConfig.from_args(args)
+        host, advertise = runtime.bind_host, runtime.advertised_hosts()[0]
+    return VllmOptions(
+        native_processing=bool(getattr(args, "native_processing", False)),
+        kv_events=not getattr(args, "no_kv_events", False),
+        kv_events_port=int(getattr(args, "kv_events_port", 0) or 0),
+        kv_replay_port=int(getattr(args, "kv_replay_port", 0) or 0),
+        advertise=advertise,
+        host=host,
+    )

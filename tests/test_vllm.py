@@ -1,0 +1,351 @@
+"""The vLLM engine adapter (engines/vllm) against real vLLM on the tiny model: conformance, greedy
+output equal to vLLM's own, cancellation, data-parallel ranks, KV events, and worker processes
+with the default (worker-side) and native (vLLM-side) processing.
+
+Runs only where vLLM is installed (the ``vllm`` extra); skipped otherwise, except in CI
+(``CI=true``), where a missing vLLM fails the module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+import urllib.request
+
+import pytest
+
+try:
+    import vllm  # noqa: F401
+except ImportError as _exc:  # pragma: no cover - depends on the environment
+    _why = f"vLLM is not installed ({_exc}); install the `vllm` extra to run the vLLM tests"
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{_why} (CI=true: the vLLM tests must run in CI)", pytrace=False)
+    print(f"SKIP tests/test_vllm.py: {_why}", file=sys.stderr)
+    pytest.skip(_why, allow_module_level=True)
+
+import msgspec
+import pytest_asyncio
+import zmq
+import zmq.asyncio
+from tokenizers import Tokenizer
+
+from dynamo_zmq import errors
+from dynamo_zmq.context import Context
+from dynamo_zmq.engine import (
+    OutputOptions,
+    PreprocessedRequest,
+    RoutingHints,
+    SamplingOptions,
+    StopConditions,
+)
+from dynamo_zmq.postprocess import postprocess
+from dynamo_zmq.testing import run_conformance, validate_stream
+from engines.vllm import VllmEngine, VllmOptions
+
+#: vLLM on this CPU: a small KV cache, multiprocessing off for the uni executor.
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "VLLM_LOGGING_STREAM": "ext://sys.stderr"}
+for _k, _v in VLLM_ENV.items():
+    os.environ.setdefault(_k, _v)
+
+MAX_MODEL_LEN = 512
+ENGINE_ARGS = {"max_model_len": MAX_MODEL_LEN, "dtype": "float32"}
+WORKER_FLAGS = ("--max-model-len", str(MAX_MODEL_LEN), "--dtype", "float32")
+BLOCK = 32
+#: Seconds a vLLM worker process may take to load (import + model + KV cache) on a busy CI box.
+WORKER_START = 240
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(600)]
+
+
+def engine_args(model) -> dict:
+    return {"model": str(model), **ENGINE_ARGS}
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(tiny_model):
+    """One started engine for the module (loading costs ~15 s)."""
+    eng = VllmEngine(engine_args(tiny_model))
+    await eng.start(1)
+    yield eng
+    await eng.cleanup()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model) -> Tokenizer:
+    return Tokenizer.from_file(str(tiny_model / "tokenizer.json"))
+
+
+def greedy(tokens, max_tokens=24, **stop) -> PreprocessedRequest:
+    return PreprocessedRequest(
+        token_ids=list(tokens), sampling=SamplingOptions(temperature=0.0),
+        stop=StopConditions(max_tokens=max_tokens, **stop),
+    )
+
+
+async def collect(stream) -> list:
+    return [chunk async for chunk in validate_stream(stream)]
+
+
+async def direct(engine: VllmEngine, tokens, max_tokens=24) -> tuple[list[int], str, str]:
+    """(token ids, text, finish reason) from vLLM itself, bypassing the adapter."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    final = None
+    async for out in engine.llm.generate(TokensPrompt(prompt_token_ids=list(tokens)), params,
+                                         f"direct-{time.monotonic_ns()}"):
+        final = out
+    comp = final.outputs[0]
+    return list(comp.token_ids), comp.text, str(comp.finish_reason)
+
+
+def prompts(tokenizer: Tokenizer) -> list[list[int]]:
+    texts = ["Once upon a time there was", "The worker engine said", "water and light over the land"]
+    return [tokenizer.encode(t).ids for t in texts] + [[1, 5, 9, 200, 300, 17]]
+
+
+# -- the engine contract ---------------------------------------------------------------------
+
+
+async def test_conformance(tiny_model):
+    """Five fresh engines (start, stream, concurrent, cancel, cleanup twice) plus cleanup
+    before start; about a minute on two cores."""
+    opts = VllmOptions(kv_events=False, shutdown_timeout=1.0)
+    report = await run_conformance(lambda: VllmEngine(engine_args(tiny_model), opts), timeout=180)
+    assert report.passed == ["start", "stream", "concurrent", "cancel", "cleanup_twice",
+                             "cleanup_before_start"]
+    assert report.config is not None and report.config.kv_events_endpoint is None
+
+
+async def test_engine_config_and_stats(engine, tiny_model):
+    cfg = engine.engine_config
+    assert cfg.model_name == str(tiny_model) and cfg.served_model_name == tiny_model.name
+    assert cfg.context_length == MAX_MODEL_LEN and cfg.kv_block_size == BLOCK
+    assert cfg.total_kv_blocks > 0 and cfg.max_num_seqs > 0 and cfg.max_num_batched_tokens > 0
+    assert cfg.data_parallel_size == 1
+    assert cfg.kv_events_endpoint.startswith("tcp://127.0.0.1:")
+    assert cfg.kv_replay_endpoint.startswith("tcp://127.0.0.1:")
+    assert cfg.extra["engine"] == "vllm" and cfg.extra["native_processing"] is False
+    await collect(engine.generate(greedy([1, 2, 3], 2), Context()))
+    stats = engine.stats()
+    assert stats["kv_total_blocks"] == cfg.total_kv_blocks and "num_running" in stats
+
+
+async def test_health_canary_request(engine):
+    """The worker's canary: token [1], one token, ignore_eos."""
+    req = PreprocessedRequest(token_ids=[1], stop=StopConditions(max_tokens=1, ignore_eos=True))
+    chunks = await collect(engine.generate(req, Context()))
+    assert chunks[-1].finish_reason == "length" and sum(len(c.token_ids) for c in chunks) == 1
+
+
+async def test_greedy_equals_vllm_direct(engine, tokenizer):
+    """The worker's code path (engine + post-processing) gives vLLM's own ids and text."""
+    for tokens in prompts(tokenizer):
+        ids, text, reason = await direct(engine, tokens)
+        req = greedy(tokens)
+        chunks = await collect(postprocess(engine.generate(req, Context()), req, tokenizer))
+        assert [t for c in chunks for t in c.token_ids] == ids
+        assert "".join(c.text or "" for c in chunks) == text
+        assert chunks[-1].finish_reason == reason
+        assert chunks[-1].usage.prompt_tokens == len(tokens)
+        assert chunks[-1].usage.completion_tokens == len(ids)
+
+
+async def test_max_tokens_and_length(engine):
+    chunks = await collect(engine.generate(greedy([1, 7, 8, 9], 3, ignore_eos=True), Context()))
+    assert sum(len(c.token_ids) for c in chunks) == 3
+    assert chunks[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == 3
+    assert [c.is_terminal for c in chunks].count(True) == 1
+
+
+async def test_stop_strings_by_the_worker_and_natively(engine, tokenizer):
+    tokens = prompts(tokenizer)[0]
+    _, text, _ = await direct(engine, tokens, 24)
+    stop = text.strip()[2:5]
+    assert stop and stop in text, text
+    expect = text[: text.find(stop)]
+    # Fast path: vLLM gets no stop strings; the worker's post-processing cuts the text.
+    req = greedy(tokens, 24, stop=[stop])
+    chunks = await collect(postprocess(engine.generate(req, Context()), req, tokenizer, None))
+    assert "".join(c.text or "" for c in chunks) == expect and chunks[-1].finish_reason == "stop"
+    # Native: vLLM detokenizes and stops; post-processing passes its text through.
+    native = msgspec.structs.replace(req, output=OutputOptions(detokenize=True))
+    chunks = await collect(postprocess(engine.generate(native, Context()), native, None, None))
+    assert "".join(c.text or "" for c in chunks) == expect and chunks[-1].finish_reason == "stop"
+
+
+async def test_cancel_mid_stream_aborts_in_vllm(engine):
+    req = PreprocessedRequest(token_ids=[1, 2, 3, 4], stop=StopConditions(max_tokens=400, ignore_eos=True))
+    ctx = Context("cancel-me")
+    chunks = []
+    async for chunk in validate_stream(engine.generate(req, ctx)):
+        chunks.append(chunk)
+        if len(chunks) == 3:
+            ctx.stop()
+    assert chunks[-1].finish_reason == "cancelled"
+    assert sum(len(c.token_ids) for c in chunks) < 400
+    assert engine.llm.get_num_unfinished_requests() == 0
+    assert not engine._live
+
+
+async def test_closing_the_stream_aborts_in_vllm(engine):
+    req = PreprocessedRequest(token_ids=[1, 2, 3], stop=StopConditions(max_tokens=400, ignore_eos=True))
+    stream = engine.generate(req, Context())
+    await stream.__anext__()
+    assert engine.llm.get_num_unfinished_requests() == 1
+    await stream.aclose()
+    assert engine.llm.get_num_unfinished_requests() == 0
+
+
+async def test_dp_rank_hints(engine):
+    ok = msgspec.structs.replace(greedy([1, 2], 2, ignore_eos=True), routing=RoutingHints(dp_rank=0))
+    assert (await collect(engine.generate(ok, Context())))[-1].finish_reason == "length"
+    bad = msgspec.structs.replace(ok, routing=RoutingHints(dp_rank=1))
+    (chunk,) = await collect(engine.generate(bad, Context()))
+    assert chunk.finish_reason == "error" and "dp_rank 1 out of range" in chunk.error
+
+
+async def test_what_vllm_rejects_is_invalid_argument(engine):
+    bad = PreprocessedRequest(token_ids=[1], sampling=SamplingOptions(temperature=-1.0))
+    with pytest.raises(errors.InvalidArgument, match="temperature"):
+        await collect(engine.generate(bad, Context()))
+    too_long = PreprocessedRequest(token_ids=[5] * (MAX_MODEL_LEN + 10))
+    with pytest.raises(errors.InvalidArgument, match="maximum context length"):
+        await collect(engine.generate(too_long, Context()))
+    assert engine.llm.get_num_unfinished_requests() == 0
+
+
+# -- KV events ---------------------------------------------------------------------------------
+
+
+async def test_kv_events_block_stored_and_indexed(engine):
+    from router.events import BlockStored, decode_batch
+    from router.indexer import KvIndexer
+
+    cfg = engine.engine_config
+    prompt = [(7 * i + 11) % 500 + 4 for i in range(7 * BLOCK + 5)]  # 7 full blocks
+    ctx = zmq.asyncio.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(cfg.kv_events_endpoint)
+    replay = ctx.socket(zmq.DEALER)
+    replay.connect(cfg.kv_replay_endpoint)
+    try:
+        await asyncio.sleep(0.5)  # the SUB joins before the request runs; replay covers a miss
+        await collect(engine.generate(greedy(prompt, 2), Context()))
+        batches: dict[int, bytes] = {}
+        deadline = time.monotonic() + 10
+        index = KvIndexer(BLOCK)
+        while time.monotonic() < deadline:
+            if await sub.poll(200):
+                topic, seq, payload = await sub.recv_multipart()
+                assert topic == cfg.extra["kv_events_topic"].encode()
+                batches[int.from_bytes(seq, "big")] = payload
+            elif batches or time.monotonic() > deadline - 8:
+                break
+        # Replay from seq 0 fills whatever the SUB missed (slow joiner), then ends with seq -1.
+        await replay.send_multipart([b"", (0).to_bytes(8, "big")])
+        while True:
+            _, topic, seq, payload = await asyncio.wait_for(replay.recv_multipart(), 5)
+            if int.from_bytes(seq, "big", signed=True) == -1:
+                break
+            batches.setdefault(int.from_bytes(seq, "big"), payload)
+        stored = []
+        for seq in sorted(batches):
+            batch = decode_batch(batches[seq])
+            index.apply_batch(42, batch)
+            stored += [e for e in batch.events if isinstance(e, BlockStored)]
+        ours = [e for e in stored if e.token_ids and e.token_ids[0] in prompt]
+        tokens = [t for e in ours for t in e.token_ids]
+        assert tokens[: 7 * BLOCK] == prompt[: 7 * BLOCK], tokens
+        assert all(e.block_size == BLOCK for e in ours)
+        assert index.find_matches(prompt) == {(42, 0): 7}
+    finally:
+        sub.close(0)
+        replay.close(0)
+        ctx.term()
+
+
+# -- worker processes --------------------------------------------------------------------------
+
+
+def vllm_worker(spawn, namespace, model, *extra):
+    proc = spawn("-m", "dynamo_zmq.worker", "--engine", "vllm", "--model-path", str(model),
+                 "--model-name", "tiny", "--namespace", namespace, "--host", "127.0.0.1",
+                 "--metrics-port", "0", *WORKER_FLAGS, *extra, env=VLLM_ENV, ready=False)
+    return proc.wait_ready(WORKER_START)
+
+
+def metrics_port(proc) -> int:
+    return int(next(line.split()[-1] for line in proc.logs().splitlines()
+                    if "metrics and health on port" in line))
+
+
+def fetch(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        return resp.read().decode()
+
+
+def worker_request(tokens, max_tokens=24, native=False, **stop) -> dict:
+    req = {"token_ids": list(tokens), "sampling": {"temperature": 0.0},
+           "stop": {"max_tokens": max_tokens, **stop}}
+    if native:
+        req["output"] = {"detokenize": True}
+    return req
+
+
+async def run_requests(client, reqs) -> list[tuple[list[int], str, str]]:
+    out = []
+    for req in reqs:
+        chunks = [r.data() async for r in await client.generate(req)]
+        out.append(([t for c in chunks for t in c.get("token_ids", [])],
+                    "".join(c.get("text") or "" for c in chunks), chunks[-1]["finish_reason"]))
+    return out
+
+
+async def test_workers_default_and_native_match_vllm(engine, tokenizer, spawn, namespace, make_runtime,
+                                                     tiny_model):
+    """A default worker and a --native-processing worker (one at a time, to bound memory) give
+    vLLM's own greedy ids and text; stop strings, max_tokens and cancellation through both."""
+    token_lists = prompts(tokenizer)
+    expect = [await direct(engine, t) for t in token_lists]
+    stop = expect[0][1].strip()[2:5]
+    cut = expect[0][1][: expect[0][1].find(stop)]
+    results = {}
+    for mode, extra in (("default", ()), ("native", ("--native-processing",))):
+        proc = vllm_worker(spawn, f"{namespace}{mode}", tiny_model, *extra)
+        native = mode == "native"
+        client = await make_runtime(static=(proc.address,)).endpoint(
+            f"{namespace}{mode}.backend.generate").client()
+        await client.wait_for_instances(timeout=15)
+        got = await run_requests(client, [worker_request(t, native=native) for t in token_lists])
+        assert got == expect, mode
+        (ids, text, reason), = await run_requests(client, [worker_request(token_lists[0], native=native,
+                                                                           stop=[stop])])
+        assert text == cut and reason == "stop", mode
+        (ids, _, reason), = await run_requests(client, [worker_request([1, 4, 4], 5, native=native,
+                                                                        ignore_eos=True)])
+        assert len(ids) == 5 and reason == "length", mode
+        ctx = Context()
+        chunks = []
+        async for r in await client.generate(worker_request([1, 2, 3], 400, ignore_eos=True), context=ctx):
+            chunks.append(r.data())
+            if len(chunks) == 2:
+                ctx.stop()
+        assert chunks[-1]["finish_reason"] == "cancelled", mode
+        port = metrics_port(proc)
+        deadline = time.monotonic() + 10
+        while True:
+            body = await asyncio.to_thread(fetch, f"http://127.0.0.1:{port}/metrics")
+            if ('dynamo_worker_cancellations_total{model="tiny"} 1.0' in body
+                    and 'dynamo_worker_inflight_requests{model="tiny"} 0.0' in body):
+                break
+            assert time.monotonic() < deadline, body[-2000:]
+            await asyncio.sleep(0.2)
+        results[mode] = got
+        proc.stop()
+    assert results["default"] == results["native"]
