@@ -1,0 +1,553 @@
+"""The KV index: which (worker, dp_rank) holds which prefix blocks, fed by engines' KV events.
+
+Data structure (chosen for CPython speed, see scripts/bench_indexer.py):
+
+* Each ``WorkerKey = (worker_id, dp_rank)`` gets one bit. ``_masks`` maps the router's own block
+  hash (``router.hashing``: chained, so one hash names a whole prefix) to the int bitmask of the
+  keys holding that block.
+* Per key, ``e2o`` maps each held engine hash to one packed int: its own hash (bits 0-63), its
+  parent's engine hash (64-127), a has-parent bit (128) and its number of held children (129+).
+  It chains a store to its parent and tells what a removal drops. ``dups`` counts extra stores
+  of an engine hash already held (vLLM does publish the same hash twice); ``shared`` counts extra
+  engine hashes mapping to an own hash the key already holds (an engine-side salt the router
+  cannot see). A key's bit leaves ``_masks[h]`` with its last reference to ``h``.
+* ``orphans`` counts a key's held blocks whose parent engine block is not held (it was removed
+  first), ``orphan_parents`` their missing parents. A key without orphans holds an
+  ancestor-closed set, so along any prompt its blocks form a prefix and
+  ``find_matches_for_hashes`` binary-searches each key's match length: O(distinct lengths x
+  log(blocks)) dict lookups, ~10 us for a 2,000-block prompt over 8 keys. Engines evict leaves
+  first (vLLM frees a request's blocks tail-first), so orphans are rare; while a key holding the
+  prompt's first block has some, the query is answered by an exact linear scan instead: masks
+  looked up and prefix-ANDed in C (``map`` + ``itertools.accumulate``), in growing chunks so a
+  mismatch stops it early. Orphans are counted per engine block, which over-counts only in odd
+  cases (twin engine hashes), never under-counts.
+
+Conservative handling (never index data the event does not prove):
+
+* ``block_size`` different from the indexer's: the event is ignored (``stats.block_size_mismatch``).
+* ``len(token_ids) != len(block_hashes) * block_size``: the alignment of tokens to hashes is
+  unknown, so the whole event is ignored (``stats.bad_length``); so are token ids outside uint32
+  (``stats.bad_tokens``).
+* Parent engine hash unknown for that key (never stored, evicted, refused, or lost to a gap):
+  nothing can be chained, the event is ignored (``stats.unknown_parent``); its children will be
+  ignored in turn until a store from the root re-establishes the chain.
+* Removal of an unknown engine hash: ignored (``stats.unknown_removed``).
+* A re-store of a held engine hash is a duplicate: counted, and each removal drops one count.
+  If its content differs (``stats.conflicts``) the first content is kept and the rest of that
+  event is ignored, since it chains from content the key does not hold. An engine hash evicted
+  and stored again with other content while its old children are held makes the key use the
+  linear scan until its next ``clear``.
+* LoRA blocks (``lora_name``, else ``lora_id``) chain from a per-adapter root; blocks with extra
+  keys (multimodal, cache salt) get salted hashes. Neither ever matches a plain token prompt;
+  ``find_matches(tokens, lora=...)`` matches an adapter's blocks. ``medium`` (GPU/CPU) and vLLM's
+  ``group_idx`` are not distinguished: a block held on any medium counts as held.
+* Capacity: at most ``max_blocks`` (key, engine hash) entries. Stores beyond it are refused
+  (``stats.refused``), never evicting others: the index then under-reports matches, which only
+  costs cache hits, never routes on wrong data. Engines' caches are bounded, so the bound is a
+  safety net against runaway or hostile publishers, not a cache policy.
+
+Memory: ``bytes_per_block()`` computes the live figure from the containers (dict tables plus the
+int objects they hold); scripts/bench_indexer.py checks it against tracemalloc.
+"""
+
+from __future__ import annotations
+
+import array
+import itertools
+import logging
+import operator
+import struct
+import sys
+from bisect import bisect_right
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import xxhash
+
+from .events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from .hashing import ROOT_SEED, TokenIds, block_hashes, extra_key_hash, root_hash
+
+__all__ = ["DEFAULT_MAX_BLOCKS", "IndexerStats", "KvIndexer", "WorkerKey"]
+
+log = logging.getLogger(__name__)
+
+WorkerKey = tuple[int, int]
+DEFAULT_MAX_BLOCKS = 10_000_000
+#: First chunk of prompt blocks looked up at once by find_matches; doubles after each chunk.
+_FIRST_CHUNK = 32
+#: pymalloc sizes of a uint64 int object (3 x 30-bit digits) and of a 128-bit one (5 digits).
+_INT_BYTES = 40
+_PACKED_BYTES = 48
+
+_NO_EXTRA = [None]
+_h64 = xxhash.xxh3_64_intdigest
+_pack_u64 = struct.Struct("<Q").pack
+_MASK64 = (1 << 64) - 1
+_HAS_PARENT = 1 << 128
+_CHILD_SHIFT = 129
+_CHILD = 1 << _CHILD_SHIFT
+_SIXTY_FOUR = itertools.repeat(64)
+_lshift = operator.lshift
+_and = operator.and_
+_or = operator.or_
+_neg = operator.neg
+
+
+class IndexerStats(msgspec.Struct, gc=False):
+    """Counters of what the indexer applied, ignored or refused (all monotonic)."""
+
+    stored_blocks: int = 0
+    removed_blocks: int = 0
+    duplicate_stores: int = 0
+    conflicts: int = 0
+    unknown_parent: int = 0
+    bad_length: int = 0
+    block_size_mismatch: int = 0
+    unknown_removed: int = 0
+    refused: int = 0
+    bad_tokens: int = 0
+    clears: int = 0
+
+
+def _zeros(n: int) -> itertools.repeat[int]:
+    return itertools.repeat(0, n)
+
+
+class _KeyState:
+    __slots__ = ("bit", "dups", "e2o", "orphan_parents", "orphans", "poisoned", "shared")
+
+    def __init__(self, bit: int) -> None:
+        self.bit = bit
+        self.e2o: dict[int, int] = {}  # engine hash -> packed (see the module docstring)
+        self.dups: dict[int, int] = {}  # engine hash -> extra stores
+        self.shared: dict[int, int] = {}  # own hash -> extra engine hashes mapping to it
+        self.orphan_parents: dict[int, tuple[int, int]] = {}  # gone parent -> (children, own)
+        self.orphans = 0  # held blocks whose parent engine block is not held
+        self.poisoned = False  # bookkeeping no longer trusted: always scan linearly
+
+
+class KvIndexer:
+    """Prefix-block index over (worker_id, dp_rank) keys. Not thread-safe; one owner.
+
+    Args:
+        block_size: tokens per block; events with another block size are ignored.
+        max_blocks: bound on (key, engine hash) entries; stores beyond it are refused.
+    """
+
+    def __init__(self, block_size: int, max_blocks: int = DEFAULT_MAX_BLOCKS) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        if max_blocks <= 0:
+            raise ValueError(f"max_blocks must be positive, got {max_blocks}")
+        self.block_size = block_size
+        self.max_blocks = max_blocks
+        self.stats = IndexerStats()
+        self._masks: dict[int, int] = {}
+        self._dirty = 0  # bits of the keys with orphans (or poisoned)
+        self._state: dict[WorkerKey, _KeyState] = {}
+        self._bit_keys: dict[int, WorkerKey] = {}  # bit value -> key
+        self._free_bits: list[int] = []  # bit positions released by remove_worker
+        self._next_bit = 0
+        self._total = 0
+        self._warned_full = False
+
+    # --- keys ------------------------------------------------------------------------------------
+
+    def _key_state(self, key: WorkerKey) -> _KeyState:
+        st = self._state.get(key)
+        if st is None:
+            if self._free_bits:
+                pos = min(self._free_bits)  # small bit positions keep masks small ints
+                self._free_bits.remove(pos)
+            else:
+                pos = self._next_bit
+                self._next_bit += 1
+            st = self._state[key] = _KeyState(1 << pos)
+            self._bit_keys[st.bit] = key
+        return st
+
+    def keys(self) -> set[WorkerKey]:
+        """Keys seen in events (an ``AllBlocksCleared`` keeps its key; ``remove_worker`` drops it)."""
+        return set(self._state)
+
+    def num_blocks(self, key: WorkerKey | None = None) -> int:
+        """Distinct engine blocks held by ``key``, or the sum over all keys (what ``max_blocks``
+        bounds). Duplicate stores of one engine hash count once."""
+        if key is None:
+            return self._total
+        st = self._state.get(key)
+        return 0 if st is None else len(st.e2o)
+
+    def num_unique_blocks(self) -> int:
+        """Distinct own hashes (prefixes) held by at least one key."""
+        return len(self._masks)
+
+    # --- events ----------------------------------------------------------------------------------
+
+    def apply_batch(self, worker_id: int, batch: EventBatch) -> None:
+        """Apply one decoded batch from ``worker_id`` (``dp_rank`` None means rank 0)."""
+        key = (worker_id, batch.dp_rank or 0)
+        for ev in batch.events:
+            if isinstance(ev, BlockStored):
+                lora = ev.lora_name if ev.lora_name is not None else ev.lora_id
+                self.apply_stored(key, ev.block_hashes, ev.parent_block_hash, ev.token_ids,
+                                  ev.block_size, lora=lora, extra_keys=ev.extra_keys)
+            elif isinstance(ev, BlockRemoved):
+                self.apply_removed(key, ev.block_hashes)
+            elif isinstance(ev, AllBlocksCleared):
+                self.clear(key)
+
+    def apply_stored(self, key: WorkerKey, engine_hashes: list[int],
+                     parent_engine_hash: int | None, token_ids: Sequence[int], block_size: int,
+                     *, lora: int | str | None = None,
+                     extra_keys: list[Any] | None = None) -> None:
+        """Index full blocks stored by ``key`` (engine hashes are normalized uint64 ints).
+
+        Args:
+            key: (worker_id, dp_rank).
+            engine_hashes: the engine's hashes of the stored blocks, in chain order.
+            parent_engine_hash: engine hash of the block before the first, ``None`` for a root.
+            token_ids: all stored blocks' tokens, concatenated (ints in [0, 2**32)).
+            block_size: the event's block size.
+            lora: LoRA adapter name or id, ``None`` for the base model.
+            extra_keys: per block, the engine's extra hash inputs or ``None``.
+        """
+        stats = self.stats
+        st = self._state.get(key) or self._key_state(key)
+        n = len(engine_hashes)
+        if block_size != self.block_size:
+            stats.block_size_mismatch += 1
+            return
+        if len(token_ids) != n * block_size:
+            stats.bad_length += 1
+            return
+        if n == 0:
+            return
+        e2o = st.e2o
+        if parent_engine_hash is None:
+            seed = ROOT_SEED if lora is None else root_hash(lora)
+        else:
+            packed = e2o.get(parent_engine_hash)
+            if packed is None:
+                stats.unknown_parent += 1
+                return
+            seed = packed & _MASK64
+        if n == 1 and (extra_keys is None or extra_keys == _NO_EXTRA):
+            eh = engine_hashes[0]
+            if eh not in e2o and self._total < self.max_blocks and eh not in st.orphan_parents:
+                # Fast path for one-block events (most of vLLM's during decode).
+                try:
+                    oh = _h64(_pack_u64(seed) + array.array("I", token_ids).tobytes())
+                except (OverflowError, TypeError):
+                    stats.bad_tokens += 1
+                    return
+                if parent_engine_hash is None:
+                    e2o[eh] = oh
+                else:
+                    e2o[eh] = oh | parent_engine_hash << 64 | _HAS_PARENT
+                    e2o[parent_engine_hash] += _CHILD
+                self._total += 1
+                stats.stored_blocks += 1
+                masks, bit = self._masks, st.bit
+                m = masks.get(oh, 0)
+                if m & bit:
+                    st.shared[oh] = st.shared.get(oh, 0) + 1
+                else:
+                    masks[oh] = m | bit
+                return
+        try:
+            if extra_keys is not None and any(k is not None for k in extra_keys):
+                if len(extra_keys) != n:
+                    stats.bad_length += 1
+                    return
+                owns = self._salted_hashes(token_ids, seed, extra_keys)
+            else:
+                owns = block_hashes(token_ids, block_size, seed)
+        except ValueError:
+            stats.bad_tokens += 1
+            return
+        # Common case, mostly in C: engine hashes new to this key (and not parents of its
+        # orphans), own hashes it does not hold yet.
+        masks, bit = self._masks, st.bit
+        held = list(map(masks.get, owns, _zeros(n)))
+        if (self._total + n > self.max_blocks or not e2o.keys().isdisjoint(engine_hashes)
+                or (st.orphan_parents and not st.orphan_parents.keys().isdisjoint(engine_hashes))
+                or any(map(_and, held, itertools.repeat(bit, n)))):
+            self._store_each(st, engine_hashes, owns, parent_engine_hash)
+            return
+        flags = [_HAS_PARENT | _CHILD] * n
+        flags[-1] = _HAS_PARENT
+        if parent_engine_hash is None:
+            flags[0] ^= _HAS_PARENT
+        parents = itertools.chain((parent_engine_hash or 0,), engine_hashes)
+        packed_iter = map(_or, map(_or, owns, map(_lshift, parents, _SIXTY_FOUR)), flags)
+        size = len(e2o)
+        e2o.update(zip(engine_hashes, packed_iter, strict=False))
+        if len(e2o) != size + n:  # an engine hash repeated within the event: undo, go slow
+            for eh in engine_hashes:
+                e2o.pop(eh, None)
+            self._store_each(st, engine_hashes, owns, parent_engine_hash)
+            return
+        if parent_engine_hash is not None:
+            e2o[parent_engine_hash] += _CHILD
+        masks.update(zip(owns, map(_or, held, itertools.repeat(bit, n)), strict=True))
+        self._total += n
+        stats.stored_blocks += n
+
+    def _store_each(self, st: _KeyState, engine_hashes: list[int], owns: list[int],
+                    parent: int | None) -> None:
+        """Block-by-block store: duplicates, conflicts, re-stored parents, the capacity bound."""
+        stats, e2o, masks, bit = self.stats, st.e2o, self._masks, st.bit
+        room = self.max_blocks - self._total
+        added = 0
+        for eh, oh in zip(engine_hashes, owns, strict=True):
+            prev, parent = parent, eh
+            old = e2o.get(eh)
+            if old is not None:
+                st.dups[eh] = st.dups.get(eh, 0) + 1
+                stats.duplicate_stores += 1
+                if old & _MASK64 != oh:
+                    stats.conflicts += 1
+                    break  # the rest chains from content this key does not hold
+                continue
+            if added >= room:
+                self._refuse(1)
+                continue
+            added += 1
+            if prev is None:
+                packed = oh
+            else:
+                packed = oh | prev << 64 | _HAS_PARENT
+                e2o[prev] += _CHILD
+            gone = st.orphan_parents.pop(eh, None) if st.orphan_parents else None
+            if gone is not None:  # stored again under its held children
+                children, old_own = gone
+                if old_own == oh:
+                    packed += children * _CHILD
+                    self._set_orphans(st, st.orphans - children)
+                else:
+                    st.poisoned = True
+                    self._set_orphans(st, st.orphans)
+            e2o[eh] = packed
+            m = masks.get(oh, 0)
+            if m & bit:
+                st.shared[oh] = st.shared.get(oh, 0) + 1
+            else:
+                masks[oh] = m | bit
+        self._total += added
+        stats.stored_blocks += added
+
+    def _set_orphans(self, st: _KeyState, orphans: int) -> None:
+        st.orphans = orphans
+        if orphans > 0 or st.poisoned:
+            self._dirty |= st.bit
+        else:
+            self._dirty &= ~st.bit
+
+    def _refuse(self, n: int) -> None:
+        self.stats.refused += n
+        if not self._warned_full:
+            self._warned_full = True
+            log.warning("KV index full (%d blocks); refusing new stores", self.max_blocks)
+
+    def _salted_hashes(self, token_ids: TokenIds, parent: int, extra_keys: list[Any]) -> list[int]:
+        bs = self.block_size
+        owns: list[int] = []
+        for i, extra in enumerate(extra_keys):
+            (h,) = block_hashes(token_ids[i * bs : (i + 1) * bs], bs, parent)
+            parent = h if extra is None else extra_key_hash(h, extra)
+            owns.append(parent)
+        return owns
+
+    def apply_removed(self, key: WorkerKey, engine_hashes: list[int]) -> None:
+        """Drop one reference per engine hash; a block leaves the key with its last reference."""
+        st = self._state.get(key)
+        stats = self.stats
+        if st is None:
+            stats.unknown_removed += len(engine_hashes)
+            return
+        e2o, dups, shared, masks, bit = st.e2o, st.dups, st.shared, self._masks, st.bit
+        removed = 0
+        for eh in engine_hashes:
+            d = dups.get(eh)
+            if d is not None:
+                if d > 1:
+                    dups[eh] = d - 1
+                else:
+                    del dups[eh]
+                continue
+            packed = e2o.pop(eh, None)
+            if packed is None:
+                stats.unknown_removed += 1
+                continue
+            removed += 1
+            oh = packed & _MASK64
+            children = packed >> _CHILD_SHIFT
+            if children or packed & _HAS_PARENT:
+                self._unlink(st, eh, packed, oh, children)
+            s = shared.get(oh)
+            if s is not None:
+                if s > 1:
+                    shared[oh] = s - 1
+                else:
+                    del shared[oh]
+                continue
+            m = masks[oh] & ~bit
+            if m:
+                masks[oh] = m
+            else:
+                del masks[oh]
+        self._total -= removed
+        stats.removed_blocks += removed
+
+    def _unlink(self, st: _KeyState, eh: int, packed: int, oh: int, children: int) -> None:
+        """Parent/children bookkeeping of a removed engine block."""
+        orphans = st.orphans + children  # its held children lose their parent
+        if children:
+            st.orphan_parents[eh] = (children, oh)
+        if packed & _HAS_PARENT:
+            pe = (packed >> 64) & _MASK64
+            pp = st.e2o.get(pe)
+            if pp is not None:
+                if pp >> _CHILD_SHIFT:  # (only a poisoned key can be at 0 here)
+                    st.e2o[pe] = pp - _CHILD
+            else:  # it was an orphan itself
+                orphans -= 1
+                gone = st.orphan_parents.get(pe)
+                if gone is not None:
+                    if gone[0] > 1:
+                        st.orphan_parents[pe] = (gone[0] - 1, gone[1])
+                    else:
+                        del st.orphan_parents[pe]
+        self._set_orphans(st, orphans)
+
+    def clear(self, key: WorkerKey) -> None:
+        """Forget every block of ``key`` (its ``AllBlocksCleared``); the key stays known."""
+        self.stats.clears += 1
+        self._clear(key)
+
+    def _clear(self, key: WorkerKey) -> None:
+        st = self._state.get(key)
+        if st is None:
+            return
+        masks, keep = self._masks, ~st.bit
+        for oh in {packed & _MASK64 for packed in st.e2o.values()}:
+            m = masks.get(oh)
+            if m is None:
+                continue
+            m &= keep
+            if m:
+                masks[oh] = m
+            else:
+                del masks[oh]
+        self._total -= len(st.e2o)
+        st.poisoned = False
+        self._set_orphans(st, 0)
+        st.e2o, st.dups, st.shared, st.orphan_parents = {}, {}, {}, {}
+
+    def remove_worker(self, worker_id: int) -> None:
+        """Forget ``worker_id`` entirely: all its DP ranks, their blocks and their keys."""
+        for key in [k for k in self._state if k[0] == worker_id]:
+            self._clear(key)
+            st = self._state.pop(key)
+            del self._bit_keys[st.bit]
+            self._free_bits.append(st.bit.bit_length() - 1)
+
+    # --- queries ---------------------------------------------------------------------------------
+
+    def find_matches(self, token_ids: TokenIds, *, lora: int | str | None = None
+                     ) -> dict[WorkerKey, int]:
+        """Leading full blocks of the prompt held by each key (only keys with >= 1 block)."""
+        if not self._masks:
+            return {}
+        seed = None if lora is None else root_hash(lora)
+        return self.find_matches_for_hashes(block_hashes(token_ids, self.block_size, seed))
+
+    def find_matches_for_hashes(self, own_hashes: Sequence[int]) -> dict[WorkerKey, int]:
+        """Like ``find_matches`` for hashes already computed with ``router.hashing``."""
+        n = len(own_hashes)
+        get = self._masks.get
+        v = get(own_hashes[0], 0) if n else 0
+        if not v:
+            return {}
+        if v & self._dirty:
+            return self._find_linear(own_hashes)
+        # Every key in v holds a prefix of the prompt: bisect each drop of the set.
+        out: dict[WorkerKey, int] = {}
+        bit_keys = self._bit_keys
+        lo = 1
+        while True:
+            hi = n
+            if get(own_hashes[n - 1], 0) & v != v:
+                while lo < hi:
+                    mid = (lo + hi) >> 1
+                    if get(own_hashes[mid], 0) & v == v:
+                        lo = mid + 1
+                    else:
+                        hi = mid
+            else:
+                lo = n
+            nxt = get(own_hashes[lo], 0) & v if lo < n else 0
+            dropped = v & ~nxt
+            while dropped:
+                low = dropped & -dropped
+                out[bit_keys[low]] = lo
+                dropped ^= low
+            if not nxt:
+                return out
+            v, lo = nxt, lo + 1
+
+    def _find_linear(self, own_hashes: Sequence[int]) -> dict[WorkerKey, int]:
+        """Prefix-AND of every block's mask (exact with orphans), then bisect the drops."""
+        n = len(own_hashes)
+        get = self._masks.get
+        zero = itertools.repeat(0)
+        acc: list[int] = []
+        running, start, chunk = -1, 0, _FIRST_CHUNK
+        while start < n:
+            end = min(n, start + chunk)
+            part = list(itertools.accumulate(map(get, own_hashes[start:end], zero), _and,
+                                             initial=running))
+            running = part[-1]
+            acc += part[1:]
+            if not running:
+                break
+            start, chunk = end, chunk * 2
+        # acc is non-increasing; walk its drop points (at most one per key).
+        out: dict[WorkerKey, int] = {}
+        bit_keys = self._bit_keys
+        size, i = len(acc), 0
+        while i < size:
+            v = acc[i]
+            if not v:
+                break
+            j = bisect_right(acc, -v, lo=i, key=_neg)
+            dropped = v & ~acc[j] if j < size else v
+            while dropped:
+                low = dropped & -dropped
+                out[bit_keys[low]] = j
+                dropped ^= low
+            i = j
+        return out
+
+    # --- memory ----------------------------------------------------------------------------------
+
+    def bytes_per_block(self) -> float:
+        """Bytes of index memory per (key, engine block) entry, computed from the live containers:
+        dict tables (``sys.getsizeof``, slack included) plus the int objects they own: own hash
+        keys, engine hash keys, packed ``e2o`` values, and masks too wide for CPython's cached
+        small ints (sampled). 0.0 when empty. scripts/bench_indexer.py checks it against
+        tracemalloc."""
+        if not self._total:
+            return 0.0
+        masks = self._masks
+        size = sys.getsizeof(masks) + len(masks) * _INT_BYTES
+        sample = list(itertools.islice(masks.values(), 10_000))
+        if sample:
+            wide = sum(1 for m in sample if m > 256) / len(sample)
+            size += int(wide * len(masks)) * _INT_BYTES
+        for st in self._state.values():
+            size += sum(map(sys.getsizeof, (st.e2o, st.dups, st.shared, st.orphan_parents)))
+            size += len(st.e2o) * (_INT_BYTES + _PACKED_BYTES)  # engine hash keys, packed values
+        return size / self._total
