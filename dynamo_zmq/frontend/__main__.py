@@ -1,7 +1,8 @@
 """``python -m dynamo_zmq.frontend``: the OpenAI-compatible HTTP entry point.
 
     python -m dynamo_zmq.frontend [--http-host 127.0.0.1] [--http-port 8000]
-        [--router-mode round-robin|random] [--namespace dynamo]
+        [--router-mode round-robin|random|kv] [--namespace dynamo]
+        [--kv-overlap-score-weight 1.0] [--router-temperature 0.0] [--no-kv-events]
         [--discovery mdns|static] [--static-workers tcp://h:p,...] [--request-timeout S]
 
 Every flag has a ``DYN_*`` variable (``--http-port`` -> ``DYN_HTTP_PORT``). Prints
@@ -13,11 +14,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib
 import logging
 import os
 import signal
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import uvicorn
 
@@ -30,7 +33,10 @@ from .models import ModelManager
 
 log = logging.getLogger("dynamo_zmq.frontend")
 
-ROUTER_MODES = {"round-robin": "round_robin", "random": "random"}
+ROUTER_MODES = {"round-robin": "round_robin", "random": "random", "kv": "kv"}
+#: The KV router lives in the ``router`` package, which depends on this one: it is loaded by name
+#: when ``--router-mode kv`` asks for it, never imported statically.
+KV_ROUTER_MODULE = "router.kv_router"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,6 +47,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--router-mode", choices=sorted(ROUTER_MODES), default=env("DYN_ROUTER_MODE", "round-robin"),
         help="[DYN_ROUTER_MODE]",
+    )
+    parser.add_argument(
+        "--kv-overlap-score-weight", type=float, default=float(env("DYN_KV_OVERLAP_SCORE_WEIGHT", "1.0")),
+        help="kv mode: weight of blocks to prefill against decode load [DYN_KV_OVERLAP_SCORE_WEIGHT]",
+    )
+    parser.add_argument(
+        "--router-temperature", type=float, default=float(env("DYN_ROUTER_TEMPERATURE", "0.0")),
+        help="kv mode: 0 picks the cheapest worker, > 0 samples by softmax [DYN_ROUTER_TEMPERATURE]",
+    )
+    parser.add_argument(
+        "--no-kv-events", action="store_true", default=env("DYN_KV_EVENTS", "1") == "0",
+        help="kv mode: predict caches from routing decisions instead of KV events [DYN_KV_EVENTS=0]",
     )
     parser.add_argument("--namespace", default=env("DYN_NAMESPACE", "dynamo"), help="[DYN_NAMESPACE]")
     parser.add_argument(
@@ -54,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 async def serve(args: argparse.Namespace) -> int:
     runtime = DistributedRuntime(config=RuntimeConfig(discovery=DiscoveryConfig.from_args(args)))
-    manager = ModelManager(runtime, args.namespace, ROUTER_MODES[args.router_mode], args.model_cache)
+    mode = ROUTER_MODES[args.router_mode]
+    manager = ModelManager(runtime, args.namespace, "round_robin" if mode == "kv" else mode, args.model_cache)
 
     async def start() -> ModelManager:
         await manager.start()
@@ -65,6 +84,8 @@ async def serve(args: argparse.Namespace) -> int:
         await runtime.close()
 
     app = FrontendApp(start, stop, request_timeout=args.request_timeout)
+    if mode == "kv":
+        manager.client_wrapper = _kv_router_factory(args, runtime, app.metrics.registry)
     config = uvicorn.Config(
         app, host=args.http_host, port=args.http_port, loop="none", http="httptools",
         lifespan="on", log_level="warning", access_log=False, timeout_graceful_shutdown=5,
@@ -86,6 +107,17 @@ async def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _kv_router_factory(args: argparse.Namespace, runtime: DistributedRuntime, registry: object) -> Any:
+    """``router.kv_router.KvRouterFactory`` with the flags' options, metrics on ``registry``."""
+    module = importlib.import_module(KV_ROUTER_MODULE)
+    config = module.KvRouterConfig(
+        overlap_score_weight=args.kv_overlap_score_weight,
+        router_temperature=args.router_temperature,
+        use_kv_events=not args.no_kv_events,
+    )
+    return module.KvRouterFactory(runtime, config, registry)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=os.environ.get("DYN_LOG", "INFO").upper(),
@@ -95,6 +127,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         DiscoveryConfig.from_args(args)
+        if args.kv_overlap_score_weight < 0 or args.router_temperature < 0:
+            raise errors.InvalidArgument("--kv-overlap-score-weight and --router-temperature must be >= 0")
     except errors.DynamoError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2

@@ -169,6 +169,9 @@ class FrontendApp:
             except errors.DynamoError as exc:
                 await _error(send, http_errors.from_dynamo(exc))
                 return
+            routed = getattr(stream, "routed_header", None)  # a KV router's choice
+            if routed is not None:
+                run.headers = [(b"x-dynamo-worker", routed)]
             if streaming:
                 status = await run.stream_sse(stream, send, include_usage)
             else:
@@ -200,18 +203,20 @@ class _Run:
         self.usage_tokens: int | None = None
         self.finish_reason: str | None = None
         self.first = True
+        #: Extra response headers (``x-dynamo-worker`` in KV routing mode).
+        self.headers: list[tuple[bytes, bytes]] = []
 
     def _account(self, out: LLMEngineOutput) -> str:
         """Update counters and metrics for one output; returns its text."""
         n = len(out.token_ids)
         if n:
             now = time.monotonic()
-            m, model = self.app.metrics, self.entry.name
+            ttft, itl = self.app.metrics.token_metrics(self.entry.name)
             if self.first:
-                m.ttft.labels(model).observe(now - self.started)
+                ttft.observe(now - self.started)
                 self.first = False
             else:
-                m.itl.labels(model).observe((now - self.last) / n)
+                itl.observe((now - self.last) / n)
             self.last = now
             self.completion_tokens += n
         if out.usage is not None:
@@ -232,7 +237,8 @@ class _Run:
 
     async def stream_sse(self, stream: Any, send: Send, include_usage: bool) -> str:
         fmt = self.fmt
-        await _send(send, {"type": "http.response.start", "status": 200, "headers": _SSE})
+        headers = _SSE + self.headers if self.headers else _SSE
+        await _send(send, {"type": "http.response.start", "status": 200, "headers": headers})
         head = fmt.role_chunk()
         while True:
             try:
@@ -300,7 +306,7 @@ class _Run:
             return "error"
         self._finish()
         body = self.fmt.full("".join(texts), _openai_reason(self.finish_reason), self.prompt_tokens, self.tokens)
-        await _reply(send, 200, body)
+        await _reply(send, 200, body, _JSON + self.headers if self.headers else None)
         return "success"
 
 

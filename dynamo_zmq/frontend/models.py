@@ -12,14 +12,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import importlib
 import logging
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -42,13 +44,23 @@ class ModelEntry:
     name: str
     card: ModelCard
     preprocessor: Preprocessor
-    client: Client
+    #: The model's ``Client``, or what ``ModelManager.client_wrapper`` made of it (a KV router):
+    #: anything with ``generate(request, context=, **options)`` and ``instance_ids()``.
+    client: Any
     created: int
     instance_ids: list[int] = field(default_factory=list)
 
 
+#: Wraps a model's client, e.g. in a KV router: ``await wrapper(client, card)``. What it returns
+#: replaces the client; if that has an async ``close()``, it is called when the model is dropped.
+ClientWrapper = Callable[[Client, ModelCard], Awaitable[Any]]
+
+
 class ModelManager:
-    """Follows the workers of one namespace and keeps the model table current."""
+    """Follows the workers of one namespace and keeps the model table current.
+
+    ``client_wrapper`` (set before ``start``) wraps each model's client, e.g. in a KV router.
+    """
 
     def __init__(
         self,
@@ -66,6 +78,7 @@ class ModelManager:
         self._loading: dict[str, asyncio.Task[None]] = {}
         self._task: asyncio.Task[None] | None = None
         self.changed = asyncio.Event()
+        self.client_wrapper: ClientWrapper | None = None
 
     async def start(self) -> None:
         await self.runtime.peers(self.namespace)  # starts discovery for the namespace
@@ -78,6 +91,8 @@ class ModelManager:
         for task in tasks:
             with contextlib.suppress(BaseException):
                 await task
+        for entry in self.models.values():
+            await _close_client(entry.client)
 
     def get(self, name: str) -> ModelEntry | None:
         return self.models.get(name)
@@ -122,10 +137,19 @@ class ModelManager:
         try:
             model_dir = await self._fetch_files(conn.instance_id, component, card)
             preprocessor = await asyncio.to_thread(Preprocessor, model_dir, card)
+            native = _native_tokenizer_class(conn, endpoint)
+            if native is not None:  # the engine asks for its own tokenizer and detokenizer
+                preprocessor.use_native(await asyncio.to_thread(native, model_dir))
+                log.info("model %r uses the engine's native processing", card.name)
             endpoint_obj = self.runtime.namespace(self.namespace).component(component).endpoint(endpoint)
-            client = await endpoint_obj.client(self.router_mode, select=_serves(card.name, endpoint))
+            client: Any = await endpoint_obj.client(self.router_mode, select=_serves(card.name, endpoint))
+            if self.client_wrapper is not None:
+                client = await self.client_wrapper(client, card)
             created = int(time.time())
+            old = self.models.get(card.name)
             self.models[card.name] = ModelEntry(card.name, card, preprocessor, client, created)
+            if old is not None:
+                await _close_client(old.client)
             log.info("model %r available (checksum %s)", card.name, card.checksum[:12])
             self.changed.set()
         except Exception as exc:
@@ -165,6 +189,28 @@ def _serves(name: str, endpoint: str) -> Callable[[PeerConnection], bool]:
         )
 
     return select
+
+
+async def _close_client(client: Any) -> None:
+    close = getattr(client, "close", None)
+    if close is not None:
+        try:
+            await close()
+        except Exception:
+            log.exception("closing the client of a model failed")
+
+
+def _native_tokenizer_class(conn: PeerConnection, endpoint: str) -> Any:
+    """The tokenizer adapter an engine names for native processing (``module:Class`` in its
+    EngineConfig ``extra``), loaded by name: the frontend never imports engines statically."""
+    desc = conn.description
+    info = next((ep for ep in desc.endpoints if ep.name == endpoint), None) if desc else None
+    extra = ((info.metadata.get("engine") or {}).get("extra") or {}) if info else {}
+    if not extra.get("native_processing"):
+        return None
+    spec = extra.get("native_tokenizer", "engines.vllm.native:NativeTokenizer")
+    module_name, _, attr = str(spec).partition(":")
+    return getattr(importlib.import_module(module_name), attr)
 
 
 def _matches(path: Path, sha256: str) -> bool:

@@ -1,0 +1,192 @@
+"""``python -m router``: the KV router as a service of its own.
+
+    python -m router [--namespace dynamo] [--kv-overlap-score-weight 1.0]
+        [--router-temperature 0.0] [--no-kv-events] [--host H] [--port P] [--metrics-port P]
+        [discovery flags]
+
+It follows the namespace's workers as a frontend does (one ``KvRouter`` per model card it sees,
+each subscribing to its workers' KV events) and serves ``<namespace>.router.best_worker``:
+request ``{"model": NAME, "token_ids": [...]}``, one response ``{"worker_id", "dp_rank",
+"overlap_blocks", "prompt_blocks", "matches": {"<worker hex>/<rank>": blocks}}``. The answer is
+advice: nothing is sent to the worker and no load is counted for it (the caller sends the
+request, and only the caller knows when it ends). Prints ``READY <address> <instance hex>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import msgspec
+
+from dynamo_zmq import errors
+from dynamo_zmq.config import RuntimeConfig, add_runtime_args
+from dynamo_zmq.metrics import StatusServer
+from dynamo_zmq.model_card import ModelCard
+from dynamo_zmq.runtime import DistributedRuntime
+from dynamo_zmq.transport import PeerConnection
+
+from .kv_router import KvRouter, KvRouterConfig
+from .metrics import RouterMetrics
+
+log = logging.getLogger("router")
+
+
+class BestWorkerRequest(msgspec.Struct, forbid_unknown_fields=False):
+    model: str
+    token_ids: list[int]
+
+
+class RouterService:
+    """The model table (one started ``KvRouter`` per model) and the ``best_worker`` handler."""
+
+    def __init__(self, runtime: DistributedRuntime, namespace: str, config: KvRouterConfig) -> None:
+        self.runtime = runtime
+        self.namespace = namespace
+        self.config = config
+        self.metrics = RouterMetrics()
+        self.routers: dict[str, KvRouter] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self.runtime.peers(self.namespace)
+        await self.refresh()
+        self._task = asyncio.create_task(self._follow(), name="router-models")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.wait({self._task})
+        for router in self.routers.values():
+            await router.close()
+        self.routers.clear()
+
+    async def refresh(self) -> None:
+        """Add a router for every model card seen among the namespace's live workers."""
+        for conn in await self.runtime.peers(self.namespace):
+            desc = conn.description
+            if desc is None or not conn.routable:
+                continue
+            for ep in desc.endpoints:
+                data = ep.metadata.get("model_card") if ep.namespace == self.namespace else None
+                if data is None:
+                    continue
+                try:
+                    card = msgspec.convert(data, ModelCard)
+                except msgspec.ValidationError:
+                    continue
+                if card.name in self.routers:
+                    continue
+                endpoint = self.runtime.namespace(self.namespace).component(ep.component).endpoint(ep.name)
+                client = await endpoint.client(select=_serves(card.name, ep.name))
+                block_size = card.kv_block_size or int((ep.metadata.get("engine") or {}).get("kv_block_size") or 16)
+                router = KvRouter(client, block_size, self.config, metrics=self.metrics,
+                                  model=card.name, runtime=self.runtime)
+                self.routers[card.name] = await router.start()
+                log.info("routing model %r (block size %d)", card.name, block_size)
+
+    async def _follow(self) -> None:
+        while True:
+            await self.runtime.wait_peers_changed(timeout=1.0)
+            try:
+                await self.refresh()
+            except Exception:
+                log.exception("model table refresh failed")
+
+    async def best_worker(self, request: BestWorkerRequest) -> AsyncIterator[dict[str, Any]]:
+        router = self.routers.get(request.model)
+        if router is None:
+            raise errors.InvalidArgument(f"unknown model {request.model!r}")
+        if not request.token_ids:
+            raise errors.InvalidArgument("token_ids must not be empty")
+        yield router.best_worker(request.token_ids).to_dict()
+
+
+def _serves(name: str, endpoint: str) -> Callable[[PeerConnection], bool]:
+    def select(conn: PeerConnection) -> bool:
+        desc = conn.description
+        return desc is not None and any(
+            ep.name == endpoint and (ep.metadata.get("model_card") or {}).get("name") == name
+            for ep in desc.endpoints
+        )
+
+    return select
+
+
+def build_parser() -> argparse.ArgumentParser:
+    env = os.environ.get
+    parser = argparse.ArgumentParser(prog="python -m router", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--namespace", default=env("DYN_NAMESPACE", "dynamo"), help="[DYN_NAMESPACE]")
+    parser.add_argument("--component", default="router", help="component of the best_worker endpoint")
+    parser.add_argument("--kv-overlap-score-weight", type=float,
+                        default=float(env("DYN_KV_OVERLAP_SCORE_WEIGHT", "1.0")),
+                        help="weight of blocks to prefill against decode load [DYN_KV_OVERLAP_SCORE_WEIGHT]")
+    parser.add_argument("--router-temperature", type=float, default=float(env("DYN_ROUTER_TEMPERATURE", "0.0")),
+                        help="0 picks the cheapest worker, > 0 samples by softmax [DYN_ROUTER_TEMPERATURE]")
+    parser.add_argument("--no-kv-events", action="store_true", default=env("DYN_KV_EVENTS", "1") == "0",
+                        help="predict caches from routing decisions instead of KV events [DYN_KV_EVENTS=0]")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve /metrics, /health and /live on this port (0 = any)")
+    add_runtime_args(parser)
+    return parser
+
+
+async def serve(args: argparse.Namespace) -> int:
+    config = KvRouterConfig(
+        overlap_score_weight=args.kv_overlap_score_weight,
+        router_temperature=args.router_temperature,
+        use_kv_events=not args.no_kv_events,
+    )
+    runtime = DistributedRuntime(config=RuntimeConfig.from_args(args))
+    service = RouterService(runtime, args.namespace, config)
+    status: StatusServer | None = None
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, runtime.shutdown)
+    try:
+        await service.start()
+        endpoint = runtime.namespace(args.namespace).component(args.component).endpoint("best_worker")
+        await endpoint.start_serving(service.best_worker, request_type=BestWorkerRequest)
+        if args.metrics_port is not None:
+            status = StatusServer(runtime.config.bind_host, args.metrics_port, service.metrics.render,
+                                  lambda: (bool(service.routers), {"models": sorted(service.routers)}))
+            status.start()
+            log.info("metrics on port %d", status.port)
+        print(f"READY {runtime.address} {runtime.instance_id:x}", flush=True)
+        await runtime.wait_shutdown()
+        await runtime.drain(timeout=5.0)
+    finally:
+        if status is not None:
+            status.close()
+        await service.close()
+        await runtime.close()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(
+        level=os.environ.get("DYN_LOG", "INFO").upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        args = build_parser().parse_args(argv)
+        RuntimeConfig.from_args(args)
+        if args.kv_overlap_score_weight < 0 or args.router_temperature < 0:
+            raise errors.InvalidArgument("--kv-overlap-score-weight and --router-temperature must be >= 0")
+    except errors.DynamoError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 2
+    return asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""Prometheus metrics of the KV router, labelled by model.
+
+One ``RouterMetrics`` per registry: pass the frontend's registry to have the router's series on
+the frontend's ``/metrics``, or let it make its own (the standalone ``python -m router``). Every
+router and subscriber of a process shares the one instance.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+__all__ = ["RouterMetrics"]
+
+_LATENCY = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
+_LAG = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+_RATIO = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+
+
+class RouterMetrics:
+    """The router's counters, gauges and histograms.
+
+    Args:
+        registry: where to register them; a fresh ``CollectorRegistry`` when None.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry if registry is not None else CollectorRegistry()
+        m = ["model"]
+        self.decisions = Counter("dynamo_router_decisions", "Routing decisions", m, registry=r)
+        self.decision_latency = Histogram(
+            "dynamo_router_decision_seconds", "Time to pick a worker (match + cost)", m,
+            buckets=_LATENCY, registry=r,
+        )
+        self.prompt_blocks = Counter(
+            "dynamo_router_prompt_blocks", "Full prompt blocks of routed requests", m, registry=r
+        )
+        self.matched_blocks = Counter(
+            "dynamo_router_matched_blocks", "Prompt blocks already cached on the chosen worker", m,
+            registry=r,
+        )
+        self.hit_rate = Histogram(
+            "dynamo_router_kv_hit_rate", "Matched / prompt blocks of each routed request", m,
+            buckets=_RATIO, registry=r,
+        )
+        self.event_lag = Histogram(
+            "dynamo_router_kv_event_lag_seconds", "Receive time minus the batch's timestamp", m,
+            buckets=_LAG, registry=r,
+        )
+        self.event_batches = Counter(
+            "dynamo_router_kv_event_batches", "KV-event batches applied", m, registry=r
+        )
+        self.decode_errors = Counter(
+            "dynamo_router_kv_event_decode_errors", "KV-event messages that could not be decoded", m,
+            registry=r,
+        )
+        self.gaps = Counter(
+            "dynamo_router_kv_event_gaps", "Sequence gaps detected in a worker's KV events", m,
+            registry=r,
+        )
+        self.replays = Counter(
+            "dynamo_router_kv_event_replays", "Replays asked for, by result (ok, failed)",
+            [*m, "result"], registry=r,
+        )
+        self.state_drops = Counter(
+            "dynamo_router_kv_state_drops", "Worker index states dropped (unrecoverable gap)", m,
+            registry=r,
+        )
+        self.index_blocks = Gauge(
+            "dynamo_router_kv_index_blocks", "Blocks indexed per worker and data-parallel rank",
+            [*m, "worker", "dp_rank"], registry=r,
+        )
+        self.active_blocks = Gauge(
+            "dynamo_router_predicted_active_blocks", "Predicted active blocks per worker and rank",
+            [*m, "worker", "dp_rank"], registry=r,
+        )
+
+    def forget_worker(self, model: str, worker: str, ranks: int) -> None:
+        """Drop the per-worker series of a worker that left."""
+        for gauge in (self.index_blocks, self.active_blocks):
+            for rank in range(ranks):
+                try:
+                    gauge.remove(model, worker, str(rank))
+                except KeyError:
+                    pass
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,257 @@
+"""Which (worker, data-parallel rank) gets a request: Dynamo's cost, and the load it predicts.
+
+Cost of a candidate (Dynamo's ``DefaultWorkerSelector``)::
+
+    cost = overlap_weight * prefill_blocks + decode_blocks
+    prefill_blocks = prompt_blocks - overlap_blocks     # what it would have to compute
+    decode_blocks  = predicted active blocks there       # its load
+
+The minimum wins; ties go to the lower load, then to a random one. With ``temperature > 0`` a
+candidate is sampled with probability ``softmax(-(cost - min) / ((max - min) * temperature))``
+(Dynamo's normalisation: the spread of costs maps to ``[-1/T, 0]``, so ``T`` means the same
+whatever the scale of the costs).
+
+Load model (``LoadTracker``): a request counts from the moment it is routed, before any KV event
+can confirm it: its prompt blocks (by block hash, so requests sharing a prefix on one rank count
+the shared blocks once, as the engine's prefix cache does) plus its expected output blocks. It
+stops counting when its stream ends, whatever the way (terminal, error, close, garbage
+collection). Workers do not publish their own load on the wire yet; ``LoadTracker.report`` is the
+hook for it: a fresh report replaces the prediction of everything routed before it, and requests
+routed since are added on top.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "Candidate",
+    "LoadTracker",
+    "Route",
+    "Scheduler",
+    "Selection",
+    "cost",
+    "softmax_sample",
+]
+
+#: A routing target: (worker instance id, data-parallel rank).
+Candidate = tuple[int, int]
+
+#: Seconds a worker's load report stays authoritative.
+REPORT_TTL = 5.0
+
+
+def cost(overlap_weight: float, prompt_blocks: int, overlap_blocks: int, load: float) -> float:
+    """Dynamo's cost of sending a prompt of ``prompt_blocks`` full blocks to a candidate that
+    holds ``overlap_blocks`` of them and carries ``load`` active blocks."""
+    return overlap_weight * max(prompt_blocks - overlap_blocks, 0) + load
+
+
+def softmax_sample(costs: Sequence[float], temperature: float, sample: float) -> int:
+    """Index drawn from ``costs`` (lower is likelier) with Dynamo's normalised softmax.
+
+    Args:
+        costs: one cost per candidate, at least one.
+        temperature: > 0; higher spreads the choice more evenly.
+        sample: a uniform number in [0, 1) (``random.random()``).
+    """
+    if not costs:
+        raise ValueError("softmax_sample needs at least one cost")
+    lo, hi = min(costs), max(costs)
+    if lo == hi:
+        return min(int(sample * len(costs)), len(costs) - 1)
+    scale = -1.0 / ((hi - lo) * temperature)
+    weights = [math.exp((c - lo) * scale) for c in costs]
+    target = sample * sum(weights)
+    acc = 0.0
+    for i, w in enumerate(weights):
+        acc += w
+        if target < acc:
+            return i
+    return len(costs) - 1
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The scheduler's answer for one request."""
+
+    worker_id: int
+    dp_rank: int
+    #: Prompt blocks already cached on the chosen candidate.
+    overlap_blocks: int
+    cost: float
+    #: The chosen candidate's load when it was chosen.
+    load: float
+
+    @property
+    def candidate(self) -> Candidate:
+        return (self.worker_id, self.dp_rank)
+
+
+class Scheduler:
+    """Picks the cheapest candidate.
+
+    Args:
+        overlap_score_weight: weight of the blocks to prefill against the decode load; 0 routes
+            on load alone.
+        temperature: 0 picks the minimum; > 0 samples (see ``softmax_sample``).
+        rng: the random source of ties and sampling (seed it for reproducible tests).
+    """
+
+    def __init__(
+        self, overlap_score_weight: float = 1.0, temperature: float = 0.0, rng: random.Random | None = None
+    ) -> None:
+        if overlap_score_weight < 0 or not math.isfinite(overlap_score_weight):
+            raise ValueError(f"overlap_score_weight must be >= 0, got {overlap_score_weight}")
+        if temperature < 0 or not math.isfinite(temperature):
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        self.overlap_score_weight = overlap_score_weight
+        self.temperature = temperature
+        self._rng = rng or random.Random()
+
+    def select(
+        self,
+        candidates: Sequence[Candidate],
+        prompt_blocks: int,
+        matches: Mapping[Candidate, int],
+        load: Callable[[Candidate], float],
+    ) -> Selection:
+        """The candidate to use.
+
+        Args:
+            candidates: every (worker, rank) able to take the request now.
+            prompt_blocks: full blocks of the prompt.
+            matches: cached prefix blocks per candidate (missing: 0).
+            load: predicted active blocks of a candidate.
+
+        Raises:
+            ValueError: no candidates.
+        """
+        if not candidates:
+            raise ValueError("no candidates to route to")
+        w = self.overlap_score_weight
+        loads = [load(c) for c in candidates]
+        overlaps = [min(matches.get(c, 0), prompt_blocks) for c in candidates]
+        costs = [cost(w, prompt_blocks, o, ld) for o, ld in zip(overlaps, loads, strict=True)]
+        if self.temperature > 0:
+            i = softmax_sample(costs, self.temperature, self._rng.random())
+        else:
+            best = min(costs)
+            tied = [i for i, c in enumerate(costs) if c == best]
+            if len(tied) > 1:
+                least = min(loads[i] for i in tied)
+                tied = [i for i in tied if loads[i] == least]
+            i = tied[0] if len(tied) == 1 else self._rng.choice(tied)
+        worker_id, dp_rank = candidates[i]
+        return Selection(worker_id, dp_rank, overlaps[i], costs[i], loads[i])
+
+
+class Route:
+    """One routed request's share of a candidate's load (see ``LoadTracker.add``)."""
+
+    __slots__ = ("_state", "candidate", "epoch", "extra", "hashes", "released", "size")
+
+    def __init__(self, candidate: Candidate, hashes: tuple[int, ...], extra: int, state: _Load) -> None:
+        self.candidate = candidate
+        self.hashes = hashes
+        self.extra = extra
+        self._state = state
+        self.epoch = state.epoch
+        self.size = len(hashes) + extra
+        self.released = False
+
+
+class _Load:
+    __slots__ = ("blocks", "epoch", "extra", "reported", "reported_at", "since_report")
+
+    def __init__(self) -> None:
+        self.blocks: Counter[int] = Counter()  # prompt block hash -> active requests holding it
+        self.extra = 0  # expected output blocks of active requests
+        self.epoch = 0  # bumped by each report
+        self.reported = 0.0
+        self.reported_at = -math.inf
+        self.since_report = 0  # blocks of requests routed after the last report, still active
+
+
+class LoadTracker:
+    """Predicted active KV blocks per candidate, from routing decisions (and reports, later).
+
+    Args:
+        report_ttl: seconds a ``report`` stays authoritative.
+        clock: monotonic time source.
+    """
+
+    def __init__(self, report_ttl: float = REPORT_TTL, clock: Callable[[], float] = time.monotonic) -> None:
+        self._loads: dict[Candidate, _Load] = {}
+        self._report_ttl = report_ttl
+        self._clock = clock
+
+    def add(self, candidate: Candidate, block_hashes: Iterable[int], extra_blocks: int = 0) -> Route:
+        """Count a request routed to ``candidate`` now: its prompt blocks (deduplicated against
+        the other active requests there) and ``extra_blocks`` (expected output)."""
+        state = self._loads.get(candidate)
+        if state is None:
+            state = self._loads[candidate] = _Load()
+        hashes = tuple(block_hashes)
+        state.blocks.update(hashes)
+        state.extra += extra_blocks
+        route = Route(candidate, hashes, extra_blocks, state)
+        state.since_report += route.size
+        return route
+
+    def release(self, route: Route) -> None:
+        """The request finished: stop counting it (idempotent)."""
+        if route.released:
+            return
+        route.released = True
+        state = route._state
+        if self._loads.get(route.candidate) is not state:  # its worker was removed meanwhile
+            return
+        blocks = state.blocks
+        for h in route.hashes:
+            n = blocks[h] - 1
+            if n > 0:
+                blocks[h] = n
+            else:
+                del blocks[h]
+        state.extra -= route.extra
+        if route.epoch == state.epoch:
+            state.since_report -= route.size
+
+    def load(self, candidate: Candidate) -> float:
+        """Predicted active blocks of ``candidate`` (0 when nothing is known)."""
+        state = self._loads.get(candidate)
+        if state is None:
+            return 0.0
+        if self._clock() - state.reported_at <= self._report_ttl:
+            return state.reported + state.since_report
+        return float(len(state.blocks) + state.extra)
+
+    def report(self, candidate: Candidate, active_blocks: float) -> None:
+        """What the worker says it holds now (the hook for published engine stats): replaces
+        the prediction of every request routed before, for ``report_ttl`` seconds."""
+        state = self._loads.get(candidate)
+        if state is None:
+            state = self._loads[candidate] = _Load()
+        state.reported = float(active_blocks)
+        state.reported_at = self._clock()
+        state.epoch += 1
+        state.since_report = 0
+
+    def prompt_blocks(self, candidate: Candidate) -> int:
+        """Distinct prompt blocks counted for ``candidate`` (for tests)."""
+        state = self._loads.get(candidate)
+        return 0 if state is None else len(state.blocks)
+
+    def remove_worker(self, worker_id: int) -> None:
+        """Forget every rank of ``worker_id``; its outstanding routes release as no-ops."""
+        for key in [k for k in self._loads if k[0] == worker_id]:
+            del self._loads[key]
+
+    def candidates(self) -> list[Candidate]:
+        return list(self._loads)

@@ -1,0 +1,348 @@
+"""``KvEventSubscriber``: one worker's KV events into the router's index, gap-free or not at all.
+
+A worker's engine publishes ``[topic, seq (u64 BE), payload]`` on a PUB socket and keeps recent
+batches for replay on a ROUTER socket (vLLM's protocol: a DEALER sends ``[b"", start_seq]`` and
+gets ``[b"", topic, seq, payload]`` per kept batch, then ``seq = 0xffffffffffffffff``).
+
+Policy:
+
+* **Baseline.** With a replay endpoint, the subscriber expects the history from seq 0: its SUB
+  socket connects first (so nothing published from then on is missed), then it replays from 0.
+  A router that starts after the engine has already cached prefixes thus knows them at once. If
+  the engine no longer keeps seq 0, the replay cannot close that gap: the state (empty anyway)
+  is dropped and rebuilt from the batches it does get. Without a replay endpoint, the first
+  message seen is the baseline. Either way the index may miss blocks stored before what it saw
+  (fewer matches, never wrong ones).
+* **Gaps.** Live batch ``seq > last + 1``: replay from ``last + 1`` and apply the missed batches
+  in order before the live one. If that fails (no replay endpoint, timeout, the engine's buffer
+  no longer reaches back) the worker's state is dropped (``indexer.remove_worker``) and rebuilt
+  from what arrives; a missed ``BlockRemoved`` would otherwise leave blocks the engine no longer
+  holds in the index forever.
+* **Duplicates.** ``seq <= last`` (live batches already replayed) are skipped. A restarted engine
+  is a new worker instance (new id), so seqs never go back within one subscriber.
+* Undecodable batches are counted and skipped (their seq still counts as seen).
+
+The receive loop drains the socket with non-blocking reads and awaits readiness only when it is
+empty. ``close`` (the worker left discovery or liveness) stops it and drops the worker's state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any, Protocol
+
+import zmq
+
+from dynamo_zmq.transport import AsyncSocket, SendResult, make_socket
+
+from .events import EventBatch, EventDecodeError, decode_batch
+from .metrics import RouterMetrics
+
+__all__ = ["END_SEQ", "KvEventSubscriber", "SubscriberStats"]
+
+log = logging.getLogger(__name__)
+
+#: Seq of the replay end marker (-1 as u64).
+END_SEQ = 0xFFFFFFFFFFFFFFFF
+#: Receive high-water mark: PUB drops silently beyond it (vLLM's publisher uses 100k too).
+SUB_HWM = 200_000
+#: Seconds a replay may take before it counts as failed.
+REPLAY_TIMEOUT = 3.0
+#: Messages handled between two yields to the event loop under a flood.
+YIELD_EVERY = 2000
+
+
+class Index(Protocol):
+    def apply_batch(self, worker_id: int, batch: EventBatch) -> object: ...
+
+    def remove_worker(self, worker_id: int) -> object: ...
+
+
+class SubscriberStats:
+    """Plain counters of one subscriber (the Prometheus ones aggregate per model)."""
+
+    __slots__ = ("applied", "decode_errors", "duplicates", "gaps", "received", "replays_failed", "replays_ok",
+                 "state_drops")
+
+    def __init__(self) -> None:
+        #: Live messages received on the SUB socket.
+        self.received = 0
+        #: Batches applied to the index (live or replayed).
+        self.applied = 0
+        self.decode_errors = 0
+        self.duplicates = 0
+        self.gaps = 0
+        self.replays_ok = 0
+        self.replays_failed = 0
+        self.state_drops = 0
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={getattr(self, k)}" for k in self.__slots__)
+        return f"SubscriberStats({fields})"
+
+
+class KvEventSubscriber:
+    """Follows one publisher (worker instance) and applies its batches to ``indexer``.
+
+    Args:
+        zctx: the ZMQ context to make sockets in.
+        worker_id: the worker's instance id (the index key's first half).
+        events_endpoint: the engine's ``kv_events_endpoint`` (PUB).
+        indexer: the index to feed (``apply_batch``, ``remove_worker``).
+        replay_endpoint: the engine's ``kv_replay_endpoint`` (ROUTER), if any.
+        metrics: shared router metrics; ``model`` labels them.
+        replay_timeout: seconds before a replay counts as failed.
+    """
+
+    def __init__(
+        self,
+        zctx: zmq.Context[Any],
+        worker_id: int,
+        events_endpoint: str,
+        indexer: Index,
+        *,
+        replay_endpoint: str | None = None,
+        metrics: RouterMetrics | None = None,
+        model: str = "",
+        replay_timeout: float = REPLAY_TIMEOUT,
+    ) -> None:
+        self._zctx = zctx
+        self.worker_id = worker_id
+        self.events_endpoint = events_endpoint
+        self.replay_endpoint = replay_endpoint
+        self._indexer = indexer
+        self._metrics = metrics
+        self._model = model
+        self._replay_timeout = replay_timeout
+        #: Seq of the last batch accounted for; None: no baseline yet.
+        self.last_seq: int | None = None
+        self.stats = SubscriberStats()
+        self._sock: AsyncSocket | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._progress = asyncio.Event()
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"KvEventSubscriber({self.worker_id:x}, {self.events_endpoint}, last_seq={self.last_seq})"
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Connect and start following (needs a running event loop; returns at once)."""
+        if self._sock is not None or self._closed:
+            raise RuntimeError("subscriber already started or closed")
+        sock = make_socket(self._zctx, zmq.SUB, hwm=SUB_HWM, heartbeat_ms=0)
+        try:
+            sock.setsockopt(zmq.SUBSCRIBE, b"")
+            sock.connect(self.events_endpoint)
+            self._sock = AsyncSocket(sock)
+        except BaseException:
+            sock.close(linger=0)
+            raise
+        self._task = asyncio.create_task(self._run(), name=f"kv-events-{self.worker_id:x}")
+
+    async def close(self, drop_state: bool = True) -> None:
+        """Stop following; with ``drop_state`` the worker's blocks leave the index. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        task, self._task = self._task, None
+        try:
+            if task is not None:
+                task.cancel()
+                await asyncio.wait({task})  # our own cancellation still propagates
+        finally:
+            if self._sock is not None:
+                self._sock.close()
+            self._progress.set()
+            if drop_state:
+                self._indexer.remove_worker(self.worker_id)
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    async def wait_for_seq(self, seq: int, timeout: float = 5.0) -> bool:
+        """True once every batch up to ``seq`` is accounted for; False after ``timeout``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.last_seq is None or self.last_seq < seq:
+            remaining = deadline - loop.time()
+            if remaining <= 0 or self._closed:
+                return False
+            self._progress.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._progress.wait(), remaining)
+        return True
+
+    # -- the receive loop ------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        sock = self._sock
+        assert sock is not None
+        try:
+            if self.replay_endpoint is not None:
+                await self._recover(None)  # the history from seq 0 (see the module docstring)
+            handled = 0
+            while not sock.closed:
+                frames = sock.recv_nowait()
+                if frames is None:
+                    self._progress.set()
+                    await sock.wait_readable()
+                    continue
+                if not self._on_live(frames):
+                    await self._recover(frames)
+                handled += 1
+                if handled % YIELD_EVERY == 0:
+                    self._progress.set()
+                    await asyncio.sleep(0)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("KV event subscriber of worker %x failed; dropping its state", self.worker_id)
+            self._drop_state()
+
+    def _on_live(self, frames: list[bytes]) -> bool:
+        """Handle one live message; False when it reveals a gap (left for ``_recover``)."""
+        self.stats.received += 1
+        seq = _seq_of(frames)
+        if seq is None:
+            self._count_decode_error("malformed KV event message (%d frames)", len(frames))
+            return True
+        last = self.last_seq
+        if last is not None and seq != last + 1:
+            if seq <= last:
+                self.stats.duplicates += 1
+                return True
+            return False
+        if last is None and seq > 0 and self.replay_endpoint is not None:
+            return False  # history before it exists: replay from 0 first
+        self._apply(seq, frames[2], live=True)
+        return True
+
+    async def _recover(self, pending: list[bytes] | None) -> None:
+        """Replay from ``last_seq + 1`` (or 0), then handle ``pending`` (the live message that
+        showed the gap); drop the state if the gap stays open."""
+        start = 0 if self.last_seq is None else self.last_seq + 1
+        pending_seq = _seq_of(pending) if pending is not None else None
+        if pending is not None:
+            self.stats.gaps += 1
+            if self._metrics is not None:
+                self._metrics.gaps.labels(self._model).inc()
+            log.info("worker %x: KV events %d..%s missed; replaying", self.worker_id, start,
+                     pending_seq - 1 if pending_seq is not None else "?")
+        replayed = await self._replay(start) if self.replay_endpoint is not None else None
+        ok = replayed is not None and _closes(replayed, start, pending_seq)
+        if ok:
+            self._count_replay("ok")
+        elif self.replay_endpoint is not None:
+            self._count_replay("failed")
+        if not ok and (pending is not None or replayed):
+            self._drop_state()
+        for seq, payload in replayed or ():
+            self._accept(seq, payload)
+        if pending is not None and pending_seq is not None:
+            self._accept(pending_seq, pending[2], live=True)
+        self._progress.set()
+
+    def _accept(self, seq: int, payload: bytes, live: bool = False) -> None:
+        """Apply a batch in a run being rebuilt: next in line, a duplicate, or a new baseline
+        after another hole (which drops the state again)."""
+        last = self.last_seq
+        if last is not None and seq <= last:
+            self.stats.duplicates += 1
+            return
+        if last is not None and seq != last + 1:
+            self.stats.gaps += 1
+            self._drop_state()
+        self._apply(seq, payload, live)
+
+    def _apply(self, seq: int, payload: bytes, live: bool) -> None:
+        self.last_seq = seq
+        try:
+            batch = decode_batch(payload)
+        except EventDecodeError as exc:
+            self._count_decode_error("undecodable KV event batch %d: %s", seq, exc)
+            return
+        self._indexer.apply_batch(self.worker_id, batch)
+        self.stats.applied += 1
+        m = self._metrics
+        if m is not None:
+            m.event_batches.labels(self._model).inc()
+            if live:
+                m.event_lag.labels(self._model).observe(max(0.0, time.time() - batch.ts))
+
+    def _drop_state(self) -> None:
+        self._indexer.remove_worker(self.worker_id)
+        self.last_seq = None
+        self.stats.state_drops += 1
+        if self._metrics is not None:
+            self._metrics.state_drops.labels(self._model).inc()
+        log.warning("worker %x: KV event state dropped; rebuilding from new events", self.worker_id)
+
+    def _count_decode_error(self, msg: str, *args: object) -> None:
+        self.stats.decode_errors += 1
+        if self._metrics is not None:
+            self._metrics.decode_errors.labels(self._model).inc()
+        log.warning("worker %x: " + msg, self.worker_id, *args)
+
+    def _count_replay(self, result: str) -> None:
+        if result == "ok":
+            self.stats.replays_ok += 1
+        else:
+            self.stats.replays_failed += 1
+        if self._metrics is not None:
+            self._metrics.replays.labels(self._model, result).inc()
+
+    # -- replay ----------------------------------------------------------------------------
+
+    async def _replay(self, start: int) -> list[tuple[int, bytes]] | None:
+        """The kept batches from ``start`` on, in order; None if the replay failed."""
+        assert self.replay_endpoint is not None
+        # A fresh DEALER per replay: a late answer to an abandoned one can never be mistaken
+        # for this one's.
+        sock = AsyncSocket(make_socket(self._zctx, zmq.DEALER, connect=self.replay_endpoint,
+                                       hwm=SUB_HWM, heartbeat_ms=0))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._replay_timeout
+        got: list[tuple[int, bytes]] = []
+        try:
+            if sock.try_send([b"", start.to_bytes(8, "big")]) != SendResult.SENT:
+                return None
+            while True:
+                frames = sock.recv_nowait()
+                if frames is None:
+                    remaining = deadline - loop.time()
+                    if remaining <= 0:
+                        log.warning("worker %x: KV replay from %d timed out", self.worker_id, start)
+                        return None
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(sock.wait_readable(), remaining)
+                    continue
+                if len(frames) != 4 or frames[0] != b"" or len(frames[2]) != 8:
+                    log.warning("worker %x: malformed KV replay message", self.worker_id)
+                    return None
+                seq = int.from_bytes(frames[2], "big")
+                if seq == END_SEQ:
+                    return got
+                if got and seq != got[-1][0] + 1:
+                    return None  # not contiguous: not a usable replay
+                got.append((seq, frames[3]))
+        finally:
+            sock.close()
+
+
+def _closes(replayed: list[tuple[int, bytes]], start: int, pending_seq: int | None) -> bool:
+    """Does a (contiguous) replay reach back to ``start`` and forward to the live message?"""
+    if not replayed:
+        return pending_seq is None  # nothing kept and nothing known to be missing
+    return replayed[0][0] == start and (pending_seq is None or replayed[-1][0] >= pending_seq - 1)
+
+
+def _seq_of(frames: list[bytes] | None) -> int | None:
+    if frames is None or len(frames) != 3 or len(frames[1]) != 8:
+        return None
+    return int.from_bytes(frames[1], "big")

@@ -1,0 +1,203 @@
+"""KV routing end to end, all real processes: a frontend in ``--router-mode kv`` and four mocker
+workers with two data-parallel ranks each; ``python -m router`` beside it; a worker killed."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import random
+import re
+import signal
+import urllib.error
+import urllib.request
+
+import pytest
+
+from tests.support.procs import Proc
+
+BLOCK = 16
+PREFIX_BLOCKS = 6
+
+
+def worker(spawn, namespace, model_dir) -> Proc:
+    return spawn("-m", "dynamo_zmq.worker", "--engine", "mocker", "--model-path", str(model_dir),
+                 "--model-name", "tiny", "--namespace", namespace, "--host", "127.0.0.1",
+                 "--block-size", str(BLOCK), "--data-parallel-size", "2",
+                 "--num-gpu-blocks-override", "256", "--speedup-ratio", "1000", ready=False)
+
+
+def get(url: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def complete(url: str, tokens: list[int], max_tokens: int = 4) -> tuple[str, dict]:
+    """POST a token-id completion; returns (x-dynamo-worker header, body)."""
+    body = json.dumps({"model": "tiny", "prompt": tokens, "max_tokens": max_tokens}).encode()
+    req = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        assert resp.status == 200
+        return resp.headers["x-dynamo-worker"], json.loads(resp.read())
+
+
+async def eventually(check, timeout: float = 15.0, what: str = "condition"):
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        value = await check()
+        if value:
+            return value
+        assert loop.time() < deadline, f"{what} not reached in {timeout}s"
+        await asyncio.sleep(0.1)
+
+
+def index_blocks(metrics: str) -> dict[str, float]:
+    """``dynamo_router_kv_index_blocks`` per ``"<worker>/<rank>"`` from a /metrics page."""
+    out = {}
+    for m in re.finditer(r"^dynamo_router_kv_index_blocks\{(.*)\} (\S+)$", metrics, re.MULTILINE):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+        if labels.get("model") == "tiny":
+            out[f"{labels['worker']}/{labels['dp_rank']}"] = float(m.group(2))
+    return out
+
+
+@pytest.fixture
+async def cluster(namespace, spawn, tiny_model):
+    workers = [worker(spawn, namespace, tiny_model) for _ in range(4)]
+    front = spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
+                  "--router-mode", "kv", ready=False)
+    for proc in [*workers, front]:
+        proc.wait_ready()
+    url = front.address
+    ids = {f"{w.instance_id:x}" for w in workers}
+
+    async def all_workers() -> bool:
+        status, body = await asyncio.to_thread(get, f"{url}/health")
+        return status == 200 and set(json.loads(body)["models"].get("tiny", [])) == ids
+
+    await eventually(all_workers, 30, "all four workers serving 'tiny'")
+    return url, workers
+
+
+async def metrics_of(url: str) -> str:
+    status, body = await asyncio.to_thread(get, f"{url}/metrics")
+    assert status == 200
+    return body.decode()
+
+
+async def test_kv_routing_end_to_end(namespace, spawn, make_runtime, cluster):
+    url, workers = cluster
+    rng = random.Random(1234)
+    prefix = [rng.randrange(10, 500) for _ in range(PREFIX_BLOCKS * BLOCK)]
+
+    # 1. Requests sharing a long prefix land where the first one was served.
+    target, _first = await asyncio.to_thread(complete, url, [*prefix, 1, 2, 3])
+    assert re.fullmatch(r"[0-9a-f]+/[01]", target)
+    assert target.split("/")[0] in {f"{w.instance_id:x}" for w in workers}
+
+    async def indexed() -> bool:  # the first request's KV events reached the frontend's index
+        return index_blocks(await metrics_of(url)).get(target, 0) >= PREFIX_BLOCKS
+
+    await eventually(indexed, 15, "the prefix in the frontend's index")
+    for i in range(5):
+        suffix = [rng.randrange(10, 500) for _ in range(3 + 7 * i)]
+        got, _ = await asyncio.to_thread(complete, url, prefix + suffix)
+        assert got == target, f"request {i} with the shared prefix went to {got}, not {target}"
+
+    # 2. Unrelated requests spread over (worker, rank) pairs by load.
+    prompts = [[rng.randrange(10, 500) for _ in range(4 * BLOCK)] for _ in range(16)]
+    results = await asyncio.gather(*(asyncio.to_thread(complete, url, p, 48) for p in prompts))
+    pairs = {h for h, _ in results}
+    assert len(pairs) >= 4 and len({p.split("/")[0] for p in pairs}) >= 3, pairs
+
+    text = await metrics_of(url)
+    assert "dynamo_router_decisions_total" in text and "dynamo_router_kv_hit_rate_bucket" in text
+    assert "dynamo_frontend_requests_total" in text  # one /metrics page for both
+
+    # 3. ``python -m router`` answers best_worker as the frontend routed.
+    spawn("-m", "router", "--namespace", namespace, "--host", "127.0.0.1")
+    client = await make_runtime().endpoint(f"{namespace}.router.best_worker").client()
+    await client.wait_for_instances(timeout=15)
+
+    async def best(tokens: list[int]) -> dict:
+        stream = await client.generate({"model": "tiny", "token_ids": tokens})
+        answers = [r.data() async for r in stream]
+        assert len(answers) == 1
+        return answers[0]
+
+    async def router_knows() -> dict | None:
+        try:
+            answer = await best([*prefix, 42])
+        except Exception:  # the model is not followed yet
+            return None
+        return answer if answer["overlap_blocks"] >= PREFIX_BLOCKS else None
+
+    answer = await eventually(router_knows, 20, "python -m router following the workers")
+    assert f"{answer['worker_id']:x}/{answer['dp_rank']}" == target
+    assert answer["matches"][target] >= PREFIX_BLOCKS and answer["prompt_blocks"] == PREFIX_BLOCKS
+
+    # 4. Kill the worker holding the prefix: its blocks leave both indexes, others serve.
+    victim = next(w for w in workers if f"{w.instance_id:x}" == target.split("/")[0])
+    victim.signal(signal.SIGKILL)
+    victim.wait()
+
+    async def forgotten() -> bool:
+        return not any(k.startswith(f"{victim.instance_id:x}/") for k in index_blocks(await metrics_of(url)))
+
+    await eventually(forgotten, 15, "the killed worker's blocks leaving the frontend's index")
+    got, body = await asyncio.to_thread(complete, url, [*prefix, 1, 2, 3])
+    assert not got.startswith(f"{victim.instance_id:x}/") and body["choices"][0]["finish_reason"] == "length"
+
+    async def router_forgot() -> bool:
+        answer = await best([*prefix, 42])
+        return not any(k.startswith(f"{victim.instance_id:x}/") for k in answer["matches"])
+
+    await eventually(router_forgot, 15, "the killed worker leaving python -m router's index")
+
+
+async def test_approximate_kv_routing_without_kv_events(namespace, spawn, tiny_model):
+    """``--no-kv-events``: engines publish nothing; the frontend predicts caches from its own
+    decisions. Streaming responses carry the routing header too."""
+    workers = [spawn("-m", "dynamo_zmq.worker", "--engine", "mocker", "--model-path", str(tiny_model),
+                     "--model-name", "tiny", "--namespace", namespace, "--host", "127.0.0.1",
+                     "--block-size", str(BLOCK), "--data-parallel-size", "2", "--no-kv-events",
+                     "--speedup-ratio", "1000", ready=False) for _ in range(2)]
+    front = spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
+                  "--router-mode", "kv", "--no-kv-events", "--router-temperature", "0", ready=False)
+    for proc in [*workers, front]:
+        proc.wait_ready()
+    url = front.address
+    ids = {f"{w.instance_id:x}" for w in workers}
+
+    async def all_workers() -> bool:
+        status, body = await asyncio.to_thread(get, f"{url}/health")
+        return status == 200 and set(json.loads(body)["models"].get("tiny", [])) == ids
+
+    await eventually(all_workers, 30, "both workers serving 'tiny'")
+    prefix = list(range(20, 20 + 4 * BLOCK))
+    target, _ = await asyncio.to_thread(complete, url, [*prefix, 5])
+    for tail in ([6], [7, 8], list(range(30, 60))):
+        got, _ = await asyncio.to_thread(complete, url, prefix + tail)
+        assert got == target
+
+    def stream_header() -> tuple[str, bytes]:
+        body = json.dumps({"model": "tiny", "prompt": [*prefix, 9], "max_tokens": 3, "stream": True})
+        conn = http.client.HTTPConnection(url.removeprefix("http://"), timeout=30)
+        try:
+            conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            return resp.getheader("x-dynamo-worker") or "", resp.read()
+        finally:
+            conn.close()
+
+    header, sse = await asyncio.to_thread(stream_header)
+    assert header == target and sse.rstrip().endswith(b"data: [DONE]")
+
+    async def gauged() -> bool:  # the gauges follow within a second
+        return index_blocks(await metrics_of(url)).get(target, 0) >= 4
+
+    await eventually(gauged, 5, "the routed prefix in the index-size gauge")

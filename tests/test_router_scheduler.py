@@ -1,0 +1,271 @@
+"""The router's choice: Dynamo's cost, ties, softmax sampling, the load it predicts from routing
+decisions (and releases when streams end, against a real worker), and the approximate index."""
+
+from __future__ import annotations
+
+import gc
+import math
+import random
+from collections import Counter
+
+import pytest
+
+from dynamo_zmq.engine import PreprocessedRequest, StopConditions
+from router.approx import ApproxIndexer
+from router.hashing import block_hashes
+from router.kv_router import KvRouter, KvRouterConfig
+from router.scheduler import LoadTracker, Scheduler, cost, softmax_sample
+from tests.support.waiting import until
+
+A, B, C = (1, 0), (1, 1), (2, 0)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def loads(table: dict[tuple[int, int], float]):
+    return lambda c: table.get(c, 0.0)
+
+
+# -- cost and selection ------------------------------------------------------------------------
+
+
+def test_cost_is_weighted_prefill_plus_decode_blocks():
+    assert cost(1.0, 10, 4, 3.0) == 6 + 3
+    assert cost(2.0, 10, 4, 3.0) == 12 + 3
+    assert cost(0.0, 10, 0, 7.0) == 7  # weight 0: load alone
+    assert cost(1.0, 4, 9, 0.0) == 0  # overlap beyond the prompt never goes negative
+
+
+def test_the_cheapest_candidate_wins():
+    s = Scheduler(overlap_score_weight=1.0)
+    # A holds 8 of 10 blocks but carries 5: 2 + 5 = 7; B: 10 + 0; C: 6 + 2 = 8.
+    sel = s.select([A, B, C], 10, {A: 8, C: 4}, loads({A: 5, C: 2}))
+    assert (sel.candidate, sel.overlap_blocks, sel.cost, sel.load) == (A, 8, 7.0, 5.0)
+    # A heavier weight on prefill favours overlap even more; weight 0 picks the idle one.
+    assert Scheduler(0.0).select([A, B, C], 10, {A: 8, C: 4}, loads({A: 5, C: 2})).candidate == B
+    sel = Scheduler(1.0).select([A, B, C], 10, {A: 8}, loads({A: 9}))  # A: 11, B: 10, C: 10
+    assert sel.candidate in (B, C) and sel.overlap_blocks == 0
+
+
+def test_temperature_zero_is_deterministic():
+    for seed in range(20):
+        s = Scheduler(1.0, 0.0, rng=random.Random(seed))
+        assert s.select([A, B, C], 12, {B: 6, C: 5}, loads({})).candidate == B
+
+
+def test_ties_go_to_the_lower_load_then_at_random():
+    s = Scheduler(1.0, rng=random.Random(1))
+    # Equal cost 6: A = 6 prefill + 0 load, B = 0 prefill + 6 load: A has the lower load.
+    assert s.select([A, B], 6, {B: 6}, loads({B: 6})).candidate == A
+    # Equal cost and equal load: both get picked over many draws.
+    picks = Counter(s.select([A, B, C], 4, {}, loads({})).candidate for _ in range(300))
+    assert set(picks) == {A, B, C} and min(picks.values()) > 50
+
+
+def test_no_candidates_is_an_error():
+    with pytest.raises(ValueError):
+        Scheduler().select([], 3, {}, loads({}))
+    with pytest.raises(ValueError):
+        Scheduler(overlap_score_weight=-1)
+    with pytest.raises(ValueError):
+        Scheduler(temperature=math.inf)
+
+
+def test_softmax_follows_dynamos_normalisation():
+    costs = [0.0, 3.0, 9.0]
+    # p_i ~ exp(-(c_i - min) / ((max - min) * T)), T = 1: exp(0), exp(-1/3), exp(-1).
+    w = [1.0, math.exp(-1 / 3), math.exp(-1)]
+    cum = [w[0] / sum(w), (w[0] + w[1]) / sum(w)]
+    assert softmax_sample(costs, 1.0, cum[0] - 1e-9) == 0
+    assert softmax_sample(costs, 1.0, cum[0] + 1e-9) == 1
+    assert softmax_sample(costs, 1.0, cum[1] + 1e-9) == 2
+    # Equal costs: uniform.
+    assert [softmax_sample([5.0] * 4, 1.0, x) for x in (0.0, 0.3, 0.6, 0.99)] == [0, 1, 2, 3]
+    # The scale of the costs does not matter, only their spread relative to the range.
+    assert softmax_sample([0, 300, 900], 1.0, cum[0] + 1e-9) == 1
+
+
+def test_temperature_spreads_the_choice_and_favours_the_cheap():
+    s = Scheduler(1.0, 1.0, rng=random.Random(7))
+    picks = Counter(s.select([A, B, C], 10, {A: 10, B: 5}, loads({})).candidate for _ in range(2000))
+    assert picks[A] > picks[B] > picks[C] > 0
+    cold = Scheduler(1.0, 0.01, rng=random.Random(7))
+    assert {cold.select([A, B, C], 10, {A: 10, B: 5}, loads({})).candidate for _ in range(200)} == {A}
+
+
+# -- load tracking ------------------------------------------------------------------------------
+
+
+def test_load_counts_from_routing_and_is_released_once():
+    t = LoadTracker()
+    r1 = t.add(A, [11, 12, 13], extra_blocks=2)
+    assert t.load(A) == 5 and t.load(B) == 0
+    r2 = t.add(A, [11, 12, 14], extra_blocks=1)  # shares two prompt blocks with r1
+    assert t.load(A) == 4 + 3
+    t.release(r1)
+    t.release(r1)  # idempotent
+    assert t.load(A) == 3 + 1
+    t.release(r2)
+    assert t.load(A) == 0
+
+
+def test_removed_worker_forgets_its_load_and_late_releases_are_harmless():
+    t = LoadTracker()
+    old = t.add(A, [1, 2])
+    t.remove_worker(A[0])
+    assert t.load(A) == 0
+    new = t.add(A, [1])  # the same key again (a rank of a new worker with a reused id)
+    t.release(old)
+    assert t.load(A) == 1
+    t.release(new)
+    assert t.load(A) == 0
+
+
+def test_a_worker_report_replaces_the_prediction_until_it_goes_stale():
+    clock = Clock()
+    t = LoadTracker(report_ttl=5.0, clock=clock)
+    before = t.add(A, [1, 2, 3])
+    t.report(A, 10)
+    assert t.load(A) == 10  # includes everything routed before the report
+    after = t.add(A, [4, 5])
+    assert t.load(A) == 12
+    t.release(before)  # already inside the report
+    assert t.load(A) == 12
+    t.release(after)
+    assert t.load(A) == 10
+    clock.now += 6  # stale: back to the prediction (nothing active)
+    assert t.load(A) == 0
+
+
+# -- the approximate index ----------------------------------------------------------------------
+
+
+def test_approx_index_matches_routed_prefixes_until_their_ttl():
+    clock = Clock()
+    idx = ApproxIndexer(block_size=4, ttl=120.0, clock=clock)
+    prompt = list(range(1, 17))  # 4 blocks
+    idx.record(A, prompt)
+    idx.record(B, prompt[:8] + [99] * 8)  # shares 2 blocks
+    assert idx.find_matches(prompt) == {A: 4, B: 2}
+    assert idx.find_matches(prompt[:10]) == {A: 2, B: 2}  # partial last block ignored
+    assert idx.find_matches([7] * 16) == {}
+    assert idx.num_blocks(A) == 4 and idx.num_blocks() == 8 and set(idx.keys()) == {A, B}
+    clock.now += 100
+    idx.record(A, prompt[:4])  # refreshes block 0 of A only
+    clock.now += 30  # 130 s after the first records
+    assert idx.find_matches(prompt) == {A: 1}
+    assert idx.num_blocks() == 1
+    clock.now += 100
+    assert idx.find_matches(prompt) == {} and idx.keys() == []
+
+
+def test_approx_index_forgets_a_removed_worker():
+    idx = ApproxIndexer(block_size=2)
+    idx.record((5, 0), [1, 2, 3, 4])
+    idx.record((5, 1), [1, 2])
+    idx.record(C, [1, 2])
+    idx.remove_worker(5)
+    assert idx.find_matches([1, 2, 3, 4]) == {C: 1}
+    with pytest.raises(ValueError):
+        ApproxIndexer(block_size=0)
+
+
+# -- against a real worker: load from routing time, released when the stream ends ---------------
+
+
+def _request(tokens: list[int], max_tokens: int) -> PreprocessedRequest:
+    return PreprocessedRequest(tokens, stop=StopConditions(max_tokens=max_tokens, ignore_eos=True))
+
+
+@pytest.fixture
+async def slow_worker(namespace, spawn, make_runtime, tiny_model):
+    """A mocker worker with two data-parallel ranks at real speed, and a KvRouter for it."""
+    proc = spawn("-m", "dynamo_zmq.worker", "--engine", "mocker", "--model-path", str(tiny_model),
+                 "--model-name", "tiny", "--namespace", namespace, "--host", "127.0.0.1",
+                 "--discovery", "static", "--block-size", "16", "--data-parallel-size", "2",
+                 "--speedup-ratio", "1")
+    rt = make_runtime(static=(proc.address,))
+    client = await rt.endpoint(f"{namespace}.backend.generate").client()
+    await client.wait_for_instances(timeout=15)
+    router = KvRouter(client, 16, KvRouterConfig(max_expected_output_tokens=32), runtime=rt, model="tiny")
+    await router.start()
+    try:
+        yield proc, router
+    finally:
+        await router.close()
+
+
+async def test_load_is_counted_at_routing_and_released_when_the_stream_ends(slow_worker):
+    proc, router = slow_worker
+    keys = [(proc.instance_id, 0), (proc.instance_id, 1)]
+    total = lambda: sum(router.loads.load(k) for k in keys)  # noqa: E731
+    prompt = list(range(1, 41))  # 2 full blocks + 8 tokens
+    # Ends with its terminal item: counted at once (no token yet), released at the terminal.
+    stream = await router.generate(_request(prompt, 20))
+    assert total() == 2 + math.ceil((8 + 20) / 16)
+    assert stream.instance_id == proc.instance_id and stream.routed_header.startswith(f"{proc.instance_id:x}/".encode())
+    items = [item async for item in stream]
+    assert items[-1].data()["finish_reason"] == "length" and total() == 0
+    # Closed early.
+    stream = await router.generate(_request(prompt, 500))
+    assert total() > 0
+    await stream.__anext__()
+    await stream.aclose()
+    assert total() == 0
+    # Dropped without being read.
+    stream = await router.generate(_request(prompt, 500))
+    assert total() > 0
+    del stream
+    gc.collect()
+    assert total() == 0
+
+
+async def test_requests_in_flight_push_the_next_one_to_the_idle_rank(slow_worker):
+    _proc, router = slow_worker
+    first = await router.generate(_request([3] * 64, 500))
+    second = await router.generate(_request([4] * 64, 500))  # unrelated: only load differs
+    assert {first.dp_rank, second.dp_rank} == {0, 1}
+    # The worker honoured the ranks: each rank has one running sequence.
+    assert first.decision.overlap_blocks == second.decision.overlap_blocks == 0
+    await first.aclose()
+    await second.aclose()
+    # Once the first request's blocks are reported by KV events, a request sharing its prefix
+    # goes to the same rank even though both ranks are idle.
+    shared = [5] * 64
+    done = await router.generate(_request(shared + [6] * 3, 1))
+    [_ async for _ in done]
+    assert await until(router.client, lambda: router.best_worker([*shared, 7]).overlap_blocks == 4, 10)
+    again = await router.generate(_request(shared + [7] * 5, 1))
+    assert again.dp_rank == done.dp_rank and again.decision.overlap_blocks == 4
+    await again.aclose()
+
+
+async def test_approximate_mode_routes_by_its_own_decisions(namespace, spawn, make_runtime, tiny_model):
+    proc = spawn("-m", "dynamo_zmq.worker", "--engine", "mocker", "--model-path", str(tiny_model),
+                 "--model-name", "tiny", "--namespace", namespace, "--host", "127.0.0.1",
+                 "--discovery", "static", "--block-size", "16", "--data-parallel-size", "2",
+                 "--speedup-ratio", "100", "--no-kv-events")
+    rt = make_runtime(static=(proc.address,))
+    client = await rt.endpoint(f"{namespace}.backend.generate").client()
+    await client.wait_for_instances(timeout=15)
+    router = await KvRouter(client, 16, KvRouterConfig(use_kv_events=False), runtime=rt).start()
+    try:
+        assert router.subscriber(proc.instance_id) is None
+        prefix = list(range(100, 164))  # 4 blocks
+        first = await router.generate(_request([*prefix, 1], 2))
+        [_ async for _ in first]
+        for tail in ([2, 3], [4] * 20, [9]):
+            s = await router.generate(_request(prefix + tail, 2))
+            assert s.dp_rank == first.dp_rank and s.decision.overlap_blocks == 4
+            [_ async for _ in s]
+        assert router.indexer.find_matches(prefix) == {(proc.instance_id, first.dp_rank): 4}
+        hashes = block_hashes(prefix, 16)  # keyed by the router's own hashes
+        assert router.indexer.find_matches_for_hashes(hashes[:2]) == {(proc.instance_id, first.dp_rank): 2}
+    finally:
+        await router.close()
