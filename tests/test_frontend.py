@@ -264,3 +264,13 @@ async def test_malformed_bodies_never_500(served):
     await asyncio.to_thread(check)
     # and the frontend still serves
     assert (await asyncio.to_thread(get, f"{url}/v1/models"))[0] == 200
+
+
+async def test_cached_prompt_tokens_are_reported(served):
+    """The second request with the same long prompt hits the mocker's prefix cache."""
+    _, client = served
+    prompt = "shared prefix words " * 60
+    first = await client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
+    second = await client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 64

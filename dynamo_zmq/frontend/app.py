@@ -201,6 +201,7 @@ class _Run:
         self.last = started
         self.completion_tokens = 0
         self.usage_tokens: int | None = None
+        self.cached_tokens: int | None = None
         self.finish_reason: str | None = None
         self.first = True
         #: Extra response headers (``x-dynamo-worker`` in KV routing mode).
@@ -221,6 +222,7 @@ class _Run:
             self.completion_tokens += n
         if out.usage is not None:
             self.usage_tokens = out.usage.completion_tokens
+            self.cached_tokens = out.usage.cached_tokens
         if out.text is not None:
             return out.text
         if n:  # a worker without post-processing: decode here
@@ -276,7 +278,7 @@ class _Run:
         else:
             parts.append(self.fmt.finish_chunk(_openai_reason(out.finish_reason)))
             if include_usage:
-                parts.append(self.fmt.usage_chunk(self.prompt_tokens, self.tokens))
+                parts.append(self.fmt.usage_chunk(self.prompt_tokens, self.tokens, self.cached_tokens))
             status = "success"
         parts.append(DONE)
         await _send(send, {"type": "http.response.body", "body": b"".join(parts), "more_body": False})
@@ -305,7 +307,9 @@ class _Run:
             await _error(send, http_errors.engine_error("the worker ended the stream without a finish"))
             return "error"
         self._finish()
-        body = self.fmt.full("".join(texts), _openai_reason(self.finish_reason), self.prompt_tokens, self.tokens)
+        body = self.fmt.full(
+            "".join(texts), _openai_reason(self.finish_reason), self.prompt_tokens, self.tokens, self.cached_tokens
+        )
         await _reply(send, 200, body, _JSON + self.headers if self.headers else None)
         return "success"
 

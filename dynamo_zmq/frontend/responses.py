@@ -18,8 +18,13 @@ DONE = b"data: [DONE]\n\n"
 _json = msgspec.json.encode
 
 
-def _usage(prompt: int, completion: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def _usage(prompt: int, completion: int, cached: int | None = None) -> dict[str, object]:
+    usage: dict[str, object] = {
+        "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+    }
+    if cached is not None:  # prompt tokens the engine served from its prefix cache (as OpenAI)
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    return usage
 
 
 def sse_error(body: bytes) -> bytes:
@@ -41,8 +46,8 @@ class _Formatter:
             + str(self.created).encode() + b',"model":' + _json(model) + b',"choices":['
         )
 
-    def usage_chunk(self, prompt: int, completion: int) -> bytes:
-        return self._head + b'],"usage":' + _json(_usage(prompt, completion)) + b"}\n\n"
+    def usage_chunk(self, prompt: int, completion: int, cached: int | None = None) -> bytes:
+        return self._head + b'],"usage":' + _json(_usage(prompt, completion, cached)) + b"}\n\n"
 
 
 class ChatFormatter(_Formatter):
@@ -68,7 +73,7 @@ class ChatFormatter(_Formatter):
             self._head + b'{"index":0,"delta":{},"logprobs":null,"finish_reason":' + _json(finish_reason) + b"}]}\n\n"
         )
 
-    def full(self, text: str, finish_reason: str, prompt: int, completion: int) -> bytes:
+    def full(self, text: str, finish_reason: str, prompt: int, completion: int, cached: int | None = None) -> bytes:
         return _json(
             {
                 "id": self.id,
@@ -83,7 +88,7 @@ class ChatFormatter(_Formatter):
                         "finish_reason": finish_reason,
                     }
                 ],
-                "usage": _usage(prompt, completion),
+                "usage": _usage(prompt, completion, cached),
             }
         )
 
@@ -105,7 +110,7 @@ class CompletionFormatter(_Formatter):
     def finish_chunk(self, finish_reason: str) -> bytes:
         return self._head + b'{"index":0,"text":"","logprobs":null,"finish_reason":' + _json(finish_reason) + b"}]}\n\n"
 
-    def full(self, text: str, finish_reason: str, prompt: int, completion: int) -> bytes:
+    def full(self, text: str, finish_reason: str, prompt: int, completion: int, cached: int | None = None) -> bytes:
         return _json(
             {
                 "id": self.id,
@@ -113,6 +118,6 @@ class CompletionFormatter(_Formatter):
                 "created": self.created,
                 "model": self.model,
                 "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-                "usage": _usage(prompt, completion),
+                "usage": _usage(prompt, completion, cached),
             }
         )

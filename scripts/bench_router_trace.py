@@ -1,0 +1,445 @@
+"""Replay a Mooncake-format trace against N mocker workers under each router mode.
+
+    python scripts/bench_router_trace.py [--trace /work/shared/traces/synthetic_trace.jsonl]
+        [--start 0] [--max-requests 300] [--max-seconds 120] [--speedup 10]
+        [--workers 4] [--dp 1] [--tokens-per-block 64] [--max-output 32]
+        [--mocker-speedup 2] [--num-gpu-blocks 512] [--modes round-robin,random,kv,approx]
+        [--json OUT] [--plot OUT.png]
+
+Trace rows: ``{"timestamp": ms, "input_length", "output_length", "hash_ids": [...]}``, each hash
+id one 512-token block; equal ids at equal positions mean a shared prefix. Prompts are token-id
+lists: hash id ``h`` maps to ``--tokens-per-block`` ids drawn from ``random.Random(h)`` (values in
+``[1, vocab)``), so equal ids give equal blocks; the last block is cut in proportion to the
+trace's partial last block. The mocker runs with ``--block-size`` = ``--tokens-per-block``.
+Arrivals follow the trace timestamps divided by ``--speedup`` (open loop); outputs are
+``min(output_length, --max-output)`` tokens (``min_tokens`` = ``max_tokens``, ``ignore_eos``).
+
+Each mode runs on a fresh set of processes (N workers + one frontend, own namespace); all are
+stopped by pid (SIGTERM, then SIGKILL) when the mode ends, and again on exit.
+
+Reported per mode: requests ok / failed, req/s, output tok/s, TTFT p50/p99, and the achieved
+prefix hit rate next to the infinite-cache upper bound of the replayed subset (full blocks of the
+scaled prompts whose whole prefix appeared in an earlier replayed request). The achieved rate is
+taken from ``usage.prompt_tokens_details.cached_tokens`` when the frontend sends it; otherwise
+from the KV router's ``dynamo_router_matched_blocks / dynamo_router_prompt_blocks`` on the
+frontend's /metrics (kv modes only: the router's view at decision time, marked ``~``); else n/a.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextvars
+import json
+import math
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_e2e as be  # noqa: E402  (its asyncio HTTP/SSE client)
+
+ROOT = Path(__file__).resolve().parent.parent
+MODES = {
+    "round-robin": ["--router-mode", "round-robin"],
+    "random": ["--router-mode", "random"],
+    "kv": ["--router-mode", "kv"],
+    "approx": ["--router-mode", "kv", "--no-kv-events"],
+}
+
+# -- capture cached_tokens from the usage chunk (if the frontend ever sends it) ----------------
+
+_cached: contextvars.ContextVar[dict | None] = contextvars.ContextVar("cached", default=None)
+_orig_read_chunk = be._read_chunk
+
+
+def _read_chunk(payload: bytes):  # type: ignore[no-untyped-def]
+    out = _orig_read_chunk(payload)
+    if b"cached_tokens" in payload:
+        box = _cached.get()
+        if box is not None:
+            try:
+                d = json.loads(payload).get("usage") or {}
+                ct = (d.get("prompt_tokens_details") or {}).get("cached_tokens")
+                if ct is None:
+                    ct = d.get("cached_tokens")
+                if ct is not None:
+                    box["cached"] = int(ct)
+            except (ValueError, AttributeError):
+                pass
+    return out
+
+
+be._read_chunk = _read_chunk
+
+# -- trace ------------------------------------------------------------------------------------
+
+
+def load_trace(path: str, start: int, n: int) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    with open(path) as fh:
+        for i, line in enumerate(fh):
+            if i < start:
+                continue
+            if len(rows) >= n:
+                break
+            if line.strip():
+                rows.append(json.loads(line))
+    return rows
+
+
+class Prompts:
+    def __init__(self, tpb: int, vocab: int) -> None:
+        self.tpb, self.vocab = tpb, vocab
+        self.cache: dict[int, list[int]] = {}
+
+    def block(self, h: int) -> list[int]:
+        b = self.cache.get(h)
+        if b is None:
+            rng = random.Random(h * 1_000_003 + 17)
+            b = self.cache[h] = [rng.randrange(1, self.vocab) for _ in range(self.tpb)]
+        return b
+
+    def build(self, row: dict[str, Any]) -> list[int]:
+        ids = row["hash_ids"]
+        toks: list[int] = []
+        for h in ids[:-1]:
+            toks += self.block(h)
+        if ids:
+            part = row["input_length"] - 512 * (len(ids) - 1)
+            keep = max(1, min(self.tpb, math.ceil(part * self.tpb / 512)))
+            toks += self.block(ids[-1])[:keep]
+        return toks
+
+
+def upper_bound(prompts: list[list[int]], tpb: int) -> float:
+    """Infinite-cache hit rate over full blocks of the replayed prompts."""
+    seen: set[tuple] = set()
+    hit = tot = 0
+    for p in prompts:
+        full = len(p) // tpb
+        for i in range(full):
+            key = tuple(p[: (i + 1) * tpb])
+            tot += 1
+            if key in seen:
+                hit += 1
+            seen.add(key)
+    return hit / tot if tot else 0.0
+
+
+# -- processes --------------------------------------------------------------------------------
+
+
+class Procs:
+    def __init__(self, logdir: Path) -> None:
+        self.logdir = logdir
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, name: str, args: list[str], timeout: float) -> str:
+        env = dict(os.environ, DYN_MDNS_INTERFACES="127.0.0.1", PYTHONUNBUFFERED="1")
+        err = open(self.logdir / f"{name}.log", "wb")
+        p = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=err, env=env,
+                             cwd=ROOT, start_new_session=True)
+        self.procs.append(p)
+        box: list[str] = []
+
+        def reader() -> None:
+            assert p.stdout is not None
+            for raw in p.stdout:  # ends when the process exits
+                line = raw.decode(errors="replace").strip()
+                if line.startswith("READY") and not box:
+                    box.append(line)
+
+        threading.Thread(target=reader, daemon=True).start()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not box:
+            if p.poll() is not None:
+                raise RuntimeError(f"{name} exited rc={p.returncode}; see {self.logdir}/{name}.log")
+            time.sleep(0.05)
+        if not box:
+            raise RuntimeError(f"{name} not READY within {timeout}s; see {self.logdir}/{name}.log")
+        return box[0]
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.kill(p.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + 10
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                try:
+                    os.kill(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait(timeout=5)
+        self.procs.clear()
+
+
+def http_get(url: str, timeout: float = 5.0) -> bytes:
+    with urllib.request.urlopen(url, timeout=timeout) as r:  # loopback only
+        return r.read()
+
+
+def metric_sum(text: str, name: str) -> float | None:
+    total, found = 0.0, False
+    for line in text.splitlines():
+        if line.startswith(name + "_total") or line.startswith(name + "{") or line.startswith(name + " "):
+            if line.startswith(name + "_created"):
+                continue
+            try:
+                total += float(line.rsplit(" ", 1)[1])
+                found = True
+            except ValueError:
+                pass
+    return total if found else None
+
+
+# -- one mode ---------------------------------------------------------------------------------
+
+
+async def replay(url: str, model: str, rows: list[dict], prompts: list[list[int]], args: argparse.Namespace):
+    u = be.urlsplit(url)
+    host, port = u.hostname or "127.0.0.1", u.port or 80
+    t0_trace = rows[0]["timestamp"]
+    results: list[tuple[be.Result, dict]] = []
+    sem = asyncio.Semaphore(args.max_inflight)
+
+    async def one(row: dict, prompt: list[int]) -> None:
+        out = max(1, min(int(row["output_length"]), args.max_output))
+        body = json.dumps({"model": model, "prompt": prompt, "max_tokens": out, "min_tokens": out,
+                           "ignore_eos": True, "stream": True,
+                           "stream_options": {"include_usage": True}}).encode()
+        head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+        res = be.Result(ok=False, t_send=time.perf_counter())
+        box: dict = {"prompt_len": len(prompt)}
+        _cached.set(box)
+        results.append((res, box))
+        async with sem:
+            conn = be.Conn(host, port)
+            try:
+                await asyncio.wait_for(conn.stream(head, body, res), args.request_timeout)
+            except Exception as exc:  # noqa: BLE001 - every failure is counted
+                res.ok = False
+                res.error = f"{type(exc).__name__}: {exc}"[:200]
+            finally:
+                conn.close()
+
+    tasks: list[asyncio.Task] = []
+    start = time.perf_counter()
+    for row, prompt in zip(rows, prompts):
+        due = start + (row["timestamp"] - t0_trace) / 1000.0 / args.speedup
+        now = time.perf_counter()
+        if now - start > args.max_seconds:
+            break
+        if due > now:
+            await asyncio.sleep(due - now)
+        tasks.append(asyncio.create_task(one(row, prompt)))
+    left = max(1.0, args.max_seconds + args.request_timeout - (time.perf_counter() - start))
+    done, pending = await asyncio.wait(tasks, timeout=left) if tasks else (set(), set())
+    for t in pending:
+        t.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    wall = time.perf_counter() - start
+    return results, wall, len(rows) - len(tasks)
+
+
+def run_mode(mode: str, rows: list[dict], prompts: list[list[int]], args: argparse.Namespace,
+             model_dir: Path, logroot: Path) -> dict[str, Any]:
+    logdir = logroot / mode
+    logdir.mkdir(parents=True, exist_ok=True)
+    ns = f"rtrace-{mode}-{os.getpid()}-{int(time.time())}"
+    procs = Procs(logdir)
+    try:
+        for i in range(args.workers):
+            procs.start(f"worker{i}", [
+                "-m", "dynamo_zmq.worker", "--engine", "mocker", "--model-path", str(model_dir),
+                "--model-name", args.model_name, "--namespace", ns, "--host", "127.0.0.1",
+                "--speedup-ratio", str(args.mocker_speedup), "--block-size", str(args.tokens_per_block),
+                "--num-gpu-blocks-override", str(args.num_gpu_blocks),
+                "--data-parallel-size", str(args.dp), "--max-num-batched-tokens", str(args.max_batched_tokens),
+            ], timeout=60)
+        line = procs.start("frontend", ["-m", "dynamo_zmq.frontend", "--http-host", "127.0.0.1",
+                                        "--http-port", "0", "--namespace", ns, *MODES[mode]], timeout=60)
+        url = line.split()[1]
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if args.model_name.encode() in http_get(url + "/v1/models"):
+                    break
+            except OSError:
+                pass
+            time.sleep(0.2)
+        else:
+            raise RuntimeError("frontend never listed the model")
+        time.sleep(args.settle)  # let every worker be discovered (and KV subscriptions connect)
+        results, wall, skipped = asyncio.run(replay(url, args.model_name, rows, prompts, args))
+        try:
+            mtext = http_get(url + "/metrics").decode()
+        except OSError:
+            mtext = ""
+    finally:
+        procs.stop()
+
+    ok = [r for r, _ in results if r.ok]
+    ttft = [(r.t_first - r.t_send) * 1000 for r in ok if not math.isnan(r.t_first)]
+    errs: dict[str, int] = {}
+    for r, _ in results:
+        if not r.ok:
+            key = re.sub(r"\d+", "N", (r.error or "unknown"))[:80]
+            errs[key] = errs.get(key, 0) + 1
+    cached = [(b["cached"], b["prompt_len"]) for r, b in results if r.ok and "cached" in b]
+    hit, hit_src = None, "n/a"
+    if cached and len(cached) == len(ok):
+        full = sum(pl // args.tokens_per_block * args.tokens_per_block for _, pl in cached)
+        hit, hit_src = (sum(c for c, _ in cached) / full if full else 0.0), "usage"
+    else:
+        mb = metric_sum(mtext, "dynamo_router_matched_blocks")
+        pb = metric_sum(mtext, "dynamo_router_prompt_blocks")
+        if mb is not None and pb:
+            hit, hit_src = mb / pb, "router"
+    t_first_send = min((r.t_send for r, _ in results), default=0.0)
+    t_last_end = max((r.t_end for r in ok if not math.isnan(r.t_end)), default=t_first_send)
+    span = max(1e-9, t_last_end - t_first_send) if ok else wall
+    return {
+        "mode": mode, "sent": len(results), "ok": len(ok), "failed": len(results) - len(ok),
+        "not_sent": skipped, "errors": errs, "wall_s": wall, "span_s": span,
+        "req_s": len(ok) / span, "out_tok_s": sum(r.tokens for r in ok) / span,
+        "ttft_p50_ms": be.pct(ttft, 0.5), "ttft_p99_ms": be.pct(ttft, 0.99),
+        "ttft_mean_ms": (sum(ttft) / len(ttft)) if ttft else math.nan,
+        "hit_rate": hit, "hit_source": hit_src,
+    }
+
+
+def fmt(x: Any, nd: int = 1) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "n/a"
+    return f"{x:.{nd}f}"
+
+
+def table(res: list[dict], bound: float) -> str:
+    out = ["| mode | ok | failed | not sent | req/s | out tok/s | TTFT p50 ms | TTFT p99 ms | hit rate | bound |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res:
+        h = "n/a" if r["hit_rate"] is None else ("~" if r["hit_source"] == "router" else "") + f"{100 * r['hit_rate']:.1f}%"
+        out.append(f"| {r['mode']} | {r['ok']} | {r['failed']} | {r['not_sent']} | {fmt(r['req_s'], 2)} | "
+                   f"{fmt(r['out_tok_s'])} | {fmt(r['ttft_p50_ms'])} | {fmt(r['ttft_p99_ms'])} | {h} | "
+                   f"{100 * bound:.1f}% |")
+    return "\n".join(out)
+
+
+def plot(res: list[dict], bound: float, out: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = [r["mode"] for r in res]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    a.bar(modes, [r["ttft_p50_ms"] for r in res], color="tab:blue")
+    a.set_title("TTFT p50 (ms)")
+    b.bar(modes, [100 * (r["hit_rate"] or 0) for r in res], color="tab:green")
+    b.axhline(100 * bound, color="k", ls="--", label="infinite-cache bound")
+    b.set_title("prefix hit rate (%)")
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trace", default="/work/shared/traces/synthetic_trace.jsonl")
+    ap.add_argument("--start", type=int, default=0, help="first trace row")
+    ap.add_argument("--max-requests", type=int, default=300)
+    ap.add_argument("--max-seconds", type=float, default=120.0, help="stop issuing after this (per mode)")
+    ap.add_argument("--speedup", type=float, default=10.0, help="arrival time compression")
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--dp", type=int, default=1)
+    ap.add_argument("--tokens-per-block", type=int, default=64)
+    ap.add_argument("--max-output", type=int, default=32)
+    ap.add_argument("--mocker-speedup", type=float, default=2.0, help="mocker --speedup-ratio")
+    ap.add_argument("--num-gpu-blocks", type=int, default=512, help="KV blocks per worker rank")
+    ap.add_argument("--max-batched-tokens", type=int, default=8192)
+    ap.add_argument("--vocab-size", type=int, default=3000)
+    ap.add_argument("--modes", default="round-robin,random,kv,approx")
+    ap.add_argument("--context-length", type=int, default=262144, help="patched into the tiny model")
+    ap.add_argument("--model-name", default="trace-model")
+    ap.add_argument("--max-inflight", type=int, default=256)
+    ap.add_argument("--request-timeout", type=float, default=60.0)
+    ap.add_argument("--settle", type=float, default=2.0)
+    ap.add_argument("--workdir", default=str(ROOT / ".bench" / "router_trace"))
+    ap.add_argument("--json")
+    ap.add_argument("--plot")
+    args = ap.parse_args()
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    for m in modes:
+        if m not in MODES:
+            ap.error(f"unknown mode {m!r}; choose from {sorted(MODES)}")
+
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    model_dir = work / "model"
+    if not (model_dir / "config.json").exists():
+        subprocess.run([sys.executable, "-m", "dynamo_zmq.tiny_model", str(model_dir),
+                        "--vocab-size", str(args.vocab_size)], check=True, cwd=ROOT, timeout=120)
+    cfg_path = model_dir / "config.json"  # trace prompts exceed the tiny model's 2048 positions
+    mcfg = json.loads(cfg_path.read_text())
+    if mcfg.get("max_position_embeddings", 0) < args.context_length:
+        mcfg["max_position_embeddings"] = args.context_length
+        cfg_path.write_text(json.dumps(mcfg, indent=2))
+
+    rows = load_trace(args.trace, args.start, args.max_requests)
+    if not rows:
+        print("no trace rows", file=sys.stderr)
+        return 1
+    pm = Prompts(args.tokens_per_block, args.vocab_size)
+    prompts = [pm.build(r) for r in rows]
+    bound = upper_bound(prompts, args.tokens_per_block)
+    span = (rows[-1]["timestamp"] - rows[0]["timestamp"]) / 1000 / args.speedup
+    print(f"trace {Path(args.trace).name} rows {args.start}..{args.start + len(rows) - 1}: "
+          f"{len(rows)} requests over {span:.1f}s replayed, mean prompt "
+          f"{sum(map(len, prompts)) / len(prompts):.0f} tokens, infinite-cache bound {100 * bound:.1f}%",
+          flush=True)
+
+    res: list[dict] = []
+    for m in modes:
+        t = time.monotonic()
+        try:
+            r = run_mode(m, rows, prompts, args, model_dir, work / "logs")
+        except RuntimeError as exc:
+            print(f"{m}: FAILED to run: {exc}", flush=True)
+            continue
+        res.append(r)
+        print(f"{m}: ok {r['ok']} failed {r['failed']} TTFT p50 {fmt(r['ttft_p50_ms'])} ms "
+              f"({time.monotonic() - t:.0f}s){' errors ' + str(r['errors']) if r['errors'] else ''}", flush=True)
+
+    cfg = {k: v for k, v in vars(args).items() if k not in ("json", "plot")}
+    print()
+    print(table(res, bound))
+    print("\n`~` = KV router's matched/prompt blocks at decision time (the frontend does not send "
+          "cached_tokens); n/a = no measure for this mode.")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"config": cfg, "bound": bound, "results": res}, indent=2))
+    if args.plot and res:
+        try:
+            plot(res, bound, args.plot)
+        except ImportError:
+            print("matplotlib missing: no plot", file=sys.stderr)
+    return 0 if res else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
