@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_e2e as be  # noqa: E402  (its asyncio HTTP/SSE client)
+import bench_e2e as be  # its asyncio HTTP/SSE client
 
 ROOT = Path(__file__).resolve().parent.parent
 MODES = {
@@ -232,7 +232,7 @@ async def replay(url: str, model: str, rows: list[dict], prompts: list[list[int]
             conn = be.Conn(host, port)
             try:
                 await asyncio.wait_for(conn.stream(head, body, res), args.request_timeout)
-            except Exception as exc:  # noqa: BLE001 - every failure is counted
+            except Exception as exc:  # every failure is counted
                 res.ok = False
                 res.error = f"{type(exc).__name__}: {exc}"[:200]
             finally:
@@ -240,7 +240,7 @@ async def replay(url: str, model: str, rows: list[dict], prompts: list[list[int]
 
     tasks: list[asyncio.Task] = []
     start = time.perf_counter()
-    for row, prompt in zip(rows, prompts):
+    for row, prompt in zip(rows, prompts, strict=True):
         due = start + (row["timestamp"] - t0_trace) / 1000.0 / args.speedup
         now = time.perf_counter()
         if now - start > args.max_seconds:
