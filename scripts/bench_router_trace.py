@@ -249,7 +249,7 @@ async def replay(url: str, model: str, rows: list[dict], prompts: list[list[int]
             await asyncio.sleep(due - now)
         tasks.append(asyncio.create_task(one(row, prompt)))
     left = max(1.0, args.max_seconds + args.request_timeout - (time.perf_counter() - start))
-    done, pending = await asyncio.wait(tasks, timeout=left) if tasks else (set(), set())
+    _done, pending = await asyncio.wait(tasks, timeout=left) if tasks else (set(), set())
     for t in pending:
         t.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
