@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -18,8 +17,9 @@ from dynamo_zmq.context import Context
 from dynamo_zmq.engine import PreprocessedRequest, RoutingHints, StopConditions
 from engines.mocker import MockerConfig, MockerEngine
 from engines.mocker._hashing import block_hash
+from tests.support.fixtures import SHARED, vllm_kv_events
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "vllm_kv_events" / "sha256_int64"
+FIXTURES = SHARED / "fixtures" / "vllm_kv_events" / "sha256_int64"
 TOPIC = b"kv-events"
 END = [b"", b"", b"\xff" * 8, b""]
 BS = 4
@@ -229,8 +229,7 @@ async def test_no_events_without_prefix_caching_or_when_disabled(zctx: zmq.async
 
 
 def test_payload_shape_matches_a_real_vllm_capture() -> None:
-    if not FIXTURES.is_dir():
-        pytest.skip("vLLM capture fixtures not present")
+    vllm_kv_events()  # fails clearly when shared/ is missing
     real = msgpack.unpackb((FIXTURES / "batch_seq0006.msgpack").read_bytes())
     real_stored = next(e for e in real[1] if e["type"] == "BlockStored")
     real_removed = next(e for e in real[1] if e["type"] == "BlockRemoved")

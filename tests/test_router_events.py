@@ -24,14 +24,14 @@ from router.events import (
     encode_batch,
     normalize_hash,
 )
+from tests.support.fixtures import SHARED, vllm_kv_events
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "vllm_kv_events" / "sha256_int64"
+FIXTURES = SHARED / "fixtures" / "vllm_kv_events" / "sha256_int64"
 MASK = (1 << 64) - 1
 
 
 def _fixture_files() -> list[Path]:
-    if not FIXTURES.is_dir():
-        pytest.skip("vLLM capture fixtures not present")
+    vllm_kv_events()  # fails clearly when shared/ is missing
     return sorted(FIXTURES.glob("batch_seq*.msgpack"))
 
 
