@@ -80,9 +80,10 @@ def load_engine_class(spec: str) -> type[LLMEngine]:
     return cls
 
 
-def build_parser(engine_cls: type[LLMEngine] | None = None) -> argparse.ArgumentParser:
+def build_parser(engine_cls: type[LLMEngine] | None = None, add_help: bool = True) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m dynamo_zmq.worker", description="Serve an LLM engine on the dynamo-zmq request plane."
+        prog="python -m dynamo_zmq.worker", description="Serve an LLM engine on the dynamo-zmq request plane.",
+        add_help=add_help,
     )
     parser.add_argument("--engine", default=_env("ENGINE", "mocker"), help="engine name or MODULE:CLASS [DYN_ENGINE]")
     parser.add_argument("--model-path", default=_env("MODEL_PATH"), help="model directory [DYN_MODEL_PATH]")
@@ -367,7 +368,7 @@ class Worker:
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[type[LLMEngine], argparse.Namespace]:
     """Two passes: find ``--engine``, then parse with that engine's own flags added."""
-    pre, _ = build_parser().parse_known_args(argv)
+    pre, _ = build_parser(add_help=False).parse_known_args(argv)  # --help waits for the engine's flags
     engine_cls = load_engine_class(pre.engine)
     args = build_parser(engine_cls).parse_args(argv)
     if args.model_path is not None and not Path(args.model_path).is_dir():

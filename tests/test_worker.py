@@ -145,3 +145,9 @@ async def test_sigterm_under_load_drains_and_hands_over(namespace, spawn, make_r
         assert sum(len(c.get("token_ids", [])) for c in chunks) == 40
         assert chunks[-1]["finish_reason"] == "length"
     assert await asyncio.to_thread(leaving.wait, 30) == 0
+
+
+def test_help_lists_the_engines_own_flags():
+    res = subprocess.run([sys.executable, "-m", "dynamo_zmq.worker", "--engine", "mocker", "--help"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and "--speedup-ratio" in res.stdout and "--model-path" in res.stdout
