@@ -107,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 0
     finally:
+        # Ctrl-C reaches the children too (same process group); a second one must not cut the
+        # clean-up short and leave them running.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         _stop(frontend)
         _stop(worker)
 
