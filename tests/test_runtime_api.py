@@ -227,3 +227,25 @@ async def test_direct_mode_client_needs_an_instance(make_runtime):
     with pytest.raises(errors.InvalidArgument):
         await client.generate(1)
     assert [r.data() async for r in await client.generate(1, instance_id=server.instance_id)] == [1]
+
+
+async def test_kill_abandons_items_already_received(make_runtime):
+    server = make_runtime(static=())
+
+    async def burst(request, context):
+        for i in range(50):
+            yield i
+        await context.killed()
+
+    await serve(server, "ns.c.burst", burst)
+    c = await client_for(make_runtime, server, "ns.c.burst")
+    ctx = Context()
+    stream = await c.generate({}, context=ctx, annotated=False)
+    assert await stream.__anext__() == 0
+    for _ in range(100):  # let the rest of the burst arrive unread
+        if len(stream._st.items) == 49:
+            break
+        await asyncio.sleep(0.01)
+    ctx.kill()
+    with pytest.raises(errors.Cancelled):
+        await stream.__anext__()

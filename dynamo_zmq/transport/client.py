@@ -358,7 +358,8 @@ class PeerConnection:
             if st.done:
                 return
             self._send_control(Kind.KILL if killed else Kind.STOP, Control(request_id))
-            if killed:
+            if killed:  # abandon now: items already received are dropped too
+                st.items.clear()
                 st.terminate(errors.Cancelled("request killed by the caller"))
 
         st.unlink = ctx.add_listener(on_cancel)
