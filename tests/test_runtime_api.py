@@ -243,7 +243,7 @@ async def test_kill_abandons_items_already_received(make_runtime):
     stream = await c.generate({}, context=ctx, annotated=False)
     assert await stream.__anext__() == 0
     for _ in range(100):  # let the rest of the burst arrive unread
-        if len(stream._st.items) == 49:
+        if len(stream._stream._st.items) == 49:
             break
         await asyncio.sleep(0.01)
     ctx.kill()
