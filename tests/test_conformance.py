@@ -360,7 +360,7 @@ class CleanupRaises(RefEngine):
 )
 async def test_broken_engine_fails_with_its_error(engine, error, words):
     with pytest.raises(error) as info:
-        await run_conformance(engine, timeout=0.3)
+        await run_conformance(engine, timeout=2.0)  # generous: CI machines are busy
     assert isinstance(info.value, ConformanceError) and isinstance(info.value, AssertionError)
     assert words in str(info.value)
     assert type(info.value).__name__ in repr(info.value)
