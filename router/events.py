@@ -28,10 +28,21 @@ the whole batch (applying the rest could leave the index wrong).
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Any
 
 import msgspec
 import xxhash
+
+from dynamo_zmq.kv_events import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockSize,
+    BlockStored,
+    EventBatch,
+    KvEvent,
+    encode_batch,
+)
 
 __all__ = [
     "AllBlocksCleared",
@@ -46,8 +57,6 @@ __all__ = [
 ]
 
 _MASK64 = (1 << 64) - 1
-BlockSize = Annotated[int, msgspec.Meta(gt=0)]
-MEDIUM_GPU = "GPU"
 
 
 class EventDecodeError(ValueError):
@@ -55,47 +64,6 @@ class EventDecodeError(ValueError):
 
     def __repr__(self) -> str:
         return f"EventDecodeError({str(self)!r})"
-
-
-class BlockStored(msgspec.Struct, tag_field="type", tag="BlockStored", gc=False):
-    """Full blocks that entered an engine's prefix cache; ``token_ids`` concatenates the tokens
-    of all of them (``len(block_hashes) * block_size`` when well-formed). Hashes are uint64."""
-
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: BlockSize
-    lora_id: int | None = None
-    medium: str | None = MEDIUM_GPU
-    lora_name: str | None = None
-    #: Per block: ``None`` or the engine's extra hash inputs (multimodal hashes, cache salt...).
-    extra_keys: list[Any] | None = None
-
-
-class BlockRemoved(msgspec.Struct, tag_field="type", tag="BlockRemoved", gc=False):
-    """Blocks evicted from an engine's prefix cache. Hashes are uint64."""
-
-    block_hashes: list[int]
-    medium: str | None = MEDIUM_GPU
-
-
-class AllBlocksCleared(msgspec.Struct, tag_field="type", tag="AllBlocksCleared", gc=False):
-    """The engine (this DP rank) dropped its whole prefix cache."""
-
-
-KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
-
-
-class EventBatch(msgspec.Struct, array_like=True, gc=False):
-    """One published payload: the events of one scheduler step of one data-parallel rank.
-
-    ``dp_rank`` is ``None`` when the engine sent none (SGLang without attention DP).
-    Encodes back to vLLM's current wire form with ``encode_batch``.
-    """
-
-    ts: float
-    events: list[KvEvent]
-    dp_rank: int | None = None
 
 
 # --- fallback wire forms -------------------------------------------------------------------------
@@ -154,7 +122,6 @@ class _AnyMapBatch(msgspec.Struct, array_like=True, gc=False):
 _fast = msgspec.msgpack.Decoder(EventBatch)
 _arr = msgspec.msgpack.Decoder(_ArrBatch)
 _any_map = msgspec.msgpack.Decoder(_AnyMapBatch)
-_encoder = msgspec.msgpack.Encoder()
 _h64 = xxhash.xxh3_64_intdigest
 _CLEARED = AllBlocksCleared()
 
@@ -237,6 +204,3 @@ def decode_batch(payload: bytes) -> EventBatch:
     raise EventDecodeError(f"not a KV-event batch: {first}") from first
 
 
-def encode_batch(events: list[KvEvent], dp_rank: int | None = 0, ts: float = 0.0) -> bytes:
-    """The payload of one batch in vLLM's current form (maps tagged by ``"type"``)."""
-    return _encoder.encode(EventBatch(ts, events, dp_rank))

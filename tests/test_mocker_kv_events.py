@@ -24,7 +24,7 @@ TOPIC = b"kv-events"
 END = [b"", b"", b"\xff" * 8, b""]
 BS = 4
 STORED_KEYS = {"type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
-               "lora_name"}
+               "lora_name", "extra_keys"}
 
 
 @pytest.fixture

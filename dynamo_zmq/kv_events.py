@@ -1,0 +1,76 @@
+"""KV-cache events in vLLM's wire format: one definition for the engines that publish them and
+the routers that read them.
+
+A published message is ``[topic, seq as 8-byte big-endian, payload]``; the payload is the
+MessagePack array ``[ts, events, dp_rank]`` and each event a map tagged by ``"type"``
+(``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``), as vLLM 0.32 sends them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any
+
+import msgspec
+
+__all__ = [
+    "MEDIUM_GPU",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockSize",
+    "BlockStored",
+    "EventBatch",
+    "KvEvent",
+    "encode_batch",
+]
+
+BlockSize = Annotated[int, msgspec.Meta(gt=0)]
+MEDIUM_GPU = "GPU"
+
+
+class BlockStored(msgspec.Struct, tag_field="type", tag="BlockStored", gc=False):
+    """Full blocks that entered an engine's prefix cache; ``token_ids`` concatenates the tokens
+    of all of them (``len(block_hashes) * block_size`` when well-formed). Hashes are uint64."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: BlockSize
+    lora_id: int | None = None
+    medium: str | None = MEDIUM_GPU
+    lora_name: str | None = None
+    #: Per block: ``None`` or the engine's extra hash inputs (multimodal hashes, cache salt...).
+    extra_keys: list[Any] | None = None
+
+
+class BlockRemoved(msgspec.Struct, tag_field="type", tag="BlockRemoved", gc=False):
+    """Blocks evicted from an engine's prefix cache. Hashes are uint64."""
+
+    block_hashes: list[int]
+    medium: str | None = MEDIUM_GPU
+
+
+class AllBlocksCleared(msgspec.Struct, tag_field="type", tag="AllBlocksCleared", gc=False):
+    """The engine (this DP rank) dropped its whole prefix cache."""
+
+
+KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class EventBatch(msgspec.Struct, array_like=True, gc=False):
+    """One published payload: the events of one scheduler step of one data-parallel rank.
+
+    ``dp_rank`` is ``None`` when an engine sends none (SGLang without attention DP).
+    """
+
+    ts: float
+    events: list[KvEvent]
+    dp_rank: int | None = None
+
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode_batch(events: list[KvEvent], dp_rank: int | None = 0, ts: float | None = None) -> bytes:
+    """The payload frame of one message (``ts`` defaults to now)."""
+    return _encoder.encode(EventBatch(time.time() if ts is None else ts, events, dp_rank))
