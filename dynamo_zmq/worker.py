@@ -34,6 +34,7 @@ import msgspec
 from tokenizers import Tokenizer
 
 from . import errors
+from .cli import setup_logging
 from .config import RuntimeConfig, add_runtime_args
 from .context import Context
 from .engine import (
@@ -377,11 +378,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[type[LLMEngine], argp
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(
-        level=os.environ.get("DYN_LOG", "INFO").upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    setup_logging()
     try:
         engine_cls, args = parse_args(argv)
         engine = engine_cls.from_args(args)

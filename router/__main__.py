@@ -27,6 +27,7 @@ from typing import Any
 import msgspec
 
 from dynamo_zmq import errors
+from dynamo_zmq.cli import add_kv_router_args, check_kv_router_args, setup_logging
 from dynamo_zmq.config import RuntimeConfig, add_runtime_args
 from dynamo_zmq.metrics import StatusServer
 from dynamo_zmq.model_card import ModelCard
@@ -125,13 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m router", description=__doc__.split("\n\n")[0])
     parser.add_argument("--namespace", default=env("DYN_NAMESPACE", "dynamo"), help="[DYN_NAMESPACE]")
     parser.add_argument("--component", default="router", help="component of the best_worker endpoint")
-    parser.add_argument("--kv-overlap-score-weight", type=float,
-                        default=float(env("DYN_KV_OVERLAP_SCORE_WEIGHT", "1.0")),
-                        help="weight of blocks to prefill against decode load [DYN_KV_OVERLAP_SCORE_WEIGHT]")
-    parser.add_argument("--router-temperature", type=float, default=float(env("DYN_ROUTER_TEMPERATURE", "0.0")),
-                        help="0 picks the cheapest worker, > 0 samples by softmax [DYN_ROUTER_TEMPERATURE]")
-    parser.add_argument("--no-kv-events", action="store_true", default=env("DYN_KV_EVENTS", "1") == "0",
-                        help="predict caches from routing decisions instead of KV events [DYN_KV_EVENTS=0]")
+    add_kv_router_args(parser)
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve /metrics, /health and /live on this port (0 = any)")
     add_runtime_args(parser)
@@ -172,16 +167,11 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(
-        level=os.environ.get("DYN_LOG", "INFO").upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    setup_logging()
     try:
         args = build_parser().parse_args(argv)
         RuntimeConfig.from_args(args)
-        if args.kv_overlap_score_weight < 0 or args.router_temperature < 0:
-            raise errors.InvalidArgument("--kv-overlap-score-weight and --router-temperature must be >= 0")
+        check_kv_router_args(args)
     except errors.DynamoError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2

@@ -25,6 +25,7 @@ from typing import Any
 import uvicorn
 
 from .. import errors
+from ..cli import add_kv_router_args, check_kv_router_args, setup_logging
 from ..config import RuntimeConfig
 from ..discovery import DiscoveryConfig, add_discovery_args
 from ..runtime import DistributedRuntime
@@ -48,18 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--router-mode", choices=sorted(ROUTER_MODES), default=env("DYN_ROUTER_MODE", "round-robin"),
         help="[DYN_ROUTER_MODE]",
     )
-    parser.add_argument(
-        "--kv-overlap-score-weight", type=float, default=float(env("DYN_KV_OVERLAP_SCORE_WEIGHT", "1.0")),
-        help="kv mode: weight of blocks to prefill against decode load [DYN_KV_OVERLAP_SCORE_WEIGHT]",
-    )
-    parser.add_argument(
-        "--router-temperature", type=float, default=float(env("DYN_ROUTER_TEMPERATURE", "0.0")),
-        help="kv mode: 0 picks the cheapest worker, > 0 samples by softmax [DYN_ROUTER_TEMPERATURE]",
-    )
-    parser.add_argument(
-        "--no-kv-events", action="store_true", default=env("DYN_KV_EVENTS", "1") == "0",
-        help="kv mode: predict caches from routing decisions instead of KV events [DYN_KV_EVENTS=0]",
-    )
+    add_kv_router_args(parser)
     parser.add_argument("--namespace", default=env("DYN_NAMESPACE", "dynamo"), help="[DYN_NAMESPACE]")
     parser.add_argument(
         "--request-timeout", type=float, default=float(env("DYN_REQUEST_TIMEOUT", "300")),
@@ -119,16 +109,11 @@ def _kv_router_factory(args: argparse.Namespace, runtime: DistributedRuntime, re
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(
-        level=os.environ.get("DYN_LOG", "INFO").upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    setup_logging()
     try:
         args = build_parser().parse_args(argv)
         DiscoveryConfig.from_args(args)
-        if args.kv_overlap_score_weight < 0 or args.router_temperature < 0:
-            raise errors.InvalidArgument("--kv-overlap-score-weight and --router-temperature must be >= 0")
+        check_kv_router_args(args)
     except errors.DynamoError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2
