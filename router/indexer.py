@@ -56,7 +56,6 @@ import array
 import itertools
 import logging
 import operator
-import struct
 import sys
 from bisect import bisect_right
 from collections.abc import Sequence
@@ -82,7 +81,6 @@ _PACKED_BYTES = 48
 
 _NO_EXTRA = [None]
 _h64 = xxhash.xxh3_64_intdigest
-_pack_u64 = struct.Struct("<Q").pack
 _MASK64 = (1 << 64) - 1
 _HAS_PARENT = 1 << 128
 _CHILD_SHIFT = 129
@@ -238,7 +236,7 @@ class KvIndexer:
             if eh not in e2o and self._total < self.max_blocks and eh not in st.orphan_parents:
                 # Fast path for one-block events (most of vLLM's during decode).
                 try:
-                    oh = _h64(_pack_u64(seed) + array.array("I", token_ids).tobytes())
+                    oh = _h64(array.array("I", token_ids).tobytes(), seed)
                 except (OverflowError, TypeError):
                     stats.bad_tokens += 1
                     return

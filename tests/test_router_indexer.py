@@ -391,11 +391,9 @@ def test_block_hashes_formula_and_forms() -> None:
     t = list(range(1000, 1000 + 3 * BS + 2))
     hs = block_hashes(t, BS)
     assert len(hs) == 3  # the trailing partial block is ignored
-    expect = xxhash.xxh3_64_intdigest(ROOT_SEED.to_bytes(8, "little")
-                                      + np.asarray(t[:BS], dtype="<u4").tobytes())
+    expect = xxhash.xxh3_64_intdigest(np.asarray(t[:BS], dtype="<u4").tobytes(), ROOT_SEED)
     assert hs[0] == expect
-    assert hs[1] == xxhash.xxh3_64_intdigest(hs[0].to_bytes(8, "little")
-                                             + np.asarray(t[BS:2 * BS], dtype="<u4").tobytes())
+    assert hs[1] == xxhash.xxh3_64_intdigest(np.asarray(t[BS:2 * BS], dtype="<u4").tobytes(), hs[0])
     assert block_hashes(tuple(t), BS) == hs
     assert block_hashes(np.asarray(t, dtype=np.int64), BS) == hs
     assert block_hashes(np.asarray(t, dtype=np.uint32), BS) == hs
