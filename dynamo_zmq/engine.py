@@ -10,6 +10,8 @@ Lifecycle (numbered as Dynamo's backend-common numbers it):
 4. ``await abort(ctx)``: optional; the worker calls it when a request is stopped or killed, so
    the engine frees the sequence at once. Default: nothing.
 5. ``await drain()``: optional; called after the worker stopped admitting work, before cleanup.
+   ``load()`` (optional, any time after ``start``): what each data-parallel rank holds now; the
+   worker publishes it for routers (see ``dynamo_zmq.load``).
 6. ``await cleanup()``: release everything. Idempotent, safe before ``start`` and never
    concurrent with it.
 
@@ -22,7 +24,7 @@ from __future__ import annotations
 import abc
 import argparse
 from collections.abc import AsyncIterator, Sequence
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import msgspec
 
@@ -30,6 +32,7 @@ from .context import Context
 
 __all__ = [
     "EngineConfig",
+    "EngineLoad",
     "FinishReason",
     "LLMEngine",
     "LLMEngineOutput",
@@ -152,6 +155,22 @@ class EngineConfig(msgspec.Struct, **_WIRE):
     extra: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
+_Count = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class EngineLoad(msgspec.Struct, array_like=True, gc=False):
+    """What one data-parallel rank of an engine holds now (``LLMEngine.load``). It travels in
+    the worker's load reports (``dynamo_zmq.load``): new fields go last, with defaults."""
+
+    dp_rank: _Count
+    #: KV blocks held by running requests (cached but unreferenced blocks do not count).
+    active_blocks: _Count
+    #: KV blocks of this rank in all (0: unknown).
+    total_blocks: _Count = 0
+    num_running: _Count = 0
+    num_waiting: _Count = 0
+
+
 def stop_output(usage: Usage | None = None, token_ids: Sequence[int] = ()) -> LLMEngineOutput:
     return LLMEngineOutput(list(token_ids), finish_reason=FinishReason.STOP, usage=usage)
 
@@ -197,6 +216,14 @@ class LLMEngine(abc.ABC):
 
     async def drain(self) -> None:  # noqa: B027 (optional hook)
         """Finish or hand off in-flight work; the worker admits nothing new."""
+
+    def load(self) -> list[EngineLoad] | None:
+        """Optional: what each data-parallel rank holds now, one ``EngineLoad`` per rank (an
+        empty list when nothing is known yet). The worker calls it every ``--load-interval``
+        from the event loop, so it must be cheap and must not block. None (the default) means
+        the engine does not report load: the worker publishes nothing and routers keep their
+        own prediction."""
+        return None
 
     def stats(self) -> dict[str, float]:
         """Optional live numbers for metrics and routing, e.g. ``kv_active_blocks``,

@@ -3,7 +3,7 @@
     python -m dynamo_zmq.worker --engine mocker --model-path DIR [--model-name NAME]
         [--namespace dynamo] [--component backend] [--endpoint generate]
         [--host H] [--port P] [--discovery mdns|static] [--disaggregation-mode agg|prefill|decode]
-        [--metrics-port P] [engine flags...]
+        [--metrics-port P] [--load-interval 0.1] [--load-port P] [engine flags...]
 
 Every flag has a ``DYN_*`` environment variable (``--model-path`` -> ``DYN_MODEL_PATH``).
 Engines are found by name in the ``dynamo_zmq.engines`` entry-point group, or as
@@ -45,6 +45,7 @@ from .engine import (
     PreprocessedRequest,
     StopConditions,
 )
+from .load import LoadPublisher
 from .metrics import StatusServer, WorkerMetrics
 from .model_card import CHUNK, ModelCard, build_card, read_card_file
 from .postprocess import postprocess
@@ -113,6 +114,15 @@ def build_parser(engine_cls: type[LLMEngine] | None = None, add_help: bool = Tru
         help="seconds to wait for in-flight requests on shutdown [DYN_GRACEFUL_TIMEOUT]",
     )
     parser.add_argument(
+        "--load-interval", type=float, default=float(_env("LOAD_INTERVAL", 0.1)),
+        help="publish the engine's load for KV routers every this many seconds, 0 = never "
+             "(engines without load() publish nothing) [DYN_LOAD_INTERVAL]",
+    )
+    parser.add_argument(
+        "--load-port", type=int, default=int(_env("LOAD_PORT", 0)),
+        help="port of the load PUB socket, 0 = any [DYN_LOAD_PORT]",
+    )
+    parser.add_argument(
         "--debug-streams", action="store_true", default=_env("DEBUG_STREAMS", "") == "1",
         help="validate every engine stream (one terminal, last) [DYN_DEBUG_STREAMS=1]",
     )
@@ -144,6 +154,7 @@ class Worker:
         self.tokenizer: Tokenizer | None = None
         self.metrics: WorkerMetrics | None = None
         self.status: StatusServer | None = None
+        self.load_publisher: LoadPublisher | None = None
         self.healthy = False
         self.health_detail: dict[str, Any] = {"status": "starting"}
         self._last_activity = time.monotonic()
@@ -216,6 +227,9 @@ class Worker:
             "model_card": msgspec.to_builtins(self.card),
             "engine": msgspec.to_builtins(config),
         }
+        load_endpoint = await self._start_load_publisher()
+        if load_endpoint is not None:
+            metadata["load_endpoint"] = load_endpoint
         await component.endpoint("model_files").start_serving(self._model_files)
         await component.endpoint(args.endpoint).start_serving(
             self._generate, metadata=metadata, request_type=PreprocessedRequest
@@ -223,12 +237,35 @@ class Worker:
         await self._canary()
         self._spawn(self._health_loop(), "worker-health")
 
+    async def _start_load_publisher(self) -> str | None:
+        """Bind the load PUB socket if the engine reports load; returns the endpoint to
+        advertise (None: nothing is published)."""
+        interval = self.args.load_interval
+        if not interval or interval <= 0:
+            return None
+        try:
+            if self.engine.load() is None:
+                return None
+        except Exception:
+            log.exception("engine load() failed at start: not publishing load")
+            return None
+        rc = self.runtime.config
+        self.load_publisher = LoadPublisher(
+            self.engine.load, self.runtime.instance_id, f"tcp://{rc.bind_host}:{self.args.load_port}", interval
+        )
+        await self.load_publisher.start()
+        endpoint = f"tcp://{rc.advertised_hosts()[0]}:{self.load_publisher.port}"
+        log.info("publishing load every %g s on %s", interval, endpoint)
+        return endpoint
+
     async def _close(self) -> None:
         for task in list(self._tasks):
             task.cancel()
         for task in list(self._tasks):
             with contextlib.suppress(BaseException):
                 await task
+        if self.load_publisher is not None:  # before cleanup: it reads the engine
+            await self.load_publisher.close()
         with contextlib.suppress(Exception):
             await self.engine.cleanup()
         if self.status is not None:

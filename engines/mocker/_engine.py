@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from dynamo_zmq.context import Context
 from dynamo_zmq.engine import (
     EngineConfig,
+    EngineLoad,
     LLMEngine,
     LLMEngineOutput,
     PreprocessedRequest,
@@ -200,6 +201,14 @@ class MockerEngine(LLMEngine):
     async def drain(self) -> None:
         """Wait until every rank is idle."""
         await asyncio.gather(*(r.drain() for r in self._ranks))
+
+    def load(self) -> list[EngineLoad]:
+        """Per rank: blocks held by running sequences, the rank's blocks, running and waiting
+        sequences (empty before ``start`` and after ``cleanup``)."""
+        return [
+            EngineLoad(r.rank, r.blocks.num_active, r.blocks.num_blocks, len(r.running), len(r.waiting))
+            for r in self._ranks
+        ]
 
     def stats(self) -> dict[str, float]:
         """KV blocks in use and sequences held, summed over the ranks (for worker metrics)."""

@@ -25,6 +25,7 @@ from dynamo_zmq import errors
 from dynamo_zmq.context import Context
 from dynamo_zmq.engine import (
     EngineConfig,
+    EngineLoad,
     LLMEngine,
     LLMEngineOutput,
     PreprocessedRequest,
@@ -41,7 +42,7 @@ from ._options import (
     options_from_args,
 )
 from ._sampling import sampling_params, to_output
-from ._stats import make_stat_logger
+from ._stats import RankStats, make_stat_logger
 
 __all__ = ["KV_TOPIC", "VllmEngine"]
 
@@ -68,7 +69,8 @@ class VllmEngine(LLMEngine):
         self.options = options or VllmOptions()
         self.engine_config: EngineConfig | None = None
         self._llm: Any = None
-        self._stats: dict[str, float] = {}
+        #: vLLM's last scheduler stats per engine index (data-parallel rank).
+        self._stats: dict[int, RankStats] = {}
         self._ids = itertools.count()
         #: vLLM request ids by context id (for ``abort``).
         self._live: dict[str, set[str]] = {}
@@ -230,16 +232,36 @@ class VllmEngine(LLMEngine):
             await asyncio.to_thread(llm.shutdown, self.options.shutdown_timeout)
         self._live.clear()
 
-    def stats(self) -> dict[str, float]:
-        """KV-cache use and queue lengths from vLLM's last scheduler stats."""
-        if self._llm is None or not self._stats:
-            return {}
-        out = dict(self._stats)
-        total = self.engine_config.total_kv_blocks if self.engine_config else 0
-        if total:
-            out["kv_total_blocks"] = float(total)
-            out["kv_active_blocks"] = round(out.get("kv_usage", 0.0) * total)
+    def load(self) -> list[EngineLoad]:
+        """Per data-parallel rank, from vLLM's last scheduler stats: the KV-cache usage as
+        blocks of the rank's cache, running and waiting requests. Ranks vLLM has not reported
+        yet are left out (empty before the first engine step)."""
+        cfg = self.engine_config
+        if self._llm is None or cfg is None or not cfg.total_kv_blocks:
+            return []
+        total = cfg.total_kv_blocks
+        out = []
+        for index, st in sorted(self._stats.items()):
+            rank = index - cfg.data_parallel_start_rank
+            if 0 <= rank < cfg.data_parallel_size:
+                active = min(total, max(0, round(st.kv_usage * total)))
+                out.append(EngineLoad(rank, active, total, st.num_running, st.num_waiting))
         return out
+
+    def stats(self) -> dict[str, float]:
+        """KV-cache use and queue lengths summed over the ranks (see ``load``)."""
+        ranks = self.load()
+        if not ranks:
+            return {}
+        active = sum(r.active_blocks for r in ranks)
+        total = sum(r.total_blocks for r in ranks)
+        return {
+            "kv_usage": active / total,
+            "kv_active_blocks": float(active),
+            "kv_total_blocks": float(total),
+            "num_running": float(sum(r.num_running for r in ranks)),
+            "num_waiting": float(sum(r.num_waiting for r in ranks)),
+        }
 
     # -- requests --------------------------------------------------------------------------
 

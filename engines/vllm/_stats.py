@@ -1,15 +1,27 @@
-"""A vLLM stat logger that keeps the last scheduler numbers, for ``VllmEngine.stats()``."""
+"""A vLLM stat logger that keeps the last scheduler numbers of each engine (data-parallel rank),
+for ``VllmEngine.stats()`` and ``VllmEngine.load()``."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["make_stat_logger"]
+__all__ = ["RankStats", "make_stat_logger"]
 
 
-def make_stat_logger(sink: dict[str, float]) -> Any:
-    """A vLLM ``StatLoggerFactory`` whose loggers write ``kv_usage``, ``num_running`` and
-    ``num_waiting`` into ``sink`` at every engine step that reports scheduler stats."""
+@dataclass(frozen=True)
+class RankStats:
+    """One engine's last ``SchedulerStats``."""
+
+    #: Fraction of the KV cache held by running requests (vLLM's ``kv_cache_usage``).
+    kv_usage: float
+    num_running: int
+    num_waiting: int
+
+
+def make_stat_logger(sink: dict[int, RankStats]) -> Any:
+    """A vLLM ``StatLoggerFactory``; its loggers write ``sink[engine index]`` at every engine
+    step that reports scheduler stats. vLLM makes one logger per engine (data-parallel rank)."""
     from vllm.v1.metrics.loggers import StatLoggerBase
 
     class _LastStats(StatLoggerBase):
@@ -17,12 +29,15 @@ def make_stat_logger(sink: dict[str, float]) -> Any:
             self.engine_index = engine_index
 
         def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
-                   engine_idx: int = 0) -> None:
+                   engine_idx: int | None = None) -> None:
             if scheduler_stats is None:
                 return
-            sink["kv_usage"] = float(scheduler_stats.kv_cache_usage)
-            sink["num_running"] = float(scheduler_stats.num_running_reqs)
-            sink["num_waiting"] = float(scheduler_stats.num_waiting_reqs)
+            index = self.engine_index if engine_idx is None else engine_idx
+            sink[int(index)] = RankStats(
+                float(scheduler_stats.kv_cache_usage),
+                int(scheduler_stats.num_running_reqs),
+                int(scheduler_stats.num_waiting_reqs),
+            )
 
         def log_engine_initialized(self) -> None:
             pass
