@@ -201,6 +201,26 @@ async def test_closing_the_stream_aborts_in_vllm(engine):
     assert engine.llm.get_num_unfinished_requests() == 0
 
 
+async def test_load_is_what_vllms_scheduler_reports(engine):
+    """load(): rank 0's KV-cache usage as blocks of its cache and its queues, from vLLM's
+    scheduler stats (recorded at every engine step, so each token brings a fresh one)."""
+    total = engine.engine_config.total_kv_blocks
+    req = PreprocessedRequest(token_ids=list(range(1, 100)), stop=StopConditions(max_tokens=400, ignore_eos=True))
+    stream = engine.generate(req, Context())
+    seen = []
+    try:
+        async for _chunk in stream:
+            seen = engine.load()
+            if seen and seen[0].num_running == 1 and seen[0].active_blocks >= 1:
+                break
+    finally:
+        await stream.aclose()
+    (rank,) = seen
+    assert rank.dp_rank == 0 and rank.total_blocks == total and 1 <= rank.active_blocks <= total
+    assert rank.num_running == 1 and rank.num_waiting == 0
+    assert engine.stats()["kv_total_blocks"] == total
+
+
 async def test_dp_rank_hints(engine):
     ok = msgspec.structs.replace(greedy([1, 2], 2, ignore_eos=True), routing=RoutingHints(dp_rank=0))
     assert (await collect(engine.generate(ok, Context())))[-1].finish_reason == "length"
