@@ -15,9 +15,12 @@ Load model (``LoadTracker``): a request counts from the moment it is routed, bef
 can confirm it: its prompt blocks (by block hash, so requests sharing a prefix on one rank count
 the shared blocks once, as the engine's prefix cache does) plus its expected output blocks. It
 stops counting when its stream ends, whatever the way (terminal, error, close, garbage
-collection). Workers do not publish their own load on the wire yet; ``LoadTracker.report`` is the
-hook for it: a fresh report replaces the prediction of everything routed before it, and requests
-routed since are added on top.
+collection). Workers publish what their engines hold (``dynamo_zmq.load``), and the router
+passes it to ``LoadTracker.report``: a fresh report replaces the prediction of the requests routed
+before it, and requests routed since are added on top. Requests routed within ``report_grace``
+seconds before a report also stay on top: the engine may not have held them yet when it measured
+(they were on the wire, queued, or measured a publish interval ago), and counting one twice
+briefly is safer than forgetting it.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -44,6 +47,8 @@ Candidate = tuple[int, int]
 
 #: Seconds a worker's load report stays authoritative.
 REPORT_TTL = 5.0
+#: Seconds before a report in which routed requests stay counted on top of it (0: none).
+REPORT_GRACE = 0.0
 
 
 def cost(overlap_weight: float, prompt_blocks: int, overlap_blocks: int, load: float) -> float:
@@ -154,20 +159,24 @@ class Scheduler:
 class Route:
     """One routed request's share of a candidate's load (see ``LoadTracker.add``)."""
 
-    __slots__ = ("_state", "candidate", "epoch", "extra", "hashes", "released", "size")
+    __slots__ = ("_state", "candidate", "epoch", "extra", "hashes", "released", "routed_at", "size")
 
-    def __init__(self, candidate: Candidate, hashes: tuple[int, ...], extra: int, state: _Load) -> None:
+    def __init__(
+        self, candidate: Candidate, hashes: tuple[int, ...], extra: int, state: _Load, routed_at: float
+    ) -> None:
         self.candidate = candidate
         self.hashes = hashes
         self.extra = extra
         self._state = state
+        #: The report epoch the route counts in ``since_report`` for (see ``LoadTracker.report``).
         self.epoch = state.epoch
         self.size = len(hashes) + extra
         self.released = False
+        self.routed_at = routed_at
 
 
 class _Load:
-    __slots__ = ("blocks", "epoch", "extra", "reported", "reported_at", "since_report")
+    __slots__ = ("blocks", "epoch", "extra", "recent", "reported", "reported_at", "since_report")
 
     def __init__(self) -> None:
         self.blocks: Counter[int] = Counter()  # prompt block hash -> active requests holding it
@@ -176,6 +185,7 @@ class _Load:
         self.reported = 0.0
         self.reported_at = -math.inf
         self.since_report = 0  # blocks of requests routed after the last report, still active
+        self.recent: deque[Route] = deque()  # routes of the last grace period, oldest first
 
 
 class LoadTracker:
@@ -183,12 +193,20 @@ class LoadTracker:
 
     Args:
         report_ttl: seconds a ``report`` stays authoritative.
+        report_grace: requests routed less than this many seconds before a report stay counted
+            on top of it (the module docstring says why).
         clock: monotonic time source.
     """
 
-    def __init__(self, report_ttl: float = REPORT_TTL, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        report_ttl: float = REPORT_TTL,
+        clock: Callable[[], float] = time.monotonic,
+        report_grace: float = REPORT_GRACE,
+    ) -> None:
         self._loads: dict[Candidate, _Load] = {}
         self._report_ttl = report_ttl
+        self._report_grace = report_grace
         self._clock = clock
 
     def add(self, candidate: Candidate, block_hashes: Iterable[int], extra_blocks: int = 0) -> Route:
@@ -200,8 +218,12 @@ class LoadTracker:
         hashes = tuple(block_hashes)
         state.blocks.update(hashes)
         state.extra += extra_blocks
-        route = Route(candidate, hashes, extra_blocks, state)
+        now = self._clock()
+        route = Route(candidate, hashes, extra_blocks, state, now)
         state.since_report += route.size
+        if self._report_grace > 0:
+            self._forget_old(state, now)
+            state.recent.append(route)
         return route
 
     def release(self, route: Route) -> None:
@@ -233,15 +255,27 @@ class LoadTracker:
         return float(len(state.blocks) + state.extra)
 
     def report(self, candidate: Candidate, active_blocks: float) -> None:
-        """What the worker says it holds now (the hook for published engine stats): replaces
-        the prediction of every request routed before, for ``report_ttl`` seconds."""
+        """What the worker says it holds now (its published load): replaces the prediction of
+        the requests routed before, except those of the last ``report_grace`` seconds, for
+        ``report_ttl`` seconds."""
         state = self._loads.get(candidate)
         if state is None:
             state = self._loads[candidate] = _Load()
+        now = self._clock()
         state.reported = float(active_blocks)
-        state.reported_at = self._clock()
+        state.reported_at = now
         state.epoch += 1
         state.since_report = 0
+        self._forget_old(state, now)
+        for route in state.recent:  # still on top: they move to the new epoch
+            if not route.released:
+                route.epoch = state.epoch
+                state.since_report += route.size
+
+    def _forget_old(self, state: _Load, now: float) -> None:
+        recent, horizon = state.recent, now - self._report_grace
+        while recent and (recent[0].routed_at < horizon or recent[0].released):
+            recent.popleft()
 
     def prompt_blocks(self, candidate: Candidate) -> int:
         """Distinct prompt blocks counted for ``candidate`` (for tests)."""

@@ -143,6 +143,31 @@ def test_a_worker_report_replaces_the_prediction_until_it_goes_stale():
     assert t.load(A) == 0
 
 
+def test_requests_routed_within_the_grace_before_a_report_stay_on_top_of_it():
+    clock = Clock()
+    t = LoadTracker(report_ttl=5.0, clock=clock, report_grace=0.3)
+    old = t.add(A, [1, 2, 3])
+    clock.now += 1.0
+    recent = t.add(A, [4, 5])  # maybe not yet on the engine when it measured
+    clock.now += 0.1
+    t.report(A, 10)
+    assert t.load(A) == 12
+    clock.now += 0.1
+    t.report(A, 11)  # still within the grace: still on top
+    assert t.load(A) == 13
+    clock.now += 0.2
+    t.report(A, 12)  # older than the grace: inside the report now
+    assert t.load(A) == 12
+    t.release(recent)
+    t.release(old)
+    assert t.load(A) == 12
+    clock.now += 0.1
+    late = t.add(A, [6])
+    t.release(late)  # released before the next report: never counted again
+    t.report(A, 4)
+    assert t.load(A) == 4
+
+
 # -- the approximate index ----------------------------------------------------------------------
 
 
@@ -185,11 +210,13 @@ def _request(tokens: list[int], max_tokens: int) -> PreprocessedRequest:
 
 @pytest.fixture
 async def slow_worker(namespace, spawn, make_runtime, tiny_model):
-    """A mocker worker with two data-parallel ranks at real speed, and a KvRouter for it."""
+    """A mocker worker with two data-parallel ranks at real speed, and a KvRouter for it. The
+    worker publishes no load, so the router's load is its own prediction alone (published load
+    is tested in test_router_load.py)."""
     proc = spawn("-m", "dynamo_zmq.worker", "--engine", "mocker", "--model-path", str(tiny_model),
                  "--model-name", "tiny", "--namespace", namespace, "--host", "127.0.0.1",
                  "--discovery", "static", "--block-size", "16", "--data-parallel-size", "2",
-                 "--speedup-ratio", "1")
+                 "--speedup-ratio", "1", "--load-interval", "0")
     rt = make_runtime(static=(proc.address,))
     client = await rt.endpoint(f"{namespace}.backend.generate").client()
     await client.wait_for_instances(timeout=15)
