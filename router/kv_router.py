@@ -8,8 +8,9 @@ sends the request with ``client.direct``. The returned stream releases the reque
 it ends, however it ends.
 
 The router follows the client's live instances: a new instance that publishes KV events gets a
-``KvEventSubscriber``; an instance that leaves (discovery or liveness) has its subscriber
-closed and its index state and load dropped. Without KV events (``use_kv_events=False``) the
+``KvEventSubscriber``, and one that publishes its load (``load_endpoint`` in its metadata) a
+``LoadSubscriber`` whose reports correct the predicted load (``report_load``); an instance that
+leaves (discovery or liveness) has its subscribers closed and its index state and load dropped. Without KV events (``use_kv_events=False``) the
 index is an ``ApproxIndexer`` fed by the router's own decisions.
 
 ``KvRouterFactory`` builds started routers for a frontend's ``ModelManager``; several frontends
@@ -33,12 +34,13 @@ import zmq
 from dynamo_zmq import errors
 from dynamo_zmq._client import MAX_ATTEMPTS, Client
 from dynamo_zmq.context import Context
-from dynamo_zmq.engine import PreprocessedRequest
+from dynamo_zmq.engine import EngineLoad, PreprocessedRequest
 from dynamo_zmq.transport import PeerConnection, Response, ResponseStream
 
 from .approx import DEFAULT_TTL, ApproxIndexer
 from .hashing import block_hashes
 from .indexer import KvIndexer
+from .load import LoadSubscriber
 from .metrics import RouterMetrics
 from .scheduler import Candidate, LoadTracker, Route, Scheduler, Selection
 from .subscriber import KvEventSubscriber
@@ -67,6 +69,10 @@ class KvRouterConfig:
     max_expected_output_tokens: int = 256
     #: Seconds a KV-event replay may take before the worker's state is dropped instead.
     replay_timeout: float = 3.0
+    #: Requests routed less than this many seconds before a worker's load report stay counted
+    #: on top of it (the engine may not have held them yet when it measured; a few of the
+    #: workers' 0.1 s publish intervals).
+    load_report_grace: float = 0.3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,13 +101,17 @@ class Decision:
 class _Worker:
     """What the router knows of one live instance."""
 
-    __slots__ = ("dp_size", "events_endpoint", "replay_endpoint", "subscriber")
+    __slots__ = (
+        "dp_size", "events_endpoint", "load_endpoint", "load_subscriber", "replay_endpoint", "subscriber",
+    )
 
-    def __init__(self, dp_size: int, events: str | None, replay: str | None) -> None:
+    def __init__(self, dp_size: int, events: str | None, replay: str | None, load: str | None) -> None:
         self.dp_size = dp_size
         self.events_endpoint = events
         self.replay_endpoint = replay
+        self.load_endpoint = load
         self.subscriber: KvEventSubscriber | None = None
+        self.load_subscriber: LoadSubscriber | None = None
 
 
 class KvRouter:
@@ -139,7 +149,7 @@ class KvRouter:
         self.model = model
         self.metrics = metrics or RouterMetrics()
         self.scheduler = scheduler or Scheduler(cfg.overlap_score_weight, cfg.router_temperature)
-        self.loads = LoadTracker()
+        self.loads = LoadTracker(report_grace=cfg.load_report_grace)
         self.indexer: Any = (
             KvIndexer(block_size) if cfg.use_kv_events else ApproxIndexer(block_size, cfg.approx_ttl)
         )
@@ -197,9 +207,10 @@ class KvRouter:
         return decision
 
     def report_load(self, worker_id: int, dp_rank: int, active_blocks: float) -> None:
-        """What a worker says one of its ranks holds now: replaces the router's prediction for
-        a few seconds (``LoadTracker.report``). The hook for engine stats, once they are
-        published; until then the load is the router's own prediction."""
+        """What a worker says one of its ranks holds now: replaces the router's prediction of
+        the requests routed before it, for a few seconds (``LoadTracker.report``). The worker's
+        ``LoadSubscriber`` calls it for every published report; a worker that publishes none
+        is loaded by the router's own prediction alone."""
         self.loads.report((worker_id, dp_rank), active_blocks)
 
     # -- deciding --------------------------------------------------------------------------
@@ -291,15 +302,24 @@ class KvRouter:
             worker = self._workers.get(iid)
             if worker is None:
                 self._add(conn)
-            elif worker.subscriber is not None and not worker.subscriber.running:
-                log.warning("KV event subscriber of %x stopped; restarting it", iid)
-                await worker.subscriber.close()
-                self._subscribe(iid, worker)
+            else:
+                if worker.subscriber is not None and not worker.subscriber.running:
+                    log.warning("KV event subscriber of %x stopped; restarting it", iid)
+                    await worker.subscriber.close()
+                    self._subscribe(iid, worker)
+                if worker.load_subscriber is not None and not worker.load_subscriber.running:
+                    log.warning("load subscriber of %x stopped; restarting it", iid)
+                    await worker.load_subscriber.close()
+                    self._subscribe_load(iid, worker)
         self._update_gauges()
 
     def subscriber(self, worker_id: int) -> KvEventSubscriber | None:
         worker = self._workers.get(worker_id)
         return worker.subscriber if worker is not None else None
+
+    def load_subscriber(self, worker_id: int) -> LoadSubscriber | None:
+        worker = self._workers.get(worker_id)
+        return worker.load_subscriber if worker is not None else None
 
     def followed(self) -> list[int]:
         """Instance ids the router follows now."""
@@ -310,12 +330,17 @@ class KvRouter:
         if block_size and block_size != self.block_size:
             log.warning("instance %x uses KV block size %d, the router %d: its events won't match",
                         conn.instance_id, block_size, self.block_size)
-        worker = self._workers[conn.instance_id] = _Worker(dp_size, events, replay)
+        load = _load_endpoint(conn, self.path)
+        worker = self._workers[conn.instance_id] = _Worker(dp_size, events, replay, load)
         if self.config.use_kv_events:
             if events:
                 self._subscribe(conn.instance_id, worker)
             else:
                 log.info("instance %x publishes no KV events: routed on load only", conn.instance_id)
+        if load:
+            self._subscribe_load(conn.instance_id, worker)
+        else:
+            log.info("instance %x publishes no load: its load is the router's prediction", conn.instance_id)
         log.info("router follows instance %x (%d rank%s)", conn.instance_id, dp_size, "s"[: dp_size > 1])
 
     def _subscribe(self, iid: int, worker: _Worker) -> None:
@@ -328,11 +353,31 @@ class KvRouter:
         sub.start()
         worker.subscriber = sub
 
+    def _subscribe_load(self, iid: int, worker: _Worker) -> None:
+        assert worker.load_endpoint is not None
+        sub = LoadSubscriber(
+            self._zctx, iid, worker.load_endpoint, self._on_load, dp_size=worker.dp_size,
+            metrics=self.metrics, model=self.model,
+        )
+        sub.start()
+        worker.load_subscriber = sub
+
+    def _on_load(self, worker_id: int, ranks: list[EngineLoad]) -> None:
+        if worker_id not in self._workers:  # left while the report was on its way
+            return
+        gauge = self.metrics.reported_blocks
+        for rank in ranks:
+            self.report_load(worker_id, rank.dp_rank, rank.active_blocks)
+            gauge.labels(self.model, f"{worker_id:x}", str(rank.dp_rank)).set(rank.active_blocks)
+
     async def _remove(self, iid: int) -> None:
         worker = self._workers.pop(iid)
-        # State first (no await before it): once an instance is not followed, it is not indexed.
+        # State first (no await before it): once an instance is not followed, it is not indexed
+        # and reports no load.
         self.indexer.remove_worker(iid)
         self.loads.remove_worker(iid)
+        if worker.load_subscriber is not None:
+            await worker.load_subscriber.close()
         if worker.subscriber is not None:
             await worker.subscriber.close(drop_state=True)
         self.metrics.forget_worker(self.model, f"{iid:x}", worker.dp_size)
@@ -516,6 +561,17 @@ def _engine_info(conn: PeerConnection, path: str) -> tuple[int, str | None, str 
     events = engine.get("kv_events_endpoint") or None
     replay = engine.get("kv_replay_endpoint") or None
     return dp_size, events, replay, block_size
+
+
+def _load_endpoint(conn: PeerConnection, path: str) -> str | None:
+    """The ``load_endpoint`` a worker advertises with its endpoint ``path``, if any."""
+    desc = conn.description
+    if desc is not None:
+        for ep in desc.endpoints:
+            if ep.path == path:
+                endpoint = ep.metadata.get("load_endpoint")
+                return endpoint if isinstance(endpoint, str) and endpoint else None
+    return None
 
 
 class KvRouterFactory:

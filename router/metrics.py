@@ -65,6 +65,13 @@ class RouterMetrics:
             "dynamo_router_kv_state_drops", "Worker index states dropped (unrecoverable gap)", m,
             registry=r,
         )
+        self.load_reports = Counter(
+            "dynamo_router_load_reports", "Worker load reports applied", m, registry=r
+        )
+        self.load_decode_errors = Counter(
+            "dynamo_router_load_decode_errors", "Worker load messages rejected as malformed", m,
+            registry=r,
+        )
         self.index_blocks = Gauge(
             "dynamo_router_kv_index_blocks", "Blocks indexed per worker and data-parallel rank",
             [*m, "worker", "dp_rank"], registry=r,
@@ -73,10 +80,15 @@ class RouterMetrics:
             "dynamo_router_predicted_active_blocks", "Predicted active blocks per worker and rank",
             [*m, "worker", "dp_rank"], registry=r,
         )
+        self.reported_blocks = Gauge(
+            "dynamo_router_reported_active_blocks",
+            "Active blocks per worker and rank in the worker's last load report",
+            [*m, "worker", "dp_rank"], registry=r,
+        )
 
     def forget_worker(self, model: str, worker: str, ranks: int) -> None:
         """Drop the per-worker series of a worker that left."""
-        for gauge in (self.index_blocks, self.active_blocks):
+        for gauge in (self.index_blocks, self.active_blocks, self.reported_blocks):
             for rank in range(ranks):
                 try:
                     gauge.remove(model, worker, str(rank))
