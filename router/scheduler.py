@@ -189,7 +189,7 @@ class _Load:
 
 
 class LoadTracker:
-    """Predicted active KV blocks per candidate, from routing decisions (and reports, later).
+    """Predicted active KV blocks per candidate: routing decisions, corrected by workers' reports.
 
     Args:
         report_ttl: seconds a ``report`` stays authoritative.
