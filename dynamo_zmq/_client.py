@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 import random
 from collections.abc import Callable
 from typing import Any
@@ -13,16 +12,12 @@ import msgspec
 
 from . import errors
 from ._peers import PeerPool
+from ._retry import RetryingStream
 from .context import Context
 from .transport import PeerConnection, ResponseStream
 from .wire import encode_item
 
 __all__ = ["Client", "RouterMode"]
-
-log = logging.getLogger(__name__)
-
-#: Instances a request is tried on when each fails retryably before its first response.
-MAX_ATTEMPTS = 3
 
 
 class RouterMode:
@@ -131,7 +126,7 @@ class Client:
         stream = await self._open(payload, pick, context, exclude=set(), **options)
         if not failover:
             return stream
-        return FailoverStream(self, stream, payload, pick, context, options)
+        return FailoverStream(self, stream, payload, pick, options)
 
     async def _open(
         self,
@@ -164,7 +159,7 @@ class Client:
         raise last
 
 
-class FailoverStream:
+class FailoverStream(RetryingStream):
     """A response stream that moves to another instance if the first fails before responding."""
 
     def __init__(
@@ -173,64 +168,18 @@ class FailoverStream:
         stream: ResponseStream,
         payload: msgspec.Raw,
         pick: Picker,
-        context: Context | None,
         options: dict[str, Any],
     ) -> None:
+        super().__init__(stream)
         self._client = client
-        self._stream = stream
         self._payload = payload
         self._pick = pick
-        self._context = context
         self._options = options
-        self._started = False
-        self._tried = {stream.instance_id}
 
-    @property
-    def context(self) -> Context:
-        return self._stream.context
-
-    @property
-    def instance_id(self) -> int:
-        """The instance now serving the request."""
-        return self._stream.instance_id
-
-    def __aiter__(self) -> FailoverStream:
-        return self
-
-    async def __anext__(self) -> Any:
-        while True:
-            try:
-                item = await self._stream.__anext__()
-            except errors.DynamoError as exc:
-                if not self._may_retry(exc):
-                    raise
-                log.info("request failed on instance %x before responding (%r): retrying", self.instance_id, exc)
-                try:
-                    self._stream = await self._client._open(
-                        self._payload, self._pick, self._stream.context, self._tried, **self._options
-                    )
-                except errors.CannotConnect:
-                    raise exc from None
-                self._tried.add(self._stream.instance_id)
-                continue
-            self._started = True
-            return item
-
-    def next_nowait(self) -> Any:
-        """The next item if it has already arrived, else ``ResponseStream.EMPTY``."""
-        item = self._stream.next_nowait()
-        if item is not ResponseStream.EMPTY:
-            self._started = True
-        return item
-
-    def _may_retry(self, exc: errors.DynamoError) -> bool:
-        ctx = self._stream.context
-        return (
-            exc.retryable
-            and not self._started
-            and len(self._tried) < MAX_ATTEMPTS
-            and not ctx.is_stopped()
-        )
-
-    async def aclose(self) -> None:
-        await self._stream.aclose()
+    async def _reopen(self) -> ResponseStream | None:
+        try:
+            return await self._client._open(
+                self._payload, self._pick, self._stream.context, self._tried, **self._options
+            )
+        except errors.CannotConnect:
+            return None

@@ -32,7 +32,8 @@ import msgspec
 import zmq
 
 from dynamo_zmq import errors
-from dynamo_zmq._client import MAX_ATTEMPTS, Client
+from dynamo_zmq._client import Client
+from dynamo_zmq._retry import MAX_ATTEMPTS, RetryingStream
 from dynamo_zmq.context import Context
 from dynamo_zmq.engine import EngineLoad, PreprocessedRequest
 from dynamo_zmq.transport import PeerConnection, Response, ResponseStream
@@ -195,7 +196,7 @@ class KvRouter:
                 if len(exclude) >= MAX_ATTEMPTS:
                     raise
                 continue
-            return RoutedStream(self, request, hashes, stream, decision, route, exclude, context, kwargs)
+            return RoutedStream(self, request, hashes, stream, decision, route, exclude, kwargs)
 
     def best_worker(self, token_ids: Sequence[int], exclude: set[int] | frozenset[int] = frozenset()) -> Decision:
         """Where ``token_ids`` would go now, without sending or counting anything.
@@ -406,7 +407,7 @@ class KvRouter:
                 await asyncio.sleep(FOLLOW_INTERVAL)
 
 
-class RoutedStream:
+class RoutedStream(RetryingStream):
     """The response stream of a routed request: ``Client.generate``'s contract, plus the load
     bookkeeping (released at the terminal item, an error, ``aclose`` or garbage collection)
     and re-routing if the worker fails retryably before its first response."""
@@ -420,29 +421,16 @@ class RoutedStream:
         decision: Decision,
         route: Route,
         tried: set[int],
-        context: Context | None,
         options: dict[str, Any],
     ) -> None:
+        super().__init__(stream, tried | {decision.worker_id})
         self._router = router
         self._request = request
         self._hashes = hashes
-        self._stream = stream
         self.decision = decision
-        self._route = route
-        self._tried = tried | {decision.worker_id}
-        self._context = context
         self._options = options
-        self._started = False
         # Releases the load even if the stream is dropped unread (and never iterated again).
         self._finalizer = weakref.finalize(self, router.loads.release, route)
-
-    @property
-    def context(self) -> Context:
-        return self._stream.context
-
-    @property
-    def instance_id(self) -> int:
-        return self._stream.instance_id
 
     @property
     def dp_rank(self) -> int:
@@ -453,75 +441,29 @@ class RoutedStream:
         """``<instance hex>/<dp rank>``: the frontend's ``x-dynamo-worker`` header."""
         return f"{self.decision.worker_id:x}/{self.decision.dp_rank}".encode()
 
-    def __aiter__(self) -> RoutedStream:
-        return self
+    def _on_item(self, item: Any) -> None:
+        if _is_terminal(item):
+            self._finalizer()
 
-    async def __anext__(self) -> Any:
-        while True:
-            try:
-                item = await self._stream.__anext__()
-            except StopAsyncIteration:
-                self._release()
-                raise
-            except errors.DynamoError as exc:
-                self._release()
-                if not self._may_retry(exc):
-                    raise
-                log.info("request failed on %x before responding (%r): routing again", self.instance_id, exc)
-                if not await self._reroute():
-                    raise
-                continue
-            except BaseException:
-                self._release()
-                raise
-            self._started = True
-            if _is_terminal(item):
-                self._release()
-            return item
-
-    def next_nowait(self) -> Any:
-        """The next item if it has already arrived, else ``ResponseStream.EMPTY``."""
-        item = self._stream.next_nowait()
-        if item is not ResponseStream.EMPTY:
-            self._started = True
-            if _is_terminal(item):
-                self._release()
-        return item
-
-    async def aclose(self) -> None:
-        self._release()
-        await self._stream.aclose()
-
-    def _release(self) -> None:
+    def _on_end(self) -> None:
         self._finalizer()
 
-    def _may_retry(self, exc: errors.DynamoError) -> bool:
-        return (
-            exc.retryable
-            and not self._started
-            and len(self._tried) < MAX_ATTEMPTS
-            and not self._stream.context.is_stopped()
-        )
-
-    async def _reroute(self) -> bool:
+    async def _reopen(self) -> ResponseStream | None:
         router = self._router
         try:
             decision, route = router._route(self._request, self._hashes, self._tried)
         except errors.CannotConnect:
-            return False
+            return None
         try:
             stream = await router.client.direct(
                 self._request, decision.worker_id, context=self._stream.context, **self._options
             )
         except errors.CannotConnect:
             router.loads.release(route)
-            return False
-        self._stream = stream
+            return None
         self.decision = decision
-        self._route = route
-        self._tried.add(decision.worker_id)
         self._finalizer = weakref.finalize(self, router.loads.release, route)
-        return True
+        return stream
 
 
 class _Finish(msgspec.Struct, gc=False):
