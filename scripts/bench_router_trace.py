@@ -55,7 +55,7 @@ MODES = {
     "approx": ["--router-mode", "kv", "--no-kv-events"],
 }
 
-# -- capture cached_tokens from the usage chunk (if the frontend ever sends it) ----------------
+# -- capture cached_tokens from the usage chunk (the engine's prefix-cache hits) -------------
 
 _cached: contextvars.ContextVar[dict | None] = contextvars.ContextVar("cached", default=None)
 _orig_read_chunk = be._read_chunk
@@ -429,8 +429,9 @@ def main() -> int:
     cfg = {k: v for k, v in vars(args).items() if k not in ("json", "plot")}
     print()
     print(table(res, bound))
-    print("\n`~` = KV router's matched/prompt blocks at decision time (the frontend does not send "
-          "cached_tokens); n/a = no measure for this mode.")
+    print("\nhit rate: the engines' cached_tokens / prompt tokens (full blocks); `~` = the KV "
+          "router's matched/prompt blocks at decision time, where no cached_tokens came back; "
+          "n/a = no measure for this mode.")
     if args.json:
         Path(args.json).write_text(json.dumps({"config": cfg, "bound": bound, "results": res}, indent=2))
     if args.plot and res:
