@@ -6,6 +6,7 @@ import asyncio
 import collections
 import contextlib
 import signal
+import time
 
 import pytest
 
@@ -137,6 +138,21 @@ async def test_round_robin_is_even_and_direct_is_exact(namespace, spawn, make_ru
 
     with pytest.raises(errors.CannotConnect):
         await client.direct({"n": 1}, 12345)
+
+
+async def test_a_stall_of_this_process_does_not_drop_a_live_instance(namespace, spawn, make_runtime):
+    """Our own event loop blocked past the liveness timeout (GC, CPU starvation): the instance
+    kept sending meanwhile, so the liveness check, even when it runs before the receive loop,
+    reads what arrived and keeps the instance routable."""
+    server = spawn(*app_args(namespace, "--discovery", "static"))
+    client = await make_runtime(static=(server.address,)).endpoint(f"{namespace}.backend.count").client()
+    assert await client.wait_for_instances(timeout=15) == [server.instance_id]
+    (conn,) = client.instances()
+    stream = await client.generate({"n": 3, "delay": 0.3})  # items arrive during the stall
+    time.sleep(2 * conn._liveness_timeout)  # noqa: ASYNC251 - the stall under test
+    conn._check_silence()  # the liveness timer, as if it ran first after the stall
+    assert conn.routable and client.instance_ids() == [server.instance_id]
+    assert len([item async for item in stream]) == 3
 
 
 async def test_a_frozen_instance_is_dropped_and_returns_when_it_thaws(namespace, spawn, make_runtime):

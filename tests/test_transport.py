@@ -160,3 +160,47 @@ async def test_concurrent_streams_to_one_client_share_messages(make_runtime):
     await ticking
     assert results == [list(range(20))] * 32
     assert conn.frames_received - frames_before < 32 * 20 // 4
+
+
+async def test_a_stall_of_the_server_does_not_reap_a_client_that_kept_pinging(make_runtime):
+    """The server's loop blocked past CLIENT_TIMEOUT while a client kept sending: the reaper,
+    even when it runs before the receive loop, reads what arrived and keeps the client."""
+    import threading
+    import time
+
+    from dynamo_zmq.transport.server import CLIENT_TIMEOUT
+    from dynamo_zmq.wire import Ping
+
+    rt = make_runtime(static=())
+
+    async def echo(request):
+        yield request
+
+    await rt.endpoint("ns.c.echo").start_serving(echo)
+    server = rt._server
+    zctx = zmq.Context()
+    sock = zctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(rt.address)
+    stop = threading.Event()
+
+    def pinger() -> None:  # a live client: pings on its own thread, whatever our loop does
+        nonce = 0
+        while not stop.is_set():
+            nonce += 1
+            sock.send_multipart([Kind.PING, encode(Ping(nonce))])
+            stop.wait(0.2)
+
+    thread = threading.Thread(target=pinger, daemon=True)
+    thread.start()
+    try:
+        await asyncio.sleep(0.5)
+        (identity,) = server._last_seen
+        time.sleep(CLIENT_TIMEOUT * 1.5)  # noqa: ASYNC251 - the stall under test
+        server._reap()  # the reaper, as if it ran first after the stall
+        assert identity in server._last_seen
+    finally:
+        stop.set()
+        thread.join()
+        sock.close()
+        zctx.term()

@@ -537,9 +537,18 @@ class PeerConnection:
             if not self._connected:
                 continue
             self._send_control(Kind.PING, Ping(next(self._nonce)))
-            silent = time.monotonic() - self._last_rx
-            if self.state is PeerState.READY and silent > self._liveness_timeout:
-                self._mark_down(f"silent for {silent:.1f}s")
+            self._check_silence()
+
+    def _check_silence(self) -> None:
+        """Mark the peer down if nothing came from it for the liveness timeout."""
+        if self.state is not PeerState.READY or time.monotonic() - self._last_rx <= self._liveness_timeout:
+            return
+        # After a stall of this process (GC, a busy loop, CPU starvation) this can run before
+        # the receive loop has read what arrived meanwhile: that proves the peer alive.
+        self._drain_pending()
+        silent = time.monotonic() - self._last_rx
+        if silent > self._liveness_timeout:
+            self._mark_down(f"silent for {silent:.1f}s")
 
     def _changed(self) -> None:
         if self._on_change is not None:

@@ -202,12 +202,18 @@ class Server:
         sock = self._sock
         assert sock is not None
         while not sock.closed:
-            while (frames := sock.recv_nowait()) is not None:
-                try:
-                    self._dispatch(frames)
-                except Exception:  # a bug, not bad input: log it and keep serving
-                    log.exception("error dispatching frame")
+            self._drain_pending()
             await sock.wait_readable()
+
+    def _drain_pending(self) -> None:
+        sock = self._sock
+        if sock is None or sock.closed:
+            return
+        while (frames := sock.recv_nowait()) is not None:
+            try:
+                self._dispatch(frames)
+            except Exception:  # a bug, not bad input: log it and keep serving
+                log.exception("error dispatching frame")
 
     def _dispatch(self, frames: list[bytes]) -> None:
         identity = frames[0]
@@ -444,10 +450,17 @@ class Server:
     async def _reap_loop(self) -> None:
         while True:
             await asyncio.sleep(CLIENT_TIMEOUT / 3)
-            cutoff = time.monotonic() - CLIENT_TIMEOUT
-            for identity, seen in list(self._last_seen.items()):
-                if seen < cutoff:
-                    self._client_gone(identity)
+            self._reap()
+
+    def _reap(self) -> None:
+        """Forget clients silent for ``CLIENT_TIMEOUT`` (their streams are killed)."""
+        # After a stall of this process the reaper can run before the receive loop: read what
+        # already arrived first, so a client is never reaped for our own silence.
+        self._drain_pending()
+        cutoff = time.monotonic() - CLIENT_TIMEOUT
+        for identity, seen in list(self._last_seen.items()):
+            if seen < cutoff:
+                self._client_gone(identity)
 
 
 def _on_kill(st: _Stream) -> None:
