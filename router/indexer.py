@@ -252,7 +252,7 @@ class KvIndexer:
                 if m & bit:
                     st.shared[oh] = st.shared.get(oh, 0) + 1
                 else:
-                    masks[oh] = m | bit
+                    masks[oh] = m | bit if m else bit
                 return
         try:
             if extra_keys is not None and any(k is not None for k in extra_keys):
@@ -289,7 +289,10 @@ class KvIndexer:
             return
         if parent_engine_hash is not None:
             e2o[parent_engine_hash] += _CHILD
-        masks.update(zip(owns, map(_or, held, itertools.repeat(bit, n)), strict=True))
+        if any(held):
+            masks.update(zip(owns, map(_or, held, itertools.repeat(bit, n)), strict=True))
+        else:  # blocks new to the index (the common case) share the key's bit object
+            masks.update(zip(owns, itertools.repeat(bit, n), strict=True))
         self._total += n
         stats.stored_blocks += n
 
@@ -332,7 +335,7 @@ class KvIndexer:
             if m & bit:
                 st.shared[oh] = st.shared.get(oh, 0) + 1
             else:
-                masks[oh] = m | bit
+                masks[oh] = m | bit if m else bit
         self._total += added
         stats.stored_blocks += added
 
@@ -541,9 +544,10 @@ class KvIndexer:
             return 0.0
         masks = self._masks
         size = sys.getsizeof(masks) + len(masks) * _INT_BYTES
-        sample = list(itertools.islice(masks.values(), 10_000))
+        sample = list(itertools.islice(masks.values(), 0, None, max(1, len(masks) // 10_000)))
         if sample:
-            wide = sum(1 for m in sample if m > 256) / len(sample)
+            # Single-bit masks are mostly the key's own bit object, shared (see apply_stored).
+            wide = sum(1 for m in sample if m > 256 and m & (m - 1)) / len(sample)
             size += int(wide * len(masks)) * _INT_BYTES
         for st in self._state.values():
             size += sum(map(sys.getsizeof, (st.e2o, st.dups, st.shared, st.orphan_parents)))
