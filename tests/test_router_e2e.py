@@ -14,6 +14,7 @@ import urllib.request
 
 import pytest
 
+from dynamo_zmq import errors
 from tests.support.procs import Proc
 
 BLOCK = 16
@@ -153,7 +154,12 @@ async def test_kv_routing_end_to_end(namespace, spawn, make_runtime, cluster):
     assert not got.startswith(f"{victim.instance_id:x}/") and body["choices"][0]["finish_reason"] == "length"
 
     async def router_forgot() -> bool:
-        answer = await best([*prefix, 42])
+        try:
+            answer = await best([*prefix, 42])
+        except errors.CannotConnect:
+            # python -m router may have described only the victim so far (the others are still
+            # being discovered): "no live instance" is then its right answer, for now.
+            return False
         return not any(k.startswith(f"{victim.instance_id:x}/") for k in answer["matches"])
 
     await eventually(router_forgot, 15, "the killed worker leaving python -m router's index")
