@@ -17,7 +17,8 @@ the shared blocks once, as the engine's prefix cache does) plus its expected out
 stops counting when its stream ends, whatever the way (terminal, error, close, garbage
 collection). Workers publish what their engines hold (``dynamo_zmq.load``), and the router
 passes it to ``LoadTracker.report``: a fresh report replaces the prediction of the requests routed
-before it, and requests routed since are added on top. Requests routed within ``report_grace``
+before it, and requests routed since are added on top; a request the report counted takes
+the blocks it frees off the reported figure when it finishes. Requests routed within ``report_grace``
 seconds before a report also stay on top: the engine may not have held them yet when it measured
 (they were on the wire, queued, or measured a publish interval ago), and counting one twice
 briefly is safer than forgetting it.
@@ -235,15 +236,22 @@ class LoadTracker:
         if self._loads.get(route.candidate) is not state:  # its worker was removed meanwhile
             return
         blocks = state.blocks
+        freed = route.extra  # what the engine frees: output blocks and unshared prompt blocks
         for h in route.hashes:
             n = blocks[h] - 1
             if n > 0:
                 blocks[h] = n
             else:
                 del blocks[h]
+                freed += 1
         state.extra -= route.extra
         if route.epoch == state.epoch:
             state.since_report -= route.size
+        else:
+            # The last report counted it; it holds nothing now. Without this the report would
+            # keep the finished request's blocks until the next one, and a follow-up request
+            # (the next turn of a conversation) would be steered off the rank caching its prefix.
+            state.reported = max(0.0, state.reported - freed)
 
     def load(self, candidate: Candidate) -> float:
         """Predicted active blocks of ``candidate`` (0 when nothing is known)."""

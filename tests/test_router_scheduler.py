@@ -135,11 +135,33 @@ def test_a_worker_report_replaces_the_prediction_until_it_goes_stale():
     assert t.load(A) == 10  # includes everything routed before the report
     after = t.add(A, [4, 5])
     assert t.load(A) == 12
-    t.release(before)  # already inside the report
-    assert t.load(A) == 12
+    t.release(before)  # inside the report: its blocks leave the reported figure
+    assert t.load(A) == 9
     t.release(after)
-    assert t.load(A) == 10
+    assert t.load(A) == 7
+    t.report(A, 7)
+    assert t.load(A) == 7
     clock.now += 6  # stale: back to the prediction (nothing active)
+    assert t.load(A) == 0
+
+
+def test_a_finished_request_leaves_the_reported_load_at_once():
+    """Sequential turns of a conversation: the next turn must not see the last one's blocks
+    (still in the last report) as load on the rank that caches the shared prefix."""
+    t = LoadTracker(report_ttl=5.0, clock=Clock())
+    first = t.add(A, [1, 2, 3], extra_blocks=1)
+    shared = t.add(A, [1, 2])  # shares two blocks with ``first``
+    t.report(A, 5)
+    t.release(first)  # frees its own block 3 and its output block; 1 and 2 are still in use
+    assert t.load(A) == 3
+    t.release(shared)
+    assert t.load(A) == 1
+    t.report(A, 0.5)
+    t.release(t.add(A, [9]))
+    assert t.load(A) == 0.5
+    late = t.add(A, [7, 8])
+    t.report(A, 1)
+    t.release(late)  # the report may not have counted it yet: never below zero
     assert t.load(A) == 0
 
 
@@ -160,7 +182,7 @@ def test_requests_routed_within_the_grace_before_a_report_stay_on_top_of_it():
     assert t.load(A) == 12
     t.release(recent)
     t.release(old)
-    assert t.load(A) == 12
+    assert t.load(A) == 7  # both leave the reported figure
     clock.now += 0.1
     late = t.add(A, [6])
     t.release(late)  # released before the next report: never counted again
