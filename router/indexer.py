@@ -268,10 +268,14 @@ class KvIndexer:
         # Common case, mostly in C: engine hashes new to this key (and not parents of its
         # orphans), own hashes it does not hold yet.
         masks, bit = self._masks, st.bit
-        held = list(map(masks.get, owns, _zeros(n)))
         if (self._total + n > self.max_blocks or not e2o.keys().isdisjoint(engine_hashes)
-                or (st.orphan_parents and not st.orphan_parents.keys().isdisjoint(engine_hashes))
-                or any(map(_and, held, itertools.repeat(bit, n)))):
+                or (st.orphan_parents and not st.orphan_parents.keys().isdisjoint(engine_hashes))):
+            self._store_each(st, engine_hashes, owns, parent_engine_hash)
+            return
+        # Blocks no key holds yet (one probe each, stopping at the first held one) skip the
+        # per-block mask lookups.
+        held = None if masks.keys().isdisjoint(owns) else list(map(masks.get, owns, _zeros(n)))
+        if held is not None and any(map(_and, held, itertools.repeat(bit, n))):
             self._store_each(st, engine_hashes, owns, parent_engine_hash)
             return
         flags = [_HAS_PARENT | _CHILD] * n
@@ -289,10 +293,10 @@ class KvIndexer:
             return
         if parent_engine_hash is not None:
             e2o[parent_engine_hash] += _CHILD
-        if any(held):
-            masks.update(zip(owns, map(_or, held, itertools.repeat(bit, n)), strict=True))
-        else:  # blocks new to the index (the common case) share the key's bit object
+        if held is None:  # blocks new to the index (the common case) share the key's bit object
             masks.update(zip(owns, itertools.repeat(bit, n), strict=True))
+        else:
+            masks.update(zip(owns, map(_or, held, itertools.repeat(bit, n)), strict=True))
         self._total += n
         stats.stored_blocks += n
 
