@@ -1,0 +1,121 @@
+"""Where a batched KV store's time goes: the indexer's 64-block store, taken apart.
+
+    .venv/bin/python scripts/profile_indexer_store.py [--chains 1000] [--block-size 32] [--rounds 5]
+
+Builds chains of 256 blocks stored as 4 events of 64 blocks (as scripts/bench_indexer.py's
+batched row), then times, each on a fresh index and best of ``--rounds``: the whole
+``KvIndexer.apply_stored``, its pieces one by one (token decode from msgpack bytes, packing to
+uint32, chained hashing, the two dict updates) and prints a table in µs per event.
+The pieces are re-enacted here, so they show proportions; the whole store is the real code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import array
+import itertools
+import operator
+import random
+import time
+from collections.abc import Callable
+
+import msgspec
+
+from router.hashing import ROOT_SEED, block_hashes
+from router.indexer import KvIndexer
+
+_HAS_PARENT, _CHILD = 1 << 128, 1 << 129
+_or, _lshift = operator.or_, operator.lshift
+
+
+def _events(chains: int, bs: int) -> list[tuple[list[int], int | None, list[int], list[int]]]:
+    rng = random.Random(0)
+    out = []
+    for _ in range(chains):
+        parent, seed = None, ROOT_SEED
+        for _ in range(4):
+            eh = [rng.getrandbits(64) for _ in range(64)]
+            toks = [rng.randrange(150_000) for _ in range(64 * bs)]
+            owns = block_hashes(toks, bs, seed)
+            out.append((eh, parent, toks, owns))
+            parent, seed = eh[-1], owns[-1]
+    return out
+
+
+def _best(fn: Callable[[], None], rounds: int) -> float:
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--chains", type=int, default=1000)
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    bs = args.block_size
+    events = _events(args.chains, bs)
+    payloads = [msgspec.msgpack.encode(toks) for _, _, toks, _ in events]
+    n = len(events)
+
+    def whole() -> None:
+        idx = KvIndexer(bs)
+        for eh, parent, toks, _ in events:
+            idx.apply_stored((0, 0), eh, parent, toks, bs)
+
+    def decode() -> None:
+        for p in payloads:
+            msgspec.msgpack.decode(p)
+
+    def pack() -> None:
+        for _, _, toks, _ in events:
+            array.array("I", toks).tobytes()
+
+    def pack_hash() -> None:
+        for _, _, toks, owns in events:
+            block_hashes(toks, bs, owns[0])
+
+    def masks() -> None:
+        m: dict[int, int] = {}
+        for _, _, _, owns in events:
+            if m.keys().isdisjoint(owns):
+                m.update(zip(owns, itertools.repeat(1, 64), strict=False))
+
+    def e2o_plain() -> None:
+        d: dict[int, int] = {}
+        for eh, _, _, owns in events:
+            d.update(zip(eh, owns, strict=True))
+
+    def e2o_packed() -> None:
+        d: dict[int, int] = {}
+        for eh, parent, _, owns in events:
+            flags = [_HAS_PARENT | _CHILD] * 64
+            flags[-1] = _HAS_PARENT
+            parents = itertools.chain((parent or 0,), eh)
+            d.keys().isdisjoint(eh)
+            d.update(zip(eh, map(_or, map(_or, owns, map(_lshift, parents, itertools.repeat(64))),
+                                 flags), strict=False))
+
+    rows = [
+        ("whole apply_stored (real code)", whole),
+        ("decode 2,048 token ids from msgpack (from-bytes path only)", decode),
+        ("pack token ids to uint32", pack),
+        ("pack + chain 64 xxh3 hashes", pack_hash),
+        ("bitmask dict: isdisjoint + update", masks),
+        ("engine-hash dict, plain own hashes", e2o_plain),
+        ("engine-hash dict, packed values + isdisjoint (as stored)", e2o_packed),
+    ]
+    print(f"# 64-block stores, {n} events, block size {bs}, best of {args.rounds}\n")
+    print("| piece | µs / event |\n|---|---|")
+    for name, fn in rows:
+        print(f"| {name} | {_best(fn, args.rounds) / n * 1e6:.1f} |")
+    t = _best(whole, args.rounds)
+    print(f"\nwhole store: {n * 64 / t / 1e6:.2f}M blocks/s")
+
+
+if __name__ == "__main__":
+    main()
