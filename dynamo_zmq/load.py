@@ -30,6 +30,7 @@ from .transport import make_socket
 __all__ = [
     "LOAD_TOPIC",
     "LOAD_VERSION",
+    "MAX_LOAD_INTERVAL",
     "LoadDecodeError",
     "LoadPublisher",
     "LoadReport",
@@ -43,6 +44,9 @@ log = logging.getLogger(__name__)
 LOAD_VERSION = 1
 #: First frame of every load message.
 LOAD_TOPIC = b"load"
+#: Longest allowed ``--load-interval``: routers treat a report as current for 5 s
+#: (``router.scheduler.REPORT_TTL``), so slower reports would expire between sends.
+MAX_LOAD_INTERVAL = 2.0
 #: Messages a PUB socket queues per subscriber: a report is stale soon, so keep few.
 PUB_HWM = 1000
 

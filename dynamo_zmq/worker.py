@@ -45,7 +45,7 @@ from .engine import (
     PreprocessedRequest,
     StopConditions,
 )
-from .load import LoadPublisher
+from .load import MAX_LOAD_INTERVAL, LoadPublisher
 from .metrics import StatusServer, WorkerMetrics
 from .model_card import CHUNK, ModelCard, build_card, read_card_file
 from .postprocess import postprocess
@@ -115,8 +115,8 @@ def build_parser(engine_cls: type[LLMEngine] | None = None, add_help: bool = Tru
     )
     parser.add_argument(
         "--load-interval", type=float, default=float(_env("LOAD_INTERVAL", 0.1)),
-        help="publish the engine's load for KV routers every this many seconds, 0 = never "
-             "(engines without load() publish nothing) [DYN_LOAD_INTERVAL]",
+        help=f"publish the engine's load for KV routers every this many seconds, 0 = never, at most "
+             f"{MAX_LOAD_INTERVAL:g} (engines without load() publish nothing) [DYN_LOAD_INTERVAL]",
     )
     parser.add_argument(
         "--load-port", type=int, default=int(_env("LOAD_PORT", 0)),
@@ -411,6 +411,10 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[type[LLMEngine], argp
     args = build_parser(engine_cls).parse_args(argv)
     if args.model_path is not None and not Path(args.model_path).is_dir():
         raise errors.InvalidArgument(f"--model-path {args.model_path!r} is not a directory")
+    if not 0 <= args.load_interval <= MAX_LOAD_INTERVAL:
+        raise errors.InvalidArgument(
+            f"--load-interval must be 0 (never) or up to {MAX_LOAD_INTERVAL:g} s, got {args.load_interval:g}"
+        )
     return engine_cls, args
 
 

@@ -46,7 +46,8 @@ __all__ = [
 #: A routing target: (worker instance id, data-parallel rank).
 Candidate = tuple[int, int]
 
-#: Seconds a worker's load report stays authoritative.
+#: Seconds a worker's load report stays authoritative (workers send one at least every
+#: ``dynamo_zmq.load.MAX_LOAD_INTERVAL`` seconds).
 REPORT_TTL = 5.0
 #: Seconds before a report in which routed requests stay counted on top of it (0: none).
 REPORT_GRACE = 0.0

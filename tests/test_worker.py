@@ -121,6 +121,9 @@ def test_bad_engine_and_missing_model_fail_clearly(tmp_path):
     res = subprocess.run([*run[:-2], "--model-path", str(tmp_path / "missing")], capture_output=True, text=True,
                          timeout=60)
     assert res.returncode == 2 and "not a directory" in res.stderr
+    for bad in ("10", "-1"):  # reports slower than routers' TTL would expire between sends
+        res = subprocess.run([*run, "--load-interval", bad], capture_output=True, text=True, timeout=60)
+        assert res.returncode == 2 and "--load-interval must be" in res.stderr
 
 
 async def test_sigterm_under_load_drains_and_hands_over(namespace, spawn, make_runtime, tiny_model):
