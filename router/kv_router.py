@@ -24,25 +24,24 @@ import dataclasses
 import logging
 import math
 import time
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
-import msgspec
 import zmq
 
 from dynamo_zmq import errors
 from dynamo_zmq._client import Client
-from dynamo_zmq._retry import MAX_ATTEMPTS, RetryingStream
+from dynamo_zmq._retry import MAX_ATTEMPTS
 from dynamo_zmq.context import Context
 from dynamo_zmq.engine import EngineLoad, PreprocessedRequest
-from dynamo_zmq.transport import PeerConnection, Response, ResponseStream
+from dynamo_zmq.transport import PeerConnection
 
 from .approx import DEFAULT_TTL, ApproxIndexer
 from .hashing import block_hashes
 from .indexer import KvIndexer
 from .load import LoadSubscriber
 from .metrics import RouterMetrics
+from .routed_stream import RoutedStream
 from .scheduler import Candidate, LoadTracker, Route, Scheduler, Selection
 from .subscriber import KvEventSubscriber
 
@@ -405,84 +404,6 @@ class KvRouter:
             except Exception:
                 log.exception("KV router of %s: following instances failed", self.path)
                 await asyncio.sleep(FOLLOW_INTERVAL)
-
-
-class RoutedStream(RetryingStream):
-    """The response stream of a routed request: ``Client.generate``'s contract, plus the load
-    bookkeeping (released at the terminal item, an error, ``aclose`` or garbage collection)
-    and re-routing if the worker fails retryably before its first response."""
-
-    def __init__(
-        self,
-        router: KvRouter,
-        request: PreprocessedRequest,
-        hashes: list[int],
-        stream: ResponseStream,
-        decision: Decision,
-        route: Route,
-        tried: set[int],
-        options: dict[str, Any],
-    ) -> None:
-        super().__init__(stream, tried | {decision.worker_id})
-        self._router = router
-        self._request = request
-        self._hashes = hashes
-        self.decision = decision
-        self._options = options
-        # Releases the load even if the stream is dropped unread (and never iterated again).
-        self._finalizer = weakref.finalize(self, router.loads.release, route)
-
-    @property
-    def dp_rank(self) -> int:
-        return self.decision.dp_rank
-
-    @property
-    def routed_header(self) -> bytes:
-        """``<instance hex>/<dp rank>``: the frontend's ``x-dynamo-worker`` header."""
-        return f"{self.decision.worker_id:x}/{self.decision.dp_rank}".encode()
-
-    def _on_item(self, item: Any) -> None:
-        if _is_terminal(item):
-            self._finalizer()
-
-    def _on_end(self) -> None:
-        self._finalizer()
-
-    async def _reopen(self) -> ResponseStream | None:
-        router = self._router
-        try:
-            decision, route = router._route(self._request, self._hashes, self._tried)
-        except errors.CannotConnect:
-            return None
-        try:
-            stream = await router.client.direct(
-                self._request, decision.worker_id, context=self._stream.context, **self._options
-            )
-        except errors.CannotConnect:
-            router.loads.release(route)
-            return None
-        self.decision = decision
-        self._finalizer = weakref.finalize(self, router.loads.release, route)
-        return stream
-
-
-class _Finish(msgspec.Struct, gc=False):
-    finish_reason: str | None = None
-
-
-_finish_decoder = msgspec.msgpack.Decoder(_Finish)
-
-
-def _is_terminal(item: Any) -> bool:
-    """Does this response item carry a ``finish_reason`` (LLMEngineOutput's terminal)?"""
-    try:
-        if isinstance(item, Response):
-            return _finish_decoder.decode(item.payload).finish_reason is not None
-        if isinstance(item, dict):
-            return item.get("finish_reason") is not None
-        return getattr(item, "finish_reason", None) is not None
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return False
 
 
 def _engine_info(conn: PeerConnection, path: str) -> tuple[int, str | None, str | None, int]:
