@@ -1,15 +1,17 @@
 """``python -m router``: the KV router as a service of its own.
 
     python -m router [--namespace dynamo] [--kv-overlap-score-weight 1.0]
-        [--router-temperature 0.0] [--no-kv-events] [--host H] [--port P] [--metrics-port P]
-        [discovery flags]
+        [--router-temperature 0.0] [--no-kv-events] [--wait-for-workers N] [--host H] [--port P]
+        [--metrics-port P] [discovery flags]
 
 It follows the namespace's workers as a frontend does (one ``KvRouter`` per model card it sees,
 each subscribing to its workers' KV events) and serves ``<namespace>.router.best_worker``:
 request ``{"model": NAME, "token_ids": [...]}``, one response ``{"worker_id", "dp_rank",
 "overlap_blocks", "prompt_blocks", "matches": {"<worker hex>/<rank>": blocks}}``. The answer is
 advice: nothing is sent to the worker and no load is counted for it (the caller sends the
-request, and only the caller knows when it ends). Prints ``READY <address> <instance hex>``.
+request, and only the caller knows when it ends). Prints ``READY <address> <instance hex>`` once
+serving; with ``--wait-for-workers N``, only after it follows N workers (mDNS shows workers one
+by one, so a scripted start can hold its first questions until every worker is known).
 """
 
 from __future__ import annotations
@@ -101,6 +103,21 @@ class RouterService:
             except Exception:
                 log.exception("model table refresh failed")
 
+    def workers_followed(self) -> int:
+        """Distinct worker instances the model routers follow."""
+        return len({iid for router in self.routers.values() for iid in router.instance_ids()})
+
+    async def wait_for_workers(self, n: int) -> None:
+        """Return once ``n`` workers are followed (logs each change while waiting)."""
+        seen = -1
+        while (now := self.workers_followed()) < n:
+            if now != seen:
+                log.info("waiting for %d workers (%d seen)", n, now)
+                seen = now
+            # The model table follows peers on its own task; look again on a change or soon.
+            await self.runtime.wait_peers_changed(timeout=0.25)
+        log.info("following %d workers", now)
+
     async def best_worker(self, request: BestWorkerRequest) -> AsyncIterator[dict[str, Any]]:
         router = self.routers.get(request.model)
         if router is None:
@@ -127,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--namespace", default=env("DYN_NAMESPACE", "dynamo"), help="[DYN_NAMESPACE]")
     parser.add_argument("--component", default="router", help="component of the best_worker endpoint")
     add_kv_router_args(parser)
+    parser.add_argument("--wait-for-workers", type=int, default=0, metavar="N",
+                        help="serve only once N worker instances are followed (default 0: at once)")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve /metrics, /health and /live on this port (0 = any)")
     add_runtime_args(parser)
@@ -148,6 +167,15 @@ async def serve(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, runtime.shutdown)
     try:
         await service.start()
+        if args.wait_for_workers > 0:
+            waiting = asyncio.ensure_future(service.wait_for_workers(args.wait_for_workers))
+            stop = asyncio.ensure_future(runtime.wait_shutdown())
+            done, _ = await asyncio.wait({waiting, stop}, return_when=asyncio.FIRST_COMPLETED)
+            stop.cancel()
+            if waiting not in done:  # shut down while waiting
+                waiting.cancel()
+                return 0
+            waiting.result()
         endpoint = runtime.namespace(args.namespace).component(args.component).endpoint("best_worker")
         await endpoint.start_serving(service.best_worker, request_type=BestWorkerRequest)
         if args.metrics_port is not None:
@@ -172,6 +200,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         RuntimeConfig.from_args(args)
         check_kv_router_args(args)
+        if args.wait_for_workers < 0:
+            raise errors.InvalidArgument("--wait-for-workers must be >= 0")
     except errors.DynamoError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2

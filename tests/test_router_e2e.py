@@ -8,7 +8,10 @@ import http.client
 import json
 import random
 import re
+import select
 import signal
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 
@@ -207,3 +210,28 @@ async def test_approximate_kv_routing_without_kv_events(namespace, spawn, tiny_m
         return index_blocks(await metrics_of(url)).get(target, 0) >= 4
 
     await eventually(gauged, 5, "the routed prefix in the index-size gauge")
+
+
+async def test_router_service_waits_for_workers(namespace, spawn, tiny_model):
+    """``python -m router --wait-for-workers 2`` serves (prints READY) only once it follows two
+    workers: with one it waits, and the second one releases it."""
+    first = worker(spawn, namespace, tiny_model).wait_ready()
+    router = spawn("-m", "router", "--namespace", namespace, "--host", "127.0.0.1",
+                   "--wait-for-workers", "2", ready=False)
+
+    async def waiting_on_one() -> bool:
+        return "waiting for 2 workers (1 seen)" in router.logs()
+
+    await eventually(waiting_on_one, 30, "the router following the first worker")
+    assert router.popen.poll() is None
+    readable, _, _ = select.select([router.popen.stdout], [], [], 0)
+    assert not readable, "READY printed with one worker of two"
+    second = worker(spawn, namespace, tiny_model).wait_ready()
+    await asyncio.to_thread(router.wait_ready, 30)
+    assert "following 2 workers" in router.logs() and first.instance_id != second.instance_id
+
+
+def test_wait_for_workers_must_not_be_negative():
+    res = subprocess.run([sys.executable, "-m", "router", "--wait-for-workers", "-1"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "--wait-for-workers must be >= 0" in res.stderr
