@@ -107,16 +107,20 @@ class RouterService:
         """Distinct worker instances the model routers follow."""
         return len({iid for router in self.routers.values() for iid in router.instance_ids()})
 
-    async def wait_for_workers(self, n: int) -> None:
-        """Return once ``n`` workers are followed (logs each change while waiting)."""
+    async def wait_for_workers(self, n: int) -> bool:
+        """Wait until ``n`` workers are followed (logging each change); False if the runtime
+        shuts down first."""
         seen = -1
         while (now := self.workers_followed()) < n:
+            if self.runtime.is_shutdown():
+                return False
             if now != seen:
                 log.info("waiting for %d workers (%d seen)", n, now)
                 seen = now
             # The model table follows peers on its own task; look again on a change or soon.
             await self.runtime.wait_peers_changed(timeout=0.25)
         log.info("following %d workers", now)
+        return True
 
     async def best_worker(self, request: BestWorkerRequest) -> AsyncIterator[dict[str, Any]]:
         router = self.routers.get(request.model)
@@ -167,15 +171,8 @@ async def serve(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, runtime.shutdown)
     try:
         await service.start()
-        if args.wait_for_workers > 0:
-            waiting = asyncio.ensure_future(service.wait_for_workers(args.wait_for_workers))
-            stop = asyncio.ensure_future(runtime.wait_shutdown())
-            done, _ = await asyncio.wait({waiting, stop}, return_when=asyncio.FIRST_COMPLETED)
-            stop.cancel()
-            if waiting not in done:  # shut down while waiting
-                waiting.cancel()
-                return 0
-            waiting.result()
+        if args.wait_for_workers > 0 and not await service.wait_for_workers(args.wait_for_workers):
+            return 0  # shut down while waiting
         endpoint = runtime.namespace(args.namespace).component(args.component).endpoint("best_worker")
         await endpoint.start_serving(service.best_worker, request_type=BestWorkerRequest)
         if args.metrics_port is not None:

@@ -22,9 +22,8 @@ from collections.abc import Callable
 import msgspec
 
 from router.hashing import ROOT_SEED, block_hashes
-from router.indexer import KvIndexer
+from router.indexer import _CHILD, _HAS_PARENT, KvIndexer  # the packed-value flags, as stored
 
-_HAS_PARENT, _CHILD = 1 << 128, 1 << 129
 _or, _lshift = operator.or_, operator.lshift
 
 
