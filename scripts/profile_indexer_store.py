@@ -1,12 +1,17 @@
 """Where a batched KV store's time goes: the indexer's 64-block store, taken apart.
 
     .venv/bin/python scripts/profile_indexer_store.py [--chains 1000] [--block-size 32] [--rounds 5]
+        [--target-rate 1.85]
 
 Builds chains of 256 blocks stored as 4 events of 64 blocks (as scripts/bench_indexer.py's
 batched row), then times, each on a fresh index and best of ``--rounds``: the whole
 ``KvIndexer.apply_stored``, its pieces one by one (token decode from msgpack bytes, packing to
 uint32, chained hashing, the two dict updates) and prints a table in µs per event.
 The pieces are re-enacted here, so they show proportions; the whole store is the real code.
+
+It also prints a floor for stores from bytes: only the C calls no Python store path can avoid
+(msgspec decoding the token ids, hashing already-packed blocks, one ``dict.update`` per map),
+with no checks, packing or bookkeeping, against the per-event budget of a target rate.
 """
 
 from __future__ import annotations
@@ -55,6 +60,8 @@ def main() -> None:
     ap.add_argument("--chains", type=int, default=1000)
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--target-rate", type=float, default=1.85,
+                    help="M blocks/s to compare the floor with (DESIGN.md's Dynamo figure)")
     args = ap.parse_args()
     bs = args.block_size
     events = _events(args.chains, bs)
@@ -77,6 +84,17 @@ def main() -> None:
     def pack_hash() -> None:
         for _, _, toks, owns in events:
             block_hashes(toks, bs, owns[0])
+
+    packed = [array.array("I", toks).tobytes() for _, _, toks, _ in events]
+
+    def hash_only() -> None:
+        for data, (_, _, _, owns) in zip(packed, events, strict=True):
+            block_hashes(data, bs, owns[0])
+
+    def masks_plain() -> None:
+        m: dict[int, int] = {}
+        for _, _, _, owns in events:
+            m.update(zip(owns, itertools.repeat(1, 64), strict=False))
 
     def masks() -> None:
         m: dict[int, int] = {}
@@ -107,13 +125,22 @@ def main() -> None:
         ("bitmask dict: isdisjoint + update", masks),
         ("engine-hash dict, plain own hashes", e2o_plain),
         ("engine-hash dict, packed values + isdisjoint (as stored)", e2o_packed),
+        ("chain 64 xxh3 hashes from packed bytes (no packing)", hash_only),
+        ("bitmask dict: update alone", masks_plain),
     ]
     print(f"# 64-block stores, {n} events, block size {bs}, best of {args.rounds}\n")
     print("| piece | µs / event |\n|---|---|")
+    per_event: dict[str, float] = {}
     for name, fn in rows:
-        print(f"| {name} | {_best(fn, args.rounds) / n * 1e6:.1f} |")
+        per_event[name] = us = _best(fn, args.rounds) / n * 1e6
+        print(f"| {name} | {us:.1f} |")
     t = _best(whole, args.rounds)
     print(f"\nwhole store: {n * 64 / t / 1e6:.2f}M blocks/s")
+    floor = sum(per_event[name] for name, fn in rows
+                if fn in (decode, hash_only, masks_plain, e2o_plain))
+    budget = 64 / args.target_rate
+    print(f"floor from bytes (decode + hash + two bare dict updates): {floor:.1f} µs/event = "
+          f"{64 / floor:.2f}M blocks/s; {args.target_rate:.2f}M blocks/s allows {budget:.1f} µs")
 
 
 if __name__ == "__main__":
