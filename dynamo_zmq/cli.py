@@ -8,8 +8,9 @@ import os
 import sys
 
 from .errors import InvalidArgument
+from .load import MAX_LOAD_INTERVAL  # a load report must outlive the slowest publish interval
 
-__all__ = ["add_kv_router_args", "check_kv_router_args", "setup_logging"]
+__all__ = ["add_kv_router_args", "check_kv_router_args", "kv_router_options", "setup_logging"]
 
 
 def setup_logging() -> None:
@@ -36,9 +37,43 @@ def add_kv_router_args(parser: argparse.ArgumentParser) -> None:
         "--no-kv-events", action="store_true", default=env("DYN_KV_EVENTS", "1") == "0",
         help="kv routing: predict caches from routing decisions instead of KV events [DYN_KV_EVENTS=0]",
     )
+    parser.add_argument(
+        "--load-report-ttl", type=float, default=float(env("DYN_LOAD_REPORT_TTL", "5.0")),
+        metavar="SECONDS",
+        help="kv routing: how long a worker's published load stays authoritative; after it the "
+             f"router's own prediction is used (> {MAX_LOAD_INTERVAL:g}, the slowest publish "
+             "interval) [DYN_LOAD_REPORT_TTL]",
+    )
+    parser.add_argument(
+        "--load-report-grace", type=float, default=float(env("DYN_LOAD_REPORT_GRACE", "0.3")),
+        metavar="SECONDS",
+        help="kv routing: requests routed this long before a load report stay counted on top of "
+             "it, since the engine may not hold them yet (>= 0, < the TTL) [DYN_LOAD_REPORT_GRACE]",
+    )
 
 
 def check_kv_router_args(args: argparse.Namespace) -> None:
-    """Raises InvalidArgument for a negative weight or temperature."""
+    """Raises InvalidArgument for a negative weight or temperature, or load-report timings that
+    cannot work (a TTL a report could expire within between two sends, a grace outside it)."""
     if args.kv_overlap_score_weight < 0 or args.router_temperature < 0:
         raise InvalidArgument("--kv-overlap-score-weight and --router-temperature must be >= 0")
+    if not args.load_report_ttl > MAX_LOAD_INTERVAL:  # (also refuses NaN)
+        raise InvalidArgument(
+            f"--load-report-ttl must be > {MAX_LOAD_INTERVAL:g} s (the slowest worker "
+            f"--load-interval), got {args.load_report_ttl}"
+        )
+    if not 0 <= args.load_report_grace < args.load_report_ttl:
+        raise InvalidArgument(
+            f"--load-report-grace must be >= 0 and < --load-report-ttl, got {args.load_report_grace}"
+        )
+
+
+def kv_router_options(args: argparse.Namespace) -> dict[str, object]:
+    """``router.kv_router.KvRouterConfig`` keyword arguments from the flags above."""
+    return {
+        "overlap_score_weight": args.kv_overlap_score_weight,
+        "router_temperature": args.router_temperature,
+        "use_kv_events": not args.no_kv_events,
+        "load_report_ttl": args.load_report_ttl,
+        "load_report_grace": args.load_report_grace,
+    }

@@ -44,8 +44,8 @@ log = logging.getLogger(__name__)
 LOAD_VERSION = 1
 #: First frame of every load message.
 LOAD_TOPIC = b"load"
-#: Longest allowed ``--load-interval``: routers treat a report as current for 5 s
-#: (``router.scheduler.REPORT_TTL``), so slower reports would expire between sends.
+#: Longest allowed ``--load-interval``: routers treat a report as current for 5 s by default
+#: (``--load-report-ttl``, which must exceed this), so slower reports would expire between sends.
 MAX_LOAD_INTERVAL = 2.0
 #: Messages a PUB socket queues per subscriber: a report is stale soon, so keep few.
 PUB_HWM = 1000

@@ -29,7 +29,12 @@ from typing import Any
 import msgspec
 
 from dynamo_zmq import errors
-from dynamo_zmq.cli import add_kv_router_args, check_kv_router_args, setup_logging
+from dynamo_zmq.cli import (
+    add_kv_router_args,
+    check_kv_router_args,
+    kv_router_options,
+    setup_logging,
+)
 from dynamo_zmq.config import RuntimeConfig, add_runtime_args
 from dynamo_zmq.metrics import StatusServer
 from dynamo_zmq.model_card import ModelCard
@@ -157,11 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def serve(args: argparse.Namespace) -> int:
-    config = KvRouterConfig(
-        overlap_score_weight=args.kv_overlap_score_weight,
-        router_temperature=args.router_temperature,
-        use_kv_events=not args.no_kv_events,
-    )
+    config = KvRouterConfig(**kv_router_options(args))  # type: ignore[arg-type]
     runtime = DistributedRuntime(config=RuntimeConfig.from_args(args))
     service = RouterService(runtime, args.namespace, config)
     status: StatusServer | None = None

@@ -42,7 +42,7 @@ from .indexer import KvIndexer
 from .load import LoadSubscriber
 from .metrics import RouterMetrics
 from .routed_stream import RoutedStream
-from .scheduler import Candidate, LoadTracker, Route, Scheduler, Selection
+from .scheduler import REPORT_TTL, Candidate, LoadTracker, Route, Scheduler, Selection
 from .subscriber import KvEventSubscriber
 
 __all__ = ["Decision", "KvRouter", "KvRouterConfig", "KvRouterFactory", "RoutedStream"]
@@ -69,9 +69,11 @@ class KvRouterConfig:
     max_expected_output_tokens: int = 256
     #: Seconds a KV-event replay may take before the worker's state is dropped instead.
     replay_timeout: float = 3.0
+    #: Seconds a worker's load report stays authoritative [--load-report-ttl].
+    load_report_ttl: float = REPORT_TTL
     #: Requests routed less than this many seconds before a worker's load report stay counted
     #: on top of it (the engine may not have held them yet when it measured; a few of the
-    #: workers' 0.1 s publish intervals).
+    #: workers' 0.1 s publish intervals) [--load-report-grace].
     load_report_grace: float = 0.3
 
 
@@ -149,7 +151,7 @@ class KvRouter:
         self.model = model
         self.metrics = metrics or RouterMetrics()
         self.scheduler = scheduler or Scheduler(cfg.overlap_score_weight, cfg.router_temperature)
-        self.loads = LoadTracker(report_grace=cfg.load_report_grace)
+        self.loads = LoadTracker(report_ttl=cfg.load_report_ttl, report_grace=cfg.load_report_grace)
         self.indexer: Any = (
             KvIndexer(block_size) if cfg.use_kv_events else ApproxIndexer(block_size, cfg.approx_ttl)
         )

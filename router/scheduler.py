@@ -211,6 +211,16 @@ class LoadTracker:
         self._report_grace = report_grace
         self._clock = clock
 
+    @property
+    def report_ttl(self) -> float:
+        """Seconds a report stays authoritative."""
+        return self._report_ttl
+
+    @property
+    def report_grace(self) -> float:
+        """Seconds before a report in which routed requests stay counted on top of it."""
+        return self._report_grace
+
     def add(self, candidate: Candidate, block_hashes: Iterable[int], extra_blocks: int = 0) -> Route:
         """Count a request routed to ``candidate`` now: its prompt blocks (deduplicated against
         the other active requests there) and ``extra_blocks`` (expected output)."""

@@ -6,10 +6,14 @@ from __future__ import annotations
 import gc
 import math
 import random
+import subprocess
+import sys
 from collections import Counter
 
 import pytest
 
+import router.__main__ as router_main
+from dynamo_zmq.cli import check_kv_router_args, kv_router_options
 from dynamo_zmq.engine import PreprocessedRequest, StopConditions
 from router.approx import ApproxIndexer
 from router.hashing import block_hashes
@@ -318,3 +322,40 @@ async def test_approximate_mode_routes_by_its_own_decisions(namespace, spawn, ma
         assert router.indexer.find_matches_for_hashes(hashes[:2]) == {(proc.instance_id, first.dp_rank): 2}
     finally:
         await router.close()
+
+
+
+# -- load-report flags ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("main", ["router", "dynamo_zmq.frontend"])
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--load-report-ttl", "2"], "--load-report-ttl must be > 2"),
+    (["--load-report-ttl", "nan"], "--load-report-ttl must be > 2"),
+    (["--load-report-grace", "-0.1"], "--load-report-grace must be >= 0"),
+    (["--load-report-ttl", "3", "--load-report-grace", "3"], "--load-report-grace must be >= 0"),
+])
+def test_load_report_flags_that_cannot_work_are_refused(main, flags, message):
+    """A TTL within the slowest worker publish interval would let reports expire between sends."""
+    mode = ["--router-mode", "kv"] if main == "dynamo_zmq.frontend" else []
+    res = subprocess.run([sys.executable, "-m", main, *mode, *flags],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and message in res.stderr
+
+
+async def test_load_report_flags_reach_the_routers_load_tracker(namespace, make_runtime):
+    args = router_main.build_parser().parse_args(
+        ["--load-report-ttl", "7.5", "--load-report-grace", "0.05"])
+    check_kv_router_args(args)
+    rt = make_runtime()
+    client = await rt.endpoint(f"{namespace}.backend.generate").client()
+    router = KvRouter(client, 16, KvRouterConfig(**kv_router_options(args)), runtime=rt)
+    try:
+        assert (router.loads.report_ttl, router.loads.report_grace) == (7.5, 0.05)
+    finally:
+        await router.close()
+    default = KvRouter(client, 16, runtime=rt)
+    try:
+        assert default.loads.report_ttl == router_main.build_parser().parse_args([]).load_report_ttl
+    finally:
+        await default.close()

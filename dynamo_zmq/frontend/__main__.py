@@ -25,7 +25,7 @@ from typing import Any
 import uvicorn
 
 from .. import errors
-from ..cli import add_kv_router_args, check_kv_router_args, setup_logging
+from ..cli import add_kv_router_args, check_kv_router_args, kv_router_options, setup_logging
 from ..config import RuntimeConfig
 from ..discovery import DiscoveryConfig, add_discovery_args
 from ..runtime import DistributedRuntime
@@ -100,11 +100,7 @@ async def serve(args: argparse.Namespace) -> int:
 def _kv_router_factory(args: argparse.Namespace, runtime: DistributedRuntime, registry: object) -> Any:
     """``router.kv_router.KvRouterFactory`` with the flags' options, metrics on ``registry``."""
     module = importlib.import_module(KV_ROUTER_MODULE)
-    config = module.KvRouterConfig(
-        overlap_score_weight=args.kv_overlap_score_weight,
-        router_temperature=args.router_temperature,
-        use_kv_events=not args.no_kv_events,
-    )
+    config = module.KvRouterConfig(**kv_router_options(args))
     return module.KvRouterFactory(runtime, config, registry)
 
 
