@@ -1,8 +1,8 @@
 """Engine conformance kit and stream-contract validator (Dynamo's capability conformance, in Python).
 
-``validate_stream`` wraps one ``generate`` stream and raises as soon as it breaks the stream
-contract; the worker wraps engine streams with it in debug mode, and tests wrap every engine
-stream with it. ``run_conformance(factory)`` runs the lifecycle checks of ``engine.py`` against
+``validate_stream`` (from ``dynamo_zmq.stream_contract``, re-exported here) wraps one
+``generate`` stream and raises as soon as it breaks the stream contract; the worker wraps engine
+streams with it in debug mode, and tests wrap every engine stream with it. ``run_conformance(factory)`` runs the lifecycle checks of ``engine.py`` against
 fresh engines from ``factory`` and raises the first failure as a typed error:
 
     ConformanceError (AssertionError)  base; the message says what the engine did
@@ -34,7 +34,7 @@ import asyncio
 import contextlib
 import inspect
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -48,6 +48,17 @@ from .engine import (
     LLMEngineOutput,
     PreprocessedRequest,
     StopConditions,
+)
+from .stream_contract import (
+    BadFinishReason,
+    ChunkAfterTerminal,
+    ConformanceError,
+    MultipleTerminals,
+    NotAnOutput,
+    NotAStream,
+    NoTerminal,
+    StreamContractError,
+    validate_stream,
 )
 
 __all__ = [
@@ -88,47 +99,12 @@ T = TypeVar("T")
 EngineFactory = Callable[[], "LLMEngine | Awaitable[LLMEngine]"]
 
 
-class ConformanceError(AssertionError):
-    """Base of every conformance failure; the message says what the engine did."""
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({str(self)!r})"
-
-
 class StartFailed(ConformanceError):
     """``start`` raised, hung, or returned something other than an ``EngineConfig``."""
 
 
 class EmptyModelName(ConformanceError):
     """``start`` returned an ``EngineConfig`` whose ``model_name`` is empty."""
-
-
-class StreamContractError(ConformanceError):
-    """A ``generate`` stream broke the stream contract."""
-
-
-class NotAStream(StreamContractError):
-    """``generate`` returned something that is not an async iterator."""
-
-
-class NotAnOutput(StreamContractError):
-    """The stream yielded something other than an ``LLMEngineOutput``."""
-
-
-class NoTerminal(StreamContractError):
-    """The stream ended, or stopped producing, without a terminal chunk."""
-
-
-class ChunkAfterTerminal(StreamContractError):
-    """A non-terminal chunk followed the terminal chunk."""
-
-
-class MultipleTerminals(StreamContractError):
-    """A second terminal chunk followed the terminal chunk."""
-
-
-class BadFinishReason(StreamContractError):
-    """A chunk carried a ``finish_reason`` outside ``FinishReason.ALL``."""
 
 
 class GenerateFailed(ConformanceError):
@@ -157,71 +133,6 @@ class CleanupNotIdempotent(ConformanceError):
 
 class CleanupBeforeStartFailed(ConformanceError):
     """``cleanup`` on an engine that was never started raised or hung."""
-
-
-def _describe(chunk: object) -> str:
-    text = repr(chunk)
-    return text if len(text) <= 200 else text[:197] + "..."
-
-
-async def validate_stream(
-    stream: AsyncIterator[LLMEngineOutput],
-) -> AsyncGenerator[LLMEngineOutput, None]:
-    """Pass the chunks of ``stream`` through, raising when it breaks the stream contract.
-
-    Read the wrapper to its end to catch chunks after the terminal; closing the wrapper closes
-    ``stream``.
-
-    Args:
-        stream: what ``engine.generate(request, ctx)`` returned.
-
-    Raises:
-        NotAStream: ``stream`` is not an async iterator (e.g. a coroutine).
-        NotAnOutput: the stream yielded something other than ``LLMEngineOutput``.
-        BadFinishReason: a ``finish_reason`` outside ``FinishReason.ALL``.
-        ChunkAfterTerminal: a non-terminal chunk came after the terminal.
-        MultipleTerminals: a second terminal came after the terminal.
-        NoTerminal: the stream ended without a terminal chunk.
-    """
-    if not isinstance(stream, AsyncIterator):
-        if inspect.iscoroutine(stream):
-            stream.close()
-        raise NotAStream(
-            f"generate returned {type(stream).__name__}, not an async iterator "
-            "(define it as `async def generate(...)` that yields)"
-        )
-    terminal: tuple[int, LLMEngineOutput] | None = None
-    index = 0
-    try:
-        async for chunk in stream:
-            if not isinstance(chunk, LLMEngineOutput):
-                raise NotAnOutput(
-                    f"chunk {index} is {type(chunk).__name__}, not LLMEngineOutput: "
-                    f"{_describe(chunk)}"
-                )
-            if terminal is not None:
-                first, last = terminal
-                where = f"after the terminal chunk {first} (finish_reason={last.finish_reason!r})"
-                if chunk.is_terminal:
-                    raise MultipleTerminals(
-                        f"chunk {index} is a second terminal {where}: {_describe(chunk)}"
-                    )
-                raise ChunkAfterTerminal(f"chunk {index} came {where}: {_describe(chunk)}")
-            if chunk.is_terminal:
-                if chunk.finish_reason not in FinishReason.ALL:
-                    raise BadFinishReason(
-                        f"chunk {index} has finish_reason={chunk.finish_reason!r}; "
-                        f"expected one of {sorted(FinishReason.ALL)}"
-                    )
-                terminal = (index, chunk)
-            yield chunk
-            index += 1
-    finally:
-        aclose = getattr(stream, "aclose", None)
-        if aclose is not None:
-            await aclose()
-    if terminal is None:
-        raise NoTerminal(f"the stream ended after {index} chunk(s) without a terminal chunk")
 
 
 @dataclass

@@ -50,7 +50,7 @@ from .metrics import StatusServer, WorkerMetrics
 from .model_card import CHUNK, ModelCard, build_card, read_card_file
 from .postprocess import postprocess
 from .runtime import DistributedRuntime
-from .testing import validate_stream
+from .stream_contract import validate_stream
 
 __all__ = ["ENGINE_GROUP", "Worker", "build_parser", "load_engine_class", "main"]
 
