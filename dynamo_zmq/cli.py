@@ -26,11 +26,11 @@ def add_kv_router_args(parser: argparse.ArgumentParser) -> None:
     """``--kv-overlap-score-weight``, ``--router-temperature``, ``--no-kv-events`` (with DYN_*)."""
     env = os.environ.get
     parser.add_argument(
-        "--kv-overlap-score-weight", type=float, default=float(env("DYN_KV_OVERLAP_SCORE_WEIGHT", "1.0")),
+        "--kv-overlap-score-weight", type=float, default=env("DYN_KV_OVERLAP_SCORE_WEIGHT", "1.0"),
         help="kv routing: weight of blocks to prefill against decode load [DYN_KV_OVERLAP_SCORE_WEIGHT]",
     )
     parser.add_argument(
-        "--router-temperature", type=float, default=float(env("DYN_ROUTER_TEMPERATURE", "0.0")),
+        "--router-temperature", type=float, default=env("DYN_ROUTER_TEMPERATURE", "0.0"),
         help="kv routing: 0 picks the cheapest worker, > 0 samples by softmax [DYN_ROUTER_TEMPERATURE]",
     )
     parser.add_argument(
@@ -38,14 +38,14 @@ def add_kv_router_args(parser: argparse.ArgumentParser) -> None:
         help="kv routing: predict caches from routing decisions instead of KV events [DYN_KV_EVENTS=0]",
     )
     parser.add_argument(
-        "--load-report-ttl", type=float, default=float(env("DYN_LOAD_REPORT_TTL", "5.0")),
+        "--load-report-ttl", type=float, default=env("DYN_LOAD_REPORT_TTL", "5.0"),
         metavar="SECONDS",
         help="kv routing: how long a worker's published load stays authoritative; after it the "
              f"router's own prediction is used (> {MAX_LOAD_INTERVAL:g}, the slowest publish "
              "interval) [DYN_LOAD_REPORT_TTL]",
     )
     parser.add_argument(
-        "--load-report-grace", type=float, default=float(env("DYN_LOAD_REPORT_GRACE", "0.3")),
+        "--load-report-grace", type=float, default=env("DYN_LOAD_REPORT_GRACE", "0.3"),
         metavar="SECONDS",
         help="kv routing: requests routed this long before a load report stay counted on top of "
              "it, since the engine may not hold them yet (>= 0, < the TTL) [DYN_LOAD_REPORT_GRACE]",

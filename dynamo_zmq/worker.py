@@ -102,24 +102,24 @@ def build_parser(engine_cls: type[LLMEngine] | None = None, add_help: bool = Tru
         help="serve /metrics, /health, /live on this port (0 = any) [DYN_METRICS_PORT]",
     )
     parser.add_argument(
-        "--health-check-interval", type=float, default=float(_env("HEALTH_CHECK_INTERVAL", 10.0)),
+        "--health-check-interval", type=float, default=_env("HEALTH_CHECK_INTERVAL", "10.0"),
         help="run a 1-token canary after this many idle seconds [DYN_HEALTH_CHECK_INTERVAL]",
     )
     parser.add_argument(
-        "--grace-period", type=float, default=float(_env("GRACE_PERIOD", 0.5)),
+        "--grace-period", type=float, default=_env("GRACE_PERIOD", "0.5"),
         help="seconds between unregistering and refusing new requests [DYN_GRACE_PERIOD]",
     )
     parser.add_argument(
-        "--graceful-timeout", type=float, default=float(_env("GRACEFUL_TIMEOUT", 30.0)),
+        "--graceful-timeout", type=float, default=_env("GRACEFUL_TIMEOUT", "30.0"),
         help="seconds to wait for in-flight requests on shutdown [DYN_GRACEFUL_TIMEOUT]",
     )
     parser.add_argument(
-        "--load-interval", type=float, default=float(_env("LOAD_INTERVAL", 0.1)),
+        "--load-interval", type=float, default=_env("LOAD_INTERVAL", "0.1"),
         help=f"publish the engine's load for KV routers every this many seconds, 0 = never, at most "
              f"{MAX_LOAD_INTERVAL:g} (engines without load() publish nothing) [DYN_LOAD_INTERVAL]",
     )
     parser.add_argument(
-        "--load-port", type=int, default=int(_env("LOAD_PORT", 0)),
+        "--load-port", type=int, default=_env("LOAD_PORT", "0"),
         help="port of the load PUB socket, 0 = any [DYN_LOAD_PORT]",
     )
     parser.add_argument(

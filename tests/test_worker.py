@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -154,3 +155,18 @@ def test_help_lists_the_engines_own_flags():
     res = subprocess.run([sys.executable, "-m", "dynamo_zmq.worker", "--engine", "mocker", "--help"],
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and "--speedup-ratio" in res.stdout and "--model-path" in res.stdout
+
+
+@pytest.mark.parametrize(("main", "var", "flag"), [
+    ("dynamo_zmq.worker", "DYN_LOAD_INTERVAL", "--load-interval"),
+    ("dynamo_zmq.worker", "DYN_PORT", "--port"),
+    ("dynamo_zmq.frontend", "DYN_HTTP_PORT", "--http-port"),
+    ("dynamo_zmq.frontend", "DYN_ROUTER_TEMPERATURE", "--router-temperature"),
+    ("router", "DYN_LOAD_REPORT_TTL", "--load-report-ttl"),
+])
+def test_a_bad_dyn_variable_is_a_usage_error_not_a_traceback(main, var, flag):
+    """A ``DYN_*`` default that does not parse fails like the flag it stands for."""
+    res = subprocess.run([sys.executable, "-m", main], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, var: "not-a-number"})
+    assert res.returncode == 2, res.stderr
+    assert f"argument {flag}: invalid" in res.stderr and "Traceback" not in res.stderr

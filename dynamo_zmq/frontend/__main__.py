@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     env = os.environ.get
     parser = argparse.ArgumentParser(prog="python -m dynamo_zmq.frontend", description=__doc__.split("\n\n")[0])
     parser.add_argument("--http-host", default=env("DYN_HTTP_HOST", "127.0.0.1"), help="[DYN_HTTP_HOST]")
-    parser.add_argument("--http-port", type=int, default=int(env("DYN_HTTP_PORT", "8000")), help="0 = any [DYN_HTTP_PORT]")
+    parser.add_argument("--http-port", type=int, default=env("DYN_HTTP_PORT", "8000"), help="0 = any [DYN_HTTP_PORT]")
     parser.add_argument(
         "--router-mode", choices=sorted(ROUTER_MODES), default=env("DYN_ROUTER_MODE", "round-robin"),
         help="[DYN_ROUTER_MODE]",
@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_kv_router_args(parser)
     parser.add_argument("--namespace", default=env("DYN_NAMESPACE", "dynamo"), help="[DYN_NAMESPACE]")
     parser.add_argument(
-        "--request-timeout", type=float, default=float(env("DYN_REQUEST_TIMEOUT", "300")),
+        "--request-timeout", type=float, default=env("DYN_REQUEST_TIMEOUT", "300"),
         help="seconds to wait for a worker's next output before 504 [DYN_REQUEST_TIMEOUT]",
     )
     parser.add_argument("--model-cache", default=env("DYN_MODEL_CACHE"), help="where fetched tokenizer files are kept")
