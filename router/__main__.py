@@ -133,7 +133,11 @@ class RouterService:
             raise errors.InvalidArgument(f"unknown model {request.model!r}")
         if not request.token_ids:
             raise errors.InvalidArgument("token_ids must not be empty")
-        yield router.best_worker(request.token_ids).to_dict()
+        try:
+            decision = router.best_worker(request.token_ids)
+        except ValueError as exc:  # token ids outside uint32 (router.hashing)
+            raise errors.InvalidArgument(str(exc)) from exc
+        yield decision.to_dict()
 
 
 def _serves(name: str, endpoint: str) -> Callable[[PeerConnection], bool]:

@@ -127,8 +127,9 @@ async def test_kv_routing_end_to_end(namespace, spawn, make_runtime, cluster):
     client = await make_runtime().endpoint(f"{namespace}.router.best_worker").client()
     await client.wait_for_instances(timeout=15)
 
-    async def best(tokens: list[int]) -> dict:
-        stream = await client.generate({"model": "tiny", "token_ids": tokens})
+    async def best(tokens: list[int] | dict) -> dict:
+        request = tokens if isinstance(tokens, dict) else {"model": "tiny", "token_ids": tokens}
+        stream = await client.generate(request)
         answers = [r.data() async for r in stream]
         assert len(answers) == 1
         return answers[0]
@@ -143,6 +144,14 @@ async def test_kv_routing_end_to_end(namespace, spawn, make_runtime, cluster):
     answer = await eventually(router_knows, 20, "python -m router following the workers")
     assert f"{answer['worker_id']:x}/{answer['dp_rank']}" == target
     assert answer["matches"][target] >= PREFIX_BLOCKS and answer["prompt_blocks"] == PREFIX_BLOCKS
+    for bad, message in [({"model": "nosuch", "token_ids": [1]}, "unknown model"),
+                         ({"model": "tiny", "token_ids": []}, "must not be empty"),
+                         ({"model": "tiny", "token_ids": [5, -1]}, "token ids must be ints"),
+                         ({"model": "tiny", "token_ids": [2**40]}, "token ids must be ints"),
+                         ({"model": "tiny", "token_ids": "abc"}, "invalid request")]:
+        with pytest.raises(errors.InvalidArgument, match=message):
+            await best(bad)
+    assert (await best([*prefix, 42]))["overlap_blocks"] >= PREFIX_BLOCKS  # still serving
 
     # 4. Kill the worker holding the prefix: its blocks leave both indexes, others serve.
     victim = next(w for w in workers if f"{w.instance_id:x}" == target.split("/")[0])
