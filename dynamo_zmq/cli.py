@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 
@@ -23,7 +24,8 @@ def setup_logging() -> None:
 
 
 def add_kv_router_args(parser: argparse.ArgumentParser) -> None:
-    """``--kv-overlap-score-weight``, ``--router-temperature``, ``--no-kv-events`` (with DYN_*)."""
+    """``--kv-overlap-score-weight``, ``--router-temperature``, ``--no-kv-events``,
+    ``--load-report-ttl`` and ``--load-report-grace`` (each with its DYN_* variable)."""
     env = os.environ.get
     parser.add_argument(
         "--kv-overlap-score-weight", type=float, default=env("DYN_KV_OVERLAP_SCORE_WEIGHT", "1.0"),
@@ -53,10 +55,13 @@ def add_kv_router_args(parser: argparse.ArgumentParser) -> None:
 
 
 def check_kv_router_args(args: argparse.Namespace) -> None:
-    """Raises InvalidArgument for a negative weight or temperature, or load-report timings that
-    cannot work (a TTL a report could expire within between two sends, a grace outside it)."""
-    if args.kv_overlap_score_weight < 0 or args.router_temperature < 0:
-        raise InvalidArgument("--kv-overlap-score-weight and --router-temperature must be >= 0")
+    """Raises InvalidArgument for a weight or temperature that is negative or not finite, or
+    load-report timings that cannot work (a TTL a report could expire within between two sends,
+    a grace outside it)."""
+    for flag, value in (("--kv-overlap-score-weight", args.kv_overlap_score_weight),
+                        ("--router-temperature", args.router_temperature)):
+        if not (math.isfinite(value) and value >= 0):
+            raise InvalidArgument(f"{flag} must be a finite number >= 0, got {value}")
     if not args.load_report_ttl > MAX_LOAD_INTERVAL:  # (also refuses NaN)
         raise InvalidArgument(
             f"--load-report-ttl must be > {MAX_LOAD_INTERVAL:g} s (the slowest worker "

@@ -325,7 +325,7 @@ async def test_approximate_mode_routes_by_its_own_decisions(namespace, spawn, ma
 
 
 
-# -- load-report flags ---------------------------------------------------------------------------
+# -- kv-router flags ------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("main", ["router", "dynamo_zmq.frontend"])
@@ -334,9 +334,13 @@ async def test_approximate_mode_routes_by_its_own_decisions(namespace, spawn, ma
     (["--load-report-ttl", "nan"], "--load-report-ttl must be > 2"),
     (["--load-report-grace", "-0.1"], "--load-report-grace must be >= 0"),
     (["--load-report-ttl", "3", "--load-report-grace", "3"], "--load-report-grace must be >= 0"),
+    (["--kv-overlap-score-weight", "nan"], "--kv-overlap-score-weight must be a finite number"),
+    (["--kv-overlap-score-weight", "-1"], "--kv-overlap-score-weight must be a finite number"),
+    (["--router-temperature", "inf"], "--router-temperature must be a finite number"),
 ])
-def test_load_report_flags_that_cannot_work_are_refused(main, flags, message):
-    """A TTL within the slowest worker publish interval would let reports expire between sends."""
+def test_kv_router_flags_that_cannot_work_are_refused(main, flags, message):
+    """A NaN weight would make every cost NaN; a TTL within the slowest worker publish interval
+    would let reports expire between sends."""
     mode = ["--router-mode", "kv"] if main == "dynamo_zmq.frontend" else []
     res = subprocess.run([sys.executable, "-m", main, *mode, *flags],
                          capture_output=True, text=True, timeout=60)
