@@ -352,8 +352,8 @@ class KvRouter:
             replay_endpoint=worker.replay_endpoint, metrics=self.metrics, model=self.model,
             replay_timeout=self.config.replay_timeout,
         )
-        sub.start()
-        worker.subscriber = sub
+        if _started(sub, iid, "KV events", worker.events_endpoint):
+            worker.subscriber = sub
 
     def _subscribe_load(self, iid: int, worker: _Worker) -> None:
         assert worker.load_endpoint is not None
@@ -361,8 +361,8 @@ class KvRouter:
             self._zctx, iid, worker.load_endpoint, self._on_load, dp_size=worker.dp_size,
             metrics=self.metrics, model=self.model,
         )
-        sub.start()
-        worker.load_subscriber = sub
+        if _started(sub, iid, "load", worker.load_endpoint):
+            worker.load_subscriber = sub
 
     def _on_load(self, worker_id: int, ranks: list[EngineLoad]) -> None:
         if worker_id not in self._workers:  # left while the report was on its way
@@ -408,6 +408,18 @@ class KvRouter:
                 await asyncio.sleep(FOLLOW_INTERVAL)
 
 
+def _started(sub: KvEventSubscriber | LoadSubscriber, iid: int, what: str, endpoint: str) -> bool:
+    """Start ``sub``; an endpoint a worker advertises but ZMQ cannot connect to (``tcp://*:N``,
+    vLLM's bind form, is the likely one) is the worker's mistake: warn, and go on without it."""
+    try:
+        sub.start()
+    except zmq.ZMQError as exc:
+        log.warning("instance %x advertises %s at %r, which the router cannot connect to (%s): "
+                    "routing it without them", iid, what, endpoint, exc)
+        return False
+    return True
+
+
 def _engine_info(conn: PeerConnection, path: str) -> tuple[int, str | None, str | None, int]:
     """(data-parallel size, KV events endpoint, replay endpoint, block size) of an instance's
     engine, from the metadata of its endpoint ``path``."""
@@ -423,9 +435,9 @@ def _engine_info(conn: PeerConnection, path: str) -> tuple[int, str | None, str 
         block_size = int(engine.get("kv_block_size") or 0)
     except (TypeError, ValueError):
         dp_size, block_size = 1, 0
-    events = engine.get("kv_events_endpoint") or None
-    replay = engine.get("kv_replay_endpoint") or None
-    return dp_size, events, replay, block_size
+    events, replay = engine.get("kv_events_endpoint"), engine.get("kv_replay_endpoint")
+    return (dp_size, events if isinstance(events, str) and events else None,
+            replay if isinstance(replay, str) and replay else None, block_size)
 
 
 def _load_endpoint(conn: PeerConnection, path: str) -> str | None:

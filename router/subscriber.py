@@ -304,8 +304,15 @@ class KvEventSubscriber:
         assert self.replay_endpoint is not None
         # A fresh DEALER per replay: a late answer to an abandoned one can never be mistaken
         # for this one's.
-        sock = AsyncSocket(make_socket(self._zctx, zmq.DEALER, connect=self.replay_endpoint,
-                                       hwm=SUB_HWM, heartbeat_ms=0))
+        try:
+            sock = AsyncSocket(make_socket(self._zctx, zmq.DEALER, connect=self.replay_endpoint,
+                                           hwm=SUB_HWM, heartbeat_ms=0))
+        except zmq.ZMQError as exc:  # e.g. vLLM's bind form tcp://*:N advertised by mistake
+            log.warning("worker %x advertises KV replay at %r, which the router cannot connect to "
+                        "(%s): following its events without replay", self.worker_id,
+                        self.replay_endpoint, exc)
+            self.replay_endpoint = None
+            return None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._replay_timeout
         got: list[tuple[int, bytes]] = []

@@ -363,3 +363,43 @@ async def test_load_report_flags_reach_the_routers_load_tracker(namespace, make_
         assert default.loads.report_ttl == router_main.build_parser().parse_args([]).load_report_ttl
     finally:
         await default.close()
+
+
+# -- a worker advertising endpoints the router cannot connect -----------------------------------
+
+
+@pytest.mark.parametrize(("events", "replay", "bad"), [
+    ("tcp://*:5557", None, "tcp://*:5557"),
+    ("not an endpoint", "not an endpoint", "not an endpoint"),
+    ("tcp://127.0.0.1:9", "tcp://*:5558", "tcp://*:5558"),
+])
+async def test_an_unconnectable_kv_event_endpoint_is_a_warning_not_a_failure(
+        namespace, spawn, make_runtime, tiny_model, caplog, events, replay, bad):
+    """``tcp://*:N`` is vLLM's bind form, easy to advertise by mistake: the router warns, follows
+    the worker without what it cannot reach (events, or only their replay), and keeps routing."""
+    flags = ["--echo-kv-events-endpoint", events]
+    if replay is not None:
+        flags += ["--echo-kv-replay-endpoint", replay]
+    proc = spawn("-m", "dynamo_zmq.worker", "--engine", "tests.support.engines:EchoEngine", *flags,
+                 "--model-path", str(tiny_model), "--namespace", namespace, "--host", "127.0.0.1",
+                 "--discovery", "static")
+    rt = make_runtime(static=(proc.address,))
+    client = await rt.endpoint(f"{namespace}.backend.generate").client()
+    await client.wait_for_instances(timeout=15)
+    router = await KvRouter(client, 16, runtime=rt, model="echo").start()
+    try:
+        assert await until(client, lambda: router.followed() == [proc.instance_id], timeout=10)
+        sub = router.subscriber(proc.instance_id)
+        if bad == events:
+            assert sub is None
+        else:  # events followed; the failed replay is warned about, the subscriber keeps running
+            assert await until(client, lambda: any(repr(bad) in r.getMessage() for r in caplog.records), 10)
+            assert sub is not None and sub.running
+        stream = await router.generate(_request(list(range(1, 40)), 3))
+        chunks = [c.data() async for c in stream]
+        assert chunks[-1]["finish_reason"] == "length"
+    finally:
+        await router.close()
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(repr(bad) in w and "cannot connect" in w for w in warnings), warnings
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]

@@ -14,20 +14,25 @@ class EchoEngine(LLMEngine):
 
     name = "echo"
 
-    def __init__(self, delay: float = 0.0) -> None:
+    def __init__(self, delay: float = 0.0, events: str | None = None, replay: str | None = None) -> None:
         self.delay = delay
+        self.events, self.replay = events, replay
         self.aborted: list[str] = []
 
     @classmethod
     def add_args(cls, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--echo-delay", type=float, default=0.0)
+        # Advertised only (the echo engine publishes and answers nothing there).
+        parser.add_argument("--echo-kv-events-endpoint", default=None)
+        parser.add_argument("--echo-kv-replay-endpoint", default=None)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EchoEngine:
-        return cls(args.echo_delay)
+        return cls(args.echo_delay, args.echo_kv_events_endpoint, args.echo_kv_replay_endpoint)
 
     async def start(self, worker_id: int) -> EngineConfig:
-        return EngineConfig(model_name="echo", context_length=4096, kv_block_size=16)
+        return EngineConfig(model_name="echo", context_length=4096, kv_block_size=16,
+                            kv_events_endpoint=self.events, kv_replay_endpoint=self.replay)
 
     async def generate(self, request: PreprocessedRequest, ctx: Context):
         limit = request.stop.max_tokens or len(request.token_ids)
