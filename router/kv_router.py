@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 
 #: Seconds between two looks at the instance set when nothing signals a change.
 FOLLOW_INTERVAL = 1.0
+#: Most data-parallel ranks the router considers per instance (far above real deployments).
+MAX_DP_SIZE = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -433,8 +435,12 @@ def _engine_info(conn: PeerConnection, path: str) -> tuple[int, str | None, str 
     try:
         dp_size = max(1, int(engine.get("data_parallel_size") or 1))
         block_size = int(engine.get("kv_block_size") or 0)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         dp_size, block_size = 1, 0
+    if dp_size > MAX_DP_SIZE:  # every rank is a candidate in every decision: bound what a peer asks
+        log.warning("instance %x advertises %d data-parallel ranks; routing to its first %d",
+                    conn.instance_id, dp_size, MAX_DP_SIZE)
+        dp_size = MAX_DP_SIZE
     events, replay = engine.get("kv_events_endpoint"), engine.get("kv_replay_endpoint")
     return (dp_size, events if isinstance(events, str) and events else None,
             replay if isinstance(replay, str) and replay else None, block_size)

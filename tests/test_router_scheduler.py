@@ -17,7 +17,7 @@ from dynamo_zmq.cli import check_kv_router_args, kv_router_options
 from dynamo_zmq.engine import PreprocessedRequest, StopConditions
 from router.approx import ApproxIndexer
 from router.hashing import block_hashes
-from router.kv_router import KvRouter, KvRouterConfig
+from router.kv_router import MAX_DP_SIZE, KvRouter, KvRouterConfig
 from router.scheduler import LoadTracker, Scheduler, cost, softmax_sample
 from tests.support.waiting import until
 
@@ -403,3 +403,23 @@ async def test_an_unconnectable_kv_event_endpoint_is_a_warning_not_a_failure(
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert any(repr(bad) in w and "cannot connect" in w for w in warnings), warnings
     assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
+async def test_an_absurd_data_parallel_size_is_bounded(namespace, spawn, make_runtime, tiny_model, caplog):
+    """Every rank is a candidate in every decision: a peer claiming 10**12 ranks must not make
+    the router build a list that size."""
+    proc = spawn("-m", "dynamo_zmq.worker", "--engine", "tests.support.engines:EchoEngine",
+                 "--echo-data-parallel-size", str(10**12), "--model-path", str(tiny_model),
+                 "--namespace", namespace, "--host", "127.0.0.1", "--discovery", "static")
+    rt = make_runtime(static=(proc.address,))
+    client = await rt.endpoint(f"{namespace}.backend.generate").client()
+    await client.wait_for_instances(timeout=15)
+    router = await KvRouter(client, 16, runtime=rt, model="echo").start()
+    try:
+        assert await until(client, lambda: router.followed() == [proc.instance_id], timeout=10)
+        assert len(router.candidates()) == MAX_DP_SIZE
+        stream = await router.generate(_request(list(range(1, 40)), 3))
+        assert [c.data() async for c in stream][-1]["finish_reason"] == "length"
+    finally:
+        await router.close()
+    assert any("advertises 1000000000000 data-parallel ranks" in r.getMessage() for r in caplog.records)

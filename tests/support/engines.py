@@ -14,9 +14,10 @@ class EchoEngine(LLMEngine):
 
     name = "echo"
 
-    def __init__(self, delay: float = 0.0, events: str | None = None, replay: str | None = None) -> None:
+    def __init__(self, delay: float = 0.0, events: str | None = None, replay: str | None = None,
+                 dp_size: int = 1) -> None:
         self.delay = delay
-        self.events, self.replay = events, replay
+        self.events, self.replay, self.dp_size = events, replay, dp_size
         self.aborted: list[str] = []
 
     @classmethod
@@ -25,14 +26,17 @@ class EchoEngine(LLMEngine):
         # Advertised only (the echo engine publishes and answers nothing there).
         parser.add_argument("--echo-kv-events-endpoint", default=None)
         parser.add_argument("--echo-kv-replay-endpoint", default=None)
+        parser.add_argument("--echo-data-parallel-size", type=int, default=1)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EchoEngine:
-        return cls(args.echo_delay, args.echo_kv_events_endpoint, args.echo_kv_replay_endpoint)
+        return cls(args.echo_delay, args.echo_kv_events_endpoint, args.echo_kv_replay_endpoint,
+                   args.echo_data_parallel_size)
 
     async def start(self, worker_id: int) -> EngineConfig:
         return EngineConfig(model_name="echo", context_length=4096, kv_block_size=16,
-                            kv_events_endpoint=self.events, kv_replay_endpoint=self.replay)
+                            kv_events_endpoint=self.events, kv_replay_endpoint=self.replay,
+                            data_parallel_size=self.dp_size)
 
     async def generate(self, request: PreprocessedRequest, ctx: Context):
         limit = request.stop.max_tokens or len(request.token_ids)
