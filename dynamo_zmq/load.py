@@ -47,6 +47,8 @@ LOAD_TOPIC = b"load"
 #: Longest allowed ``--load-interval``: routers treat a report as current for 5 s by default
 #: (``--load-report-ttl``, which must exceed this), so slower reports would expire between sends.
 MAX_LOAD_INTERVAL = 2.0
+#: Largest load report decoded: a rank takes under 40 bytes, so this is thousands of ranks.
+MAX_REPORT_BYTES = 1 << 20
 #: Messages a PUB socket queues per subscriber: a report is stale soon, so keep few.
 PUB_HWM = 1000
 
@@ -86,8 +88,11 @@ def decode_report(payload: bytes) -> LoadReport:
     """Decode and validate one payload frame.
 
     Raises:
-        LoadDecodeError: anything else than a valid report of ``LOAD_VERSION``.
+        LoadDecodeError: anything else than a valid report of ``LOAD_VERSION``, or a payload
+            over ``MAX_REPORT_BYTES`` (not decoded at all).
     """
+    if len(payload) > MAX_REPORT_BYTES:
+        raise LoadDecodeError(f"load report of {len(payload)} bytes, over {MAX_REPORT_BYTES}")
     try:
         version = _head_decoder.decode(payload).version
         if version != LOAD_VERSION:

@@ -49,6 +49,11 @@ log = logging.getLogger(__name__)
 END_SEQ = 0xFFFFFFFFFFFFFFFF
 #: Receive high-water mark: PUB drops silently beyond it (vLLM's publisher uses 100k too).
 SUB_HWM = 200_000
+#: Largest KV-event batch decoded, in bytes. A batch storing a 1M-token prompt is ~5 MiB; a
+#: bigger one is skipped like an undecodable one (its blocks are not indexed, which only costs
+#: cache hits), so a runaway publisher cannot make the router decode gigabytes into Python ints.
+#: (ZMQ_MAXMSGSIZE is no substitute: libzmq then drops the connection for good, no reconnect.)
+MAX_BATCH_BYTES = 32 << 20
 #: Seconds a replay may take before it counts as failed.
 REPLAY_TIMEOUT = 3.0
 #: Messages handled between two yields to the event loop under a flood.
@@ -95,6 +100,8 @@ class KvEventSubscriber:
         replay_endpoint: the engine's ``kv_replay_endpoint`` (ROUTER), if any.
         metrics: shared router metrics; ``model`` labels them.
         replay_timeout: seconds before a replay counts as failed.
+        max_batch_bytes: batches with a bigger payload (live or replayed) are skipped, counted
+            as decode errors.
     """
 
     def __init__(
@@ -108,8 +115,10 @@ class KvEventSubscriber:
         metrics: RouterMetrics | None = None,
         model: str = "",
         replay_timeout: float = REPLAY_TIMEOUT,
+        max_batch_bytes: int = MAX_BATCH_BYTES,
     ) -> None:
         self._zctx = zctx
+        self._max_batch_bytes = max_batch_bytes
         self.worker_id = worker_id
         self.events_endpoint = events_endpoint
         self.replay_endpoint = replay_endpoint
@@ -262,6 +271,10 @@ class KvEventSubscriber:
 
     def _apply(self, seq: int, payload: bytes, live: bool) -> None:
         self.last_seq = seq
+        if len(payload) > self._max_batch_bytes:
+            self._count_decode_error("KV event batch %d is %d bytes, over the %d-byte limit: skipped",
+                                     seq, len(payload), self._max_batch_bytes)
+            return
         try:
             batch = decode_batch(payload)
         except EventDecodeError as exc:

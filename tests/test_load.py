@@ -19,6 +19,7 @@ from dynamo_zmq.engine import EngineLoad, PreprocessedRequest, RoutingHints, Sto
 from dynamo_zmq.load import (
     LOAD_TOPIC,
     LOAD_VERSION,
+    MAX_REPORT_BYTES,
     LoadDecodeError,
     LoadPublisher,
     LoadReport,
@@ -73,6 +74,14 @@ def test_any_bytes_decode_or_raise_load_decode_error(payload):
     except LoadDecodeError:
         return
     assert report.version == LOAD_VERSION and all(r.active_blocks >= 0 for r in report.ranks)
+
+
+def test_an_oversized_report_is_rejected_undecoded():
+    huge = LoadReport(LOAD_VERSION, 1, 0, 0.0, [EngineLoad(i, 1) for i in range(200_000)])
+    payload = encode_report(huge)
+    assert len(payload) > MAX_REPORT_BYTES
+    with pytest.raises(LoadDecodeError, match="over"):
+        decode_report(payload)
 
 
 def test_deep_nesting_is_a_load_decode_error():

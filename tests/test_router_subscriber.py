@@ -286,6 +286,42 @@ async def test_undecodable_batches_are_counted_and_skipped(zctx):
         pub.close(linger=0)
 
 
+async def test_an_oversized_batch_is_skipped_undecoded(zctx):
+    """A batch over ``max_batch_bytes`` is counted and skipped like an undecodable one (never a
+    gap): its blocks, and children chained to them, stay out of the index; the rest goes on."""
+    pub = zctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    index = KvIndexer(BS)
+    sub = KvEventSubscriber(zctx, WID, f"tcp://127.0.0.1:{port}", index, max_batch_bytes=64 << 10)
+    sub.start()
+    seq = 0
+
+    def send(blocks: list[int], tokens: list[int], parent: int | None = None) -> None:
+        nonlocal seq
+        pub.send_multipart([b"kv-events", seq.to_bytes(8, "big"),
+                            encode_batch([BlockStored(blocks, parent, tokens, BS)], 1)])
+        seq += 1
+
+    try:
+        while sub.last_seq is None:  # slow joiner: until one arrives
+            send([1], [1] * BS)
+            await asyncio.sleep(0.01)
+        n = 40_000  # ~470 KiB of token ids
+        send(list(range(100, 100 + n)), [300] * (n * BS))
+        send([7], [7] * BS, parent=100 + n - 1)  # chained to the skipped batch
+        send([3], [3] * BS)
+        assert await sub.wait_for_seq(seq - 1)
+        assert sub.stats.decode_errors == 1 and sub.stats.gaps == 0 and sub.running
+        assert index.find_matches([300] * BS) == {}
+        assert index.find_matches([300] * (n * BS) + [7] * BS) == {}
+        assert index.find_matches([3] * BS) == {(WID, 1): 1}
+        assert index.stats.unknown_parent == 1
+    finally:
+        await sub.close()
+        pub.close(linger=0)
+
+
 async def test_a_killed_worker_leaves_the_routers_index(namespace, spawn, make_runtime, tiny_model):
     """Real worker processes: the router subscribes to each; SIGKILL one and its blocks go."""
     procs = [spawn("-m", "dynamo_zmq.worker", "--engine", "mocker", "--model-path", str(tiny_model),
