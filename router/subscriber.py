@@ -54,6 +54,9 @@ SUB_HWM = 200_000
 #: cache hits), so a runaway publisher cannot make the router decode gigabytes into Python ints.
 #: (ZMQ_MAXMSGSIZE is no substitute: libzmq then drops the connection for good, no reconnect.)
 MAX_BATCH_BYTES = 32 << 20
+#: Most bytes one replay may bring (vLLM keeps 10k batches for replay); beyond it the replay
+#: counts as failed, like one that times out.
+MAX_REPLAY_BYTES = 256 << 20
 #: Seconds a replay may take before it counts as failed.
 REPLAY_TIMEOUT = 3.0
 #: Messages handled between two yields to the event loop under a flood.
@@ -102,6 +105,7 @@ class KvEventSubscriber:
         replay_timeout: seconds before a replay counts as failed.
         max_batch_bytes: batches with a bigger payload (live or replayed) are skipped, counted
             as decode errors.
+        max_replay_bytes: a replay bringing more counts as failed.
     """
 
     def __init__(
@@ -116,9 +120,11 @@ class KvEventSubscriber:
         model: str = "",
         replay_timeout: float = REPLAY_TIMEOUT,
         max_batch_bytes: int = MAX_BATCH_BYTES,
+        max_replay_bytes: int = MAX_REPLAY_BYTES,
     ) -> None:
         self._zctx = zctx
         self._max_batch_bytes = max_batch_bytes
+        self._max_replay_bytes = max_replay_bytes
         self.worker_id = worker_id
         self.events_endpoint = events_endpoint
         self.replay_endpoint = replay_endpoint
@@ -329,6 +335,7 @@ class KvEventSubscriber:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._replay_timeout
         got: list[tuple[int, bytes]] = []
+        size = 0
         try:
             if sock.try_send([b"", start.to_bytes(8, "big")]) != SendResult.SENT:
                 return None
@@ -350,6 +357,11 @@ class KvEventSubscriber:
                     return got
                 if got and seq != got[-1][0] + 1:
                     return None  # not contiguous: not a usable replay
+                size += len(frames[3])
+                if size > self._max_replay_bytes:
+                    log.warning("worker %x: KV replay from %d over %d bytes; abandoned", self.worker_id,
+                                start, self._max_replay_bytes)
+                    return None
                 got.append((seq, frames[3]))
         finally:
             sock.close()

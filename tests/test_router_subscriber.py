@@ -78,12 +78,12 @@ def truth(engine: MockerEngine, prompt: list[int]) -> dict[tuple[int, int], int]
 
 
 def subscriber(zctx: Any, engine: MockerEngine, index: KvIndexer, replay: bool = True,
-               metrics: RouterMetrics | None = None) -> KvEventSubscriber:
+               metrics: RouterMetrics | None = None, **options: Any) -> KvEventSubscriber:
     cfg = engine.engine_config
     assert cfg is not None and cfg.kv_events_endpoint and cfg.kv_replay_endpoint
     sub = KvEventSubscriber(zctx, WID, cfg.kv_events_endpoint, index,
                             replay_endpoint=cfg.kv_replay_endpoint if replay else None,
-                            metrics=metrics, model="m", replay_timeout=2.0)
+                            metrics=metrics, model="m", replay_timeout=2.0, **options)
     sub.start()
     return sub
 
@@ -249,6 +249,28 @@ async def test_a_replay_that_cannot_reach_back_drops_the_state(zctx):
     finally:
         await sub.close()
         await engine.cleanup()
+
+
+async def test_a_replay_over_its_byte_bound_fails_and_drops_the_state(zctx, engine):
+    """A replay that brings more than ``max_replay_bytes`` is abandoned like one that times
+    out: the gap stays open, so the worker's state is dropped, never half-trusted."""
+    index = KvIndexer(BS)
+    sub = subscriber(zctx, engine, index, max_replay_bytes=2_000)
+    try:
+        await live(engine, sub)
+        await workload(engine, prompts(1, 2))
+        await caught_up(engine, sub)
+        drops, failed = sub.stats.state_drops, sub.stats.replays_failed
+        with Dropped(engine):
+            await workload(engine, prompts(50, 10))  # well over 2,000 bytes of batches
+        await workload(engine, [[400] * (2 * BS)])
+        await caught_up(engine, sub)
+        assert sub.stats.replays_failed == failed + 1 and sub.stats.state_drops == drops + 1
+        for p in prompts(1, 2) + prompts(50, 10) + [[400] * (2 * BS)]:
+            got, real = index.find_matches(p), truth(engine, p)
+            assert all(real.get(k, 0) >= n for k, n in got.items()), (p, got, real)
+    finally:
+        await sub.close()
 
 
 async def test_undecodable_batches_are_counted_and_skipped(zctx):
