@@ -25,7 +25,8 @@ def setup_logging() -> None:
 
 def add_kv_router_args(parser: argparse.ArgumentParser) -> None:
     """``--kv-overlap-score-weight``, ``--router-temperature``, ``--no-kv-events``,
-    ``--load-report-ttl`` and ``--load-report-grace`` (each with its DYN_* variable)."""
+    ``--router-ttl``, ``--load-report-ttl`` and ``--load-report-grace`` (each with its DYN_*
+    variable)."""
     env = os.environ.get
     parser.add_argument(
         "--kv-overlap-score-weight", type=float, default=env("DYN_KV_OVERLAP_SCORE_WEIGHT", "1.0"),
@@ -38,6 +39,11 @@ def add_kv_router_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-kv-events", action="store_true", default=env("DYN_KV_EVENTS", "1") == "0",
         help="kv routing: predict caches from routing decisions instead of KV events [DYN_KV_EVENTS=0]",
+    )
+    parser.add_argument(
+        "--router-ttl", type=float, default=env("DYN_ROUTER_TTL", "120"), metavar="SECONDS",
+        help="kv routing without events: how long a routed prompt's blocks count as cached on the "
+             "worker it went to [DYN_ROUTER_TTL]",
     )
     parser.add_argument(
         "--load-report-ttl", type=float, default=env("DYN_LOAD_REPORT_TTL", "5.0"),
@@ -62,6 +68,8 @@ def check_kv_router_args(args: argparse.Namespace) -> None:
                         ("--router-temperature", args.router_temperature)):
         if not (math.isfinite(value) and value >= 0):
             raise InvalidArgument(f"{flag} must be a finite number >= 0, got {value}")
+    if not (math.isfinite(args.router_ttl) and args.router_ttl > 0):
+        raise InvalidArgument(f"--router-ttl must be a finite number > 0, got {args.router_ttl}")
     if not args.load_report_ttl > MAX_LOAD_INTERVAL:  # (also refuses NaN)
         raise InvalidArgument(
             f"--load-report-ttl must be > {MAX_LOAD_INTERVAL:g} s (the slowest worker "
@@ -79,6 +87,7 @@ def kv_router_options(args: argparse.Namespace) -> dict[str, object]:
         "overlap_score_weight": args.kv_overlap_score_weight,
         "router_temperature": args.router_temperature,
         "use_kv_events": not args.no_kv_events,
+        "approx_ttl": args.router_ttl,
         "load_report_ttl": args.load_report_ttl,
         "load_report_grace": args.load_report_grace,
     }

@@ -65,7 +65,7 @@ class KvRouterConfig:
     router_temperature: float = 0.0
     #: Index from the engines' KV events; False: from routing decisions [--no-kv-events].
     use_kv_events: bool = True
-    #: Approximate mode: seconds a routed prefix counts as cached.
+    #: Approximate mode: seconds a routed prefix counts as cached [--router-ttl].
     approx_ttl: float = DEFAULT_TTL
     #: Output tokens a request is expected to add to its worker's load (capped max_tokens).
     max_expected_output_tokens: int = 256

@@ -337,6 +337,7 @@ async def test_approximate_mode_routes_by_its_own_decisions(namespace, spawn, ma
     (["--kv-overlap-score-weight", "nan"], "--kv-overlap-score-weight must be a finite number"),
     (["--kv-overlap-score-weight", "-1"], "--kv-overlap-score-weight must be a finite number"),
     (["--router-temperature", "inf"], "--router-temperature must be a finite number"),
+    (["--router-ttl", "0"], "--router-ttl must be a finite number > 0"),
 ])
 def test_kv_router_flags_that_cannot_work_are_refused(main, flags, message):
     """A NaN weight would make every cost NaN; a TTL within the slowest worker publish interval
@@ -347,15 +348,16 @@ def test_kv_router_flags_that_cannot_work_are_refused(main, flags, message):
     assert res.returncode == 2 and message in res.stderr
 
 
-async def test_load_report_flags_reach_the_routers_load_tracker(namespace, make_runtime):
+async def test_kv_router_flags_reach_the_router(namespace, make_runtime):
     args = router_main.build_parser().parse_args(
-        ["--load-report-ttl", "7.5", "--load-report-grace", "0.05"])
+        ["--load-report-ttl", "7.5", "--load-report-grace", "0.05", "--no-kv-events", "--router-ttl", "9"])
     check_kv_router_args(args)
     rt = make_runtime()
     client = await rt.endpoint(f"{namespace}.backend.generate").client()
     router = KvRouter(client, 16, KvRouterConfig(**kv_router_options(args)), runtime=rt)
     try:
         assert (router.loads.report_ttl, router.loads.report_grace) == (7.5, 0.05)
+        assert isinstance(router.indexer, ApproxIndexer) and router.indexer.ttl == 9
     finally:
         await router.close()
     default = KvRouter(client, 16, runtime=rt)
