@@ -20,6 +20,7 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dynamo_zmq.transport.server import MAX_REQUEST_BYTES
 from dynamo_zmq.wire import (
     CLIENT_KINDS,
     Batch,
@@ -355,6 +356,16 @@ async def test_valid_requests_the_server_must_refuse(target: Target, raw: RawPee
     barrage()
     target.assert_healthy(raw)
     await assert_runtime_client_streams(target, make_runtime)
+
+
+def test_an_oversized_request_is_refused_before_its_payload_is_decoded(target: Target, raw: RawPeer) -> None:
+    rid = target.rid()
+    blob = encode_item({"n": 1, "pad": b"x" * (MAX_REQUEST_BYTES + 1)})
+    raw.send(Kind.REQUEST, encode(Request(rid, target.count, "ctx", blob)))
+    [answer] = raw.barrier()
+    err = assert_invalid(answer, (rid,))
+    assert f"over the {MAX_REQUEST_BYTES}-byte limit" in err.message
+    target.assert_healthy(raw)
 
 
 def test_controls_for_unknown_streams_are_ignored(target: Target, raw: RawPeer) -> None:

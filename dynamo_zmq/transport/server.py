@@ -52,6 +52,9 @@ Handler = Callable[[msgspec.Raw, Context], AsyncIterator[Any]]
 MAX_BATCH = 256
 #: A client that has sent nothing (not even a ping) for this long is gone: kill its streams.
 CLIENT_TIMEOUT = 3.0
+#: Largest request payload handed to a handler, in bytes; a bigger one is refused with
+#: InvalidArgument before anything decodes it (a 1M-token prompt is ~5 MiB of MessagePack).
+MAX_REQUEST_BYTES = 64 << 20
 
 _decoders = {
     Kind.REQUEST: msgspec.msgpack.Decoder(Request),
@@ -126,6 +129,7 @@ class Server:
         self.rev = 0
         self.draining = False  # clients are told to route new work elsewhere
         self.refusing = False  # new requests are rejected with EngineShutdown
+        self.max_request_bytes = MAX_REQUEST_BYTES
         self.address = ""
         self._sock: AsyncSocket | None = None
         self._streams: dict[tuple[bytes, int], _Stream] = {}
@@ -283,6 +287,10 @@ class Server:
             return
         if req.window <= 0:
             reject(errors.InvalidArgument("window must be positive"))
+            return
+        if len(req.payload) > self.max_request_bytes:
+            reject(errors.InvalidArgument(
+                f"request payload of {len(req.payload)} bytes is over the {self.max_request_bytes}-byte limit"))
             return
         st = _Stream(identity, req.request_id, Context(req.context_id), req.window)
         self._streams[key] = st
