@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import sys
+from typing import Any
 
 from .errors import InvalidArgument
 from .load import MAX_LOAD_INTERVAL  # a load report must outlive the slowest publish interval
@@ -81,7 +82,7 @@ def check_kv_router_args(args: argparse.Namespace) -> None:
         )
 
 
-def kv_router_options(args: argparse.Namespace) -> dict[str, object]:
+def kv_router_options(args: argparse.Namespace) -> dict[str, Any]:
     """``router.kv_router.KvRouterConfig`` keyword arguments from the flags above."""
     return {
         "overlap_score_weight": args.kv_overlap_score_weight,

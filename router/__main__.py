@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def serve(args: argparse.Namespace) -> int:
-    config = KvRouterConfig(**kv_router_options(args))  # type: ignore[arg-type]
+    config = KvRouterConfig(**kv_router_options(args))
     runtime = DistributedRuntime(config=RuntimeConfig.from_args(args))
     service = RouterService(runtime, args.namespace, config)
     status: StatusServer | None = None
