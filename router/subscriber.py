@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from typing import Any, Protocol
 
@@ -291,8 +292,9 @@ class KvEventSubscriber:
         m = self._metrics
         if m is not None:
             m.event_batches.labels(self._model).inc()
-            if live:
-                m.event_lag.labels(self._model).observe(max(0.0, time.time() - batch.ts))
+            lag = time.time() - batch.ts
+            if live and math.isfinite(lag):  # a NaN or infinite ts would poison the sum for good
+                m.event_lag.labels(self._model).observe(max(0.0, lag))
 
     def _drop_state(self) -> None:
         self._indexer.remove_worker(self.worker_id)

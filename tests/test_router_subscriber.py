@@ -7,10 +7,13 @@ Ground truth is the engine itself: for each prompt, the leading blocks its rank 
 from __future__ import annotations
 
 import asyncio
+import math
 import signal
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 import pytest
 import zmq
 
@@ -303,6 +306,42 @@ async def test_undecodable_batches_are_counted_and_skipped(zctx):
         assert await sub.wait_for_seq(seq - 1)
         assert sub.stats.decode_errors == 3 and sub.stats.gaps == 0
         assert index.find_matches([2] * BS) == {(WID, 1): 1}
+    finally:
+        await sub.close()
+        pub.close(linger=0)
+
+
+async def test_odd_batch_timestamps_never_poison_the_event_lag_metric(zctx):
+    pub = zctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    index, metrics = KvIndexer(BS), RouterMetrics()
+    sub = KvEventSubscriber(zctx, WID, f"tcp://127.0.0.1:{port}", index, metrics=metrics, model="m")
+    sub.start()
+    seq = 0
+
+    def send(ts: float, h: int) -> None:
+        nonlocal seq
+        batch = msgspec.msgpack.encode([ts, [{"type": "BlockStored", "block_hashes": [h],
+                                              "parent_block_hash": None, "token_ids": [h] * BS,
+                                              "block_size": BS}], 0])
+        pub.send_multipart([b"kv-events", seq.to_bytes(8, "big"), batch])
+        seq += 1
+
+    try:
+        while sub.last_seq is None:  # slow joiner: until one arrives
+            send(time.time(), 1)
+            await asyncio.sleep(0.01)
+        assert await sub.wait_for_seq(seq - 1)
+        applied = sub.stats.applied
+        for i, ts in enumerate([math.nan, math.inf, -math.inf, 1e300, -1e300, time.time() + 60]):
+            send(ts, 2 + i)
+        assert await sub.wait_for_seq(seq - 1)
+        assert sub.stats.applied == applied + 6 and sub.stats.decode_errors == 0
+        text = metrics.render().decode()
+        total = next(line for line in text.splitlines()
+                     if line.startswith("dynamo_router_kv_event_lag_seconds_sum"))
+        assert math.isfinite(float(total.split()[-1])), total
     finally:
         await sub.close()
         pub.close(linger=0)
