@@ -200,7 +200,8 @@ class LLMEngine(abc.ABC):
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> LLMEngine:
-        """Build the engine from parsed flags (the worker's and the engine's own)."""
+        """Build the engine from parsed flags (the worker's and the engine's own). Bad flags or
+        model files raise ``errors.InvalidArgument``: the worker prints its message, exits 2."""
         return cls()
 
     @abc.abstractmethod

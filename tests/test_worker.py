@@ -115,13 +115,24 @@ async def test_third_party_engine_by_module_and_cancellation(namespace, spawn, m
     assert 'dynamo_worker_cancellations_total{model="echo"} 1.0' in body
 
 
-def test_bad_engine_and_missing_model_fail_clearly(tmp_path):
+def test_bad_engine_and_missing_model_fail_clearly(tmp_path, tiny_model):
     run = [sys.executable, "-m", "dynamo_zmq.worker", "--model-path", str(tmp_path)]
     res = subprocess.run([*run, "--engine", "nosuch"], capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "unknown engine 'nosuch'" in res.stderr and "mocker" in res.stderr
     res = subprocess.run([*run[:-2], "--model-path", str(tmp_path / "missing")], capture_output=True, text=True,
                          timeout=60)
     assert res.returncode == 2 and "not a directory" in res.stderr
+    for flags, message in [(["--block-size", "0"], "block_size must be >= 1"),
+                           (["--speedup-ratio", "nan"], "speedup_ratio must be > 0")]:
+        res = subprocess.run([*run[:-1], str(tiny_model), "--engine", "mocker", *flags],
+                             capture_output=True, text=True, timeout=60)
+        assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr
+    (tmp_path / "config.json").write_text("{not json")
+    res = subprocess.run([*run, "--engine", "mocker"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "config.json is not valid JSON" in res.stderr and "Traceback" not in res.stderr
+    (tmp_path / "config.json").unlink()
+    res = subprocess.run([*run, "--engine", "mocker"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "config.json not found" in res.stderr and "Traceback" not in res.stderr
     for bad in ("10", "-1"):  # reports slower than routers' TTL would expire between sends
         res = subprocess.run([*run, "--load-interval", bad], capture_output=True, text=True, timeout=60)
         assert res.returncode == 2 and "--load-interval must be" in res.stderr

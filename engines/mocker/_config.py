@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dynamo_zmq.errors import InvalidArgument
+
 __all__ = ["MockerConfig", "add_mocker_args", "config_from_args", "read_model_dir"]
 
 DEFAULT_CONTEXT_LENGTH = 8192
@@ -113,7 +115,19 @@ def read_model_dir(path: str | Path) -> dict[str, Any]:
 
 
 def config_from_args(args: argparse.Namespace) -> MockerConfig:
-    """Build a ``MockerConfig`` from the worker's parsed flags (missing flags take defaults)."""
+    """Build a ``MockerConfig`` from the worker's parsed flags (missing flags take defaults).
+
+    Raises:
+        InvalidArgument: a flag out of range, or a model directory without a readable
+            config.json.
+    """
+    try:
+        return _config_from_args(args)
+    except (OSError, ValueError) as exc:  # MockerConfig's checks, a missing or bad config.json
+        raise InvalidArgument(str(exc)) from exc
+
+
+def _config_from_args(args: argparse.Namespace) -> MockerConfig:
     def get(name: str, default: Any) -> Any:
         value = getattr(args, name, None)
         return default if value is None else value
@@ -159,6 +173,8 @@ def _read_json(path: Path) -> dict[str, Any] | None:
         data = json.loads(path.read_text())
     except FileNotFoundError:
         return None
+    except ValueError as exc:  # bad JSON or not UTF-8
+        raise ValueError(f"{path} is not valid JSON: {exc}") from exc
     return data if isinstance(data, dict) else None
 
 
