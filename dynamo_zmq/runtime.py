@@ -57,6 +57,7 @@ __all__ = [
     "Endpoint",
     "Namespace",
     "RouterMode",
+    "check_name",
     "dynamo_endpoint",
     "dynamo_worker",
 ]
@@ -108,7 +109,7 @@ class DistributedRuntime:
     # -- naming ----------------------------------------------------------------------------
 
     def namespace(self, name: str) -> Namespace:
-        return Namespace(self, _check_name(name, "namespace"))
+        return Namespace(self, check_name(name, "namespace"))
 
     def endpoint(self, path: str) -> Endpoint:
         """``"ns.component.endpoint"`` (or ``"dyn://ns.component.endpoint"``)."""
@@ -270,7 +271,7 @@ class Namespace:
         self.name = name
 
     def component(self, name: str) -> Component:
-        return Component(self, _check_name(name, "component"))
+        return Component(self, check_name(name, "component"))
 
     def __repr__(self) -> str:
         return f"Namespace({self.name!r})"
@@ -286,7 +287,7 @@ class Component:
         return self._namespace
 
     def endpoint(self, name: str) -> Endpoint:
-        return Endpoint(self, _check_name(name, "endpoint"))
+        return Endpoint(self, check_name(name, "endpoint"))
 
     async def create_service(self) -> None:
         """Make sure this process can serve (binds the request-plane socket)."""
@@ -423,7 +424,8 @@ def _accepts_context(handler: Callable[..., Any]) -> bool:
     return len(positional) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in params)
 
 
-def _check_name(name: str, what: str) -> str:
+def check_name(name: str, what: str) -> str:
+    """``name`` if it can be a namespace, component or endpoint name, else InvalidArgument."""
     if not name or "." in name or any(c.isspace() for c in name):
         raise errors.InvalidArgument(f"{what} name {name!r} must be non-empty, without dots or spaces")
     return name

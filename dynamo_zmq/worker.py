@@ -49,7 +49,7 @@ from .load import MAX_LOAD_INTERVAL, LoadPublisher
 from .metrics import StatusServer, WorkerMetrics
 from .model_card import CHUNK, ModelCard, build_card, read_card_file
 from .postprocess import postprocess
-from .runtime import DistributedRuntime
+from .runtime import DistributedRuntime, check_name
 from .stream_contract import validate_stream
 
 __all__ = ["ENGINE_GROUP", "Worker", "build_parser", "load_engine_class", "main"]
@@ -409,6 +409,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[type[LLMEngine], argp
     pre, _ = build_parser(add_help=False).parse_known_args(argv)  # --help waits for the engine's flags
     engine_cls = load_engine_class(pre.engine)
     args = build_parser(engine_cls).parse_args(argv)
+    for what in ("namespace", "component", "endpoint"):
+        check_name(getattr(args, what), what)
     if args.model_path is not None and not Path(args.model_path).is_dir():
         raise errors.InvalidArgument(f"--model-path {args.model_path!r} is not a directory")
     if not 0 <= args.load_interval <= MAX_LOAD_INTERVAL:

@@ -38,7 +38,7 @@ from dynamo_zmq.cli import (
 from dynamo_zmq.config import RuntimeConfig, add_runtime_args
 from dynamo_zmq.metrics import StatusServer
 from dynamo_zmq.model_card import ModelCard
-from dynamo_zmq.runtime import DistributedRuntime
+from dynamo_zmq.runtime import DistributedRuntime, check_name
 from dynamo_zmq.transport import PeerConnection
 
 from .kv_router import KvRouter, KvRouterConfig
@@ -202,6 +202,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         RuntimeConfig.from_args(args)
         check_kv_router_args(args)
+        check_name(args.namespace, "namespace")
+        check_name(args.component, "component")
         if args.wait_for_workers < 0:
             raise errors.InvalidArgument("--wait-for-workers must be >= 0")
     except errors.DynamoError as exc:

@@ -7,6 +7,9 @@ import http.client
 import json
 import re
 import signal
+import socket
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 
@@ -274,3 +277,26 @@ async def test_cached_prompt_tokens_are_reported(served):
     second = await client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 64
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--namespace", "a.b"], "namespace name 'a.b' must be non-empty, without dots"),
+    (["--http-port", "70000"], "--http-port must be 0-65535"),
+    (["--request-timeout", "nan"], "--request-timeout must be a finite number > 0"),
+    (["--request-timeout", "-1"], "--request-timeout must be a finite number > 0"),
+])
+def test_bad_flags_are_usage_errors(flags, message):
+    res = subprocess.run([sys.executable, "-m", "dynamo_zmq.frontend", "--discovery", "static", *flags],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr
+
+
+def test_a_taken_http_port_is_a_clear_error_not_a_traceback():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        res = subprocess.run([sys.executable, "-m", "dynamo_zmq.frontend", "--discovery", "static",
+                              "--http-port", str(port)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1, res.stderr
+    assert f"cannot serve HTTP on 127.0.0.1:{port}" in res.stderr and "Traceback" not in res.stderr

@@ -240,7 +240,11 @@ async def test_router_service_waits_for_workers(namespace, spawn, tiny_model):
     assert "following 2 workers" in router.logs() and first.instance_id != second.instance_id
 
 
-def test_wait_for_workers_must_not_be_negative():
-    res = subprocess.run([sys.executable, "-m", "router", "--wait-for-workers", "-1"],
-                         capture_output=True, text=True, timeout=60)
-    assert res.returncode == 2 and "--wait-for-workers must be >= 0" in res.stderr
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--wait-for-workers", "-1"], "--wait-for-workers must be >= 0"),
+    (["--namespace", "a.b"], "namespace name 'a.b' must be non-empty"),
+    (["--component", "x y"], "component name 'x y' must be non-empty"),
+])
+def test_bad_router_service_flags_are_usage_errors(flags, message):
+    res = subprocess.run([sys.executable, "-m", "router", *flags], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr

@@ -122,7 +122,9 @@ def test_bad_engine_and_missing_model_fail_clearly(tmp_path, tiny_model):
     res = subprocess.run([*run[:-2], "--model-path", str(tmp_path / "missing")], capture_output=True, text=True,
                          timeout=60)
     assert res.returncode == 2 and "not a directory" in res.stderr
-    for flags, message in [(["--block-size", "0"], "block_size must be >= 1"),
+    for flags, message in [(["--namespace", "a.b"], "namespace name 'a.b' must be non-empty"),
+                           (["--endpoint", ""], "endpoint name '' must be non-empty"),
+                           (["--block-size", "0"], "block_size must be >= 1"),
                            (["--speedup-ratio", "nan"], "speedup_ratio must be > 0")]:
         res = subprocess.run([*run[:-1], str(tiny_model), "--engine", "mocker", *flags],
                              capture_output=True, text=True, timeout=60)

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import importlib
 import logging
+import math
 import os
 import signal
 import sys
@@ -28,7 +29,7 @@ from .. import errors
 from ..cli import add_kv_router_args, check_kv_router_args, kv_router_options, setup_logging
 from ..config import RuntimeConfig
 from ..discovery import DiscoveryConfig, add_discovery_args
-from ..runtime import DistributedRuntime
+from ..runtime import DistributedRuntime, check_name
 from .app import FrontendApp
 from .models import ModelManager
 
@@ -85,11 +86,20 @@ async def serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
-    task = asyncio.create_task(server.serve(), name="uvicorn")
+
+    async def serve_http() -> bool:
+        try:
+            await server.serve()
+        except SystemExit:  # uvicorn could not listen (it logged why) and shut the app down
+            return False
+        return True
+
+    task = asyncio.create_task(serve_http(), name="uvicorn")
     while not server.started and not task.done():  # noqa: ASYNC110 (uvicorn offers no event)
         await asyncio.sleep(0.02)
     if task.done():
-        await task
+        if not task.result():
+            print(f"error: cannot serve HTTP on {args.http_host}:{args.http_port}", file=sys.stderr)
         return 1
     host, port = server.servers[0].sockets[0].getsockname()[:2]
     print(f"READY http://{host}:{port}", flush=True)
@@ -110,6 +120,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         DiscoveryConfig.from_args(args)
         check_kv_router_args(args)
+        check_name(args.namespace, "namespace")
+        if not 0 <= args.http_port <= 65535:
+            raise errors.InvalidArgument(f"--http-port must be 0-65535, got {args.http_port}")
+        if not (math.isfinite(args.request_timeout) and args.request_timeout > 0):
+            raise errors.InvalidArgument(f"--request-timeout must be a finite number > 0, got {args.request_timeout}")
     except errors.DynamoError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2
