@@ -12,6 +12,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from .errors import InvalidArgument
+
 __all__ = ["StatusServer", "WorkerMetrics"]
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -102,7 +104,10 @@ class StatusServer:
 
         self._metrics = metrics
         self._health = health
-        self._httpd = ThreadingHTTPServer((host, port), Handler)
+        try:
+            self._httpd = ThreadingHTTPServer((host, port), Handler)
+        except OSError as exc:  # the port is taken, the host is not ours...
+            raise InvalidArgument(f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}") from exc
         self._httpd.daemon_threads = True
         self.port = self._httpd.server_address[1]
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="status-http", daemon=True)

@@ -209,7 +209,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except errors.DynamoError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2
-    return asyncio.run(serve(args))
+    try:
+        return asyncio.run(serve(args))
+    except errors.DynamoError as exc:  # e.g. a --port or --metrics-port that cannot be bound
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

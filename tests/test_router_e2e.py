@@ -10,6 +10,7 @@ import random
 import re
 import select
 import signal
+import socket
 import subprocess
 import sys
 import urllib.error
@@ -248,3 +249,15 @@ async def test_router_service_waits_for_workers(namespace, spawn, tiny_model):
 def test_bad_router_service_flags_are_usage_errors(flags, message):
     res = subprocess.run([sys.executable, "-m", "router", *flags], capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("flag", ["--port", "--metrics-port"])
+def test_the_router_service_on_a_taken_port_fails_with_one_clear_line(flag):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        res = subprocess.run([sys.executable, "-m", "router", "--discovery", "static", "--host", "127.0.0.1",
+                              flag, str(port)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1, res.stderr
+    assert f"127.0.0.1:{port}: Address already in use" in res.stderr and "Traceback" not in res.stderr

@@ -14,6 +14,8 @@ import logging
 
 import zmq
 
+from .. import errors
+
 __all__ = ["AsyncSocket", "SendResult", "make_socket"]
 
 log = logging.getLogger(__name__)
@@ -41,7 +43,7 @@ def make_socket(
     """Create a socket with the project's standard options, bound or connected.
 
     ``bind`` may end in ``:0`` or ``:*`` for an ephemeral port; read it back with
-    ``LAST_ENDPOINT``.
+    ``LAST_ENDPOINT``. An address that cannot be bound raises ``errors.InvalidArgument``.
     """
     sock = zctx.socket(socket_type)
     try:
@@ -65,7 +67,10 @@ def make_socket(
         if bind is not None:
             if bind.endswith(":0"):
                 bind = bind[:-2] + ":*"
-            sock.bind(bind)
+            try:
+                sock.bind(bind)
+            except zmq.ZMQError as exc:  # the port is taken, the host is not ours...
+                raise errors.InvalidArgument(f"cannot bind {bind}: {zmq.strerror(exc.errno)}") from exc
         if connect is not None:
             sock.connect(connect)
     except BaseException:
