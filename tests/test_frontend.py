@@ -284,6 +284,7 @@ async def test_cached_prompt_tokens_are_reported(served):
     (["--http-port", "70000"], "--http-port must be 0-65535"),
     (["--request-timeout", "nan"], "--request-timeout must be a finite number > 0"),
     (["--request-timeout", "-1"], "--request-timeout must be a finite number > 0"),
+    (["--static-file", "/nonexistent/peers.txt"], "cannot read static discovery file"),
 ])
 def test_bad_flags_are_usage_errors(flags, message):
     res = subprocess.run([sys.executable, "-m", "dynamo_zmq.frontend", "--discovery", "static", *flags],

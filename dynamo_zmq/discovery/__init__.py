@@ -11,6 +11,7 @@ from ._base import PeerAdded as PeerAdded
 from ._base import PeerRemoved as PeerRemoved
 from ._config import DiscoveryConfig as DiscoveryConfig
 from ._config import add_discovery_args as add_discovery_args
+from ._config import read_static_file as read_static_file
 from .mdns import MdnsDiscovery as MdnsDiscovery
 from .static import StaticDiscovery as StaticDiscovery
 
@@ -27,6 +28,7 @@ __all__ = [
     "StaticDiscovery",
     "add_discovery_args",
     "make_discovery",
+    "read_static_file",
 ]
 
 

@@ -28,7 +28,7 @@ import uvicorn
 from .. import errors
 from ..cli import add_kv_router_args, check_kv_router_args, kv_router_options, setup_logging
 from ..config import RuntimeConfig
-from ..discovery import DiscoveryConfig, add_discovery_args
+from ..discovery import DiscoveryConfig, add_discovery_args, read_static_file
 from ..runtime import DistributedRuntime, check_name
 from .app import FrontendApp
 from .models import ModelManager
@@ -90,7 +90,7 @@ async def serve(args: argparse.Namespace) -> int:
     async def serve_http() -> bool:
         try:
             await server.serve()
-        except SystemExit:  # uvicorn could not listen (it logged why) and shut the app down
+        except SystemExit:  # uvicorn could not listen or start the app (it logged why)
             return False
         return True
 
@@ -99,7 +99,8 @@ async def serve(args: argparse.Namespace) -> int:
         await asyncio.sleep(0.02)
     if task.done():
         if not task.result():
-            print(f"error: cannot serve HTTP on {args.http_host}:{args.http_port}", file=sys.stderr)
+            print(f"error: cannot serve HTTP on {args.http_host}:{args.http_port} (why is logged above)",
+                  file=sys.stderr)
         return 1
     host, port = server.servers[0].sockets[0].getsockname()[:2]
     print(f"READY http://{host}:{port}", flush=True)
@@ -118,7 +119,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging()
     try:
         args = build_parser().parse_args(argv)
-        DiscoveryConfig.from_args(args)
+        discovery = DiscoveryConfig.from_args(args)
+        if discovery.backend == "static" and discovery.static_file is not None:
+            read_static_file(discovery.static_file)  # unreadable: say so now, not as a failed start
         check_kv_router_args(args)
         check_name(args.namespace, "namespace")
         if not 0 <= args.http_port <= 65535:
