@@ -106,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1  # a child died
     except KeyboardInterrupt:
         return 0
+    except (RuntimeError, TimeoutError) as exc:  # a child failed to start (its error is above)
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     finally:
         # Ctrl-C reaches the children too (same process group); a second one must not cut the
         # clean-up short and leave them running.

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -194,8 +195,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the status tool; returns the exit code (0, or 2 for bad arguments)."""
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.wait < 0:
-        parser.error("--wait must not be negative")
+    if not (math.isfinite(args.wait) and args.wait >= 0):  # NaN would wait forever
+        parser.error(f"--wait must be a finite number >= 0, got {args.wait}")
     try:
         discovery = DiscoveryConfig.from_args(args)
         rows = asyncio.run(collect_rows(discovery, args.namespace, args.wait))

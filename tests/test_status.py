@@ -127,3 +127,8 @@ def test_nothing_found_is_not_an_error(namespace) -> None:
     result = run_cli("-m", "dynamo_zmq.status", "--namespace", namespace, "--wait", "0.5")
     assert result.returncode == 0
     assert "no instances found" in result.stdout
+
+
+def test_a_wait_that_is_not_finite_is_a_usage_error(namespace) -> None:
+    result = run_cli("-m", "dynamo_zmq.status", "--namespace", namespace, "--wait", "nan")
+    assert result.returncode == 2 and "--wait must be a finite number >= 0" in result.stderr
