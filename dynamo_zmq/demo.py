@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
 import os
 import signal
 import sys
@@ -191,6 +192,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_runtime_args(parser)
     args = parser.parse_args(argv)
+    if not (math.isfinite(args.delay) and args.delay >= 0):
+        parser.error(f"--delay must be a finite number >= 0, got {args.delay}")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        parser.error(f"--timeout must be a finite number > 0, got {args.timeout}")
     # Stay on this machine unless told otherwise (flag, or DYN_MDNS_INTERFACES).
     args.mdns_interfaces = args.mdns_interfaces or "127.0.0.1"
     config = RuntimeConfig.from_args(args)
@@ -203,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except (TimeoutError, RuntimeError, DynamoError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {exc or type(exc).__name__}", file=sys.stderr)
         return 1
     return 0
 

@@ -54,3 +54,13 @@ def test_worker_only_is_listed_by_status(spawn) -> None:
     assert rows[0]["component"] == "backend"
     assert rows[0]["endpoints"] == ["generate"]
     assert rows[0]["address"] == worker.address
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--delay", "-1"], "--delay must be a finite number >= 0"),
+    (["--timeout", "nan"], "--timeout must be a finite number > 0"),
+])
+def test_bad_numbers_are_usage_errors(flags, message) -> None:
+    result = run_cli("-m", "dynamo_zmq.demo", *flags)
+    assert result.returncode == 2 and message in result.stderr
+    assert "started demo worker" not in result.stdout
