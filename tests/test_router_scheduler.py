@@ -370,6 +370,21 @@ async def test_kv_router_flags_reach_the_router(namespace, make_runtime):
 # -- a worker advertising endpoints the router cannot connect -----------------------------------
 
 
+async def _echo_worker_and_router(namespace, spawn, make_runtime, tiny_model, *flags: str):
+    """An echo worker process started with ``flags``, and a started KvRouter following it."""
+    proc = spawn("-m", "dynamo_zmq.worker", "--engine", "tests.support.engines:EchoEngine", *flags,
+                 "--model-path", str(tiny_model), "--namespace", namespace, "--host", "127.0.0.1",
+                 "--discovery", "static")
+    rt = make_runtime(static=(proc.address,))
+    client = await rt.endpoint(f"{namespace}.backend.generate").client()
+    await client.wait_for_instances(timeout=15)
+    router = await KvRouter(client, 16, runtime=rt, model="echo").start()
+    if not await until(client, lambda: router.followed() == [proc.instance_id], timeout=10):
+        await router.close()
+        raise AssertionError("the router never followed the worker")
+    return proc, router
+
+
 @pytest.mark.parametrize(("events", "replay", "bad"), [
     ("tcp://*:5557", None, "tcp://*:5557"),
     ("not an endpoint", "not an endpoint", "not an endpoint"),
@@ -382,20 +397,14 @@ async def test_an_unconnectable_kv_event_endpoint_is_a_warning_not_a_failure(
     flags = ["--echo-kv-events-endpoint", events]
     if replay is not None:
         flags += ["--echo-kv-replay-endpoint", replay]
-    proc = spawn("-m", "dynamo_zmq.worker", "--engine", "tests.support.engines:EchoEngine", *flags,
-                 "--model-path", str(tiny_model), "--namespace", namespace, "--host", "127.0.0.1",
-                 "--discovery", "static")
-    rt = make_runtime(static=(proc.address,))
-    client = await rt.endpoint(f"{namespace}.backend.generate").client()
-    await client.wait_for_instances(timeout=15)
-    router = await KvRouter(client, 16, runtime=rt, model="echo").start()
+    proc, router = await _echo_worker_and_router(namespace, spawn, make_runtime, tiny_model, *flags)
     try:
-        assert await until(client, lambda: router.followed() == [proc.instance_id], timeout=10)
         sub = router.subscriber(proc.instance_id)
         if bad == events:
             assert sub is None
         else:  # events followed; the failed replay is warned about, the subscriber keeps running
-            assert await until(client, lambda: any(repr(bad) in r.getMessage() for r in caplog.records), 10)
+            assert await until(router.client, lambda: any(repr(bad) in r.getMessage() for r in caplog.records),
+                               10)
             assert sub is not None and sub.running
         stream = await router.generate(_request(list(range(1, 40)), 3))
         chunks = [c.data() async for c in stream]
@@ -410,15 +419,9 @@ async def test_an_unconnectable_kv_event_endpoint_is_a_warning_not_a_failure(
 async def test_an_absurd_data_parallel_size_is_bounded(namespace, spawn, make_runtime, tiny_model, caplog):
     """Every rank is a candidate in every decision: a peer claiming 10**12 ranks must not make
     the router build a list that size."""
-    proc = spawn("-m", "dynamo_zmq.worker", "--engine", "tests.support.engines:EchoEngine",
-                 "--echo-data-parallel-size", str(10**12), "--model-path", str(tiny_model),
-                 "--namespace", namespace, "--host", "127.0.0.1", "--discovery", "static")
-    rt = make_runtime(static=(proc.address,))
-    client = await rt.endpoint(f"{namespace}.backend.generate").client()
-    await client.wait_for_instances(timeout=15)
-    router = await KvRouter(client, 16, runtime=rt, model="echo").start()
+    _, router = await _echo_worker_and_router(namespace, spawn, make_runtime, tiny_model,
+                                              "--echo-data-parallel-size", str(10**12))
     try:
-        assert await until(client, lambda: router.followed() == [proc.instance_id], timeout=10)
         assert len(router.candidates()) == MAX_DP_SIZE
         stream = await router.generate(_request(list(range(1, 40)), 3))
         assert [c.data() async for c in stream][-1]["finish_reason"] == "length"
