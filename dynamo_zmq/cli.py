@@ -12,7 +12,7 @@ from typing import Any
 from .errors import InvalidArgument
 from .load import MAX_LOAD_INTERVAL  # a load report must outlive the slowest publish interval
 
-__all__ = ["add_kv_router_args", "check_kv_router_args", "kv_router_options", "setup_logging"]
+__all__ = ["add_kv_router_args", "check_kv_router_args", "check_number", "kv_router_options", "setup_logging"]
 
 
 def setup_logging() -> None:
@@ -22,6 +22,14 @@ def setup_logging() -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+
+
+def check_number(flag: str, value: float, *, positive: bool = False) -> float:
+    """``value`` if it is finite and >= 0 (> 0 with ``positive``), else InvalidArgument naming
+    ``flag`` (NaN passes every ``<`` test, so a plain comparison would let it through)."""
+    if not (math.isfinite(value) and (value > 0 if positive else value >= 0)):
+        raise InvalidArgument(f"{flag} must be a finite number {'>' if positive else '>='} 0, got {value}")
+    return value
 
 
 def add_kv_router_args(parser: argparse.ArgumentParser) -> None:
@@ -65,12 +73,9 @@ def check_kv_router_args(args: argparse.Namespace) -> None:
     """Raises InvalidArgument for a weight or temperature that is negative or not finite, or
     load-report timings that cannot work (a TTL a report could expire within between two sends,
     a grace outside it)."""
-    for flag, value in (("--kv-overlap-score-weight", args.kv_overlap_score_weight),
-                        ("--router-temperature", args.router_temperature)):
-        if not (math.isfinite(value) and value >= 0):
-            raise InvalidArgument(f"{flag} must be a finite number >= 0, got {value}")
-    if not (math.isfinite(args.router_ttl) and args.router_ttl > 0):
-        raise InvalidArgument(f"--router-ttl must be a finite number > 0, got {args.router_ttl}")
+    check_number("--kv-overlap-score-weight", args.kv_overlap_score_weight)
+    check_number("--router-temperature", args.router_temperature)
+    check_number("--router-ttl", args.router_ttl, positive=True)
     if not args.load_report_ttl > MAX_LOAD_INTERVAL:  # (also refuses NaN)
         raise InvalidArgument(
             f"--load-report-ttl must be > {MAX_LOAD_INTERVAL:g} s (the slowest worker "

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import math
 import os
 import signal
 import sys
@@ -24,6 +23,7 @@ from asyncio.subprocess import Process
 from collections.abc import AsyncIterator
 from typing import Any
 
+from .cli import check_number
 from .config import RuntimeConfig, add_runtime_args
 from .discovery import DiscoveryConfig
 from .errors import DynamoError
@@ -192,10 +192,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_runtime_args(parser)
     args = parser.parse_args(argv)
-    if not (math.isfinite(args.delay) and args.delay >= 0):
-        parser.error(f"--delay must be a finite number >= 0, got {args.delay}")
-    if not (math.isfinite(args.timeout) and args.timeout > 0):
-        parser.error(f"--timeout must be a finite number > 0, got {args.timeout}")
+    try:
+        check_number("--delay", args.delay)
+        check_number("--timeout", args.timeout, positive=True)
+    except DynamoError as exc:
+        parser.error(exc.message)
     # Stay on this machine unless told otherwise (flag, or DYN_MDNS_INTERFACES).
     args.mdns_interfaces = args.mdns_interfaces or "127.0.0.1"
     config = RuntimeConfig.from_args(args)

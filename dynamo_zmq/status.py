@@ -14,12 +14,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
+from .cli import check_number
 from .config import RuntimeConfig
 from .discovery import DiscoveryConfig, add_discovery_args
 from .errors import DynamoError
@@ -195,8 +195,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the status tool; returns the exit code (0, or 2 for bad arguments)."""
     parser = _parser()
     args = parser.parse_args(argv)
-    if not (math.isfinite(args.wait) and args.wait >= 0):  # NaN would wait forever
-        parser.error(f"--wait must be a finite number >= 0, got {args.wait}")
+    try:
+        check_number("--wait", args.wait)  # NaN would wait forever
+    except DynamoError as exc:
+        parser.error(exc.message)
     try:
         discovery = DiscoveryConfig.from_args(args)
         rows = asyncio.run(collect_rows(discovery, args.namespace, args.wait))

@@ -2,7 +2,8 @@
 
 ``validate_stream`` (from ``dynamo_zmq.stream_contract``, re-exported here) wraps one
 ``generate`` stream and raises as soon as it breaks the stream contract; the worker wraps engine
-streams with it in debug mode, and tests wrap every engine stream with it. ``run_conformance(factory)`` runs the lifecycle checks of ``engine.py`` against
+streams with it in debug mode, and tests wrap every engine stream with it.
+``run_conformance(factory)`` runs the lifecycle checks of ``engine.py`` against
 fresh engines from ``factory`` and raises the first failure as a typed error:
 
     ConformanceError (AssertionError)  base; the message says what the engine did

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,6 +20,15 @@ from tests.support.procs import Proc
 def namespace() -> str:
     """A namespace no other test (or parallel run) uses."""
     return f"t{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def taken_port() -> Iterator[int]:
+    """A loopback TCP port something else is listening on, for the test's duration."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        yield taken.getsockname()[1]
 
 
 @pytest.fixture

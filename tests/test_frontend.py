@@ -7,7 +7,6 @@ import http.client
 import json
 import re
 import signal
-import socket
 import subprocess
 import sys
 import urllib.error
@@ -292,12 +291,9 @@ def test_bad_flags_are_usage_errors(flags, message):
     assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr
 
 
-def test_a_taken_http_port_is_a_clear_error_not_a_traceback():
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        res = subprocess.run([sys.executable, "-m", "dynamo_zmq.frontend", "--discovery", "static",
-                              "--http-port", str(port)], capture_output=True, text=True, timeout=60)
+def test_a_taken_http_port_is_a_clear_error_not_a_traceback(taken_port):
+    port = taken_port
+    res = subprocess.run([sys.executable, "-m", "dynamo_zmq.frontend", "--discovery", "static",
+                          "--http-port", str(port)], capture_output=True, text=True, timeout=60)
     assert res.returncode == 1, res.stderr
     assert f"cannot serve HTTP on 127.0.0.1:{port}" in res.stderr and "Traceback" not in res.stderr

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import subprocess
 import sys
 
@@ -27,16 +26,13 @@ def test_quickstart_serves_and_answers(tmp_path):
     assert answer["usage"]["completion_tokens"] == 16
 
 
-def test_a_port_in_use_is_one_clear_error_and_stops_the_worker(tmp_path):
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        res = subprocess.run(
-            [sys.executable, "-m", "dynamo_zmq.quickstart", "--http-port", str(port),
-             "--model-dir", str(tmp_path / "model")],
-            capture_output=True, text=True, timeout=180, cwd=ROOT,
-        )
+def test_a_port_in_use_is_one_clear_error_and_stops_the_worker(tmp_path, taken_port):
+    port = taken_port
+    res = subprocess.run(
+        [sys.executable, "-m", "dynamo_zmq.quickstart", "--http-port", str(port),
+         "--model-dir", str(tmp_path / "model")],
+        capture_output=True, text=True, timeout=180, cwd=ROOT,
+    )
     assert res.returncode == 1, res.stderr[-3000:]
     assert f"cannot serve HTTP on 127.0.0.1:{port}" in res.stderr and "frontend exited with 1" in res.stderr
     assert "Traceback" not in res.stderr and "worker stopped" in res.stderr

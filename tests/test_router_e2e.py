@@ -10,7 +10,6 @@ import random
 import re
 import select
 import signal
-import socket
 import subprocess
 import sys
 import urllib.error
@@ -252,12 +251,9 @@ def test_bad_router_service_flags_are_usage_errors(flags, message):
 
 
 @pytest.mark.parametrize("flag", ["--port", "--metrics-port"])
-def test_the_router_service_on_a_taken_port_fails_with_one_clear_line(flag):
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        res = subprocess.run([sys.executable, "-m", "router", "--discovery", "static", "--host", "127.0.0.1",
-                              flag, str(port)], capture_output=True, text=True, timeout=60)
+def test_the_router_service_on_a_taken_port_fails_with_one_clear_line(flag, taken_port):
+    port = taken_port
+    res = subprocess.run([sys.executable, "-m", "router", "--discovery", "static", "--host", "127.0.0.1",
+                          flag, str(port)], capture_output=True, text=True, timeout=60)
     assert res.returncode == 1, res.stderr
     assert f"127.0.0.1:{port}: Address already in use" in res.stderr and "Traceback" not in res.stderr

@@ -8,7 +8,6 @@ import hashlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -187,13 +186,10 @@ def test_a_bad_dyn_variable_is_a_usage_error_not_a_traceback(main, var, flag):
 
 
 @pytest.mark.parametrize("flag", ["--port", "--load-port", "--kv-events-port", "--kv-replay-port", "--metrics-port"])
-def test_a_taken_port_fails_the_start_with_one_clear_line(flag, tiny_model):
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        res = subprocess.run([sys.executable, *worker_args("ns", str(tiny_model), "--engine", "mocker",
-                                                            "--discovery", "static", flag, str(port))],
-                             capture_output=True, text=True, timeout=60)
+def test_a_taken_port_fails_the_start_with_one_clear_line(flag, tiny_model, taken_port):
+    port = taken_port
+    res = subprocess.run([sys.executable, *worker_args("ns", str(tiny_model), "--engine", "mocker",
+                                                        "--discovery", "static", flag, str(port))],
+                         capture_output=True, text=True, timeout=60)
     assert res.returncode == 1, res.stderr
     assert f"127.0.0.1:{port}: Address already in use" in res.stderr and "Traceback" not in res.stderr

@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import importlib
 import logging
-import math
 import os
 import signal
 import sys
@@ -26,7 +25,13 @@ from typing import Any
 import uvicorn
 
 from .. import errors
-from ..cli import add_kv_router_args, check_kv_router_args, kv_router_options, setup_logging
+from ..cli import (
+    add_kv_router_args,
+    check_kv_router_args,
+    check_number,
+    kv_router_options,
+    setup_logging,
+)
 from ..config import RuntimeConfig
 from ..discovery import DiscoveryConfig, add_discovery_args, read_static_file
 from ..runtime import DistributedRuntime, check_name
@@ -126,8 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_name(args.namespace, "namespace")
         if not 0 <= args.http_port <= 65535:
             raise errors.InvalidArgument(f"--http-port must be 0-65535, got {args.http_port}")
-        if not (math.isfinite(args.request_timeout) and args.request_timeout > 0):
-            raise errors.InvalidArgument(f"--request-timeout must be a finite number > 0, got {args.request_timeout}")
+        check_number("--request-timeout", args.request_timeout, positive=True)
     except errors.DynamoError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2
