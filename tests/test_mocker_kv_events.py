@@ -17,9 +17,9 @@ from dynamo_zmq.context import Context
 from dynamo_zmq.engine import PreprocessedRequest, RoutingHints, StopConditions
 from engines.mocker import MockerConfig, MockerEngine
 from engines.mocker._hashing import block_hash
-from tests.support.fixtures import SHARED, vllm_kv_events
+from tests.support.fixtures import VLLM_KV_EVENTS, vllm_kv_events
 
-FIXTURES = SHARED / "fixtures" / "vllm_kv_events" / "sha256_int64"
+FIXTURES = VLLM_KV_EVENTS
 TOPIC = b"kv-events"
 END = [b"", b"", b"\xff" * 8, b""]
 BS = 4
@@ -229,7 +229,7 @@ async def test_no_events_without_prefix_caching_or_when_disabled(zctx: zmq.async
 
 
 def test_payload_shape_matches_a_real_vllm_capture() -> None:
-    vllm_kv_events()  # fails clearly when shared/ is missing
+    vllm_kv_events()  # fails clearly when the captures are missing
     real = msgpack.unpackb((FIXTURES / "batch_seq0006.msgpack").read_bytes())
     real_stored = next(e for e in real[1] if e["type"] == "BlockStored")
     real_removed = next(e for e in real[1] if e["type"] == "BlockRemoved")

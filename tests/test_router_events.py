@@ -24,14 +24,14 @@ from router.events import (
     encode_batch,
     normalize_hash,
 )
-from tests.support.fixtures import SHARED, vllm_kv_events
+from tests.support.fixtures import VLLM_KV_EVENTS, vllm_kv_events
 
-FIXTURES = SHARED / "fixtures" / "vllm_kv_events" / "sha256_int64"
+FIXTURES = VLLM_KV_EVENTS
 MASK = (1 << 64) - 1
 
 
 def _fixture_files() -> list[Path]:
-    vllm_kv_events()  # fails clearly when shared/ is missing
+    vllm_kv_events()  # fails clearly when the captures are missing
     return sorted(FIXTURES.glob("batch_seq*.msgpack"))
 
 

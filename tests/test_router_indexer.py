@@ -17,9 +17,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from router.events import BlockRemoved, BlockStored, EventBatch, decode_batch, encode_batch
 from router.hashing import ROOT_SEED, block_hashes, root_hash, token_bytes
 from router.indexer import KvIndexer, WorkerKey
-from tests.support.fixtures import SHARED, vllm_kv_events
+from tests.support.fixtures import VLLM_KV_EVENTS, vllm_kv_events
 
-FIXTURES = SHARED / "fixtures" / "vllm_kv_events" / "sha256_int64"
+FIXTURES = VLLM_KV_EVENTS
 MASK = (1 << 64) - 1
 
 
@@ -88,7 +88,7 @@ class Model:
 
 
 def _captures() -> tuple[list[EventBatch], list[int], list[int]]:
-    vllm_kv_events()  # fails clearly when shared/ is missing
+    vllm_kv_events()  # fails clearly when the captures are missing
     batches = [decode_batch(p.read_bytes()) for p in sorted(FIXTURES.glob("batch_seq*.msgpack"))]
     req = json.loads((FIXTURES / "request1_tokens.json").read_text())
     return batches, req["prompt_token_ids"], req["output_token_ids"]

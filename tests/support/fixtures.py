@@ -1,24 +1,17 @@
-"""Shared data the tests read: the real vLLM KV-event captures in ``shared/`` beside the repo."""
+"""Data the tests read, kept in the repository (``tests/data``) so a bare clone has it."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-import pytest
-
-from tests.support.procs import ROOT
-
-SHARED = Path(os.environ.get("DYN_SHARED_DIR") or ROOT.parent / "shared")
+DATA = Path(__file__).resolve().parents[1] / "data"
+#: Real KV-event payloads published by vLLM 0.32 (see its README.md).
+VLLM_KV_EVENTS = DATA / "vllm_kv_events" / "sha256_int64"
 
 
 def vllm_kv_events() -> Path:
-    """The directory of vLLM 0.32 KV-event captures; a missing one fails the test (never skips)."""
-    path = SHARED / "fixtures" / "vllm_kv_events" / "sha256_int64"
-    if not path.is_dir():
-        pytest.fail(
-            f"the vLLM KV-event captures are missing at {path}: the project expects shared/ beside "
-            "the repository (as CI has it), or DYN_SHARED_DIR pointing at it",
-            pytrace=False,
-        )
-    return path
+    """The directory of vLLM 0.32 KV-event captures; fails loudly if it is empty or missing, so
+    no test passes over zero captures."""
+    batches = sorted(VLLM_KV_EVENTS.glob("batch_seq*.msgpack"))
+    assert batches, f"no vLLM KV-event captures in {VLLM_KV_EVENTS}"
+    return VLLM_KV_EVENTS
