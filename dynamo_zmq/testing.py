@@ -42,22 +42,20 @@ from typing import TypeVar
 import msgspec
 
 from .context import Context
-from .engine import (
+from .llm import (
+    BadFinishReason,
+    ChunkAfterTerminal,
+    ConformanceError,
     EngineConfig,
     FinishReason,
     LLMEngine,
     LLMEngineOutput,
-    PreprocessedRequest,
-    StopConditions,
-)
-from .stream_contract import (
-    BadFinishReason,
-    ChunkAfterTerminal,
-    ConformanceError,
     MultipleTerminals,
     NotAnOutput,
     NotAStream,
     NoTerminal,
+    PreprocessedRequest,
+    StopConditions,
     StreamContractError,
     validate_stream,
 )

@@ -29,20 +29,20 @@ from typing import Any
 import msgspec
 
 from dynamo_zmq import errors
-from dynamo_zmq.cli import (
-    add_kv_router_args,
-    check_kv_router_args,
-    kv_router_options,
+from dynamo_zmq.llm import ModelCard
+from dynamo_zmq.runtime import (
+    DistributedRuntime,
+    RuntimeConfig,
+    StatusServer,
+    add_runtime_args,
+    check_name,
     setup_logging,
 )
-from dynamo_zmq.config import RuntimeConfig, add_runtime_args
-from dynamo_zmq.metrics import StatusServer
-from dynamo_zmq.model_card import ModelCard
-from dynamo_zmq.runtime import DistributedRuntime, check_name
 from dynamo_zmq.transport import PeerConnection
 
 from .kv_router import KvRouter, KvRouterConfig
 from .metrics import RouterMetrics
+from .options import add_kv_router_args, check_kv_router_args, kv_router_options
 
 log = logging.getLogger("router")
 

@@ -33,7 +33,7 @@ from typing import Any
 import msgspec
 import xxhash
 
-from dynamo_zmq.kv_events import (
+from dynamo_zmq.llm import (
     MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,

@@ -30,10 +30,9 @@ from typing import Any
 import zmq
 
 from dynamo_zmq import errors
-from dynamo_zmq._client import Client
-from dynamo_zmq._retry import MAX_ATTEMPTS
 from dynamo_zmq.context import Context
-from dynamo_zmq.engine import EngineLoad, PreprocessedRequest
+from dynamo_zmq.llm import EngineLoad, PreprocessedRequest
+from dynamo_zmq.runtime import MAX_ATTEMPTS, Client
 from dynamo_zmq.transport import PeerConnection
 
 from .approx import DEFAULT_TTL, ApproxIndexer

@@ -18,8 +18,7 @@ from typing import Any
 
 import zmq
 
-from dynamo_zmq.engine import EngineLoad
-from dynamo_zmq.load import LOAD_TOPIC, LoadDecodeError, decode_report
+from dynamo_zmq.llm import LOAD_TOPIC, EngineLoad, LoadDecodeError, decode_report
 from dynamo_zmq.transport import AsyncSocket, make_socket
 
 from .metrics import RouterMetrics

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from dynamo_zmq import errors
-from dynamo_zmq._retry import RetryingStream
-from dynamo_zmq.engine import PreprocessedRequest
+from dynamo_zmq.llm import PreprocessedRequest
+from dynamo_zmq.runtime import RetryingStream
 from dynamo_zmq.transport import Response, ResponseStream
 
 from .scheduler import Route

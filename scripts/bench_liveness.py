@@ -24,9 +24,8 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("DYN_MDNS_INTERFACES", "127.0.0.1")
 
 from dynamo_zmq import errors  # noqa: E402
-from dynamo_zmq.config import RuntimeConfig  # noqa: E402
 from dynamo_zmq.discovery import DiscoveryConfig  # noqa: E402
-from dynamo_zmq.runtime import DistributedRuntime  # noqa: E402
+from dynamo_zmq.runtime import DistributedRuntime, RuntimeConfig  # noqa: E402
 from tests.support.procs import Proc  # noqa: E402
 
 

@@ -22,9 +22,8 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dynamo_zmq.config import RuntimeConfig  # noqa: E402
 from dynamo_zmq.discovery import DiscoveryConfig  # noqa: E402
-from dynamo_zmq.runtime import DistributedRuntime  # noqa: E402
+from dynamo_zmq.runtime import DistributedRuntime, RuntimeConfig  # noqa: E402
 from tests.support.procs import Proc  # noqa: E402
 
 

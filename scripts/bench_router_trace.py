@@ -393,7 +393,7 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     model_dir = work / "model"
     if not (model_dir / "config.json").exists():
-        subprocess.run([sys.executable, "-m", "dynamo_zmq.tiny_model", str(model_dir),
+        subprocess.run([sys.executable, "-m", "dynamo_zmq", "tiny-model", str(model_dir),
                         "--vocab-size", str(args.vocab_size)], check=True, cwd=ROOT, timeout=120)
     cfg_path = model_dir / "config.json"  # trace prompts exceed the tiny model's 2048 positions
     mcfg = json.loads(cfg_path.read_text())

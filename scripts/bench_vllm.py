@@ -142,7 +142,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
     model_dir = args.model_path
     if model_dir is None:
-        from dynamo_zmq.tiny_model import build_tiny_model
+        from dynamo_zmq.tools.tiny_model import build_tiny_model
 
         model_dir = str(build_tiny_model(tmp / "model"))
     flags = [*CPU_FLAGS, "--max-model-len", str(args.max_model_len), *args.engine_flags]

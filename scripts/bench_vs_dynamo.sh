@@ -139,7 +139,7 @@ run_ours() {  # run_ours ROUND
 mkdir -p "$OUT"
 build_dynamo_venv
 if [[ ! -f "$MODEL/tokenizer.json" ]]; then
-  "$OURS_PY" -m dynamo_zmq.tiny_model "$MODEL" --vocab-size 3000 >/dev/null
+  "$OURS_PY" -m dynamo_zmq tiny-model "$MODEL" --vocab-size 3000 >/dev/null
 fi
 echo "results in $OUT" >&2
 

@@ -49,9 +49,8 @@ def spawn() -> Iterator[Callable[..., Proc]]:
 @pytest.fixture
 async def make_runtime():
     """Build in-process runtimes pinned to loopback; all are closed at teardown."""
-    from dynamo_zmq.config import RuntimeConfig
     from dynamo_zmq.discovery import DiscoveryConfig
-    from dynamo_zmq.runtime import DistributedRuntime
+    from dynamo_zmq.runtime import DistributedRuntime, RuntimeConfig
 
     runtimes: list[DistributedRuntime] = []
 
@@ -80,7 +79,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     ``DYN_TINY_MODEL_DIR`` names a directory to build into and reuse across sessions.
     """
-    from dynamo_zmq.tiny_model import build_tiny_model
+    from dynamo_zmq.tools.tiny_model import build_tiny_model
 
     cached = os.environ.get("DYN_TINY_MODEL_DIR")
     out = Path(cached) if cached else tmp_path_factory.mktemp("tiny_model") / "model"

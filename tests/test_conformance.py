@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from dynamo_zmq.context import Context
-from dynamo_zmq.engine import (
+from dynamo_zmq.llm import (
     EngineConfig,
     FinishReason,
     LLMEngine,

@@ -1,4 +1,4 @@
-"""``python -m dynamo_zmq.demo`` end to end, as a newcomer runs it."""
+"""``python -m dynamo_zmq demo`` end to end, as a newcomer runs it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-from dynamo_zmq.demo import TEXT
+from dynamo_zmq.tools.demo import TEXT
 from tests.test_status import run_cli
 
 
@@ -31,7 +31,7 @@ def _gone(pid: int) -> bool:
 
 @pytest.mark.parametrize("discovery", ["mdns", "static"])
 def test_demo_streams_the_text_and_stops_its_worker(discovery) -> None:
-    result = run_cli("-m", "dynamo_zmq.demo", "--discovery", discovery, "--prompt", "hi there")
+    result = run_cli("-m", "dynamo_zmq", "demo", "--discovery", discovery, "--prompt", "hi there")
 
     assert result.returncode == 0, result.stdout + result.stderr
     assert _gone(_worker_pid(result.stdout))
@@ -44,9 +44,9 @@ def test_demo_streams_the_text_and_stops_its_worker(discovery) -> None:
 
 
 def test_worker_only_is_listed_by_status(spawn) -> None:
-    worker = spawn("-m", "dynamo_zmq.demo", "--worker-only")
+    worker = spawn("-m", "dynamo_zmq", "demo", "--worker-only")
 
-    result = run_cli("-m", "dynamo_zmq.status", "--namespace", "demo", "--json", "--wait", "3")
+    result = run_cli("-m", "dynamo_zmq", "status", "--namespace", "demo", "--json", "--wait", "3")
 
     assert result.returncode == 0, result.stderr
     rows = [r for r in json.loads(result.stdout) if r["instance_id"] == f"{worker.instance_id:x}"]
@@ -61,6 +61,6 @@ def test_worker_only_is_listed_by_status(spawn) -> None:
     (["--timeout", "nan"], "--timeout must be a finite number > 0"),
 ])
 def test_bad_numbers_are_usage_errors(flags, message) -> None:
-    result = run_cli("-m", "dynamo_zmq.demo", *flags)
+    result = run_cli("-m", "dynamo_zmq", "demo", *flags)
     assert result.returncode == 2 and message in result.stderr
     assert "started demo worker" not in result.stdout

@@ -21,7 +21,7 @@ from dynamo_zmq.frontend.protocol import (
     parse_chat,
     parse_completion,
 )
-from dynamo_zmq.model_card import build_card
+from dynamo_zmq.llm import build_card
 
 MSGS = [{"role": "user", "content": "hi"}]
 

@@ -15,17 +15,20 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dynamo_zmq.context import Context
-from dynamo_zmq.engine import EngineLoad, PreprocessedRequest, RoutingHints, StopConditions
-from dynamo_zmq.load import (
+from dynamo_zmq.llm import (
     LOAD_TOPIC,
     LOAD_VERSION,
     MAX_REPORT_BYTES,
+    EngineLoad,
     LoadDecodeError,
-    LoadPublisher,
     LoadReport,
+    PreprocessedRequest,
+    RoutingHints,
+    StopConditions,
     decode_report,
     encode_report,
 )
+from dynamo_zmq.worker import LoadPublisher
 from engines.mocker import MockerConfig, MockerEngine
 from tests.support.waiting import until
 

@@ -16,7 +16,7 @@ import pytest
 
 import engines.mocker
 from dynamo_zmq.context import Context
-from dynamo_zmq.engine import (
+from dynamo_zmq.llm import (
     FinishReason,
     LLMEngineOutput,
     PreprocessedRequest,
@@ -468,7 +468,7 @@ async def test_stats_report_kv_usage_for_the_worker_metrics():
         stats = engine.stats()
         assert stats["kv_total_blocks"] == 64 and stats["kv_active_blocks"] == 0
         from dynamo_zmq.context import Context
-        from dynamo_zmq.engine import PreprocessedRequest, StopConditions
+        from dynamo_zmq.llm import PreprocessedRequest, StopConditions
 
         seen = []
         req = PreprocessedRequest(token_ids=list(range(1, 100)), stop=StopConditions(max_tokens=50))

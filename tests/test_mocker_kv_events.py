@@ -14,7 +14,7 @@ import zmq
 import zmq.asyncio
 
 from dynamo_zmq.context import Context
-from dynamo_zmq.engine import PreprocessedRequest, RoutingHints, StopConditions
+from dynamo_zmq.llm import PreprocessedRequest, RoutingHints, StopConditions
 from engines.mocker import MockerConfig, MockerEngine
 from engines.mocker._hashing import block_hash
 from tests.support.fixtures import VLLM_KV_EVENTS, vllm_kv_events

@@ -10,20 +10,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from dynamo_zmq.engine import (
+from dynamo_zmq.llm import (
+    IncrementalDetokenizer,
     LLMEngineOutput,
     OutputOptions,
+    PostProcessor,
     PreprocessedRequest,
     StopConditions,
-    Usage,
-)
-from dynamo_zmq.postprocess import (
-    REPLACEMENT,
-    IncrementalDetokenizer,
-    PostProcessor,
     StopStringMatcher,
+    Usage,
     postprocess,
 )
+from dynamo_zmq.llm._postprocess import REPLACEMENT
 
 EOS = 2
 PROPS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

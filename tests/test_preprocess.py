@@ -13,12 +13,11 @@ import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from dynamo_zmq.engine import PreprocessedRequest
 from dynamo_zmq.frontend.errors import HttpError
 from dynamo_zmq.frontend.preprocess import Preprocessor
 from dynamo_zmq.frontend.protocol import parse_chat, parse_completion
-from dynamo_zmq.model_card import build_card
-from dynamo_zmq.tiny_model import BOS, CHAT_TEMPLATE, EOS
+from dynamo_zmq.llm import PreprocessedRequest, build_card
+from dynamo_zmq.tools.tiny_model import BOS, CHAT_TEMPLATE, EOS
 
 CTX = 256
 CONVERSATION = [

@@ -12,7 +12,7 @@ from tests.support.procs import ROOT
 
 def test_quickstart_serves_and_answers(tmp_path):
     res = subprocess.run(
-        [sys.executable, "-m", "dynamo_zmq.quickstart", "--check", "--http-port", "0",
+        [sys.executable, "-m", "dynamo_zmq", "quickstart", "--check", "--http-port", "0",
          "--model-dir", str(tmp_path / "model")],
         capture_output=True, text=True, timeout=180, cwd=ROOT,
     )
@@ -29,7 +29,7 @@ def test_quickstart_serves_and_answers(tmp_path):
 def test_a_port_in_use_is_one_clear_error_and_stops_the_worker(tmp_path, taken_port):
     port = taken_port
     res = subprocess.run(
-        [sys.executable, "-m", "dynamo_zmq.quickstart", "--http-port", str(port),
+        [sys.executable, "-m", "dynamo_zmq", "quickstart", "--http-port", str(port),
          "--model-dir", str(tmp_path / "model")],
         capture_output=True, text=True, timeout=180, cwd=ROOT,
     )

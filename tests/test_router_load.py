@@ -16,8 +16,15 @@ import zmq
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dynamo_zmq.engine import EngineLoad, PreprocessedRequest, StopConditions
-from dynamo_zmq.load import LOAD_TOPIC, LOAD_VERSION, LoadReport, encode_report
+from dynamo_zmq.llm import (
+    LOAD_TOPIC,
+    LOAD_VERSION,
+    EngineLoad,
+    LoadReport,
+    PreprocessedRequest,
+    StopConditions,
+    encode_report,
+)
 from router.kv_router import KvRouter
 from router.load import LoadSubscriber
 from router.metrics import RouterMetrics

@@ -13,11 +13,11 @@ from collections import Counter
 import pytest
 
 import router.__main__ as router_main
-from dynamo_zmq.cli import check_kv_router_args, kv_router_options
-from dynamo_zmq.engine import PreprocessedRequest, StopConditions
+from dynamo_zmq.llm import PreprocessedRequest, StopConditions
 from router.approx import ApproxIndexer
 from router.hashing import block_hashes
 from router.kv_router import MAX_DP_SIZE, KvRouter, KvRouterConfig
+from router.options import check_kv_router_args, kv_router_options
 from router.scheduler import LoadTracker, Scheduler, cost, softmax_sample
 from tests.support.waiting import until
 

@@ -18,7 +18,7 @@ import pytest
 import zmq
 
 from dynamo_zmq.context import Context
-from dynamo_zmq.engine import PreprocessedRequest, RoutingHints, StopConditions
+from dynamo_zmq.llm import PreprocessedRequest, RoutingHints, StopConditions
 from engines.mocker import MockerConfig, MockerEngine
 from engines.mocker._hashing import chain_hashes
 from router.events import BlockStored, encode_batch

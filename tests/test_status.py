@@ -1,4 +1,4 @@
-"""``python -m dynamo_zmq.status`` against real serving processes (mDNS on loopback, static)."""
+"""``python -m dynamo_zmq status`` against real serving processes (mDNS on loopback, static)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 
-from dynamo_zmq.status import format_age
+from dynamo_zmq.tools.status import format_age
 from tests.conftest import app_args
 from tests.support.procs import ROOT
 
@@ -40,7 +40,7 @@ def run_cli(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[st
 
 
 def status_json(*args: str) -> list[dict]:
-    result = run_cli("-m", "dynamo_zmq.status", "--json", *args)
+    result = run_cli("-m", "dynamo_zmq", "status", "--json", *args)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
@@ -103,7 +103,7 @@ def test_static_list_shows_unreachable_peers(namespace, spawn) -> None:
 def test_table_shows_the_instance(namespace, spawn) -> None:
     server = spawn(*app_args(namespace))
 
-    result = run_cli("-m", "dynamo_zmq.status", "--namespace", namespace, "--wait", "3")
+    result = run_cli("-m", "dynamo_zmq", "status", "--namespace", namespace, "--wait", "3")
 
     assert result.returncode == 0, result.stderr
     header, *lines = result.stdout.splitlines()
@@ -124,11 +124,11 @@ def test_table_shows_the_instance(namespace, spawn) -> None:
 
 def test_nothing_found_is_not_an_error(namespace) -> None:
     assert status_json("--namespace", namespace, "--wait", "0.5") == []
-    result = run_cli("-m", "dynamo_zmq.status", "--namespace", namespace, "--wait", "0.5")
+    result = run_cli("-m", "dynamo_zmq", "status", "--namespace", namespace, "--wait", "0.5")
     assert result.returncode == 0
     assert "no instances found" in result.stdout
 
 
 def test_a_wait_that_is_not_finite_is_a_usage_error(namespace) -> None:
-    result = run_cli("-m", "dynamo_zmq.status", "--namespace", namespace, "--wait", "nan")
+    result = run_cli("-m", "dynamo_zmq", "status", "--namespace", namespace, "--wait", "nan")
     assert result.returncode == 2 and "--wait must be a finite number >= 0" in result.stderr

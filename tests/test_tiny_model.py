@@ -13,7 +13,7 @@ import pytest
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer
 
-from dynamo_zmq.tiny_model import BOS, EOS, MARKER, PAD, UNK, build_tiny_model
+from dynamo_zmq.tools.tiny_model import BOS, EOS, MARKER, PAD, UNK, build_tiny_model
 
 FILES = {
     "config.json",
@@ -193,7 +193,7 @@ def test_rejects_bad_arguments(tmp_path: Path):
 def test_cli(tmp_path: Path):
     out = tmp_path / "cli"
     done = subprocess.run(
-        [sys.executable, "-m", "dynamo_zmq.tiny_model", str(out), "--vocab-size", "300"],
+        [sys.executable, "-m", "dynamo_zmq", "tiny-model", str(out), "--vocab-size", "300"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -202,7 +202,7 @@ def test_cli(tmp_path: Path):
     assert done.stdout.strip() == str(out)
     assert {p.name for p in out.iterdir()} == FILES
     bad = subprocess.run(
-        [sys.executable, "-m", "dynamo_zmq.tiny_model", str(tmp_path / "y"), "--vocab-size", "10"],
+        [sys.executable, "-m", "dynamo_zmq", "tiny-model", str(tmp_path / "y"), "--vocab-size", "10"],
         capture_output=True,
         text=True,
         timeout=60,

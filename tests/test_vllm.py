@@ -33,14 +33,14 @@ from tokenizers import Tokenizer
 
 from dynamo_zmq import errors
 from dynamo_zmq.context import Context
-from dynamo_zmq.engine import (
+from dynamo_zmq.llm import (
     OutputOptions,
     PreprocessedRequest,
     RoutingHints,
     SamplingOptions,
     StopConditions,
+    postprocess,
 )
-from dynamo_zmq.postprocess import postprocess
 from dynamo_zmq.testing import run_conformance, validate_stream
 from engines.vllm import VllmEngine, VllmOptions
 

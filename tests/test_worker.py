@@ -15,7 +15,7 @@ import urllib.request
 import pytest
 
 from dynamo_zmq import errors
-from dynamo_zmq.model_card import ModelCard
+from dynamo_zmq.llm import ModelCard
 from dynamo_zmq.runtime import Context
 from tests.support.waiting import until
 

@@ -25,18 +25,13 @@ from typing import Any
 import uvicorn
 
 from .. import errors
-from ..cli import (
-    add_kv_router_args,
-    check_kv_router_args,
-    check_number,
-    kv_router_options,
-    setup_logging,
-)
-from ..config import RuntimeConfig
 from ..discovery import DiscoveryConfig, add_discovery_args, read_static_file
-from ..runtime import DistributedRuntime, check_name
+from ..runtime import DistributedRuntime, RuntimeConfig, check_name, check_number, setup_logging
 from .app import FrontendApp
 from .models import ModelManager
+
+# The KV router's flags; loaded by name like the router itself (it depends on this package).
+_kv_options = importlib.import_module("router.options")
 
 log = logging.getLogger("dynamo_zmq.frontend")
 
@@ -55,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--router-mode", choices=sorted(ROUTER_MODES), default=env("DYN_ROUTER_MODE", "round-robin"),
         help="[DYN_ROUTER_MODE]",
     )
-    add_kv_router_args(parser)
+    _kv_options.add_kv_router_args(parser)
     parser.add_argument("--namespace", default=env("DYN_NAMESPACE", "dynamo"), help="[DYN_NAMESPACE]")
     parser.add_argument(
         "--request-timeout", type=float, default=env("DYN_REQUEST_TIMEOUT", "300"),
@@ -116,7 +111,7 @@ async def serve(args: argparse.Namespace) -> int:
 def _kv_router_factory(args: argparse.Namespace, runtime: DistributedRuntime, registry: object) -> Any:
     """``router.kv_router.KvRouterFactory`` with the flags' options, metrics on ``registry``."""
     module = importlib.import_module(KV_ROUTER_MODULE)
-    config = module.KvRouterConfig(**kv_router_options(args))
+    config = module.KvRouterConfig(**_kv_options.kv_router_options(args))
     return module.KvRouterFactory(runtime, config, registry)
 
 
@@ -127,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         discovery = DiscoveryConfig.from_args(args)
         if discovery.backend == "static" and discovery.static_file is not None:
             read_static_file(discovery.static_file)  # unreadable: say so now, not as a failed start
-        check_kv_router_args(args)
+        _kv_options.check_kv_router_args(args)
         check_name(args.namespace, "namespace")
         if not 0 <= args.http_port <= 65535:
             raise errors.InvalidArgument(f"--http-port must be 0-65535, got {args.http_port}")

@@ -20,7 +20,7 @@ import msgspec
 
 from .. import errors
 from ..context import Context
-from ..engine import FinishReason, LLMEngineOutput
+from ..llm import FinishReason, LLMEngineOutput
 from ..transport import ResponseStream
 from . import errors as http_errors
 from .errors import HttpError

@@ -26,9 +26,8 @@ from typing import Any
 import msgspec
 
 from .. import errors
-from .._client import Client
-from ..model_card import ModelCard
-from ..runtime import DistributedRuntime
+from ..llm import ModelCard
+from ..runtime import Client, DistributedRuntime
 from ..transport import PeerConnection
 from .preprocess import Preprocessor
 

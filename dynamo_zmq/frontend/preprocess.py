@@ -23,8 +23,7 @@ from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from ..engine import OutputOptions, PreprocessedRequest, SamplingOptions, StopConditions
-from ..model_card import ModelCard
+from ..llm import ModelCard, OutputOptions, PreprocessedRequest, SamplingOptions, StopConditions
 from .errors import bad_request, prompt_too_long
 from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, FunctionDefinition
 

@@ -74,7 +74,7 @@ class MockerConfig:
             return "127.0.0.1"
         if self.host not in _WILDCARDS:
             return self.host
-        from dynamo_zmq.config import RuntimeConfig
+        from dynamo_zmq.runtime import RuntimeConfig
 
         return RuntimeConfig(host="0.0.0.0").advertised_hosts()[0]
 
@@ -161,7 +161,7 @@ def _hosts(args: argparse.Namespace) -> tuple[str | None, str | None]:
     and friends) and no concrete ``--host``, bind and advertise as its request plane does."""
     host = getattr(args, "host", None) or None
     if (host is None or host in _WILDCARDS) and hasattr(args, "discovery"):
-        from dynamo_zmq.config import RuntimeConfig
+        from dynamo_zmq.runtime import RuntimeConfig
 
         runtime = RuntimeConfig.from_args(args)
         return runtime.bind_host, runtime.advertised_hosts()[0]

@@ -8,7 +8,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from dynamo_zmq.context import Context
-from dynamo_zmq.engine import (
+from dynamo_zmq.llm import (
     EngineConfig,
     EngineLoad,
     LLMEngine,

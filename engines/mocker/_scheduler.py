@@ -24,7 +24,7 @@ import logging
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
-from dynamo_zmq.engine import FinishReason, LLMEngineOutput
+from dynamo_zmq.llm import FinishReason, LLMEngineOutput
 
 from ._blocks import BlockManager
 from ._config import MockerConfig

@@ -13,7 +13,7 @@ from collections.abc import Sequence as Seq
 
 import xxhash
 
-from dynamo_zmq.engine import FinishReason, LLMEngineOutput, Usage
+from dynamo_zmq.llm import FinishReason, LLMEngineOutput, Usage
 
 from ._hashing import block_hash
 

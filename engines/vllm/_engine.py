@@ -23,7 +23,7 @@ from typing import Any
 
 from dynamo_zmq import errors
 from dynamo_zmq.context import Context
-from dynamo_zmq.engine import (
+from dynamo_zmq.llm import (
     EngineConfig,
     EngineLoad,
     LLMEngine,

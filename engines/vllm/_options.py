@@ -69,7 +69,7 @@ class VllmOptions:
             return "127.0.0.1"
         if self.host not in _WILDCARDS:
             return self.host
-        from dynamo_zmq.config import RuntimeConfig
+        from dynamo_zmq.runtime import RuntimeConfig
 
         return RuntimeConfig(host="0.0.0.0").advertised_hosts()[0]
 
@@ -144,7 +144,7 @@ def options_from_args(args: argparse.Namespace) -> VllmOptions:
     host = getattr(args, "host", None) or None
     advertise = getattr(args, "kv_advertise_host", None)
     if advertise is None and (host is None or host in _WILDCARDS) and hasattr(args, "discovery"):
-        from dynamo_zmq.config import RuntimeConfig
+        from dynamo_zmq.runtime import RuntimeConfig
 
         runtime = RuntimeConfig.from_args(args)
         host, advertise = runtime.bind_host, runtime.advertised_hosts()[0]

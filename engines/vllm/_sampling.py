@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from dynamo_zmq import errors
-from dynamo_zmq.engine import FinishReason, LLMEngineOutput, PreprocessedRequest, Usage
+from dynamo_zmq.llm import FinishReason, LLMEngineOutput, PreprocessedRequest, Usage
 
 __all__ = ["finish_reason", "sampling_params", "to_output"]
 

@@ -17,8 +17,7 @@ import logging
 import signal
 import sys
 
-from dynamo_zmq.config import RuntimeConfig, add_runtime_args
-from dynamo_zmq.runtime import Context, DistributedRuntime
+from dynamo_zmq.runtime import Context, DistributedRuntime, RuntimeConfig, add_runtime_args
 
 JOURNAL: dict[str, list[str]] = {}
 

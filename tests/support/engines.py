@@ -6,7 +6,7 @@ import argparse
 import asyncio
 
 from dynamo_zmq.context import Context
-from dynamo_zmq.engine import EngineConfig, LLMEngine, LLMEngineOutput, PreprocessedRequest, Usage
+from dynamo_zmq.llm import EngineConfig, LLMEngine, LLMEngineOutput, PreprocessedRequest, Usage
 
 
 class EchoEngine(LLMEngine):

@@ -39,15 +39,15 @@ from typing import Any
 import msgspec
 import zmq
 
-from . import errors
+from .. import errors
+from ..context import Context
+from ..discovery import Advert, Discovery, make_discovery
+from ..transport import Handler as TransportHandler
+from ..transport import PeerConnection, Server
+from ..wire import PROTOCOL_VERSION, Description, EndpointInfo, decode_item
 from ._client import Client, RouterMode
+from ._config import RuntimeConfig
 from ._peers import PeerPool
-from .config import RuntimeConfig
-from .context import Context
-from .discovery import Advert, Discovery, make_discovery
-from .transport import Handler as TransportHandler
-from .transport import PeerConnection, Server
-from .wire import PROTOCOL_VERSION, Description, EndpointInfo, decode_item
 
 __all__ = [
     "Client",

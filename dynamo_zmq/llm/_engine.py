@@ -28,7 +28,7 @@ from typing import Annotated, Any, ClassVar
 
 import msgspec
 
-from .context import Context
+from ..context import Context
 
 __all__ = [
     "EngineConfig",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import AsyncGenerator, AsyncIterator
 
-from .engine import FinishReason, LLMEngineOutput
+from ._engine import FinishReason, LLMEngineOutput
 
 __all__ = [
     "BadFinishReason",

@@ -33,24 +33,33 @@ from typing import Any
 import msgspec
 from tokenizers import Tokenizer
 
-from . import errors
-from .cli import setup_logging
-from .config import RuntimeConfig, add_runtime_args
-from .context import Context
-from .engine import (
+from .. import errors
+from ..context import Context
+from ..llm import (
+    CHUNK,
+    MAX_LOAD_INTERVAL,
     EngineConfig,
     FinishReason,
     LLMEngine,
     LLMEngineOutput,
+    ModelCard,
     PreprocessedRequest,
     StopConditions,
+    build_card,
+    postprocess,
+    read_card_file,
+    validate_stream,
 )
-from .load import MAX_LOAD_INTERVAL, LoadPublisher
-from .metrics import StatusServer, WorkerMetrics
-from .model_card import CHUNK, ModelCard, build_card, read_card_file
-from .postprocess import postprocess
-from .runtime import DistributedRuntime, check_name
-from .stream_contract import validate_stream
+from ..runtime import (
+    DistributedRuntime,
+    RuntimeConfig,
+    StatusServer,
+    add_runtime_args,
+    check_name,
+    setup_logging,
+)
+from ._load_publisher import LoadPublisher
+from ._metrics import WorkerMetrics
 
 __all__ = ["ENGINE_GROUP", "Worker", "build_parser", "load_engine_class", "main"]
 
@@ -430,6 +439,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     return asyncio.run(Worker(engine, args).run())
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -10,12 +10,12 @@ from typing import Any
 
 import msgspec
 
-from . import errors
+from .. import errors
+from ..context import Context
+from ..transport import PeerConnection, ResponseStream
+from ..wire import encode_item
 from ._peers import PeerPool
 from ._retry import RetryingStream
-from .context import Context
-from .transport import PeerConnection, ResponseStream
-from .wire import encode_item
 
 __all__ = ["Client", "RouterMode"]
 

@@ -14,8 +14,8 @@ import time
 
 import zmq
 
-from .discovery import Discovery, PeerAdded, PeerRemoved
-from .transport import PeerConnection, PeerState
+from ..discovery import Discovery, PeerAdded, PeerRemoved
+from ..transport import PeerConnection, PeerState
 
 __all__ = ["PeerPool"]
 

@@ -1,12 +1,12 @@
-"""``python -m dynamo_zmq.status``: list the instances discovery finds, as a table or JSON.
+"""``python -m dynamo_zmq status``: list the instances discovery finds, as a table or JSON.
 
 The tool only calls: it binds no request-plane socket and advertises nothing. It discovers peers
 (mDNS browse, or the static list), connects to each, asks for its description (DESCRIBE), and
 prints one row per (instance, namespace, component). A peer that does not answer in time is
 listed as ``unreachable`` rather than dropped.
 
-    python -m dynamo_zmq.status --namespace demo
-    python -m dynamo_zmq.status --discovery static --static-workers tcp://10.0.0.5:5555 --json
+    python -m dynamo_zmq status --namespace demo
+    python -m dynamo_zmq status --discovery static --static-workers tcp://10.0.0.5:5555 --json
 """
 
 from __future__ import annotations
@@ -19,12 +19,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .cli import check_number
-from .config import RuntimeConfig
-from .discovery import DiscoveryConfig, add_discovery_args
-from .errors import DynamoError
-from .runtime import DistributedRuntime
-from .transport import PeerConnection
+from ..discovery import DiscoveryConfig, add_discovery_args
+from ..errors import DynamoError
+from ..runtime import DistributedRuntime, RuntimeConfig, check_number
+from ..transport import PeerConnection
 
 __all__ = ["collect_rows", "format_age", "format_table", "main"]
 
@@ -175,7 +173,7 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m dynamo_zmq.status",
+        prog="python -m dynamo_zmq status",
         description="List dynamo-zmq instances: namespace, component, endpoints, id, address, age.",
     )
     parser.add_argument("--namespace", default=None, help="only this namespace (default: all)")
@@ -214,6 +212,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"no instances found in {where} ({args.discovery} discovery, {args.wait:g}s)")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

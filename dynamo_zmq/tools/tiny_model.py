@@ -7,7 +7,7 @@
 tied embeddings). It needs only ``tokenizers``, ``numpy`` and ``safetensors``. The same
 arguments always give byte-identical files; a directory whose marker file matches is reused.
 
-CLI: ``python -m dynamo_zmq.tiny_model OUT_DIR [--vocab-size N] [--seed S] [--force]``.
+CLI: ``python -m dynamo_zmq tiny-model OUT_DIR [--vocab-size N] [--seed S] [--force]``.
 """
 
 from __future__ import annotations
@@ -350,9 +350,9 @@ def build_tiny_model(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m dynamo_zmq.tiny_model OUT_DIR``: build (or reuse) and print the directory."""
+    """``python -m dynamo_zmq tiny-model OUT_DIR``: build (or reuse) and print the directory."""
     parser = argparse.ArgumentParser(
-        prog="python -m dynamo_zmq.tiny_model", description=__doc__.split("\n\n")[0]
+        prog="python -m dynamo_zmq tiny-model", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("out_dir", type=Path, help="model directory to write")
     parser.add_argument("--vocab-size", type=int, default=512)
@@ -367,6 +367,3 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(exc))
     print(path)
 
-
-if __name__ == "__main__":
-    main()

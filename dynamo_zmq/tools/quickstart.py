@@ -1,4 +1,4 @@
-"""``python -m dynamo_zmq.quickstart``: a frontend and a mocker worker on a tiny local model.
+"""``python -m dynamo_zmq quickstart``: a frontend and a mocker worker on a tiny local model.
 
 Builds the tiny model (a BPE tokenizer and random Llama weights, no download), starts
 ``python -m dynamo_zmq.worker --engine mocker`` and ``python -m dynamo_zmq.frontend`` as child
@@ -68,11 +68,12 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dynamo_zmq.quickstart", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m dynamo_zmq quickstart", description=__doc__.split("\n\n")[0])
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--model-dir", default=str(Path(tempfile.gettempdir()) / "dynamo-zmq-tiny-model"))
     parser.add_argument("--check", action="store_true", help="send one request, print the answer, exit")
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupt)  # stop the children as Ctrl-C does
 
     model_dir = build_tiny_model(Path(args.model_dir))
     namespace = f"quickstart{uuid.uuid4().hex[:8]}"
@@ -120,7 +121,3 @@ def main(argv: list[str] | None = None) -> int:
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
-
-if __name__ == "__main__":
-    signal.signal(signal.SIGTERM, _interrupt)
-    sys.exit(main())

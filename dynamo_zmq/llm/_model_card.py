@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["CARD_FILES", "ModelCard", "build_card", "read_card_file"]
+__all__ = ["CARD_FILES", "CHUNK", "CardFile", "ModelCard", "build_card", "read_card_file"]
 
 #: Files a frontend may need for preprocessing (those that exist are served).
 CARD_FILES = (

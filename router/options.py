@@ -1,35 +1,16 @@
-"""Pieces every command line shares: logging set-up and the KV-router flags."""
+"""The KV router's command-line flags (frontend ``--router-mode kv`` and ``python -m router``)."""
 
 from __future__ import annotations
 
 import argparse
-import logging
-import math
 import os
-import sys
 from typing import Any
 
-from .errors import InvalidArgument
-from .load import MAX_LOAD_INTERVAL  # a load report must outlive the slowest publish interval
+from dynamo_zmq.errors import InvalidArgument
+from dynamo_zmq.llm import MAX_LOAD_INTERVAL  # a load report must outlive the slowest interval
+from dynamo_zmq.runtime import check_number
 
-__all__ = ["add_kv_router_args", "check_kv_router_args", "check_number", "kv_router_options", "setup_logging"]
-
-
-def setup_logging() -> None:
-    """Log to stderr at ``DYN_LOG`` (default INFO); stdout stays free for ``READY`` lines."""
-    logging.basicConfig(
-        level=os.environ.get("DYN_LOG", "INFO").upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-
-
-def check_number(flag: str, value: float, *, positive: bool = False) -> float:
-    """``value`` if it is finite and >= 0 (> 0 with ``positive``), else InvalidArgument naming
-    ``flag`` (NaN passes every ``<`` test, so a plain comparison would let it through)."""
-    if not (math.isfinite(value) and (value > 0 if positive else value >= 0)):
-        raise InvalidArgument(f"{flag} must be a finite number {'>' if positive else '>='} 0, got {value}")
-    return value
+__all__ = ["add_kv_router_args", "check_kv_router_args", "kv_router_options"]
 
 
 def add_kv_router_args(parser: argparse.ArgumentParser) -> None:

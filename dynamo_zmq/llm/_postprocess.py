@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from tokenizers.decoders import DecodeStream
 
-from .engine import FinishReason, LLMEngineOutput, PreprocessedRequest, Usage
+from ._engine import FinishReason, LLMEngineOutput, PreprocessedRequest, Usage
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer

@@ -1,13 +1,13 @@
-"""``python -m dynamo_zmq.demo``: a worker and a client in two processes, end to end.
+"""``python -m dynamo_zmq demo``: a worker and a client in two processes, end to end.
 
 The parent starts a worker child that serves ``demo.backend.generate`` (an async generator that
 streams a canned text back one word per item), finds it through discovery, streams one request,
 prints the words as they arrive and a summary, then stops the child (SIGTERM, SIGKILL fallback).
 
-    python -m dynamo_zmq.demo                        # mDNS on 127.0.0.1
-    python -m dynamo_zmq.demo --discovery static     # no mDNS at all
-    python -m dynamo_zmq.demo --worker-only          # just the worker; then, in another shell:
-    python -m dynamo_zmq.status --namespace demo
+    python -m dynamo_zmq demo                        # mDNS on 127.0.0.1
+    python -m dynamo_zmq demo --discovery static     # no mDNS at all
+    python -m dynamo_zmq demo --worker-only          # just the worker; then, in another shell:
+    python -m dynamo_zmq status --namespace demo
 """
 
 from __future__ import annotations
@@ -23,11 +23,9 @@ from asyncio.subprocess import Process
 from collections.abc import AsyncIterator
 from typing import Any
 
-from .cli import check_number
-from .config import RuntimeConfig, add_runtime_args
-from .discovery import DiscoveryConfig
-from .errors import DynamoError
-from .runtime import Context, DistributedRuntime
+from ..discovery import DiscoveryConfig
+from ..errors import DynamoError
+from ..runtime import Context, DistributedRuntime, RuntimeConfig, add_runtime_args, check_number
 
 ENDPOINT = "demo.backend.generate"
 TEXT = (
@@ -62,7 +60,7 @@ async def run_worker(config: RuntimeConfig) -> None:
         print(f"READY {runtime.address} {runtime.instance_id:x}", flush=True)
         print(
             f"demo worker {runtime.instance_id:x} (pid {os.getpid()}) serving {ENDPOINT} on "
-            f"{runtime.address}; try: python -m dynamo_zmq.status --namespace demo",
+            f"{runtime.address}; try: python -m dynamo_zmq status --namespace demo",
             file=sys.stderr,
             flush=True,
         )
@@ -82,7 +80,7 @@ async def start_worker(args: argparse.Namespace, config: RuntimeConfig) -> tuple
     if config.host:
         flags += ["--host", config.host]
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "dynamo_zmq.demo", "--worker-only", *flags,
+        sys.executable, "-m", "dynamo_zmq", "demo", "--worker-only", *flags,
         stdout=asyncio.subprocess.PIPE,
     )  # fmt: skip
     print(f"started demo worker pid {proc.pid}", flush=True)
@@ -177,7 +175,7 @@ def _with_static(discovery: DiscoveryConfig, address: str) -> DiscoveryConfig:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m dynamo_zmq.demo",
+        prog="python -m dynamo_zmq demo",
         description="Start a demo worker, stream one request from it, stop it.",
     )
     parser.add_argument(
@@ -213,6 +211,3 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

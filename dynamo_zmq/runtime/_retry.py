@@ -7,9 +7,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from . import errors
-from .context import Context
-from .transport import ResponseStream
+from .. import errors
+from ..context import Context
+from ..transport import ResponseStream
 
 __all__ = ["MAX_ATTEMPTS", "RetryingStream"]
 

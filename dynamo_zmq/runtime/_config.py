@@ -14,8 +14,8 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from .discovery import DiscoveryConfig, add_discovery_args
-from .errors import InvalidArgument
+from ..discovery import DiscoveryConfig, add_discovery_args
+from ..errors import InvalidArgument
 
 __all__ = ["RuntimeConfig", "add_runtime_args"]
 

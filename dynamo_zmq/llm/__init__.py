@@ -1,0 +1,110 @@
+"""The LLM layer: the engine contract, what workers advertise and publish (model cards, KV
+events, load reports), worker-side post-processing and the engine stream contract.
+
+Engines (``engines/``), the worker, the frontend and the KV router (``router/``) all speak these
+types; this layer sits on the runtime and knows nothing of HTTP.
+"""
+
+from ._engine import EngineConfig as EngineConfig
+from ._engine import EngineLoad as EngineLoad
+from ._engine import FinishReason as FinishReason
+from ._engine import LLMEngine as LLMEngine
+from ._engine import LLMEngineOutput as LLMEngineOutput
+from ._engine import OutputOptions as OutputOptions
+from ._engine import PreprocessedRequest as PreprocessedRequest
+from ._engine import RoutingHints as RoutingHints
+from ._engine import SamplingOptions as SamplingOptions
+from ._engine import StopConditions as StopConditions
+from ._engine import Usage as Usage
+from ._engine import cancelled_output as cancelled_output
+from ._engine import error_output as error_output
+from ._engine import length_output as length_output
+from ._engine import stop_output as stop_output
+from ._kv_events import MEDIUM_GPU as MEDIUM_GPU
+from ._kv_events import AllBlocksCleared as AllBlocksCleared
+from ._kv_events import BlockRemoved as BlockRemoved
+from ._kv_events import BlockSize as BlockSize
+from ._kv_events import BlockStored as BlockStored
+from ._kv_events import EventBatch as EventBatch
+from ._kv_events import KvEvent as KvEvent
+from ._kv_events import encode_batch as encode_batch
+from ._load import LOAD_TOPIC as LOAD_TOPIC
+from ._load import LOAD_VERSION as LOAD_VERSION
+from ._load import MAX_LOAD_INTERVAL as MAX_LOAD_INTERVAL
+from ._load import MAX_REPORT_BYTES as MAX_REPORT_BYTES
+from ._load import LoadDecodeError as LoadDecodeError
+from ._load import LoadReport as LoadReport
+from ._load import decode_report as decode_report
+from ._load import encode_report as encode_report
+from ._model_card import CARD_FILES as CARD_FILES
+from ._model_card import CHUNK as CHUNK
+from ._model_card import CardFile as CardFile
+from ._model_card import ModelCard as ModelCard
+from ._model_card import build_card as build_card
+from ._model_card import read_card_file as read_card_file
+from ._postprocess import IncrementalDetokenizer as IncrementalDetokenizer
+from ._postprocess import PostProcessor as PostProcessor
+from ._postprocess import StopStringMatcher as StopStringMatcher
+from ._postprocess import postprocess as postprocess
+from ._stream_contract import BadFinishReason as BadFinishReason
+from ._stream_contract import ChunkAfterTerminal as ChunkAfterTerminal
+from ._stream_contract import ConformanceError as ConformanceError
+from ._stream_contract import MultipleTerminals as MultipleTerminals
+from ._stream_contract import NotAnOutput as NotAnOutput
+from ._stream_contract import NotAStream as NotAStream
+from ._stream_contract import NoTerminal as NoTerminal
+from ._stream_contract import StreamContractError as StreamContractError
+from ._stream_contract import validate_stream as validate_stream
+
+__all__ = [
+    "CARD_FILES",
+    "CHUNK",
+    "LOAD_TOPIC",
+    "LOAD_VERSION",
+    "MAX_LOAD_INTERVAL",
+    "MAX_REPORT_BYTES",
+    "MEDIUM_GPU",
+    "AllBlocksCleared",
+    "BadFinishReason",
+    "BlockRemoved",
+    "BlockSize",
+    "BlockStored",
+    "CardFile",
+    "ChunkAfterTerminal",
+    "ConformanceError",
+    "EngineConfig",
+    "EngineLoad",
+    "EventBatch",
+    "FinishReason",
+    "IncrementalDetokenizer",
+    "KvEvent",
+    "LLMEngine",
+    "LLMEngineOutput",
+    "LoadDecodeError",
+    "LoadReport",
+    "ModelCard",
+    "MultipleTerminals",
+    "NoTerminal",
+    "NotAStream",
+    "NotAnOutput",
+    "OutputOptions",
+    "PostProcessor",
+    "PreprocessedRequest",
+    "RoutingHints",
+    "SamplingOptions",
+    "StopConditions",
+    "StopStringMatcher",
+    "StreamContractError",
+    "Usage",
+    "build_card",
+    "cancelled_output",
+    "decode_report",
+    "encode_batch",
+    "encode_report",
+    "error_output",
+    "length_output",
+    "postprocess",
+    "read_card_file",
+    "stop_output",
+    "validate_stream",
+]

@@ -1,0 +1,146 @@
+"""One owner for what a process runs in the background: its ZMQ context, tasks and closers.
+
+Every component that spawns a task or opens a socket takes a ``Resources`` from its owner (the
+runtime's, or a ``child()`` of it) instead of calling ``asyncio.create_task`` or making a
+``zmq.Context`` itself. Closing a ``Resources`` cancels its tasks and awaits them, runs its
+closers (last registered first) and closes its children (last created first), once: a second
+``close()`` returns at once. Tasks are awaited with ``asyncio.wait``, which never raises the
+awaited task's exception or cancellation, so the closer's own cancellation always propagates
+(``contextlib.suppress(BaseException): await task`` would swallow it).
+
+The process has one ZMQ context, ``zmq.Context.instance()``: every ``Resources`` hands it out,
+and none destroys it (sockets are closed by their owners; the context lives as long as the
+process, so one runtime closing cannot break another's sockets in the same process).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from typing import Any, TypeVar
+
+import zmq
+
+__all__ = ["Resources", "cancel_and_wait"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+Closer = Callable[[], "Awaitable[None] | None"]
+
+
+class Resources:
+    """Tasks, closers and child owners of one component (or of the whole process).
+
+    Args:
+        name: what owns them (used in task names and logs).
+        parent: the owner this one belongs to; closing the parent closes this one too.
+    """
+
+    def __init__(self, name: str = "process", parent: Resources | None = None) -> None:
+        self.name = name
+        self._parent = parent
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._closers: list[Closer] = []
+        self._children: list[Resources] = []
+        self._closed = False
+        self._closing: asyncio.Future[None] | None = None
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{len(self._tasks)} tasks"
+        return f"Resources({self.name!r}, {state})"
+
+    @property
+    def zctx(self) -> zmq.Context[zmq.Socket[bytes]]:
+        """The process's ZMQ context."""
+        return zmq.Context.instance()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def spawn(self, coro: Coroutine[Any, Any, T], name: str) -> asyncio.Task[T]:
+        """Run ``coro`` as a named task this owner cancels and awaits on ``close``.
+
+        A task that fails (not cancelled) has its exception logged when it ends.
+
+        Raises:
+            RuntimeError: the owner is closed (the coroutine is closed, not run).
+        """
+        if self._closed:
+            coro.close()
+            raise RuntimeError(f"{self.name} is closed: cannot spawn {name}")
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def on_close(self, closer: Closer) -> None:
+        """Call ``closer()`` (sync or async) on ``close``, after the tasks are cancelled; closers
+        run last registered first, so a socket registered after its context closes before it."""
+        if self._closed:
+            raise RuntimeError(f"{self.name} is closed")
+        self._closers.append(closer)
+
+    def child(self, name: str) -> Resources:
+        """A ``Resources`` closed with this one (before this one's own tasks and closers), or
+        earlier on its own."""
+        if self._closed:
+            raise RuntimeError(f"{self.name} is closed")
+        child = Resources(f"{self.name}/{name}", parent=self)
+        self._children.append(child)
+        return child
+
+    async def close(self) -> None:
+        """Close children (newest first), cancel and await tasks, run closers (newest first).
+
+        Idempotent; a concurrent call waits for the first to finish. A closer that raises is
+        logged and the others still run.
+        """
+        if self._closing is not None:
+            await asyncio.shield(self._closing)
+            return
+        self._closing = asyncio.get_running_loop().create_future()
+        self._closed = True
+        try:
+            for child in reversed(self._children):
+                await child.close()
+            await cancel_and_wait(self._tasks)
+            for closer in reversed(self._closers):
+                try:
+                    result = closer()
+                    if inspect.isawaitable(result):
+                        await result
+                except Exception:
+                    log.exception("%s: a closer failed", self.name)
+        finally:
+            self._children.clear()
+            self._closers.clear()
+            if self._parent is not None:
+                self._parent._forget(self)
+            self._closing.set_result(None)
+
+    def _forget(self, child: Resources) -> None:
+        if child in self._children:
+            self._children.remove(child)
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.error("%s: task %s failed", self.name, task.get_name(), exc_info=exc)
+
+
+async def cancel_and_wait(tasks: Iterable[asyncio.Task[Any]]) -> None:
+    """Cancel ``tasks`` and wait until they have ended.
+
+    Their exceptions and cancellations are not raised here; if the caller itself is cancelled
+    while waiting, that cancellation propagates (the tasks still end on their own).
+    """
+    pending = [task for task in tasks if not task.done()]
+    for task in pending:
+        task.cancel()
+    if pending:
+        await asyncio.wait(pending)

@@ -1,0 +1,7 @@
+"""``python -m dynamo_zmq.worker``: see ``dynamo_zmq.worker``."""
+
+import sys
+
+from ._worker import main
+
+sys.exit(main())
