@@ -46,7 +46,9 @@ class ApproxIndexer:
         self._by_key: dict[Key, OrderedDict[int, float]] = {}
         self._holders: dict[int, set[Key]] = {}
 
-    def record(self, key: Key, token_ids: Sequence[int] | None = None, hashes: Sequence[int] | None = None) -> None:
+    def record(
+        self, key: Key, token_ids: Sequence[int] | None = None, hashes: Sequence[int] | None = None
+    ) -> None:
         """Assume the prompt's full blocks are cached on ``key`` from now for ``ttl`` seconds.
 
         Pass ``hashes`` when already computed (``block_hashes(token_ids, block_size)``).

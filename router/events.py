@@ -21,9 +21,9 @@ one form, so its parent/child and store/remove hashes still agree.
 Fast path: one msgspec decode straight into the public structs (map form, int hashes); the
 other forms fall back to further typed decoders. Token ids are decoded as plain ints: checking
 their uint32 range here would cost ~10% of the decode, and the indexer checks it anyway while
-packing them for hashing (an out-of-range id makes it ignore that event). Anything that is not a valid batch raises
-``EventDecodeError``; nothing else escapes ``decode_batch``. An event of an unknown type fails
-the whole batch (applying the rest could leave the index wrong).
+packing them for hashing (an out-of-range id makes it ignore that event). Anything that is not a
+valid batch raises ``EventDecodeError``; nothing else escapes ``decode_batch``. An event of an
+unknown type fails the whole batch (applying the rest could leave the index wrong).
 """
 
 from __future__ import annotations

@@ -161,7 +161,8 @@ class KvIndexer:
         return st
 
     def keys(self) -> set[WorkerKey]:
-        """Keys seen in events (an ``AllBlocksCleared`` keeps its key; ``remove_worker`` drops it)."""
+        """Keys seen in events (an ``AllBlocksCleared`` keeps its key; ``remove_worker`` drops
+        it)."""
         return set(self._state)
 
     def num_blocks(self, key: WorkerKey | None = None) -> int:

@@ -50,8 +50,8 @@ class RouterMetrics:
             "dynamo_router_kv_event_batches", "KV-event batches applied", m, registry=r
         )
         self.decode_errors = Counter(
-            "dynamo_router_kv_event_decode_errors", "KV-event messages that could not be decoded", m,
-            registry=r,
+            "dynamo_router_kv_event_decode_errors", "KV-event messages that could not be decoded",
+            m, registry=r,
         )
         self.gaps = Counter(
             "dynamo_router_kv_event_gaps", "Sequence gaps detected in a worker's KV events", m,

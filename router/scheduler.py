@@ -18,10 +18,10 @@ stops counting when its stream ends, whatever the way (terminal, error, close, g
 collection). Workers publish what their engines hold (``dynamo_zmq.load``), and the router
 passes it to ``LoadTracker.report``: a fresh report replaces the prediction of the requests routed
 before it, and requests routed since are added on top; a request the report counted takes
-the blocks it frees off the reported figure when it finishes. Requests routed within ``report_grace``
-seconds before a report also stay on top: the engine may not have held them yet when it measured
-(they were on the wire, queued, or measured a publish interval ago), and counting one twice
-briefly is safer than forgetting it.
+the blocks it frees off the reported figure when it finishes. Requests routed within
+``report_grace`` seconds before a report also stay on top: the engine may not have held them yet
+when it measured (they were on the wire, queued, or measured a publish interval ago), and
+counting one twice briefly is safer than forgetting it.
 """
 
 from __future__ import annotations
@@ -111,7 +111,10 @@ class Scheduler:
     """
 
     def __init__(
-        self, overlap_score_weight: float = 1.0, temperature: float = 0.0, rng: random.Random | None = None
+        self,
+        overlap_score_weight: float = 1.0,
+        temperature: float = 0.0,
+        rng: random.Random | None = None,
     ) -> None:
         if overlap_score_weight < 0 or not math.isfinite(overlap_score_weight):
             raise ValueError(f"overlap_score_weight must be >= 0, got {overlap_score_weight}")
@@ -164,7 +167,12 @@ class Route:
     __slots__ = ("_state", "candidate", "epoch", "extra", "hashes", "released", "routed_at", "size")
 
     def __init__(
-        self, candidate: Candidate, hashes: tuple[int, ...], extra: int, state: _Load, routed_at: float
+        self,
+        candidate: Candidate,
+        hashes: tuple[int, ...],
+        extra: int,
+        state: _Load,
+        routed_at: float,
     ) -> None:
         self.candidate = candidate
         self.hashes = hashes
@@ -221,7 +229,9 @@ class LoadTracker:
         """Seconds before a report in which routed requests stay counted on top of it."""
         return self._report_grace
 
-    def add(self, candidate: Candidate, block_hashes: Iterable[int], extra_blocks: int = 0) -> Route:
+    def add(
+        self, candidate: Candidate, block_hashes: Iterable[int], extra_blocks: int = 0
+    ) -> Route:
         """Count a request routed to ``candidate`` now: its prompt blocks (deduplicated against
         the other active requests there) and ``extra_blocks`` (expected output)."""
         state = self._loads.get(candidate)

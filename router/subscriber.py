@@ -73,8 +73,8 @@ class Index(Protocol):
 class SubscriberStats:
     """Plain counters of one subscriber (the Prometheus ones aggregate per model)."""
 
-    __slots__ = ("applied", "decode_errors", "duplicates", "gaps", "received", "replays_failed", "replays_ok",
-                 "state_drops")
+    __slots__ = ("applied", "decode_errors", "duplicates", "gaps", "received", "replays_failed",
+                 "replays_ok", "state_drops")
 
     def __init__(self) -> None:
         #: Live messages received on the SUB socket.
@@ -142,7 +142,8 @@ class KvEventSubscriber:
         self._closed = False
 
     def __repr__(self) -> str:
-        return f"KvEventSubscriber({self.worker_id:x}, {self.events_endpoint}, last_seq={self.last_seq})"
+        return (f"KvEventSubscriber({self.worker_id:x}, {self.events_endpoint}, "
+                f"last_seq={self.last_seq})")
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -218,7 +219,8 @@ class KvEventSubscriber:
         except asyncio.CancelledError:
             raise
         except Exception:
-            log.exception("KV event subscriber of worker %x failed; dropping its state", self.worker_id)
+            log.exception("KV event subscriber of worker %x failed; dropping its state",
+                          self.worker_id)
             self._drop_state()
 
     def _on_live(self, frames: list[bytes]) -> bool:
@@ -279,8 +281,10 @@ class KvEventSubscriber:
     def _apply(self, seq: int, payload: bytes, live: bool) -> None:
         self.last_seq = seq
         if len(payload) > self._max_batch_bytes:
-            self._count_decode_error("KV event batch %d is %d bytes, over the %d-byte limit: skipped",
-                                     seq, len(payload), self._max_batch_bytes)
+            self._count_decode_error(
+                "KV event batch %d is %d bytes, over the %d-byte limit: skipped",
+                seq, len(payload), self._max_batch_bytes,
+            )
             return
         try:
             batch = decode_batch(payload)
@@ -361,8 +365,8 @@ class KvEventSubscriber:
                     return None  # not contiguous: not a usable replay
                 size += len(frames[3])
                 if size > self._max_replay_bytes:
-                    log.warning("worker %x: KV replay from %d over %d bytes; abandoned", self.worker_id,
-                                start, self._max_replay_bytes)
+                    log.warning("worker %x: KV replay from %d over %d bytes; abandoned",
+                                self.worker_id, start, self._max_replay_bytes)
                     return None
                 got.append((seq, frames[3]))
         finally:

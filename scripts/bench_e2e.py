@@ -5,7 +5,8 @@
         [--endpoint chat|completions] [--max-tokens 100] [--prompt-tokens 100-500]
         [--tokenizer DIR] [--pids frontend=PID,worker=PID] [--json OUT] [--plot OUT.png]
 
-    python scripts/bench_e2e.py --compare OURS.json BASE.json [--labels ours,dynamo] [--plot OUT.png]
+    python scripts/bench_e2e.py --compare OURS.json BASE.json [--labels ours,dynamo]
+        [--plot OUT.png]
 
 For each concurrency level C, C closed-loop clients (one keep-alive HTTP/1.1 connection each)
 issue streaming requests (``stream: true``, ``max_tokens``, ``min_tokens``, ``ignore_eos``,
@@ -138,7 +139,9 @@ class Conn:
         self.writer: asyncio.StreamWriter | None = None
 
     async def open(self) -> None:
-        self.reader, self.writer = await asyncio.open_connection(self.host, self.port, limit=1 << 20)
+        self.reader, self.writer = await asyncio.open_connection(
+            self.host, self.port, limit=1 << 20
+        )
         sock = self.writer.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -283,11 +286,14 @@ _SYLLABLES = [a + b for a in "bcdfghjklmnprstvwz" for b in ("a", "e", "i", "o", 
 class PromptMaker:
     """Seeded random pseudo-word prompts sized in tokens (exactly with a tokenizer)."""
 
-    def __init__(self, seed: int, lo: int, hi: int, tokenizer: str | None, tokens_per_word: float) -> None:
+    def __init__(
+        self, seed: int, lo: int, hi: int, tokenizer: str | None, tokens_per_word: float
+    ) -> None:
         self.rng = random.Random(seed)
         self.lo, self.hi = lo, hi
         self.words = [
-            "".join(self.rng.choice(_SYLLABLES) for _ in range(self.rng.randint(1, 3))) for _ in range(2000)
+            "".join(self.rng.choice(_SYLLABLES) for _ in range(self.rng.randint(1, 3)))
+            for _ in range(2000)
         ]
         self.tok = None
         self.tokens_per_word = tokens_per_word
@@ -297,7 +303,8 @@ class PromptMaker:
 
                 self.tok = Tokenizer.from_file(str(Path(tokenizer) / "tokenizer.json"))
             except Exception as exc:
-                print(f"note: tokenizer at {tokenizer} not usable ({exc}); estimating prompt length", file=sys.stderr)
+                print(f"note: tokenizer at {tokenizer} not usable ({exc}); "
+                      "estimating prompt length", file=sys.stderr)
         if self.tok is not None:
             sample = " ".join(self.rng.choice(self.words) for _ in range(2000))
             self.tokens_per_word = len(self.tok.encode(sample, add_special_tokens=False).ids) / 2000
@@ -346,7 +353,10 @@ def _busy() -> float:
     if psutil is None:
         return math.nan
     t = psutil.cpu_times()
-    return sum(t) - t.idle - getattr(t, "iowait", 0.0) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
+    return (
+        sum(t) - t.idle - getattr(t, "iowait", 0.0) - getattr(t, "guest", 0.0)
+        - getattr(t, "guest_nice", 0.0)
+    )
 
 
 def _cpu_used(before: dict[int, float], after: dict[int, float]) -> float:
@@ -393,7 +403,9 @@ class Bench:
         u = urlsplit(args.url)
         self.host, self.port = u.hostname or "127.0.0.1", u.port or 80
         base = u.path.rstrip("/")
-        self.path = f"{base}/v1/chat/completions" if args.endpoint == "chat" else f"{base}/v1/completions"
+        self.path = (
+            f"{base}/v1/chat/completions" if args.endpoint == "chat" else f"{base}/v1/completions"
+        )
         tok = args.tokenizer
         if tok is None and (Path(args.model) / "tokenizer.json").is_file():
             tok = args.model
@@ -435,7 +447,9 @@ class Bench:
         res = Result(ok=False, t_send=time.perf_counter())
         try:
             await asyncio.wait_for(conn.stream(payload, b"", res), self.args.request_timeout)
-        except (HttpError, OSError, ValueError, asyncio.TimeoutError, asyncio.IncompleteReadError) as exc:
+        except (
+            HttpError, OSError, ValueError, asyncio.TimeoutError, asyncio.IncompleteReadError
+        ) as exc:
             res.ok = False
             res.error = f"{type(exc).__name__}: {exc}"[:300]
             res.t_end = time.perf_counter()
@@ -445,7 +459,11 @@ class Bench:
     async def run_level(self, conc: int, total: int, max_s: float) -> Level:
         payloads = [self.body()[0] for _ in range(total)]
         conns = [Conn(self.host, self.port, self.args.quickack) for _ in range(conc)]
-        for c, e in zip(conns, await asyncio.gather(*(c.open() for c in conns), return_exceptions=True), strict=True):
+        for c, e in zip(
+            conns,
+            await asyncio.gather(*(c.open() for c in conns), return_exceptions=True),
+            strict=True,
+        ):
             if isinstance(e, BaseException):
                 c.close()  # counted as that client's request errors below
         results: list[Result] = []
@@ -482,7 +500,8 @@ class Bench:
             lvl = await self.run_level(conc, max(a.requests_per_level, conc), a.max_seconds)
             out.append(lvl)
             if a.verbose:
-                print(f"level {conc}: {lvl.ok} ok, {lvl.errors} errors in {lvl.wall_s:.1f}s", file=sys.stderr)
+                print(f"level {conc}: {lvl.ok} ok, {lvl.errors} errors in {lvl.wall_s:.1f}s",
+                      file=sys.stderr)
             await asyncio.sleep(a.pause)
         return out
 
@@ -492,7 +511,8 @@ class Bench:
 
 def summarize(conc: int, results: list[Result], wall: float, cpu0: dict, cpu1: dict) -> Level:
     ok = [r for r in results if r.ok]
-    lvl = Level(concurrency=conc, requests=len(results), ok=len(ok), errors=len(results) - len(ok), wall_s=wall)
+    lvl = Level(concurrency=conc, requests=len(results), ok=len(ok),
+                errors=len(results) - len(ok), wall_s=wall)
     lvl.first_errors = sorted({r.error or "?" for r in results if not r.ok})[:5]
     if wall > 0:
         lvl.req_s = len(ok) / wall
@@ -528,8 +548,9 @@ def table(levels: list[dict[str, Any]], title: str | None = None) -> str:
     rows = [f"### {title}", ""] if title else []
     rows += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for lv in levels:
-        cells = [str(lv["concurrency"]), str(lv["ok"]), str(lv["errors"]), f(lv["wall_s"], 2), f(lv["req_s"]),
-                 f(lv["out_tok_s"], 0), f(lv["ttft_p50_ms"], 2), f(lv["ttft_p99_ms"], 2), f(lv["itl_p50_ms"], 3),
+        cells = [str(lv["concurrency"]), str(lv["ok"]), str(lv["errors"]), f(lv["wall_s"], 2),
+                 f(lv["req_s"]), f(lv["out_tok_s"], 0), f(lv["ttft_p50_ms"], 2),
+                 f(lv["ttft_p99_ms"], 2), f(lv["itl_p50_ms"], 3),
                  f(lv["prompt_tokens_mean"], 0), f(lv["output_tokens_mean"], 0)]
         cells += [f"{f(lv['cpu_ms_per_req'][n], 2)} ({f(lv['cpu_cores'][n], 2)})" for n in names]
         cells.append(f(lv.get("other_cores", math.nan), 2))
@@ -541,7 +562,8 @@ def compare(a: dict[str, Any], b: dict[str, Any], la: str, lb: str) -> str:
     bl = {lv["concurrency"]: lv for lv in b["levels"]}
     names = [n for n in (a["levels"][0]["cpu_ms_per_req"] if a["levels"] else {}) if n in
              (b["levels"][0]["cpu_ms_per_req"] if b["levels"] else {})]
-    head = ["conc", f"out tok/s {la}", f"out tok/s {lb}", "tok/s ratio", "req/s ratio", "TTFT p50 ratio"]
+    head = ["conc", f"out tok/s {la}", f"out tok/s {lb}", "tok/s ratio", "req/s ratio",
+            "TTFT p50 ratio"]
     head += [f"{n} CPU/req ratio" for n in names]
     rows = [f"### {la} / {lb}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
@@ -552,8 +574,9 @@ def compare(a: dict[str, Any], b: dict[str, Any], la: str, lb: str) -> str:
         o = bl.get(lv["concurrency"])
         if o is None:
             continue
-        cells = [str(lv["concurrency"]), f(lv["out_tok_s"], 0), f(o["out_tok_s"], 0), r(lv["out_tok_s"], o["out_tok_s"]),
-                 r(lv["req_s"], o["req_s"]), r(lv["ttft_p50_ms"], o["ttft_p50_ms"])]
+        cells = [str(lv["concurrency"]), f(lv["out_tok_s"], 0), f(o["out_tok_s"], 0),
+                 r(lv["out_tok_s"], o["out_tok_s"]), r(lv["req_s"], o["req_s"]),
+                 r(lv["ttft_p50_ms"], o["ttft_p50_ms"])]
         cells += [r(lv["cpu_ms_per_req"][n], o["cpu_ms_per_req"][n]) for n in names]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
@@ -566,7 +589,8 @@ def plot(runs: list[tuple[str, dict[str, Any]]], out: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print(f"note: matplotlib is not installed; skipping the plot {out} (pip install '.[bench]')", file=sys.stderr)
+        print(f"note: matplotlib is not installed; skipping the plot {out} "
+              "(pip install '.[bench]')", file=sys.stderr)
         return
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
     for label, data in runs:
@@ -578,7 +602,9 @@ def plot(runs: list[tuple[str, dict[str, Any]]], out: str) -> None:
         axes[1][0].plot(x, [v["itl_p50_ms"] for v in lv], "o-", label=label)
         for n in lv[0]["cpu_ms_per_req"] if lv else ():
             axes[1][1].plot(x, [v["cpu_ms_per_req"][n] for v in lv], "o-", label=f"{label} {n}")
-    for ax, title in zip(axes.flat, ["output tok/s", "TTFT ms", "ITL p50 ms", "CPU ms per request"], strict=True):
+    for ax, title in zip(
+        axes.flat, ["output tok/s", "TTFT ms", "ITL p50 ms", "CPU ms per request"], strict=True
+    ):
         ax.set_title(title)
         ax.set_xlabel("concurrency")
         ax.set_xscale("log", base=2)
@@ -590,15 +616,20 @@ def plot(runs: list[tuple[str, dict[str, Any]]], out: str) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--url", default="http://127.0.0.1:8000")
-    p.add_argument("--model", help="model name as served (a local dir also sizes prompts with its tokenizer)")
+    p.add_argument("--model",
+                   help="model name as served (a local dir also sizes prompts with its tokenizer)")
     p.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
     p.add_argument("--concurrency", default="1,16,64")
     p.add_argument("--requests-per-level", type=int, default=200, help="at least the concurrency")
-    p.add_argument("--max-seconds", type=float, default=60.0, help="stop issuing after this per level")
+    p.add_argument("--max-seconds", type=float, default=60.0,
+                   help="stop issuing after this per level")
     p.add_argument("--request-timeout", type=float, default=60.0)
-    p.add_argument("--warmup", type=int, default=16, help="requests before the first level, not counted")
+    p.add_argument("--warmup", type=int, default=16,
+                   help="requests before the first level, not counted")
     p.add_argument("--pause", type=float, default=0.5, help="seconds of rest between levels")
     p.add_argument("--max-tokens", type=int, default=100)
     p.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos/min_tokens")
@@ -617,7 +648,8 @@ def main() -> int:
         help="set TCP_QUICKACK after every read (Linux): no delayed ACKs from this client, which "
         "otherwise stall a server that streams without TCP_NODELAY for up to 40 ms",
     )
-    p.add_argument("--compare", nargs=2, metavar=("A_JSON", "B_JSON"), help="print A vs B ratios and exit")
+    p.add_argument("--compare", nargs=2, metavar=("A_JSON", "B_JSON"),
+                   help="print A vs B ratios and exit")
     p.add_argument("--labels", default=None, help="names for --compare, e.g. ours,dynamo")
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args()
@@ -645,7 +677,9 @@ def main() -> int:
     data = {
         "label": args.label,
         "config": {k: v for k, v in vars(args).items() if k not in ("compare", "labels")},
-        "client": {"msgspec": msgspec is not None, "uvloop": not args.no_uvloop, "pid": os.getpid()},
+        "client": {
+            "msgspec": msgspec is not None, "uvloop": not args.no_uvloop, "pid": os.getpid()
+        },
         "levels": [asdict(lv) for lv in levels],
     }
     print(table(data["levels"], args.label))
@@ -653,8 +687,8 @@ def main() -> int:
         for e in lv.first_errors:
             print(f"  conc {lv.concurrency} error: {e}", file=sys.stderr)
         if lv.other_cores > 0.25:
-            print(f"  {args.label or args.model} conc {lv.concurrency}: other processes kept {lv.other_cores:.2f} cores busy; "
-                  "numbers are noisy", file=sys.stderr)
+            print(f"  {args.label or args.model} conc {lv.concurrency}: other processes kept "
+                  f"{lv.other_cores:.2f} cores busy; numbers are noisy", file=sys.stderr)
     if args.json:
         Path(args.json).write_text(json.dumps(data, indent=1, default=str))
     if args.plot:

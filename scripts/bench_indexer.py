@@ -303,7 +303,9 @@ def bench_fm8(rng: np.random.Generator, bs: int, reps: int, res: dict[str, Any],
     nblocks = sum(len(e[1]) for e in ours)
 
     # Memory: tracemalloc over a build whose engine-hash ints are created inside the trace.
-    flat = [(k, np.array(e, dtype=np.uint64), p, np.array(t, dtype=np.int64)) for k, e, p, t in ours]
+    flat = [
+        (k, np.array(e, dtype=np.uint64), p, np.array(t, dtype=np.int64)) for k, e, p, t in ours
+    ]
     gc.collect()
     tracemalloc.start()
     idx = KvIndexer(bs)
@@ -322,7 +324,9 @@ def bench_fm8(rng: np.random.Generator, bs: int, reps: int, res: dict[str, Any],
         idx.find_matches_for_hashes(own)
         lat.append(time.perf_counter() - t)
     res["fm8_lat"] = lat
-    res["fm8_answer"] = sorted([[k[0], k[1], v] for k, v in idx.find_matches_for_hashes(own).items()])
+    res["fm8_answer"] = sorted(
+        [[k[0], k[1], v] for k, v in idx.find_matches_for_hashes(own).items()]
+    )
     lat = []
     for _ in range(max(20, reps // 3)):
         t = time.perf_counter()
@@ -437,7 +441,9 @@ def bench_big(rng: np.random.Generator, bs: int, workers: int, per_worker: int,
 
 
 def find_dynamo_python(given: str | None) -> str | None:
-    candidates = [given] if given else sorted(glob.glob(str(ROOT / ".bench" / "*" / "bin" / "python")))
+    candidates = (
+        [given] if given else sorted(glob.glob(str(ROOT / ".bench" / "*" / "bin" / "python")))
+    )
     for py in candidates:
         if not py or not os.path.exists(py):
             continue
@@ -497,7 +503,9 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     bs = args.block_size
     if args.quick:
-        args.workers, args.blocks_per_worker = min(args.workers, 8), min(args.blocks_per_worker, 10_000)
+        args.workers, args.blocks_per_worker = (
+            min(args.workers, 8), min(args.blocks_per_worker, 10_000)
+        )
     n_single, n_batched, reps = (20_000, 64_000, 200) if args.quick else (100_000, 256_000, 500)
     py = None if args.no_dynamo else find_dynamo_python(args.dynamo_python)
     res: dict[str, Any] = {}
@@ -573,7 +581,8 @@ def print_table(r: dict[str, Any], d: dict[str, Any] | str, py: str | None,
         us(dd["fm8_lat"]) if have else "-",
         x(_pct(f8, 0.5), _pct(dd["fm8_lat"], 0.5)) + " time" if have else "-")
     row("find_matches from 64k token ids (hashing included), p50 / p99 us", us(r["fm8_tok_lat"]))
-    row("hash 2,000 blocks from a Python list (ours block_hashes, Dynamo compute_block_hash_for_seq), p50 / p99 us",
+    row("hash 2,000 blocks from a Python list (ours block_hashes, "
+        "Dynamo compute_block_hash_for_seq), p50 / p99 us",
         us(r["hash_lat"]), us(dd["hash_lat"]) if have else "-",
         x(_pct(r["hash_lat"], 0.5), _pct(dd["hash_lat"], 0.5)) + " time" if have else "-")
     row("hash 2,000 blocks from a uint32 numpy array, p50 / p99 us", us(r["hash_np_lat"]))
@@ -586,10 +595,12 @@ def print_table(r: dict[str, Any], d: dict[str, Any] | str, py: str | None,
         "p50 / p99 us", us(bl), us(dd["big_lat"]) if have else "-",
         x(_pct(bl, 0.5), _pct(dd["big_lat"], 0.5)) + " time" if have else "-")
     row("find_matches on the big index from token ids, p50 / p99 us", us(r["big_tok_lat"]))
-    row("memory per entry, 8-worker index (ours tracemalloc / bytes_per_block(); Dynamo RSS delta, fresh process)",
+    row("memory per entry, 8-worker index (ours tracemalloc / bytes_per_block(); "
+        "Dynamo RSS delta, fresh process)",
         f"{r['fm8_traced_bpb']:.0f} B / {r['fm8_computed_bpb']:.0f} B",
         f"{dd['fm8_bytes_per_block']:.0f} B" if have else "-")
-    row("memory per entry, big index (ours RSS delta / bytes_per_block(); Dynamo RSS delta, fresh process)",
+    row("memory per entry, big index (ours RSS delta / bytes_per_block(); "
+        "Dynamo RSS delta, fresh process)",
         f"{r['big_rss_bpb']:.0f} B / {r['big_computed_bpb']:.0f} B",
         f"{dd['big_bytes_per_block']:.0f} B" if have else "-")
 
@@ -606,7 +617,8 @@ def print_table(r: dict[str, Any], d: dict[str, Any] | str, py: str | None,
         agree_big = sum(a == b for a, b in zip(dd["big_answers"], r["big_answers"], strict=False))
         print(f"Dynamo: {py}. Same answers: 8-worker query {'yes' if agree8 else 'NO'}; "
               f"big index {agree_big}/{len(r['big_answers'])} queries.")
-        print("Rates: higher is better (ratio > 1 = ours faster); latencies: ratio < 1 = ours faster.")
+        print("Rates: higher is better (ratio > 1 = ours faster); "
+              "latencies: ratio < 1 = ours faster.")
     else:
         print(f"Dynamo column: {d}")
 

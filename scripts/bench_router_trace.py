@@ -196,7 +196,11 @@ def http_get(url: str, timeout: float = 5.0) -> bytes:
 def metric_sum(text: str, name: str) -> float | None:
     total, found = 0.0, False
     for line in text.splitlines():
-        if line.startswith(name + "_total") or line.startswith(name + "{") or line.startswith(name + " "):
+        if (
+            line.startswith(name + "_total")
+            or line.startswith(name + "{")
+            or line.startswith(name + " ")
+        ):
             if line.startswith(name + "_created"):
                 continue
             try:
@@ -210,7 +214,9 @@ def metric_sum(text: str, name: str) -> float | None:
 # -- one mode ---------------------------------------------------------------------------------
 
 
-async def replay(url: str, model: str, rows: list[dict], prompts: list[list[int]], args: argparse.Namespace):
+async def replay(
+    url: str, model: str, rows: list[dict], prompts: list[list[int]], args: argparse.Namespace
+):
     u = be.urlsplit(url)
     host, port = u.hostname or "127.0.0.1", u.port or 80
     t0_trace = rows[0]["timestamp"]
@@ -268,12 +274,16 @@ def run_mode(mode: str, rows: list[dict], prompts: list[list[int]], args: argpar
             procs.start(f"worker{i}", [
                 "-m", "dynamo_zmq.worker", "--engine", "mocker", "--model-path", str(model_dir),
                 "--model-name", args.model_name, "--namespace", ns, "--host", "127.0.0.1",
-                "--speedup-ratio", str(args.mocker_speedup), "--block-size", str(args.tokens_per_block),
+                "--speedup-ratio", str(args.mocker_speedup),
+                "--block-size", str(args.tokens_per_block),
                 "--num-gpu-blocks-override", str(args.num_gpu_blocks),
-                "--data-parallel-size", str(args.dp), "--max-num-batched-tokens", str(args.max_batched_tokens),
+                "--data-parallel-size", str(args.dp),
+                "--max-num-batched-tokens", str(args.max_batched_tokens),
             ], timeout=60)
-        line = procs.start("frontend", ["-m", "dynamo_zmq.frontend", "--http-host", "127.0.0.1",
-                                        "--http-port", "0", "--namespace", ns, *MODES[mode]], timeout=60)
+        line = procs.start("frontend", [
+            "-m", "dynamo_zmq.frontend", "--http-host", "127.0.0.1",
+            "--http-port", "0", "--namespace", ns, *MODES[mode],
+        ], timeout=60)
         url = line.split()[1]
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -331,13 +341,17 @@ def fmt(x: Any, nd: int = 1) -> str:
 
 
 def table(res: list[dict], bound: float) -> str:
-    out = ["| mode | ok | failed | not sent | req/s | out tok/s | TTFT p50 ms | TTFT p99 ms | hit rate | bound |",
+    out = ["| mode | ok | failed | not sent | req/s | out tok/s | TTFT p50 ms | TTFT p99 ms | "
+           "hit rate | bound |",
            "|---|---|---|---|---|---|---|---|---|---|"]
     for r in res:
-        h = "n/a" if r["hit_rate"] is None else ("~" if r["hit_source"] == "router" else "") + f"{100 * r['hit_rate']:.1f}%"
-        out.append(f"| {r['mode']} | {r['ok']} | {r['failed']} | {r['not_sent']} | {fmt(r['req_s'], 2)} | "
-                   f"{fmt(r['out_tok_s'])} | {fmt(r['ttft_p50_ms'])} | {fmt(r['ttft_p99_ms'])} | {h} | "
-                   f"{100 * bound:.1f}% |")
+        h = (
+            "n/a" if r["hit_rate"] is None
+            else ("~" if r["hit_source"] == "router" else "") + f"{100 * r['hit_rate']:.1f}%"
+        )
+        out.append(f"| {r['mode']} | {r['ok']} | {r['failed']} | {r['not_sent']} | "
+                   f"{fmt(r['req_s'], 2)} | {fmt(r['out_tok_s'])} | {fmt(r['ttft_p50_ms'])} | "
+                   f"{fmt(r['ttft_p99_ms'])} | {h} | {100 * bound:.1f}% |")
     return "\n".join(out)
 
 
@@ -364,7 +378,8 @@ def main() -> int:
     ap.add_argument("--trace", default="/work/shared/traces/synthetic_trace.jsonl")
     ap.add_argument("--start", type=int, default=0, help="first trace row")
     ap.add_argument("--max-requests", type=int, default=300)
-    ap.add_argument("--max-seconds", type=float, default=120.0, help="stop issuing after this (per mode)")
+    ap.add_argument("--max-seconds", type=float, default=120.0,
+                    help="stop issuing after this (per mode)")
     ap.add_argument("--speedup", type=float, default=10.0, help="arrival time compression")
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--dp", type=int, default=1)
@@ -375,7 +390,8 @@ def main() -> int:
     ap.add_argument("--max-batched-tokens", type=int, default=8192)
     ap.add_argument("--vocab-size", type=int, default=3000)
     ap.add_argument("--modes", default="round-robin,random,kv,approx")
-    ap.add_argument("--context-length", type=int, default=262144, help="patched into the tiny model")
+    ap.add_argument("--context-length", type=int, default=262144,
+                    help="patched into the tiny model")
     ap.add_argument("--model-name", default="trace-model")
     ap.add_argument("--max-inflight", type=int, default=256)
     ap.add_argument("--request-timeout", type=float, default=60.0)
@@ -411,7 +427,8 @@ def main() -> int:
     span = (rows[-1]["timestamp"] - rows[0]["timestamp"]) / 1000 / args.speedup
     print(f"trace {Path(args.trace).name} rows {args.start}..{args.start + len(rows) - 1}: "
           f"{len(rows)} requests over {span:.1f}s replayed, mean prompt "
-          f"{sum(map(len, prompts)) / len(prompts):.0f} tokens, infinite-cache bound {100 * bound:.1f}%",
+          f"{sum(map(len, prompts)) / len(prompts):.0f} tokens, "
+          f"infinite-cache bound {100 * bound:.1f}%",
           flush=True)
 
     res: list[dict] = []
@@ -424,7 +441,8 @@ def main() -> int:
             continue
         res.append(r)
         print(f"{m}: ok {r['ok']} failed {r['failed']} TTFT p50 {fmt(r['ttft_p50_ms'])} ms "
-              f"({time.monotonic() - t:.0f}s){' errors ' + str(r['errors']) if r['errors'] else ''}", flush=True)
+              f"({time.monotonic() - t:.0f}s)"
+              f"{' errors ' + str(r['errors']) if r['errors'] else ''}", flush=True)
 
     cfg = {k: v for k, v in vars(args).items() if k not in ("json", "plot")}
     print()
@@ -433,7 +451,9 @@ def main() -> int:
           "router's matched/prompt blocks at decision time, where no cached_tokens came back; "
           "n/a = no measure for this mode.")
     if args.json:
-        Path(args.json).write_text(json.dumps({"config": cfg, "bound": bound, "results": res}, indent=2))
+        Path(args.json).write_text(
+            json.dumps({"config": cfg, "bound": bound, "results": res}, indent=2)
+        )
     if args.plot and res:
         try:
             plot(res, bound, args.plot)

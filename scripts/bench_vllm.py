@@ -52,8 +52,8 @@ class Server:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         self.log = self.log_path.open("wb")
-        self.proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=self.log,
-                                     env={**os.environ, **ENV}, cwd=ROOT)
+        self.proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE,
+                                     stderr=self.log, env={**os.environ, **ENV}, cwd=ROOT)
 
     def wait_line(self, prefix: str, timeout: float) -> str:
         assert self.proc.stdout is not None
@@ -72,7 +72,10 @@ class Server:
         try:
             import psutil
 
-            return [self.proc.pid, *(c.pid for c in psutil.Process(self.proc.pid).children(recursive=True))]
+            return [
+                self.proc.pid,
+                *(c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)),
+            ]
         except Exception:
             return [self.proc.pid]
 
@@ -122,7 +125,9 @@ def ratio(a: float, b: float) -> str:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model-path")
     p.add_argument("--model-name", default="tiny")
     p.add_argument("--max-model-len", type=int, default=1024)
@@ -136,7 +141,8 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=1, help="repeat every level this many times")
     p.add_argument("--json", help="save both sides' levels here")
     p.add_argument("-v", "--verbose", action="store_true")
-    p.add_argument("engine_flags", nargs="*", help="extra vLLM engine flags for both sides (after --)")
+    p.add_argument("engine_flags", nargs="*",
+                   help="extra vLLM engine flags for both sides (after --)")
     args = p.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
@@ -150,7 +156,8 @@ def main() -> int:
     http_ours, http_vllm = free_port(), free_port()
     servers: list[Server] = []
     try:
-        worker = Server("worker", ["-m", "dynamo_zmq.worker", "--engine", "vllm", "--model-path", model_dir,
+        worker = Server("worker", ["-m", "dynamo_zmq.worker", "--engine", "vllm",
+                                   "--model-path", model_dir,
                                    "--model-name", args.model_name, "--namespace", namespace,
                                    "--host", "127.0.0.1", *flags], tmp)
         servers.append(worker)
@@ -175,26 +182,31 @@ def main() -> int:
             for level in (int(c) for c in args.concurrency.split(",")):
                 order = ["ours", "vllm"] if (rnd + level) % 2 == 0 else ["vllm", "ours"]
                 for side in order:
-                    lv = run_level(side, urls[side], args.model_name, model_dir, pids[side], level, args,
-                                   tmp / f"{side}-{rnd}-{level}.json")
+                    lv = run_level(side, urls[side], args.model_name, model_dir, pids[side],
+                                   level, args, tmp / f"{side}-{rnd}-{level}.json")
                     lv["round"] = rnd
                     results[side].append(lv)
                     print(f"  {side:5s} c={level:<3d} {lv['ok']}/{lv['requests']} ok, "
-                          f"{lv['out_tok_s']:.0f} tok/s, TTFT p50 {lv['ttft_p50_ms']:.1f} ms", flush=True)
+                          f"{lv['out_tok_s']:.0f} tok/s, TTFT p50 {lv['ttft_p50_ms']:.1f} ms",
+                          flush=True)
     finally:
         for server in reversed(servers):
             server.stop()
 
-    print(f"\nvLLM {_vllm_version()}, model {model_dir}, {args.endpoint}, max_tokens {args.max_tokens}, "
-          f"prompt tokens {args.prompt_tokens}, engine flags: {' '.join(flags)}")
+    print(f"\nvLLM {_vllm_version()}, model {model_dir}, {args.endpoint}, "
+          f"max_tokens {args.max_tokens}, prompt tokens {args.prompt_tokens}, "
+          f"engine flags: {' '.join(flags)}")
     head = (f"{'conc':>4} {'round':>5} | {'ours tok/s':>10} {'vllm tok/s':>10} {'ratio':>5} | "
             f"{'ours req/s':>10} {'vllm req/s':>10} | {'ours TTFT50':>11} {'vllm TTFT50':>11} | "
-            f"{'ours TTFT99':>11} {'vllm TTFT99':>11} | {'ours cpu ms/req':>15} {'vllm cpu ms/req':>15}")
+            f"{'ours TTFT99':>11} {'vllm TTFT99':>11} | "
+            f"{'ours cpu ms/req':>15} {'vllm cpu ms/req':>15}")
     print(head)
     print("-" * len(head))
     for a, b in zip(results["ours"], results["vllm"], strict=True):
-        print(f"{a['concurrency']:>4} {a['round']:>5} | {a['out_tok_s']:>10.0f} {b['out_tok_s']:>10.0f} "
-              f"{ratio(a['out_tok_s'], b['out_tok_s']):>5} | {a['req_s']:>10.2f} {b['req_s']:>10.2f} | "
+        print(f"{a['concurrency']:>4} {a['round']:>5} | "
+              f"{a['out_tok_s']:>10.0f} {b['out_tok_s']:>10.0f} "
+              f"{ratio(a['out_tok_s'], b['out_tok_s']):>5} | "
+              f"{a['req_s']:>10.2f} {b['req_s']:>10.2f} | "
               f"{a['ttft_p50_ms']:>9.1f}ms {b['ttft_p50_ms']:>9.1f}ms | "
               f"{a['ttft_p99_ms']:>9.1f}ms {b['ttft_p99_ms']:>9.1f}ms | "
               f"{cpu_ms(a):>15.1f} {cpu_ms(b):>15.1f}")

@@ -49,7 +49,9 @@ def queued(stream: Any) -> int:
     return len(inner._st.items)
 
 
-async def test_a_slow_reader_keeps_both_sides_memory_bounded(namespace, spawn, make_runtime) -> None:
+async def test_a_slow_reader_keeps_both_sides_memory_bounded(
+    namespace, spawn, make_runtime
+) -> None:
     server = spawn(*app_args(namespace, "--discovery", "static"))
     rt = make_runtime(static=(server.address,))
     client = await rt.endpoint(f"{namespace}.backend.count").client()
@@ -62,7 +64,10 @@ async def test_a_slow_reader_keeps_both_sides_memory_bounded(namespace, spawn, m
     assert window_bytes * 3 < bound  # the bound leaves room for one window plus noise
 
     # Warm both processes up with a stream of the same items (imports, allocator arenas).
-    warm = [r.data()["i"] async for r in await client.generate({"n": 2 * DEFAULT_WINDOW, "pad": PAD})]
+    warm = [
+        r.data()["i"]
+        async for r in await client.generate({"n": 2 * DEFAULT_WINDOW, "pad": PAD})
+    ]
     assert warm == list(range(2 * DEFAULT_WINDOW))
     server_proc, client_proc = psutil.Process(server.pid), psutil.Process()
     server_base, client_base = rss(server_proc), rss(client_proc)

@@ -45,7 +45,9 @@ def test_children_follow_in_link_order():
     kids = [Context(f"c{i}") for i in range(3)]
     for kid in kids:
         parent.link_child(kid)
-        kid.add_listener(lambda killed, k=kid: order.append(f"{k.id()}:{'kill' if killed else 'stop'}"))
+        kid.add_listener(
+            lambda killed, k=kid: order.append(f"{k.id()}:{'kill' if killed else 'stop'}")
+        )
     parent.stop()
     assert order == ["c0:stop", "c1:stop", "c2:stop"]
     parent.kill()

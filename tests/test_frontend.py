@@ -31,7 +31,9 @@ def worker(spawn, namespace, model_dir, *extra, name="tiny", engine="mocker") ->
 
 
 def frontend(spawn, namespace) -> tuple[Proc, str]:
-    proc = spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace, ready=False)
+    proc = spawn(
+        "-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace, ready=False
+    )
     proc.wait_ready()
     return proc, proc.address
 
@@ -116,7 +118,9 @@ async def test_completions_stream_and_unary(served):
 async def test_errors_are_openai_shaped(served):
     url, client = served
     with pytest.raises(openai.NotFoundError) as exc:
-        await client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+        await client.chat.completions.create(
+            model="nope", messages=[{"role": "user", "content": "x"}]
+        )
     assert "nope" in str(exc.value)
     for extra in ({"n": 2}, {"logprobs": True}, {"temperature": 9}):
         with pytest.raises(openai.BadRequestError):
@@ -126,7 +130,8 @@ async def test_errors_are_openai_shaped(served):
     status, body = await asyncio.to_thread(post, f"{url}/v1/chat/completions", b"{not json")
     assert status == 400 and set(json.loads(body)["error"]) >= {"message", "type", "code"}
     status, body = await asyncio.to_thread(
-        post, f"{url}/v1/completions", json.dumps({"model": "tiny", "prompt": "word " * 5000}).encode()
+        post, f"{url}/v1/completions",
+        json.dumps({"model": "tiny", "prompt": "word " * 5000}).encode(),
     )
     assert status == 413, body
 
@@ -138,11 +143,14 @@ async def test_models_health_metrics(served):
     status, body = await asyncio.to_thread(get, f"{url}/health")
     assert status == 200 and "tiny" in json.loads(body)["models"]
     assert (await asyncio.to_thread(get, f"{url}/live"))[0] == 200
-    await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2)
+    await client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2
+    )
     status, body = await asyncio.to_thread(get, f"{url}/metrics")
     text = body.decode()
     for name in ("dynamo_frontend_requests_total", "dynamo_frontend_inflight_requests",
-                 "dynamo_frontend_time_to_first_token_seconds", "dynamo_frontend_inter_token_latency_seconds",
+                 "dynamo_frontend_time_to_first_token_seconds",
+                 "dynamo_frontend_inter_token_latency_seconds",
                  "dynamo_frontend_input_sequence_tokens", "dynamo_frontend_output_sequence_tokens",
                  "dynamo_frontend_request_duration_seconds"):
         assert f"{name}" in text and 'model="tiny"' in text, name
@@ -162,8 +170,12 @@ async def test_stop_strings_are_never_leaked(namespace, spawn, tiny_model):
             )
             deltas = [c.choices[0].text async for c in stream if c.choices]
             out = "".join(deltas)
-            first = min(text.find(s) for s in ([stop] if isinstance(stop, str) else stop) if s in text)
-            matched = next(s for s in ([stop] if isinstance(stop, str) else stop) if text.find(s) == first)
+            first = min(
+                text.find(s) for s in ([stop] if isinstance(stop, str) else stop) if s in text
+            )
+            matched = next(
+                s for s in ([stop] if isinstance(stop, str) else stop) if text.find(s) == first
+            )
             expect = text[: first + (len(matched) if include else 0)]
             assert out.strip() == expect.strip()
             if not include:
@@ -186,7 +198,11 @@ async def test_client_disconnect_stops_the_engine(namespace, spawn, tiny_model):
     assert resp.readline().startswith(b"data: ")
     conn.sock.close()  # the client goes away mid-stream
     conn.close()
-    mport = int(next(line.split()[-1] for line in proc.logs().splitlines() if "metrics and health on port" in line))
+    mport = int(next(
+        line.split()[-1]
+        for line in proc.logs().splitlines()
+        if "metrics and health on port" in line
+    ))
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 10
     while True:
@@ -202,7 +218,9 @@ async def test_dead_worker_gives_503_and_a_new_one_serves(namespace, spawn, tiny
     first = worker(spawn, namespace, tiny_model)
     _, url = frontend(spawn, namespace)
     await wait_models(url, {"tiny"})
-    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}).encode()
+    body = json.dumps(
+        {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    ).encode()
     assert (await asyncio.to_thread(post, f"{url}/v1/chat/completions", body))[0] == 200
     first.signal(signal.SIGKILL)
     loop = asyncio.get_running_loop()
@@ -230,12 +248,15 @@ async def test_two_models_side_by_side(namespace, spawn, tiny_model):
 
 
 JSON_VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=True) | st.text(max_size=20),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=True)
+    | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4)
+    | st.dictionaries(st.text(max_size=12), inner, max_size=4),
     max_leaves=12,
 )
-FIELDS = ["model", "messages", "prompt", "max_tokens", "temperature", "stream", "stop", "n", "top_p",
-          "stream_options", "seed", "max_completion_tokens", "min_tokens", "logprobs", "tools"]
+FIELDS = ["model", "messages", "prompt", "max_tokens", "temperature", "stream", "stop", "n",
+          "top_p", "stream_options", "seed", "max_completion_tokens", "min_tokens", "logprobs",
+          "tools"]
 
 
 @st.composite
@@ -245,7 +266,10 @@ def bodies(draw):
         return draw(st.binary(max_size=200))
     if kind == "json":
         return json.dumps(draw(JSON_VALUES), allow_nan=True).encode()
-    body = {k: draw(JSON_VALUES) for k in draw(st.lists(st.sampled_from(FIELDS), max_size=6, unique=True))}
+    body = {
+        k: draw(JSON_VALUES)
+        for k in draw(st.lists(st.sampled_from(FIELDS), max_size=6, unique=True))
+    }
     if draw(st.booleans()):
         body["model"] = "tiny"
     raw = json.dumps(body, allow_nan=True).encode()
@@ -286,8 +310,10 @@ async def test_cached_prompt_tokens_are_reported(served):
     (["--static-file", "/nonexistent/peers.txt"], "cannot read static discovery file"),
 ])
 def test_bad_flags_are_usage_errors(flags, message):
-    res = subprocess.run([sys.executable, "-m", "dynamo_zmq.frontend", "--discovery", "static", *flags],
-                         capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [sys.executable, "-m", "dynamo_zmq.frontend", "--discovery", "static", *flags],
+        capture_output=True, text=True, timeout=60,
+    )
     assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr
 
 

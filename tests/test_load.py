@@ -41,9 +41,13 @@ reports = st.builds(
 
 
 def test_a_report_is_plain_msgpack_with_the_version_first():
-    report = LoadReport(LOAD_VERSION, 0xABC, 7, 1700000000.5, [EngineLoad(0, 12, 256, 3, 1), EngineLoad(1, 0, 256)])
+    report = LoadReport(
+        LOAD_VERSION, 0xABC, 7, 1700000000.5, [EngineLoad(0, 12, 256, 3, 1), EngineLoad(1, 0, 256)]
+    )
     payload = encode_report(report)
-    assert msgpack.unpackb(payload) == [1, 0xABC, 7, 1700000000.5, [[0, 12, 256, 3, 1], [1, 0, 256, 0, 0]]]
+    assert msgpack.unpackb(payload) == [
+        1, 0xABC, 7, 1700000000.5, [[0, 12, 256, 3, 1], [1, 0, 256, 0, 0]]
+    ]
     assert decode_report(payload) == report
     # Older publishers may send fewer rank fields; the missing ones default.
     short = msgpack.packb([1, 0xABC, 8, 1.0, [[1, 5]]])
@@ -133,8 +137,9 @@ class Sub:
 
 
 async def test_the_publisher_sends_the_mockers_ranks(zctx):
-    engine = MockerEngine(MockerConfig(host="127.0.0.1", block_size=4, num_gpu_blocks=64, vocab_size=100,
-                                       data_parallel_size=2, speedup_ratio=1.0, enable_kv_events=False))
+    engine = MockerEngine(MockerConfig(host="127.0.0.1", block_size=4, num_gpu_blocks=64,
+                                       vocab_size=100, data_parallel_size=2, speedup_ratio=1.0,
+                                       enable_kv_events=False))
     await engine.start(1)
     pub = LoadPublisher(engine.load, 0x5EED, "tcp://127.0.0.1:0", interval=0.02)
     await pub.start()
@@ -143,7 +148,9 @@ async def test_the_publisher_sends_the_mockers_ranks(zctx):
     try:
         first = await sub.next()
         assert first.instance_id == 0x5EED and first.version == LOAD_VERSION
-        assert [(r.dp_rank, r.active_blocks, r.total_blocks) for r in first.ranks] == [(0, 0, 64), (1, 0, 64)]
+        assert [(r.dp_rank, r.active_blocks, r.total_blocks) for r in first.ranks] == [
+            (0, 0, 64), (1, 0, 64)
+        ]
         # A long request on rank 1: its blocks show there, and only there.
         req = PreprocessedRequest([5] * 17, stop=StopConditions(max_tokens=10_000, ignore_eos=True),
                                   routing=RoutingHints(dp_rank=1))
@@ -196,7 +203,9 @@ def worker(spawn, namespace, model, *extra: str):
 async def test_workers_advertise_their_load_endpoint_unless_told_not_to(
     namespace, spawn, make_runtime, tiny_model, zctx
 ):
-    publishing = worker(spawn, namespace, tiny_model, "--data-parallel-size", "2", "--load-interval", "0.05")
+    publishing = worker(
+        spawn, namespace, tiny_model, "--data-parallel-size", "2", "--load-interval", "0.05"
+    )
     silent = worker(spawn, namespace, tiny_model, "--load-interval", "0")
     for proc in (publishing, silent):
         proc.wait_ready()

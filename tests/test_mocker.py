@@ -59,7 +59,9 @@ def request(prompt: list[int] | int = 32, *, seed: int | None = None, rank: int 
     )
 
 
-async def collect(engine: MockerEngine, req: PreprocessedRequest, ctx: Context | None = None) -> list[LLMEngineOutput]:
+async def collect(
+    engine: MockerEngine, req: PreprocessedRequest, ctx: Context | None = None
+) -> list[LLMEngineOutput]:
     """Every chunk of one stream, checked by the project's stream-contract validator."""
     return [c async for c in validate_stream(engine.generate(req, ctx or Context()))]
 
@@ -79,7 +81,9 @@ def assert_all_free(engine: MockerEngine) -> None:
 # -- stop rules -----------------------------------------------------------------------------
 
 
-async def test_max_tokens_gives_length_with_exactly_that_many_tokens(make_engine: MakeEngine) -> None:
+async def test_max_tokens_gives_length_with_exactly_that_many_tokens(
+    make_engine: MakeEngine,
+) -> None:
     engine = await make_engine(eos_token_ids=(7,), vocab_size=50)
     chunks = await collect(engine, request(40, max_tokens=37, ignore_eos=True))
     assert [c.finish_reason for c in chunks[:-1]] == [None] * 36
@@ -87,7 +91,10 @@ async def test_max_tokens_gives_length_with_exactly_that_many_tokens(make_engine
     last = chunks[-1]
     assert last.finish_reason == FinishReason.LENGTH
     assert len(tokens_of(chunks)) == 37
-    assert last.usage is not None and (last.usage.prompt_tokens, last.usage.completion_tokens) == (40, 37)
+    assert (
+        last.usage is not None
+        and (last.usage.prompt_tokens, last.usage.completion_tokens) == (40, 37)
+    )
     assert all(0 <= t < 50 for t in tokens_of(chunks))
     assert_all_free(engine)
 
@@ -122,7 +129,9 @@ async def test_eos_from_request_and_config_stop_unless_ignored(make_engine: Make
 
 async def test_min_tokens_defers_eos_and_stop_tokens(make_engine: MakeEngine) -> None:
     engine = await make_engine(vocab_size=3, eos_token_ids=(0,))
-    chunks = await collect(engine, request(20, seed=5, max_tokens=500, min_tokens=25, stop_token_ids=[1]))
+    chunks = await collect(
+        engine, request(20, seed=5, max_tokens=500, min_tokens=25, stop_token_ids=[1])
+    )
     toks = tokens_of(chunks)
     assert len(toks) >= 25
     assert chunks[-1].finish_reason == FinishReason.STOP and toks[-1] in (0, 1)
@@ -178,7 +187,9 @@ async def test_long_prompt_is_prefilled_in_chunks(make_engine: MakeEngine) -> No
 
 async def test_preemption_recomputes_and_keeps_outputs_exact(make_engine: MakeEngine) -> None:
     roomy = await make_engine(vocab_size=1000)
-    tight = await make_engine(vocab_size=1000, block_size=4, num_gpu_blocks=12, enable_prefix_caching=False)
+    tight = await make_engine(
+        vocab_size=1000, block_size=4, num_gpu_blocks=12, enable_prefix_caching=False
+    )
     reqs = [request(list(range(100 + 10 * i, 110 + 10 * i)), seed=i, max_tokens=30, ignore_eos=True)
             for i in range(6)]
     expected = [tokens_of(await collect(roomy, r)) for r in reqs]
@@ -196,7 +207,9 @@ async def test_a_sequence_larger_than_the_cache_ends_with_length(make_engine: Ma
     assert chunks[-1].finish_reason == FinishReason.LENGTH
     assert len(tokens_of(chunks)) == 16 - 10 + 1  # the last sampled token needs no KV slot
     too_long = await collect(engine, request(17, max_tokens=5))
-    assert too_long[-1].finish_reason == FinishReason.ERROR and "KV blocks" in (too_long[-1].error or "")
+    assert too_long[-1].finish_reason == FinishReason.ERROR and "KV blocks" in (
+        too_long[-1].error or ""
+    )
     assert_all_free(engine)
 
 
@@ -233,13 +246,19 @@ async def test_dp_rank_hint_is_honoured_and_checked(make_engine: MakeEngine) -> 
     await collect(engine, request(40, rank=2, max_tokens=3))
     assert [r.num_steps > 0 for r in engine.ranks] == [False, False, True]
     bad = await collect(engine, request(40, rank=3, max_tokens=3))
-    assert len(bad) == 1 and bad[0].finish_reason == FinishReason.ERROR and "dp_rank 3" in (bad[0].error or "")
+    assert (
+        len(bad) == 1
+        and bad[0].finish_reason == FinishReason.ERROR
+        and "dp_rank 3" in (bad[0].error or "")
+    )
 
 
 async def test_without_a_hint_the_least_loaded_rank_is_chosen(make_engine: MakeEngine) -> None:
     engine = await make_engine(vocab_size=1000, data_parallel_size=2, context_length=200_000)
     ctx = Context()
-    busy = validate_stream(engine.generate(request(40, rank=0, max_tokens=100_000, ignore_eos=True), ctx))
+    busy = validate_stream(
+        engine.generate(request(40, rank=0, max_tokens=100_000, ignore_eos=True), ctx)
+    )
     await busy.__anext__()  # rank 0 now runs a long request
     assert [r.load for r in engine.ranks] == [1, 0]
     await collect(engine, request(40, max_tokens=3))
@@ -256,7 +275,9 @@ async def _started_stream(
     engine: MockerEngine, ctx: Context, n: int = 3
 ) -> tuple[AsyncIterator[LLMEngineOutput], list[LLMEngineOutput]]:
     """A long request's stream, after its first ``n`` chunks."""
-    stream = validate_stream(engine.generate(request(100, max_tokens=100_000, ignore_eos=True), ctx))
+    stream = validate_stream(
+        engine.generate(request(100, max_tokens=100_000, ignore_eos=True), ctx)
+    )
     got = [await stream.__anext__() for _ in range(n)]
     return stream, got
 
@@ -298,7 +319,9 @@ async def test_a_stopped_context_is_cancelled_before_it_starts(make_engine: Make
     assert [c.finish_reason for c in chunks] == [FinishReason.CANCELLED]
 
 
-async def test_closing_or_cancelling_the_consumer_frees_the_sequence(make_engine: MakeEngine) -> None:
+async def test_closing_or_cancelling_the_consumer_frees_the_sequence(
+    make_engine: MakeEngine,
+) -> None:
     engine = await make_engine(vocab_size=1000, context_length=200_000)
     stream = engine.generate(request(100, max_tokens=100_000, ignore_eos=True), Context())
     await stream.__anext__()
@@ -308,7 +331,9 @@ async def test_closing_or_cancelling_the_consumer_frees_the_sequence(make_engine
     started = asyncio.Event()
 
     async def consume() -> None:
-        async for _ in engine.generate(request(100, max_tokens=100_000, ignore_eos=True), Context()):
+        async for _ in engine.generate(
+            request(100, max_tokens=100_000, ignore_eos=True), Context()
+        ):
             started.set()
 
     task = asyncio.create_task(consume())
@@ -321,7 +346,10 @@ async def test_closing_or_cancelling_the_consumer_frees_the_sequence(make_engine
 
 async def test_drain_waits_for_in_flight_work(make_engine: MakeEngine) -> None:
     engine = await make_engine(vocab_size=1000)
-    tasks = [asyncio.create_task(collect(engine, request(50 + i, max_tokens=20, ignore_eos=True))) for i in range(5)]
+    tasks = [
+        asyncio.create_task(collect(engine, request(50 + i, max_tokens=20, ignore_eos=True)))
+        for i in range(5)
+    ]
     await asyncio.sleep(0)
     await engine.drain()
     assert all(r.load == 0 for r in engine.ranks)
@@ -354,7 +382,9 @@ async def test_cleanup_is_idempotent_safe_before_start_and_ends_open_streams() -
     chunks = await collect(never, request(5))
     assert chunks[-1].finish_reason == FinishReason.ERROR
 
-    engine = MockerEngine(MockerConfig(speedup_ratio=FAST, host="127.0.0.1", context_length=200_000))
+    engine = MockerEngine(
+        MockerConfig(speedup_ratio=FAST, host="127.0.0.1", context_length=200_000)
+    )
     await engine.start(1)
     stream, _ = await _started_stream(engine, Context())
     await engine.cleanup()
@@ -366,7 +396,9 @@ async def test_cleanup_is_idempotent_safe_before_start_and_ends_open_streams() -
 
 
 async def test_passes_the_engine_conformance_kit() -> None:
-    report = await run_conformance(lambda: MockerEngine(MockerConfig(speedup_ratio=FAST, host="127.0.0.1")))
+    report = await run_conformance(
+        lambda: MockerEngine(MockerConfig(speedup_ratio=FAST, host="127.0.0.1"))
+    )
     assert report.config is not None and report.config.model_name == "mocker"
 
 
@@ -377,15 +409,16 @@ def test_flags_have_dynamos_names_and_defaults() -> None:
     parser = argparse.ArgumentParser()
     MockerEngine.add_args(parser)
     args = parser.parse_args([])
-    assert (args.block_size, args.num_gpu_blocks_override, args.max_num_seqs, args.max_num_batched_tokens,
-            args.speedup_ratio, args.data_parallel_size, args.enable_prefix_caching, args.mocker_seed,
-            args.kv_events_port, args.kv_replay_port, args.no_kv_events) == (
+    assert (args.block_size, args.num_gpu_blocks_override, args.max_num_seqs,
+            args.max_num_batched_tokens, args.speedup_ratio, args.data_parallel_size,
+            args.enable_prefix_caching, args.mocker_seed, args.kv_events_port,
+            args.kv_replay_port, args.no_kv_events) == (
         64, 16384, 256, 8192, 1.0, 1, True, 0, 0, 0, False)
-    args = parser.parse_args(["--no-enable-prefix-caching", "--speedup-ratio", "5", "--no-kv-events",
-                              "--data-parallel-size", "2", "--mocker-seed", "9"])
+    args = parser.parse_args(["--no-enable-prefix-caching", "--speedup-ratio", "5",
+                              "--no-kv-events", "--data-parallel-size", "2", "--mocker-seed", "9"])
     cfg = MockerEngine.from_args(args).config
-    assert (cfg.enable_prefix_caching, cfg.speedup_ratio, cfg.enable_kv_events, cfg.data_parallel_size,
-            cfg.seed) == (False, 5.0, False, 2, 9)
+    assert (cfg.enable_prefix_caching, cfg.speedup_ratio, cfg.enable_kv_events,
+            cfg.data_parallel_size, cfg.seed) == (False, 5.0, False, 2, 9)
 
 
 def _model_dir(root: Path) -> Path:
@@ -414,11 +447,17 @@ async def test_from_args_reads_the_model_directory(tmp_path: Path) -> None:
     finally:
         await engine.cleanup()
 
-    named = MockerEngine.from_args(argparse.Namespace(model_path=str(model), model_name="served", host="127.0.0.1",
-                                                      no_kv_events=True, speedup_ratio=FAST))
+    named = MockerEngine.from_args(argparse.Namespace(
+        model_path=str(model), model_name="served", host="127.0.0.1",
+        no_kv_events=True, speedup_ratio=FAST,
+    ))
     try:
         ec = await named.start(worker_id=7)
-        assert ec.model_name == "served" and ec.kv_events_endpoint is None and ec.kv_replay_endpoint is None
+        assert (
+            ec.model_name == "served"
+            and ec.kv_events_endpoint is None
+            and ec.kv_replay_endpoint is None
+        )
     finally:
         await named.cleanup()
 
@@ -434,7 +473,9 @@ def test_the_workers_parser_takes_the_mocker_flags(tmp_path: Path) -> None:
     assert (cfg.block_size, cfg.enable_prefix_caching, cfg.vocab_size) == (16, False, 1234)
     # No --host: the KV sockets bind and advertise where the worker's request plane does.
     assert (cfg.bind_host, cfg.advertised_host()) == ("127.0.0.1", "127.0.0.1")
-    wildcard = MockerEngine.from_args(parser.parse_args(["--model-path", str(model), "--host", "0.0.0.0"]))
+    wildcard = MockerEngine.from_args(
+        parser.parse_args(["--model-path", str(model), "--host", "0.0.0.0"])
+    )
     assert wildcard.config.bind_host == "*"
     assert wildcard.config.advertised_host() not in ("0.0.0.0", "*", "")
 
@@ -462,7 +503,9 @@ def test_public_names() -> None:
 
 
 async def test_stats_report_kv_usage_for_the_worker_metrics():
-    engine = MockerEngine(MockerConfig(speedup_ratio=FAST, host="127.0.0.1", num_gpu_blocks=64, block_size=16))
+    engine = MockerEngine(
+        MockerConfig(speedup_ratio=FAST, host="127.0.0.1", num_gpu_blocks=64, block_size=16)
+    )
     await engine.start(1)
     try:
         stats = engine.stats()

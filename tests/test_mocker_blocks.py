@@ -79,7 +79,9 @@ class Model:
 
 @settings(max_examples=300, deadline=None)
 @given(num_blocks=st.integers(1, 8), operations=ops)
-def test_block_manager_matches_a_brute_force_model(num_blocks: int, operations: list[tuple[int, list[int], int, int]]) -> None:
+def test_block_manager_matches_a_brute_force_model(
+    num_blocks: int, operations: list[tuple[int, list[int], int, int]]
+) -> None:
     bm = BlockManager(num_blocks, BS)
     model = Model(bm)
     for roll, prompt, extra, index in operations:
@@ -101,8 +103,8 @@ def test_block_manager_matches_a_brute_force_model(num_blocks: int, operations: 
             model.held.append(blocks)
             start = len(hits)
             full = len(hashes)
-            bm.cache_blocks(blocks[start:full], hashes[start:full], hashes[start - 1] if start else None,
-                            tokens[start * BS : full * BS])
+            bm.cache_blocks(blocks[start:full], hashes[start:full],
+                            hashes[start - 1] if start else None, tokens[start * BS : full * BS])
             before = dict(model.announced)
             model.consume_events()
             for i in range(start, full):

@@ -23,8 +23,8 @@ FIXTURES = VLLM_KV_EVENTS
 TOPIC = b"kv-events"
 END = [b"", b"", b"\xff" * 8, b""]
 BS = 4
-STORED_KEYS = {"type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
-               "lora_name", "extra_keys"}
+STORED_KEYS = {"type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+               "medium", "lora_name", "extra_keys"}
 
 
 @pytest.fixture
@@ -35,14 +35,16 @@ async def zctx() -> AsyncIterator[zmq.asyncio.Context]:
 
 
 async def start_engine(**overrides: Any) -> MockerEngine:
-    base: dict[str, Any] = {"speedup_ratio": 1e6, "host": "127.0.0.1", "block_size": BS, "num_gpu_blocks": 24,
-                            "vocab_size": 1000}
+    base: dict[str, Any] = {"speedup_ratio": 1e6, "host": "127.0.0.1", "block_size": BS,
+                            "num_gpu_blocks": 24, "vocab_size": 1000}
     engine = MockerEngine(MockerConfig(**{**base, **overrides}))
     await engine.start(worker_id=1)
     return engine
 
 
-async def run(engine: MockerEngine, prompt: list[int], rank: int | None = None, max_tokens: int = 6) -> None:
+async def run(
+    engine: MockerEngine, prompt: list[int], rank: int | None = None, max_tokens: int = 6
+) -> None:
     req = PreprocessedRequest(prompt, stop=StopConditions(max_tokens=max_tokens, ignore_eos=True),
                               routing=RoutingHints(dp_rank=rank))
     chunks = [c async for c in engine.generate(req, Context())]
@@ -74,7 +76,8 @@ async def recv_until(sub: zmq.asyncio.Socket, last_seq: int) -> list[list[bytes]
 
 
 async def replay(zctx: zmq.asyncio.Context, endpoint: str, start: int) -> list[list[bytes]]:
-    """Ask the replay socket for everything from ``start``; returns the messages before the end marker."""
+    """Ask the replay socket for everything from ``start``; returns the messages before the end
+    marker."""
     dealer = zctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.connect(endpoint)
@@ -91,7 +94,8 @@ async def replay(zctx: zmq.asyncio.Context, endpoint: str, start: int) -> list[l
 
 
 async def workload(engine: MockerEngine) -> None:
-    """Shared prefixes, distinct suffixes, both ranks, more blocks than fit: stores and evictions."""
+    """Shared prefixes, distinct suffixes, both ranks, more blocks than fit: stores and
+    evictions."""
     prefixes = [[p * 10 + k for k in range(3 * BS)] for p in range(1, 5)]
     reqs = [run(engine, [*prefixes[i % 4], *range(200 + 7 * i, 200 + 7 * i + 5)], rank=i % 2)
             for i in range(24)]
@@ -117,14 +121,18 @@ def check_history(messages: list[list[bytes]], engine: MockerEngine) -> dict[str
                 assert set(ev) == STORED_KEYS
                 assert ev["block_size"] == BS and ev["medium"] == "GPU"
                 assert ev["lora_id"] is None and ev["lora_name"] is None
-                hashes, tokens, parent = ev["block_hashes"], ev["token_ids"], ev["parent_block_hash"]
+                hashes, tokens, parent = (
+                    ev["block_hashes"], ev["token_ids"], ev["parent_block_hash"]
+                )
                 assert hashes and len(tokens) == BS * len(hashes)
                 if parent is not None:
                     assert parent in ever[rank], "parent_block_hash was never stored"
                     seen["chained"] += 1
                 for i, h in enumerate(hashes):
                     assert isinstance(h, int) and 0 <= h < 2**64
-                    assert block_hash(parent if i == 0 else hashes[i - 1], tokens[i * BS : (i + 1) * BS]) == h
+                    assert block_hash(
+                        parent if i == 0 else hashes[i - 1], tokens[i * BS : (i + 1) * BS]
+                    ) == h
                     assert h not in live[rank], "stored twice without a removal"
                     live[rank].add(h)
                     ever[rank].add(h)
@@ -143,7 +151,9 @@ def check_history(messages: list[list[bytes]], engine: MockerEngine) -> dict[str
     return seen
 
 
-async def test_events_follow_vllms_format_and_account_for_the_cache(zctx: zmq.asyncio.Context) -> None:
+async def test_events_follow_vllms_format_and_account_for_the_cache(
+    zctx: zmq.asyncio.Context,
+) -> None:
     engine = await start_engine(data_parallel_size=2)
     try:
         sub = await subscribed(zctx, engine)
@@ -235,10 +245,16 @@ def test_payload_shape_matches_a_real_vllm_capture() -> None:
     real_removed = next(e for e in real[1] if e["type"] == "BlockRemoved")
     from engines.mocker._kv_events import BlockRemoved, BlockStored, encode_batch
 
-    ours = msgpack.unpackb(encode_batch([BlockRemoved([7]), BlockStored([1, 2], 9, list(range(64)), 32)], 0))
+    ours = msgpack.unpackb(
+        encode_batch([BlockRemoved([7]), BlockStored([1, 2], 9, list(range(64)), 32)], 0)
+    )
     assert [type(x) for x in ours] == [type(x) for x in real]
     removed, stored = ours[1]
     assert list(stored)[: len(STORED_KEYS)] == list(real_stored)[: len(STORED_KEYS)]
     assert set(removed) <= set(real_removed)
     for key in STORED_KEYS:
-        assert type(stored[key]) is type(real_stored[key]) or real_stored[key] is None or stored[key] is None
+        assert (
+            type(stored[key]) is type(real_stored[key])
+            or real_stored[key] is None
+            or stored[key] is None
+        )

@@ -26,7 +26,9 @@ from dynamo_zmq.llm._postprocess import REPLACEMENT
 EOS = 2
 PROPS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 #: ASCII, 2-, 3- and 4-byte UTF-8 characters, so characters split across byte-level tokens.
-TEXT = st.text(alphabet=st.sampled_from([*"ab the,.\n", "é", "ü", "日", "本", "🙂", "€"]), max_size=40)
+TEXT = st.text(
+    alphabet=st.sampled_from([*"ab the,.\n", "é", "ü", "日", "本", "🙂", "€"]), max_size=40
+)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +61,9 @@ def cut_reference(text: str, stops: list[str], include: bool) -> tuple[str, int 
 def request(ids, *, prompt=(1,), **stop) -> PreprocessedRequest:
     output = OutputOptions(detokenize=stop.pop("detokenize", False),
                            skip_special_tokens=stop.pop("skip_special_tokens", True))
-    return PreprocessedRequest(list(prompt), stop=StopConditions(**stop), output=output, eos_token_ids=[EOS])
+    return PreprocessedRequest(
+        list(prompt), stop=StopConditions(**stop), output=output, eos_token_ids=[EOS]
+    )
 
 
 def run(proc: PostProcessor, chunks: list[LLMEngineOutput]) -> list[LLMEngineOutput]:
@@ -72,7 +76,9 @@ def run(proc: PostProcessor, chunks: list[LLMEngineOutput]) -> list[LLMEngineOut
 
 
 def one_per_token(ids, finish="length") -> list[LLMEngineOutput]:
-    return [LLMEngineOutput([t]) for t in ids] + [LLMEngineOutput(finish_reason=finish, usage=Usage(1, len(ids)))]
+    return [LLMEngineOutput([t]) for t in ids] + [
+        LLMEngineOutput(finish_reason=finish, usage=Usage(1, len(ids)))
+    ]
 
 
 def text_of(chunks) -> str:
@@ -88,7 +94,9 @@ def test_deltas_concatenate_to_the_full_decode_of_any_ids(tokenizer, data, skip)
     vocab = tokenizer.get_vocab_size()
     ids = data.draw(st.lists(st.integers(0, vocab - 1), max_size=40))
     prompt = data.draw(st.lists(st.integers(0, vocab - 1), max_size=12))
-    assert "".join(detokenize(tokenizer, ids, prompt, skip)) == tokenizer.decode(ids, skip_special_tokens=skip)
+    assert "".join(detokenize(tokenizer, ids, prompt, skip)) == tokenizer.decode(
+        ids, skip_special_tokens=skip
+    )
 
 
 @PROPS
@@ -194,7 +202,9 @@ def test_stop_matcher_holds_only_what_could_become_a_stop():
 @given(data=st.data(), text=TEXT, include=st.booleans())
 def test_postprocessed_stream_matches_a_full_decode_cut_at_the_stop(tokenizer, data, text, include):
     ids = encode(tokenizer, text)
-    stops = data.draw(st.lists(st.text(st.sampled_from("ab e,日🙂"), min_size=1, max_size=3), max_size=2))
+    stops = data.draw(
+        st.lists(st.text(st.sampled_from("ab e,日🙂"), min_size=1, max_size=3), max_size=2)
+    )
     sizes = data.draw(st.lists(st.integers(1, 4), min_size=len(ids), max_size=len(ids)))
     chunks, i = [], 0
     for n in sizes:
@@ -202,7 +212,10 @@ def test_postprocessed_stream_matches_a_full_decode_cut_at_the_stop(tokenizer, d
             chunks.append(LLMEngineOutput(ids[i : i + n]))
             i += n
     chunks.append(LLMEngineOutput(finish_reason="length", usage=Usage(1, len(ids))))
-    out = run(PostProcessor(request(ids, stop=stops, include_stop_str_in_output=include), tokenizer), chunks)
+    out = run(
+        PostProcessor(request(ids, stop=stops, include_stop_str_in_output=include), tokenizer),
+        chunks,
+    )
     expected, start, _ = cut_reference(text, stops, include)
     assert text_of(out) == expected
     assert [c.is_terminal for c in out] == [False] * (len(out) - 1) + [True]
@@ -211,7 +224,9 @@ def test_postprocessed_stream_matches_a_full_decode_cut_at_the_stop(tokenizer, d
         assert out[-1].finish_reason == "length" and sent == ids
     else:
         # The stream stops at the token that completes the stop string.
-        k = next(k for k in range(1, len(ids) + 1) if any(s in tokenizer.decode(ids[:k]) for s in stops))
+        k = next(
+            k for k in range(1, len(ids) + 1) if any(s in tokenizer.decode(ids[:k]) for s in stops)
+        )
         assert sent == ids[:k]
         assert out[-1].finish_reason == "stop" and out[-1].usage == Usage(1, k)
 
@@ -235,8 +250,8 @@ def test_eos_text_stays_out_unless_asked(tokenizer):
     chunks = [LLMEngineOutput(ids), LLMEngineOutput([EOS], finish_reason="stop", usage=Usage(1, 3))]
     out = run(PostProcessor(request(ids, skip_special_tokens=False), tokenizer), chunks)
     assert text_of(out) == "hi" and out[-1].token_ids == [EOS] and out[-1].finish_reason == "stop"
-    kept = run(PostProcessor(request(ids, skip_special_tokens=False, include_stop_str_in_output=True),
-                             tokenizer), chunks)
+    kept = run(PostProcessor(request(ids, skip_special_tokens=False,
+                                     include_stop_str_in_output=True), tokenizer), chunks)
     assert text_of(kept) == "hi</s>"
 
 
@@ -267,7 +282,11 @@ def test_native_text_passes_through_with_stop_strings():
               LLMEngineOutput([7], text="ld. More"), LLMEngineOutput([8], text=" text")]
     req = request([], stop=["ld."], detokenize=True)
     out = run(PostProcessor(req, None), chunks)
-    assert text_of(out) == "Hello wor" and out[-1].finish_reason == "stop" and out[-1].usage == Usage(1, 3)
+    assert (
+        text_of(out) == "Hello wor"
+        and out[-1].finish_reason == "stop"
+        and out[-1].usage == Usage(1, 3)
+    )
     with pytest.raises(ValueError):
         PostProcessor(request([]), None)
 
@@ -289,7 +308,9 @@ async def test_stop_string_stops_the_engine_and_reads_no_further(tokenizer):
     async def stop_engine() -> None:
         stopped.append(len(read))
 
-    out = [c async for c in postprocess(engine(), request(ids, stop=[" STOP"]), tokenizer, stop_engine)]
+    out = [
+        c async for c in postprocess(engine(), request(ids, stop=[" STOP"]), tokenizer, stop_engine)
+    ]
     k = next(k for k in range(1, len(ids) + 1) if " STOP" in tokenizer.decode(ids[:k]))
     assert text_of(out) == "one two" and out[-1].finish_reason == "stop"
     assert out[-1].usage == Usage(1, k) and sum(len(c.token_ids) for c in out) == k

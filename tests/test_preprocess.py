@@ -312,7 +312,8 @@ def test_template_helpers(tiny_model: Path, tmp_path: Path) -> None:
     source = (
         "{{ messages[0].content | tojson }}|{{ {'a': [1]} | tojson(indent=1) }}|"
         "{{ strftime_now('%Y') }}|{% generation %}G{% endgeneration %}|"
-        "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m.role }}{% endfor %}|"
+        "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}"
+        "{{ m.role }}{% endfor %}|"
         "{% if enable_thinking %}think{% endif %}{{ messages | length }}"
     )
     p = model_with(tiny_model, tmp_path / "m", chat_template=source)
@@ -326,7 +327,10 @@ def test_template_helpers(tiny_model: Path, tmp_path: Path) -> None:
 
 
 def test_tool_call_arguments_become_mappings(tiny_model: Path, tmp_path: Path) -> None:
-    source = "{% for m in messages %}{% for c in m.tool_calls or [] %}{{ c.function.arguments.city }}{% endfor %}{% endfor %}"
+    source = (
+        "{% for m in messages %}{% for c in m.tool_calls or [] %}"
+        "{{ c.function.arguments.city }}{% endfor %}{% endfor %}"
+    )
     p = model_with(tiny_model, tmp_path / "m", chat_template=source)
     call = {
         "id": "1",

@@ -34,5 +34,8 @@ def test_a_port_in_use_is_one_clear_error_and_stops_the_worker(tmp_path, taken_p
         capture_output=True, text=True, timeout=180, cwd=ROOT,
     )
     assert res.returncode == 1, res.stderr[-3000:]
-    assert f"cannot serve HTTP on 127.0.0.1:{port}" in res.stderr and "frontend exited with 1" in res.stderr
+    assert (
+        f"cannot serve HTTP on 127.0.0.1:{port}" in res.stderr
+        and "frontend exited with 1" in res.stderr
+    )
     assert "Traceback" not in res.stderr and "worker stopped" in res.stderr

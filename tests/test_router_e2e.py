@@ -42,7 +42,9 @@ def get(url: str) -> tuple[int, bytes]:
 def complete(url: str, tokens: list[int], max_tokens: int = 4) -> tuple[str, dict]:
     """POST a token-id completion; returns (x-dynamo-worker header, body)."""
     body = json.dumps({"model": "tiny", "prompt": tokens, "max_tokens": max_tokens}).encode()
-    req = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"{url}/v1/completions", body, {"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=30) as resp:
         assert resp.status == 200
         return resp.headers["x-dynamo-worker"], json.loads(resp.read())
@@ -159,11 +161,16 @@ async def test_kv_routing_end_to_end(namespace, spawn, make_runtime, cluster):
     victim.wait()
 
     async def forgotten() -> bool:
-        return not any(k.startswith(f"{victim.instance_id:x}/") for k in index_blocks(await metrics_of(url)))
+        return not any(
+            k.startswith(f"{victim.instance_id:x}/") for k in index_blocks(await metrics_of(url))
+        )
 
     await eventually(forgotten, 15, "the killed worker's blocks leaving the frontend's index")
     got, body = await asyncio.to_thread(complete, url, [*prefix, 1, 2, 3])
-    assert not got.startswith(f"{victim.instance_id:x}/") and body["choices"][0]["finish_reason"] == "length"
+    assert (
+        not got.startswith(f"{victim.instance_id:x}/")
+        and body["choices"][0]["finish_reason"] == "length"
+    )
 
     async def router_forgot() -> bool:
         try:
@@ -180,7 +187,8 @@ async def test_kv_routing_end_to_end(namespace, spawn, make_runtime, cluster):
 async def test_approximate_kv_routing_without_kv_events(namespace, spawn, tiny_model):
     """``--no-kv-events``: engines publish nothing; the frontend predicts caches from its own
     decisions. Streaming responses carry the routing header too."""
-    workers = [spawn("-m", "dynamo_zmq.worker", "--engine", "mocker", "--model-path", str(tiny_model),
+    workers = [spawn("-m", "dynamo_zmq.worker", "--engine", "mocker",
+                     "--model-path", str(tiny_model),
                      "--model-name", "tiny", "--namespace", namespace, "--host", "127.0.0.1",
                      "--block-size", str(BLOCK), "--data-parallel-size", "2", "--no-kv-events",
                      "--speedup-ratio", "1000", ready=False) for _ in range(2)]
@@ -203,7 +211,9 @@ async def test_approximate_kv_routing_without_kv_events(namespace, spawn, tiny_m
         assert got == target
 
     def stream_header() -> tuple[str, bytes]:
-        body = json.dumps({"model": "tiny", "prompt": [*prefix, 9], "max_tokens": 3, "stream": True})
+        body = json.dumps(
+            {"model": "tiny", "prompt": [*prefix, 9], "max_tokens": 3, "stream": True}
+        )
         conn = http.client.HTTPConnection(url.removeprefix("http://"), timeout=30)
         try:
             conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
@@ -246,14 +256,19 @@ async def test_router_service_waits_for_workers(namespace, spawn, tiny_model):
     (["--component", "x y"], "component name 'x y' must be non-empty"),
 ])
 def test_bad_router_service_flags_are_usage_errors(flags, message):
-    res = subprocess.run([sys.executable, "-m", "router", *flags], capture_output=True, text=True, timeout=60)
+    res = subprocess.run([sys.executable, "-m", "router", *flags],
+                         capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr
 
 
 @pytest.mark.parametrize("flag", ["--port", "--metrics-port"])
 def test_the_router_service_on_a_taken_port_fails_with_one_clear_line(flag, taken_port):
     port = taken_port
-    res = subprocess.run([sys.executable, "-m", "router", "--discovery", "static", "--host", "127.0.0.1",
-                          flag, str(port)], capture_output=True, text=True, timeout=60)
+    res = subprocess.run([sys.executable, "-m", "router", "--discovery", "static",
+                          "--host", "127.0.0.1", flag, str(port)],
+                         capture_output=True, text=True, timeout=60)
     assert res.returncode == 1, res.stderr
-    assert f"127.0.0.1:{port}: Address already in use" in res.stderr and "Traceback" not in res.stderr
+    assert (
+        f"127.0.0.1:{port}: Address already in use" in res.stderr
+        and "Traceback" not in res.stderr
+    )

@@ -74,7 +74,9 @@ def test_fixture_round_trips_through_encode_batch() -> None:
 # --- map form (current vLLM) ---------------------------------------------------------------------
 
 
-def _stored_map(hashes: list[Any], parent: Any, tokens: list[int], bs: int, **extra: Any) -> dict[str, Any]:
+def _stored_map(
+    hashes: list[Any], parent: Any, tokens: list[int], bs: int, **extra: Any
+) -> dict[str, Any]:
     return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
             "token_ids": tokens, "block_size": bs, "lora_id": None, "medium": "GPU", **extra}
 
@@ -192,7 +194,7 @@ def test_normalize_hash() -> None:
         normalize_hash("nope")  # type: ignore[arg-type]
 
 
-# --- malformed payloads ----------------------------------------------------------------------------
+# --- malformed payloads ---------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -248,8 +250,10 @@ _leaf = (st.none() | st.booleans() | st.integers(min_value=-(1 << 63), max_value
          | st.floats(allow_nan=False) | st.binary(max_size=40) | st.text(max_size=12)
          | st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared", "type"]))
 _values = st.recursive(_leaf, lambda inner: st.lists(inner, max_size=6)
-                       | st.dictionaries(st.sampled_from(["type", "block_hashes", "parent_block_hash",
-                                                          "token_ids", "block_size", "medium"]) | st.text(max_size=4),
+                       | st.dictionaries(st.sampled_from(["type", "block_hashes",
+                                                          "parent_block_hash", "token_ids",
+                                                          "block_size", "medium"])
+                                         | st.text(max_size=4),
                                          inner, max_size=6), max_leaves=30)
 
 

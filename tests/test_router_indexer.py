@@ -74,7 +74,9 @@ class Model:
         for key, held in self.keys.items():
             prefixes = {entry[1] for entry in held.values()}
             n = 0
-            while (n + 1) * self.bs <= len(tokens) and tuple(tokens[:(n + 1) * self.bs]) in prefixes:
+            while (
+                (n + 1) * self.bs <= len(tokens) and tuple(tokens[:(n + 1) * self.bs]) in prefixes
+            ):
                 n += 1
             if n:
                 out[key] = n
@@ -540,7 +542,10 @@ class IndexerMachine(RuleBasedStateMachine):
         idx = self.idx
         dirty = 0
         for ks in idx._state.values():
-            held = {eh: (p & MASK, (p >> 64) & MASK if p >> 128 & 1 else None) for eh, p in ks.e2o.items()}
+            held = {
+                eh: (p & MASK, (p >> 64) & MASK if p >> 128 & 1 else None)
+                for eh, p in ks.e2o.items()
+            }
             assert all(idx._masks.get(o, 0) & ks.bit for o, _ in held.values())
             children: dict[int, int] = {}
             for _, pe in held.values():

@@ -82,7 +82,8 @@ async def test_malformed_load_messages_are_counted_and_never_fatal(zctx):
         bad = [
             [LOAD_TOPIC],                                           # one frame
             [LOAD_TOPIC, b"", b""],                                 # three frames
-            [b"loadx", encode_report(LoadReport(1, WID, 10**6, 1.0, []))],  # another topic, same prefix
+            # another topic, same prefix
+            [b"loadx", encode_report(LoadReport(1, WID, 10**6, 1.0, []))],
             [LOAD_TOPIC, b"\xc1garbage"],                           # not MessagePack
             [LOAD_TOPIC, msgpack.packb([2, WID, 10**6, 1.0, []])],  # another version
             [LOAD_TOPIC, msgpack.packb([1, WID, 10**6, 1.0, [[0, -5]]])],  # negative blocks
@@ -113,7 +114,8 @@ async def test_malformed_load_messages_are_counted_and_never_fatal(zctx):
 frames_strategy = st.lists(st.binary(max_size=64), max_size=4) | st.tuples(
     st.just(LOAD_TOPIC),
     st.recursive(
-        st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=8),
+        st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats()
+        | st.text(max_size=8),
         lambda inner: st.lists(inner, max_size=6),
         max_leaves=30,
     ).map(msgpack.packb),
@@ -123,12 +125,15 @@ frames_strategy = st.lists(st.binary(max_size=64), max_size=4) | st.tuples(
 @given(st.lists(frames_strategy, max_size=5))
 def test_handle_never_raises_and_only_valid_reports_reach_the_router(messages):
     seen: list[tuple[int, list[EngineLoad]]] = []
-    sub = LoadSubscriber(zmq.Context.instance(), WID, "tcp://127.0.0.1:1", lambda w, r: seen.append((w, r)),
-                         dp_size=2)
+    sub = LoadSubscriber(zmq.Context.instance(), WID, "tcp://127.0.0.1:1",
+                         lambda w, r: seen.append((w, r)), dp_size=2)
     for frames in messages:
         sub.handle(frames)
     assert sub.stats.received == len(messages)
-    assert all(w == WID and all(0 <= r.dp_rank < 2 and r.active_blocks >= 0 for r in ranks) for w, ranks in seen)
+    assert all(
+        w == WID and all(0 <= r.dp_rank < 2 and r.active_blocks >= 0 for r in ranks)
+        for w, ranks in seen
+    )
 
 
 # -- real processes ---------------------------------------------------------------------------
@@ -141,7 +146,9 @@ def mocker(spawn, namespace, model_dir):
 
 
 def reported_blocks(metrics: str, key: str) -> float:
-    for m in re.finditer(r"^dynamo_router_reported_active_blocks\{(.*)\} (\S+)$", metrics, re.MULTILINE):
+    for m in re.finditer(
+        r"^dynamo_router_reported_active_blocks\{(.*)\} (\S+)$", metrics, re.MULTILINE
+    ):
         labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
         if f"{labels.get('worker')}/{labels.get('dp_rank')}" == key:
             return float(m.group(2))
@@ -167,11 +174,15 @@ async def test_a_frontend_avoids_a_worker_others_loaded_because_it_publishes_its
 
     await eventually(both_workers, 30, "both workers serving 'tiny' at the frontend")
     client = await make_runtime().endpoint(f"{namespace}.backend.generate").client()
-    assert await until(client, lambda: set(client.instance_ids()) == {x.instance_id, y.instance_id}, 15)
+    assert await until(
+        client, lambda: set(client.instance_ids()) == {x.instance_id, y.instance_id}, 15
+    )
 
     rng = random.Random(7)
     prefix = [rng.randrange(10, 500) for _ in range(4 * BLOCK)]
-    warm = await client.direct({"token_ids": [*prefix, 1], "stop": {"max_tokens": 1}}, x.instance_id)
+    warm = await client.direct(
+        {"token_ids": [*prefix, 1], "stop": {"max_tokens": 1}}, x.instance_id
+    )
     assert [r.data() async for r in warm][-1]["finish_reason"] == "length"
 
     async def b_indexed_the_prefix() -> bool:
@@ -185,7 +196,8 @@ async def test_a_frontend_avoids_a_worker_others_loaded_because_it_publishes_its
         for _ in range(4):
             tokens = [rng.randrange(10, 500) for _ in range(8 * BLOCK)]
             stream = await client.direct(
-                {"token_ids": tokens, "stop": {"max_tokens": 1800, "ignore_eos": True}}, x.instance_id
+                {"token_ids": tokens, "stop": {"max_tokens": 1800, "ignore_eos": True}},
+                x.instance_id,
             )
             await stream.__anext__()  # running on X
             long_streams.append(stream)
@@ -214,8 +226,9 @@ async def test_an_engine_without_load_publishes_nothing_and_routing_still_works(
     """EchoEngine has no ``load()``: no load endpoint, no subscriber, and the router spreads
     concurrent requests on its own prediction."""
     procs = [spawn("-m", "dynamo_zmq.worker", "--engine", "tests.support.engines:EchoEngine",
-                   "--echo-delay", "0.01", "--model-path", str(tiny_model), "--namespace", namespace,
-                   "--host", "127.0.0.1", ready=False) for _ in range(2)]
+                   "--echo-delay", "0.01", "--model-path", str(tiny_model),
+                   "--namespace", namespace, "--host", "127.0.0.1", ready=False)
+             for _ in range(2)]
     for p in procs:
         p.wait_ready()
     rt = make_runtime()
@@ -238,7 +251,9 @@ async def test_an_engine_without_load_publishes_nothing_and_routing_still_works(
         assert {s.instance_id for s in streams} == ids
         for s in streams:
             assert router.loads.load((s.instance_id, 0)) > 0
-        reports = router.metrics.registry.get_sample_value("dynamo_router_load_reports_total", {"model": "echo"})
+        reports = router.metrics.registry.get_sample_value(
+            "dynamo_router_load_reports_total", {"model": "echo"}
+        )
         assert reports is None
     finally:
         for s in streams:

@@ -97,10 +97,14 @@ def test_softmax_follows_dynamos_normalisation():
 
 def test_temperature_spreads_the_choice_and_favours_the_cheap():
     s = Scheduler(1.0, 1.0, rng=random.Random(7))
-    picks = Counter(s.select([A, B, C], 10, {A: 10, B: 5}, loads({})).candidate for _ in range(2000))
+    picks = Counter(
+        s.select([A, B, C], 10, {A: 10, B: 5}, loads({})).candidate for _ in range(2000)
+    )
     assert picks[A] > picks[B] > picks[C] > 0
     cold = Scheduler(1.0, 0.01, rng=random.Random(7))
-    assert {cold.select([A, B, C], 10, {A: 10, B: 5}, loads({})).candidate for _ in range(200)} == {A}
+    assert {
+        cold.select([A, B, C], 10, {A: 10, B: 5}, loads({})).candidate for _ in range(200)
+    } == {A}
 
 
 # -- load tracking ------------------------------------------------------------------------------
@@ -246,7 +250,9 @@ async def slow_worker(namespace, spawn, make_runtime, tiny_model):
     rt = make_runtime(static=(proc.address,))
     client = await rt.endpoint(f"{namespace}.backend.generate").client()
     await client.wait_for_instances(timeout=15)
-    router = KvRouter(client, 16, KvRouterConfig(max_expected_output_tokens=32), runtime=rt, model="tiny")
+    router = KvRouter(
+        client, 16, KvRouterConfig(max_expected_output_tokens=32), runtime=rt, model="tiny"
+    )
     await router.start()
     try:
         yield proc, router
@@ -262,7 +268,9 @@ async def test_load_is_counted_at_routing_and_released_when_the_stream_ends(slow
     # Ends with its terminal item: counted at once (no token yet), released at the terminal.
     stream = await router.generate(_request(prompt, 20))
     assert total() == 2 + math.ceil((8 + 20) / 16)
-    assert stream.instance_id == proc.instance_id and stream.routed_header.startswith(f"{proc.instance_id:x}/".encode())
+    assert stream.instance_id == proc.instance_id and stream.routed_header.startswith(
+        f"{proc.instance_id:x}/".encode()
+    )
     items = [item async for item in stream]
     assert items[-1].data()["finish_reason"] == "length" and total() == 0
     # Closed early.
@@ -293,13 +301,17 @@ async def test_requests_in_flight_push_the_next_one_to_the_idle_rank(slow_worker
     shared = [5] * 64
     done = await router.generate(_request(shared + [6] * 3, 1))
     [_ async for _ in done]
-    assert await until(router.client, lambda: router.best_worker([*shared, 7]).overlap_blocks == 4, 10)
+    assert await until(
+        router.client, lambda: router.best_worker([*shared, 7]).overlap_blocks == 4, 10
+    )
     again = await router.generate(_request(shared + [7] * 5, 1))
     assert again.dp_rank == done.dp_rank and again.decision.overlap_blocks == 4
     await again.aclose()
 
 
-async def test_approximate_mode_routes_by_its_own_decisions(namespace, spawn, make_runtime, tiny_model):
+async def test_approximate_mode_routes_by_its_own_decisions(
+    namespace, spawn, make_runtime, tiny_model
+):
     proc = spawn("-m", "dynamo_zmq.worker", "--engine", "mocker", "--model-path", str(tiny_model),
                  "--model-name", "tiny", "--namespace", namespace, "--host", "127.0.0.1",
                  "--discovery", "static", "--block-size", "16", "--data-parallel-size", "2",
@@ -319,7 +331,9 @@ async def test_approximate_mode_routes_by_its_own_decisions(namespace, spawn, ma
             [_ async for _ in s]
         assert router.indexer.find_matches(prefix) == {(proc.instance_id, first.dp_rank): 4}
         hashes = block_hashes(prefix, 16)  # keyed by the router's own hashes
-        assert router.indexer.find_matches_for_hashes(hashes[:2]) == {(proc.instance_id, first.dp_rank): 2}
+        assert router.indexer.find_matches_for_hashes(hashes[:2]) == {
+            (proc.instance_id, first.dp_rank): 2
+        }
     finally:
         await router.close()
 
@@ -350,7 +364,8 @@ def test_kv_router_flags_that_cannot_work_are_refused(main, flags, message):
 
 async def test_kv_router_flags_reach_the_router(namespace, make_runtime):
     args = router_main.build_parser().parse_args(
-        ["--load-report-ttl", "7.5", "--load-report-grace", "0.05", "--no-kv-events", "--router-ttl", "9"])
+        ["--load-report-ttl", "7.5", "--load-report-grace", "0.05", "--no-kv-events",
+         "--router-ttl", "9"])
     check_kv_router_args(args)
     rt = make_runtime()
     client = await rt.endpoint(f"{namespace}.backend.generate").client()
@@ -403,8 +418,11 @@ async def test_an_unconnectable_kv_event_endpoint_is_a_warning_not_a_failure(
         if bad == events:
             assert sub is None
         else:  # events followed; the failed replay is warned about, the subscriber keeps running
-            assert await until(router.client, lambda: any(repr(bad) in r.getMessage() for r in caplog.records),
-                               10)
+            assert await until(
+                router.client,
+                lambda: any(repr(bad) in r.getMessage() for r in caplog.records),
+                10,
+            )
             assert sub is not None and sub.running
         stream = await router.generate(_request(list(range(1, 40)), 3))
         chunks = [c.data() async for c in stream]
@@ -416,7 +434,9 @@ async def test_an_unconnectable_kv_event_endpoint_is_a_warning_not_a_failure(
     assert not [r for r in caplog.records if r.levelname == "ERROR"]
 
 
-async def test_an_absurd_data_parallel_size_is_bounded(namespace, spawn, make_runtime, tiny_model, caplog):
+async def test_an_absurd_data_parallel_size_is_bounded(
+    namespace, spawn, make_runtime, tiny_model, caplog
+):
     """Every rank is a candidate in every decision: a peer claiming 10**12 ranks must not make
     the router build a list that size."""
     _, router = await _echo_worker_and_router(namespace, spawn, make_runtime, tiny_model,
@@ -427,4 +447,6 @@ async def test_an_absurd_data_parallel_size_is_bounded(namespace, spawn, make_ru
         assert [c.data() async for c in stream][-1]["finish_reason"] == "length"
     finally:
         await router.close()
-    assert any("advertises 1000000000000 data-parallel ranks" in r.getMessage() for r in caplog.records)
+    assert any(
+        "advertises 1000000000000 data-parallel ranks" in r.getMessage() for r in caplog.records
+    )

@@ -152,7 +152,11 @@ async def test_events_reach_the_index_and_match_the_engine(zctx, engine):
         assert {k for k in index.keys() if index.num_blocks(k)} == {(WID, 0), (WID, 1)}
         # Small cache (16 blocks a rank): some were evicted, and the index followed.
         assert any(truth(engine, p) == {} for p in batch) or index.stats.removed_blocks > 0
-        assert sub.stats.gaps == gaps and sub.stats.state_drops == 0 and sub.stats.decode_errors == 0
+        assert (
+            sub.stats.gaps == gaps
+            and sub.stats.state_drops == 0
+            and sub.stats.decode_errors == 0
+        )
         text = metrics.render().decode()
         assert 'dynamo_router_kv_event_batches_total{model="m"}' in text
         assert 'dynamo_router_kv_event_lag_seconds_count{model="m"}' in text
@@ -398,7 +402,9 @@ async def test_a_killed_worker_leaves_the_routers_index(namespace, spawn, make_r
         assert await until(client, lambda: set(router.followed()) == ids, 15)
         prompt = list(range(10, 90))  # 5 blocks
         for tail in ([1], [2]):  # route twice: the second lands where the first cached it
-            stream = await router.generate(PreprocessedRequest(prompt + tail, stop=StopConditions(max_tokens=2)))
+            stream = await router.generate(
+                PreprocessedRequest(prompt + tail, stop=StopConditions(max_tokens=2))
+            )
             [_ async for _ in stream]
             first = stream.instance_id
             assert await until(client, lambda: router.best_worker(prompt).overlap_blocks == 5, 10)
@@ -409,9 +415,13 @@ async def test_a_killed_worker_leaves_the_routers_index(namespace, spawn, make_r
         assert await until(client, lambda: first not in router.followed(), 10)
         assert all(k[0] != first for k in router.indexer.keys())
         assert router.best_worker(prompt).overlap_blocks == 0
-        assert router.loads.candidates() == [] or all(k[0] != first for k in router.loads.candidates())
+        assert router.loads.candidates() == [] or all(
+            k[0] != first for k in router.loads.candidates()
+        )
         # Still served by the other worker.
-        stream = await router.generate(PreprocessedRequest(prompt, stop=StopConditions(max_tokens=2)))
+        stream = await router.generate(
+            PreprocessedRequest(prompt, stop=StopConditions(max_tokens=2))
+        )
         assert stream.instance_id != first and [_ async for _ in stream]
     finally:
         await router.close()

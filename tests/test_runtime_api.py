@@ -25,7 +25,11 @@ async def client_for(make_runtime, server: DistributedRuntime, path: str):
 
 async def test_paths_and_names(make_runtime):
     rt = make_runtime()
-    assert rt.endpoint("a.b.c").path == rt.namespace("a").component("b").endpoint("c").path == "a.b.c"
+    assert (
+        rt.endpoint("a.b.c").path
+        == rt.namespace("a").component("b").endpoint("c").path
+        == "a.b.c"
+    )
     assert rt.endpoint("dyn://a.b.c").path == "a.b.c"
     for bad in ("a.b", "a.b.c.d", "a..c"):
         with pytest.raises(errors.InvalidArgument):
@@ -179,7 +183,9 @@ async def test_ported_dynamo_worker_process(namespace, spawn, make_runtime):
         namespace,
         env={"DYN_DISCOVERY": "static", "DYN_HOST": "127.0.0.1"},
     )
-    client = await make_runtime(static=(proc.address,)).endpoint(f"{namespace}.backend.generate").client()
+    client = await (
+        make_runtime(static=(proc.address,)).endpoint(f"{namespace}.backend.generate").client()
+    )
     await client.wait_for_instances(timeout=15)
     words = [r.data()["word"] async for r in await client.generate({"text": "the quick brown fox"})]
     assert words == ["the", "quick", "brown", "fox"]

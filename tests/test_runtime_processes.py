@@ -31,7 +31,9 @@ async def test_two_processes_discover_over_mdns_and_stream(namespace, spawn, mak
 
 async def test_two_processes_with_static_discovery(namespace, spawn, make_runtime):
     server = spawn(*app_args(namespace, "--discovery", "static"))
-    client = await make_runtime(static=(server.address,)).endpoint(f"{namespace}.backend.count").client()
+    client = await (
+        make_runtime(static=(server.address,)).endpoint(f"{namespace}.backend.count").client()
+    )
     assert await client.wait_for_instances(timeout=15) == [server.instance_id]
     items = await collect(await client.generate({"n": 20}))
     assert [it["i"] for it in items] == list(range(20))
@@ -80,7 +82,9 @@ async def test_three_hops_share_one_context(namespace, spawn, make_runtime, how)
     assert want in await _journal(journal, ctx.id(), want)
 
 
-async def test_sigkill_mid_stream_gives_disconnected_and_others_keep_serving(namespace, spawn, make_runtime):
+async def test_sigkill_mid_stream_gives_disconnected_and_others_keep_serving(
+    namespace, spawn, make_runtime
+):
     victim = spawn(*app_args(namespace))
     survivor = spawn(*app_args(namespace))
     client = await make_runtime().endpoint(f"{namespace}.backend.count").client()
@@ -107,7 +111,9 @@ async def test_sigkill_mid_stream_gives_disconnected_and_others_keep_serving(nam
 async def test_restarted_static_instance_is_picked_up_again(namespace, spawn, make_runtime):
     first = spawn(*app_args(namespace, "--discovery", "static"))
     port = first.address.rsplit(":", 1)[1]
-    client = await make_runtime(static=(first.address,)).endpoint(f"{namespace}.backend.count").client()
+    client = await (
+        make_runtime(static=(first.address,)).endpoint(f"{namespace}.backend.count").client()
+    )
     assert await client.wait_for_instances(timeout=15) == [first.instance_id]
     first.signal(signal.SIGKILL)
     first.wait()
@@ -140,12 +146,16 @@ async def test_round_robin_is_even_and_direct_is_exact(namespace, spawn, make_ru
         await client.direct({"n": 1}, 12345)
 
 
-async def test_a_stall_of_this_process_does_not_drop_a_live_instance(namespace, spawn, make_runtime):
+async def test_a_stall_of_this_process_does_not_drop_a_live_instance(
+    namespace, spawn, make_runtime
+):
     """Our own event loop blocked past the liveness timeout (GC, CPU starvation): the instance
     kept sending meanwhile, so the liveness check, even when it runs before the receive loop,
     reads what arrived and keeps the instance routable."""
     server = spawn(*app_args(namespace, "--discovery", "static"))
-    client = await make_runtime(static=(server.address,)).endpoint(f"{namespace}.backend.count").client()
+    client = await (
+        make_runtime(static=(server.address,)).endpoint(f"{namespace}.backend.count").client()
+    )
     assert await client.wait_for_instances(timeout=15) == [server.instance_id]
     (conn,) = client.instances()
     stream = await client.generate({"n": 3, "delay": 0.3})  # items arrive during the stall
@@ -155,10 +165,14 @@ async def test_a_stall_of_this_process_does_not_drop_a_live_instance(namespace, 
     assert len([item async for item in stream]) == 3
 
 
-async def test_a_frozen_instance_is_dropped_and_returns_when_it_thaws(namespace, spawn, make_runtime):
+async def test_a_frozen_instance_is_dropped_and_returns_when_it_thaws(
+    namespace, spawn, make_runtime
+):
     """SIGSTOP: no TCP reset, the process just stops answering (like a hung host)."""
     frozen = spawn(*app_args(namespace, "--discovery", "static"))
-    client = await make_runtime(static=(frozen.address,)).endpoint(f"{namespace}.backend.count").client()
+    client = await (
+        make_runtime(static=(frozen.address,)).endpoint(f"{namespace}.backend.count").client()
+    )
     assert await client.wait_for_instances(timeout=15) == [frozen.instance_id]
     stream = await client.generate({"n": 100_000, "delay": 0.005})
     got = 0

@@ -183,7 +183,9 @@ async def test_terminal_rules_and_cancellation(
     try:
         seen = await asyncio.wait_for(call(pair, request, window, action, j), EXAMPLE_TIMEOUT)
     except asyncio.TimeoutError:
-        raise AssertionError(f"the stream hung: {request}, window={window}, {action} at {j}") from None
+        raise AssertionError(
+            f"the stream hung: {request}, window={window}, {action} at {j}"
+        ) from None
 
     m = len(seen.items)
     assert seen.items == list(range(m))  # in order, no duplicates, nothing invented
@@ -224,7 +226,9 @@ async def test_kill_reaches_a_hanging_handler(pair: Pair) -> None:
 
 async def test_a_finished_stream_dropped_unread_is_forgotten(pair: Pair) -> None:
     request = {"k": 5, "end": "return", "msg": "", "delay": 0}
-    stream = await pair.conn.open_stream(pair.path, encode_item(request), Context(), annotated=False)
+    stream = await pair.conn.open_stream(
+        pair.path, encode_item(request), Context(), annotated=False
+    )
     assert await stream.__anext__() == 0
     state = stream._st
     await eventually(lambda: state.done, "the END arrives")

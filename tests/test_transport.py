@@ -15,14 +15,18 @@ _end = msgspec.msgpack.Decoder(End)
 _batch = msgspec.msgpack.Decoder(Batch)
 
 
-async def _raw_stream(address: str, endpoint: str, payload, window: int = 1_000_000, credit_after=None):
+async def _raw_stream(
+    address: str, endpoint: str, payload, window: int = 1_000_000, credit_after=None
+):
     """Yield ('data', Data) / ('end', End) frames for one request over a bare DEALER."""
     zctx = zmq.asyncio.Context()
     sock = zctx.socket(zmq.DEALER)
     sock.linger = 0
     sock.connect(address)
     try:
-        await sock.send_multipart([Kind.REQUEST, encode(Request(1, endpoint, "ctx", encode_item(payload), window))])
+        await sock.send_multipart(
+            [Kind.REQUEST, encode(Request(1, endpoint, "ctx", encode_item(payload), window))]
+        )
         while True:
             if not await sock.poll(10_000):
                 raise TimeoutError("server went quiet")
@@ -102,7 +106,9 @@ async def test_producer_waits_for_credit(make_runtime):
     sock.linger = 0
     sock.connect(rt.address)
     try:
-        await sock.send_multipart([Kind.REQUEST, encode(Request(1, "ns.c.many", "ctx", encode_item(None), 10))])
+        await sock.send_multipart(
+            [Kind.REQUEST, encode(Request(1, "ns.c.many", "ctx", encode_item(None), 10))]
+        )
         received = []
         while len(received) < 10:
             assert await sock.poll(5000)

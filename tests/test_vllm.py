@@ -104,7 +104,9 @@ async def direct(engine: VllmEngine, tokens, max_tokens=24) -> tuple[list[int], 
 
 
 def prompts(tokenizer: Tokenizer) -> list[list[int]]:
-    texts = ["Once upon a time there was", "The worker engine said", "water and light over the land"]
+    texts = [
+        "Once upon a time there was", "The worker engine said", "water and light over the land"
+    ]
     return [tokenizer.encode(t).ids for t in texts] + [[1, 5, 9, 200, 300, 17]]
 
 
@@ -179,7 +181,9 @@ async def test_stop_strings_by_the_worker_and_natively(engine, tokenizer):
 
 
 async def test_cancel_mid_stream_aborts_in_vllm(engine):
-    req = PreprocessedRequest(token_ids=[1, 2, 3, 4], stop=StopConditions(max_tokens=400, ignore_eos=True))
+    req = PreprocessedRequest(
+        token_ids=[1, 2, 3, 4], stop=StopConditions(max_tokens=400, ignore_eos=True)
+    )
     ctx = Context("cancel-me")
     chunks = []
     async for chunk in validate_stream(engine.generate(req, ctx)):
@@ -193,7 +197,9 @@ async def test_cancel_mid_stream_aborts_in_vllm(engine):
 
 
 async def test_closing_the_stream_aborts_in_vllm(engine):
-    req = PreprocessedRequest(token_ids=[1, 2, 3], stop=StopConditions(max_tokens=400, ignore_eos=True))
+    req = PreprocessedRequest(
+        token_ids=[1, 2, 3], stop=StopConditions(max_tokens=400, ignore_eos=True)
+    )
     stream = engine.generate(req, Context())
     await stream.__anext__()
     assert engine.llm.get_num_unfinished_requests() == 1
@@ -205,7 +211,9 @@ async def test_load_is_what_vllms_scheduler_reports(engine):
     """load(): rank 0's KV-cache usage as blocks of its cache and its queues, from vLLM's
     scheduler stats (recorded at every engine step, so each token brings a fresh one)."""
     total = engine.engine_config.total_kv_blocks
-    req = PreprocessedRequest(token_ids=list(range(1, 100)), stop=StopConditions(max_tokens=400, ignore_eos=True))
+    req = PreprocessedRequest(
+        token_ids=list(range(1, 100)), stop=StopConditions(max_tokens=400, ignore_eos=True)
+    )
     stream = engine.generate(req, Context())
     seen = []
     try:
@@ -222,7 +230,9 @@ async def test_load_is_what_vllms_scheduler_reports(engine):
 
 
 async def test_dp_rank_hints(engine):
-    ok = msgspec.structs.replace(greedy([1, 2], 2, ignore_eos=True), routing=RoutingHints(dp_rank=0))
+    ok = msgspec.structs.replace(
+        greedy([1, 2], 2, ignore_eos=True), routing=RoutingHints(dp_rank=0)
+    )
     assert (await collect(engine.generate(ok, Context())))[-1].finish_reason == "length"
     bad = msgspec.structs.replace(ok, routing=RoutingHints(dp_rank=1))
     (chunk,) = await collect(engine.generate(bad, Context()))
@@ -327,8 +337,9 @@ async def run_requests(client, reqs) -> list[tuple[list[int], str, str]]:
     return out
 
 
-async def test_workers_default_and_native_match_vllm(engine, tokenizer, spawn, namespace, make_runtime,
-                                                     tiny_model):
+async def test_workers_default_and_native_match_vllm(
+    engine, tokenizer, spawn, namespace, make_runtime, tiny_model
+):
     """A default worker and a --native-processing worker (one at a time, to bound memory) give
     vLLM's own greedy ids and text; stop strings, max_tokens and cancellation through both."""
     token_lists = prompts(tokenizer)
@@ -344,15 +355,18 @@ async def test_workers_default_and_native_match_vllm(engine, tokenizer, spawn, n
         await client.wait_for_instances(timeout=15)
         got = await run_requests(client, [worker_request(t, native=native) for t in token_lists])
         assert got == expect, mode
-        (ids, text, reason), = await run_requests(client, [worker_request(token_lists[0], native=native,
-                                                                           stop=[stop])])
+        (ids, text, reason), = await run_requests(
+            client, [worker_request(token_lists[0], native=native, stop=[stop])]
+        )
         assert text == cut and reason == "stop", mode
         (ids, _, reason), = await run_requests(client, [worker_request([1, 4, 4], 5, native=native,
                                                                         ignore_eos=True)])
         assert len(ids) == 5 and reason == "length", mode
         ctx = Context()
         chunks = []
-        async for r in await client.generate(worker_request([1, 2, 3], 400, ignore_eos=True), context=ctx):
+        async for r in await client.generate(
+            worker_request([1, 2, 3], 400, ignore_eos=True), context=ctx
+        ):
             chunks.append(r.data())
             if len(chunks) == 2:
                 ctx.stop()

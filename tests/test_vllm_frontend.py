@@ -47,13 +47,16 @@ def stack(tiny_model):
     namespace = f"t{uuid.uuid4().hex[:12]}"
     procs: list[Proc] = []
     try:
-        worker = Proc(["-m", "dynamo_zmq.worker", "--engine", "vllm", "--model-path", str(tiny_model),
+        worker = Proc(["-m", "dynamo_zmq.worker", "--engine", "vllm",
+                       "--model-path", str(tiny_model),
                        "--model-name", "tiny", "--namespace", namespace, "--host", "127.0.0.1",
                        "--metrics-port", "0", *WORKER_FLAGS], env=VLLM_ENV)
         procs.append(worker)
-        native = Proc(["-m", "dynamo_zmq.worker", "--engine", "vllm", "--model-path", str(tiny_model),
-                       "--model-name", "tiny-native", "--native-processing", "--namespace", namespace,
-                       "--host", "127.0.0.1", *WORKER_FLAGS], env=VLLM_ENV)
+        native = Proc(["-m", "dynamo_zmq.worker", "--engine", "vllm",
+                       "--model-path", str(tiny_model),
+                       "--model-name", "tiny-native", "--native-processing",
+                       "--namespace", namespace, "--host", "127.0.0.1", *WORKER_FLAGS],
+                      env=VLLM_ENV)
         procs.append(native)
         fronts = {}
         for mode in ("round-robin", "kv"):
@@ -120,15 +123,19 @@ async def test_completions_greedy_equal_vllm_stream_and_unary(client, reference,
     for text in ("Once upon a time there was", "The worker engine said"):
         ids = tok.encode(text)
         expect, reason = await direct(reference, ids, 20)
-        resp = await client.completions.create(model="tiny", prompt=ids, max_tokens=20, temperature=0)
+        resp = await client.completions.create(
+            model="tiny", prompt=ids, max_tokens=20, temperature=0
+        )
         assert resp.choices[0].text == expect and resp.choices[0].finish_reason == reason
-        stream = await client.completions.create(model="tiny", prompt=ids, max_tokens=20, temperature=0,
-                                                 stream=True)
+        stream = await client.completions.create(model="tiny", prompt=ids, max_tokens=20,
+                                                 temperature=0, stream=True)
         chunks = [c async for c in stream]
         assert "".join(c.choices[0].text for c in chunks if c.choices) == expect
         assert [c.choices[0].finish_reason for c in chunks if c.choices].count(reason) == 1
         # A text prompt is tokenized by the frontend as vLLM tokenizes it.
-        resp = await client.completions.create(model="tiny", prompt=text, max_tokens=20, temperature=0)
+        resp = await client.completions.create(
+            model="tiny", prompt=text, max_tokens=20, temperature=0
+        )
         assert resp.choices[0].text == expect and resp.usage.prompt_tokens == len(ids)
 
 
@@ -201,7 +208,9 @@ async def test_kv_router_routes_a_repeated_prefix_with_a_full_match(stack):
     await wait_models(url)
     prompt = [(5 * i + 3) % 500 + 4 for i in range(7 * BLOCK + 9)]  # 7 full blocks
     async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as c:
-        first = await c.completions.with_raw_response.create(model="tiny", prompt=prompt, max_tokens=2)
+        first = await c.completions.with_raw_response.create(
+            model="tiny", prompt=prompt, max_tokens=2
+        )
         assert first.headers["x-dynamo-worker"] == f"{worker.instance_id:x}/0"
         # The router learns the prompt's blocks from the worker's KV events.
         deadline = time.monotonic() + 15
@@ -211,7 +220,9 @@ async def test_kv_router_routes_a_repeated_prefix_with_a_full_match(stack):
             await asyncio.sleep(0.2)
         await asyncio.sleep(0.5)
         before = await asyncio.to_thread(fetch, f"{url}/metrics")
-        second = await c.completions.with_raw_response.create(model="tiny", prompt=prompt, max_tokens=2)
+        second = await c.completions.with_raw_response.create(
+            model="tiny", prompt=prompt, max_tokens=2
+        )
         assert second.headers["x-dynamo-worker"] == f"{worker.instance_id:x}/0"
         after = await asyncio.to_thread(fetch, f"{url}/metrics")
     name = 'dynamo_router_matched_blocks_total{model="tiny"}'
@@ -237,15 +248,15 @@ async def test_native_processing_and_the_default_agree_on_greedy_requests(stack,
     for messages in chats:
         got = {}
         for model in ("tiny", "tiny-native"):
-            resp = await client.chat.completions.create(model=model, messages=messages, max_tokens=24,
-                                                        temperature=0)
+            resp = await client.chat.completions.create(model=model, messages=messages,
+                                                        max_tokens=24, temperature=0)
             got[model] = (resp.choices[0].message.content, resp.choices[0].finish_reason,
                           resp.usage.prompt_tokens)
         assert got["tiny"] == got["tiny-native"]
     for prompt in ("Once upon a time there was", "The worker engine said"):
         texts = set()
         for model in ("tiny", "tiny-native"):
-            resp = await client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0,
-                                                   stop=["zz"])
+            resp = await client.completions.create(model=model, prompt=prompt, max_tokens=24,
+                                                   temperature=0, stop=["zz"])
             texts.add((resp.choices[0].text, resp.choices[0].finish_reason))
         assert len(texts) == 1

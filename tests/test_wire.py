@@ -127,11 +127,15 @@ structs = st.one_of(
 
 
 def comparable(value: Any) -> Any:
-    """A Struct as nested plain values, raw items decoded (two encoders may spell one value differently)."""
+    """A Struct as nested plain values, raw items decoded (two encoders may spell one value
+    differently)."""
     if isinstance(value, msgspec.Raw):
         return ("raw", decode_item(value))
     if isinstance(value, msgspec.Struct):
-        return (type(value).__name__, [comparable(getattr(value, f)) for f in value.__struct_fields__])
+        return (
+            type(value).__name__,
+            [comparable(getattr(value, f)) for f in value.__struct_fields__],
+        )
     if isinstance(value, list):
         return [comparable(v) for v in value]
     if isinstance(value, dict):
@@ -171,11 +175,15 @@ def test_user_items_are_plain_msgpack(value: Any) -> None:
 
 @SETTINGS
 @given(pair=requests(), extra=st.lists(items, max_size=3))
-def test_request_schema_evolves_at_the_end(pair: tuple[Request, list[Any]], extra: list[Any]) -> None:
+def test_request_schema_evolves_at_the_end(
+    pair: tuple[Request, list[Any]], extra: list[Any]
+) -> None:
     msg, fields = pair
     # An older sender omits trailing fields that have defaults ...
     old = msgspec.msgpack.decode(msgpack.packb(fields[:4]), type=Request)
-    assert comparable(old) == comparable(Request(*[msg.request_id, msg.endpoint, msg.context_id, msg.payload]))
+    assert comparable(old) == comparable(
+        Request(*[msg.request_id, msg.endpoint, msg.context_id, msg.payload])
+    )
     assert (old.window, old.timeout) == (1024, None)
     # ... and a newer one may append fields this version does not know.
     new = msgspec.msgpack.decode(msgpack.packb([*fields, *extra]), type=Request)
@@ -202,7 +210,9 @@ def test_kinds_are_distinct_single_bytes() -> None:
     assert wire.Kind.ERROR == b"x"
 
 
-@pytest.mark.parametrize("cls", sorted({*wire.CLIENT_KINDS.values(), *wire.SERVER_KINDS.values()}, key=str))
+@pytest.mark.parametrize(
+    "cls", sorted({*wire.CLIENT_KINDS.values(), *wire.SERVER_KINDS.values()}, key=str)
+)
 def test_wire_structs_are_compact_arrays(cls: type[msgspec.Struct]) -> None:
     config = cls.__struct_config__
     assert config.array_like and not config.omit_defaults

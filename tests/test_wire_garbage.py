@@ -53,8 +53,10 @@ _info = msgspec.msgpack.Decoder(Description)
 
 ints = st.integers(min_value=-(2**63), max_value=2**64 - 1)
 values = st.recursive(
-    st.none() | st.booleans() | ints | st.floats() | st.text(max_size=10) | st.binary(max_size=10),
-    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=5), kids, max_size=4),
+    st.none() | st.booleans() | ints | st.floats() | st.text(max_size=10)
+    | st.binary(max_size=10),
+    lambda kids: st.lists(kids, max_size=4)
+    | st.dictionaries(st.text(max_size=5), kids, max_size=4),
     max_leaves=12,
 )
 # Payloads: raw noise, arbitrary MessagePack, and arrays shaped almost like a real message.
@@ -112,9 +114,13 @@ class RawPeer:
             if frames[0] != Kind.NOTICE:
                 seen.append(frames)
 
-    def stream(self, rid: int, endpoint: str, request: Any, window: int = 1024, **kw: Any) -> list[Any]:
+    def stream(
+        self, rid: int, endpoint: str, request: Any, window: int = 1024, **kw: Any
+    ) -> list[Any]:
         """One valid request read to its END; checks the sequence numbers on the way."""
-        self.send(Kind.REQUEST, encode(Request(rid, endpoint, "ctx", encode_item(request), window, **kw)))
+        self.send(
+            Kind.REQUEST, encode(Request(rid, endpoint, "ctx", encode_item(request), window, **kw))
+        )
         got: list[Any] = []
         frames_seen = 0
         while True:
@@ -232,7 +238,10 @@ async def assert_runtime_client_streams(target: Target, make_runtime) -> None:
 
 async def test_random_messages(target: Target, raw: RawPeer, make_runtime) -> None:
     @SETTINGS
-    @given(frames=st.lists(st.binary(max_size=40), min_size=1, max_size=5) | st.tuples(kinds, payloads).map(list))
+    @given(
+        frames=st.lists(st.binary(max_size=40), min_size=1, max_size=5)
+        | st.tuples(kinds, payloads).map(list)
+    )
     def barrage(frames: list[bytes]) -> None:
         raw.send(*frames)
         check_answer(frames, raw.barrier(), target.proc.instance_id)
@@ -251,7 +260,9 @@ async def test_truncated_requests(target: Target, raw: RawPeer, make_runtime) ->
         request=values,
         data=st.data(),
     )
-    def barrage(rid: int, window: int, timeout: float | None, request: Any, data: st.DataObject) -> None:
+    def barrage(
+        rid: int, window: int, timeout: float | None, request: Any, data: st.DataObject
+    ) -> None:
         whole = encode(Request(rid, target.count, "ctx", encode_item(request), window, timeout))
         cut = data.draw(st.integers(0, len(whole) - 1), label="cut")
         raw.send(Kind.REQUEST, whole[:cut])
@@ -330,7 +341,9 @@ def test_deeply_nested_payloads_are_refused_not_fatal(target: Target, raw: RawPe
     target.assert_healthy(raw)
 
 
-async def test_valid_requests_the_server_must_refuse(target: Target, raw: RawPeer, make_runtime) -> None:
+async def test_valid_requests_the_server_must_refuse(
+    target: Target, raw: RawPeer, make_runtime
+) -> None:
     @SETTINGS
     @given(
         case=st.sampled_from(["endpoint", "id", "window"]),
@@ -358,7 +371,9 @@ async def test_valid_requests_the_server_must_refuse(target: Target, raw: RawPee
     await assert_runtime_client_streams(target, make_runtime)
 
 
-def test_an_oversized_request_is_refused_before_its_payload_is_decoded(target: Target, raw: RawPeer) -> None:
+def test_an_oversized_request_is_refused_before_its_payload_is_decoded(
+    target: Target, raw: RawPeer
+) -> None:
     rid = target.rid()
     blob = encode_item({"n": 1, "pad": b"x" * (MAX_REQUEST_BYTES + 1)})
     raw.send(Kind.REQUEST, encode(Request(rid, target.count, "ctx", blob)))

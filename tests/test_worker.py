@@ -36,7 +36,9 @@ async def outputs(stream) -> list[dict]:
 
 
 async def test_mocker_worker_is_discovered_and_streams(namespace, spawn, make_runtime, tiny_model):
-    proc = spawn(*worker_args(namespace, str(tiny_model), "--engine", "mocker", "--speedup-ratio", "1000"))
+    proc = spawn(
+        *worker_args(namespace, str(tiny_model), "--engine", "mocker", "--speedup-ratio", "1000")
+    )
     client = await make_runtime().endpoint(f"{namespace}.backend.generate").client()
     assert await client.wait_for_instances(timeout=15) == [proc.instance_id]
     chunks = await outputs(await client.generate(request(list(range(1, 40)), max_tokens=12)))
@@ -47,8 +49,12 @@ async def test_mocker_worker_is_discovered_and_streams(namespace, spawn, make_ru
     assert chunks[-1]["usage"]["completion_tokens"] == 12
 
 
-async def test_model_card_and_files_come_from_the_worker(namespace, spawn, make_runtime, tiny_model):
-    proc = spawn(*worker_args(namespace, str(tiny_model), "--engine", "mocker", "--model-name", "tiny"))
+async def test_model_card_and_files_come_from_the_worker(
+    namespace, spawn, make_runtime, tiny_model
+):
+    proc = spawn(
+        *worker_args(namespace, str(tiny_model), "--engine", "mocker", "--model-name", "tiny")
+    )
     rt = make_runtime(static=(proc.address,))
     client = await rt.endpoint(f"{namespace}.backend.model_files").client()
     await client.wait_for_instances(timeout=15)
@@ -58,7 +64,9 @@ async def test_model_card_and_files_come_from_the_worker(namespace, spawn, make_
 
     card = msgspec.convert(info.metadata["model_card"], ModelCard)
     assert card.name == "tiny" and card.context_length > 0 and card.kv_block_size > 0
-    assert {f.name for f in card.files} >= {"tokenizer.json", "tokenizer_config.json", "config.json"}
+    assert {f.name for f in card.files} >= {
+        "tokenizer.json", "tokenizer_config.json", "config.json"
+    }
     for f in card.files:
         data = b"".join([r.data() async for r in await client.generate({"name": f.name})])
         assert len(data) == f.size and hashlib.sha256(data).hexdigest() == f.sha256
@@ -70,11 +78,17 @@ async def test_model_card_and_files_come_from_the_worker(namespace, spawn, make_
 
 
 async def test_health_and_metrics(namespace, spawn, make_runtime, tiny_model):
-    proc = spawn(*worker_args(namespace, str(tiny_model), "--engine", "mocker", "--metrics-port", "0",
-                              "--speedup-ratio", "1000"))
-    client = await make_runtime(static=(proc.address,)).endpoint(f"{namespace}.backend.generate").client()
+    proc = spawn(*worker_args(namespace, str(tiny_model), "--engine", "mocker",
+                              "--metrics-port", "0", "--speedup-ratio", "1000"))
+    client = await (
+        make_runtime(static=(proc.address,)).endpoint(f"{namespace}.backend.generate").client()
+    )
     await client.wait_for_instances(timeout=15)
-    port = int(next(line.split()[-1] for line in proc.logs().splitlines() if "metrics and health on port" in line))
+    port = int(next(
+        line.split()[-1]
+        for line in proc.logs().splitlines()
+        if "metrics and health on port" in line
+    ))
     await outputs(await client.generate(request([1, 2, 3], max_tokens=5)))
 
     def get(path):
@@ -93,10 +107,15 @@ async def test_health_and_metrics(namespace, spawn, make_runtime, tiny_model):
     assert (await asyncio.to_thread(get, "/live"))[0] == 200
 
 
-async def test_third_party_engine_by_module_and_cancellation(namespace, spawn, make_runtime, tiny_model):
-    proc = spawn(*worker_args(namespace, str(tiny_model), "--engine", "tests.support.engines:EchoEngine",
+async def test_third_party_engine_by_module_and_cancellation(
+    namespace, spawn, make_runtime, tiny_model
+):
+    proc = spawn(*worker_args(namespace, str(tiny_model),
+                              "--engine", "tests.support.engines:EchoEngine",
                               "--echo-delay", "0.02", "--metrics-port", "0"))
-    client = await make_runtime(static=(proc.address,)).endpoint(f"{namespace}.backend.generate").client()
+    client = await (
+        make_runtime(static=(proc.address,)).endpoint(f"{namespace}.backend.generate").client()
+    )
     await client.wait_for_instances(timeout=15)
     chunks = await outputs(await client.generate(request([5, 6, 7], max_tokens=3)))
     assert [c["token_ids"] for c in chunks[:-1]] == [[5], [6], [7]]
@@ -108,9 +127,15 @@ async def test_third_party_engine_by_module_and_cancellation(namespace, spawn, m
         if len(got) == 3:
             ctx.stop()
     assert got[-1]["finish_reason"] == "cancelled" and len(got) < 1000
-    port = int(next(line.split()[-1] for line in proc.logs().splitlines() if "metrics and health on port" in line))
+    port = int(next(
+        line.split()[-1]
+        for line in proc.logs().splitlines()
+        if "metrics and health on port" in line
+    ))
     body = await asyncio.to_thread(
-        lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        lambda: urllib.request.urlopen(
+            f"http://127.0.0.1:{port}/metrics", timeout=5
+        ).read().decode()
     )
     assert 'dynamo_worker_cancellations_total{model="echo"} 1.0' in body
 
@@ -118,9 +143,13 @@ async def test_third_party_engine_by_module_and_cancellation(namespace, spawn, m
 def test_bad_engine_and_missing_model_fail_clearly(tmp_path, tiny_model):
     run = [sys.executable, "-m", "dynamo_zmq.worker", "--model-path", str(tmp_path)]
     res = subprocess.run([*run, "--engine", "nosuch"], capture_output=True, text=True, timeout=60)
-    assert res.returncode == 2 and "unknown engine 'nosuch'" in res.stderr and "mocker" in res.stderr
-    res = subprocess.run([*run[:-2], "--model-path", str(tmp_path / "missing")], capture_output=True, text=True,
-                         timeout=60)
+    assert (
+        res.returncode == 2
+        and "unknown engine 'nosuch'" in res.stderr
+        and "mocker" in res.stderr
+    )
+    res = subprocess.run([*run[:-2], "--model-path", str(tmp_path / "missing")],
+                         capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "not a directory" in res.stderr
     for flags, message in [(["--namespace", "a.b"], "namespace name 'a.b' must be non-empty"),
                            (["--endpoint", ""], "endpoint name '' must be non-empty"),
@@ -131,23 +160,36 @@ def test_bad_engine_and_missing_model_fail_clearly(tmp_path, tiny_model):
         assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr
     (tmp_path / "config.json").write_text("{not json")
     res = subprocess.run([*run, "--engine", "mocker"], capture_output=True, text=True, timeout=60)
-    assert res.returncode == 2 and "config.json is not valid JSON" in res.stderr and "Traceback" not in res.stderr
+    assert (
+        res.returncode == 2
+        and "config.json is not valid JSON" in res.stderr
+        and "Traceback" not in res.stderr
+    )
     (tmp_path / "config.json").unlink()
     res = subprocess.run([*run, "--engine", "mocker"], capture_output=True, text=True, timeout=60)
-    assert res.returncode == 2 and "config.json not found" in res.stderr and "Traceback" not in res.stderr
+    assert (
+        res.returncode == 2
+        and "config.json not found" in res.stderr
+        and "Traceback" not in res.stderr
+    )
     for bad in ("10", "-1"):  # reports slower than routers' TTL would expire between sends
-        res = subprocess.run([*run, "--load-interval", bad], capture_output=True, text=True, timeout=60)
+        res = subprocess.run([*run, "--load-interval", bad],
+                             capture_output=True, text=True, timeout=60)
         assert res.returncode == 2 and "--load-interval must be" in res.stderr
 
 
 async def test_sigterm_under_load_drains_and_hands_over(namespace, spawn, make_runtime, tiny_model):
-    args = ("--engine", "tests.support.engines:EchoEngine", "--echo-delay", "0.02", "--grace-period", "0.5")
+    args = ("--engine", "tests.support.engines:EchoEngine", "--echo-delay", "0.02",
+            "--grace-period", "0.5")
     leaving = spawn(*worker_args(namespace, str(tiny_model), *args))
     staying = spawn(*worker_args(namespace, str(tiny_model), *args))
     client = await make_runtime().endpoint(f"{namespace}.backend.generate").client()
     assert await until(client, lambda: len(client.instance_ids()) == 2, timeout=15)
 
-    inflight = [await client.direct(request([1, 2, 3], max_tokens=40), leaving.instance_id) for _ in range(8)]
+    inflight = [
+        await client.direct(request([1, 2, 3], max_tokens=40), leaving.instance_id)
+        for _ in range(8)
+    ]
     first = [await s.__anext__() for s in inflight]  # all running on the leaving worker
     leaving.signal(signal.SIGTERM)
     assert await until(client, lambda: client.instance_ids() == [staying.instance_id], timeout=5)
@@ -165,8 +207,10 @@ async def test_sigterm_under_load_drains_and_hands_over(namespace, spawn, make_r
 
 
 def test_help_lists_the_engines_own_flags():
-    res = subprocess.run([sys.executable, "-m", "dynamo_zmq.worker", "--engine", "mocker", "--help"],
-                         capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [sys.executable, "-m", "dynamo_zmq.worker", "--engine", "mocker", "--help"],
+        capture_output=True, text=True, timeout=60,
+    )
     assert res.returncode == 0 and "--speedup-ratio" in res.stdout and "--model-path" in res.stdout
 
 
@@ -185,11 +229,16 @@ def test_a_bad_dyn_variable_is_a_usage_error_not_a_traceback(main, var, flag):
     assert f"argument {flag}: invalid" in res.stderr and "Traceback" not in res.stderr
 
 
-@pytest.mark.parametrize("flag", ["--port", "--load-port", "--kv-events-port", "--kv-replay-port", "--metrics-port"])
+@pytest.mark.parametrize(
+    "flag", ["--port", "--load-port", "--kv-events-port", "--kv-replay-port", "--metrics-port"]
+)
 def test_a_taken_port_fails_the_start_with_one_clear_line(flag, tiny_model, taken_port):
     port = taken_port
     res = subprocess.run([sys.executable, *worker_args("ns", str(tiny_model), "--engine", "mocker",
                                                         "--discovery", "static", flag, str(port))],
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 1, res.stderr
-    assert f"127.0.0.1:{port}: Address already in use" in res.stderr and "Traceback" not in res.stderr
+    assert (
+        f"127.0.0.1:{port}: Address already in use" in res.stderr
+        and "Traceback" not in res.stderr
+    )

@@ -26,10 +26,13 @@ def ids(tiny_model) -> list[int]:
 async def serve(namespace, spawn, make_runtime, model, *extra: str):
     proc = spawn(
         "-m", "dynamo_zmq.worker", "--model-path", str(model), "--namespace", namespace,
-        "--host", "127.0.0.1", "--grace-period", "0", "--engine", "tests.support.engines:EchoEngine",
+        "--host", "127.0.0.1", "--grace-period", "0",
+        "--engine", "tests.support.engines:EchoEngine",
         *extra,
     )
-    client = await make_runtime(static=(proc.address,)).endpoint(f"{namespace}.backend.generate").client()
+    client = await (
+        make_runtime(static=(proc.address,)).endpoint(f"{namespace}.backend.generate").client()
+    )
     await client.wait_for_instances(timeout=15)
     return proc, client
 
@@ -53,7 +56,9 @@ def completing_token(tiny_model, ids, needle: str) -> int:
     return next(k for k in range(1, len(ids) + 1) if needle in tokenizer.decode(ids[:k]))
 
 
-async def test_text_deltas_concatenate_to_the_decoded_text(namespace, spawn, make_runtime, tiny_model, ids):
+async def test_text_deltas_concatenate_to_the_decoded_text(
+    namespace, spawn, make_runtime, tiny_model, ids
+):
     _, client = await serve(namespace, spawn, make_runtime, tiny_model)
     chunks = await generate(client, ids, max_tokens=len(ids))
     assert tokens_of(chunks) == ids
@@ -71,10 +76,14 @@ async def test_max_tokens_ends_with_length(namespace, spawn, make_runtime, tiny_
     assert chunks[-1]["finish_reason"] == "length" and chunks[-1]["usage"]["completion_tokens"] == 5
 
 
-async def test_stop_string_across_tokens_ends_the_stream_early(namespace, spawn, make_runtime, tiny_model, ids):
+async def test_stop_string_across_tokens_ends_the_stream_early(
+    namespace, spawn, make_runtime, tiny_model, ids
+):
     proc, client = await serve(namespace, spawn, make_runtime, tiny_model, "--metrics-port", "0")
     k = completing_token(tiny_model, ids, STOP)
-    assert k - completing_token(tiny_model, ids, "STOP"[0]) >= 2, "the stop string should span tokens"
+    assert k - completing_token(tiny_model, ids, "STOP"[0]) >= 2, (
+        "the stop string should span tokens"
+    )
     max_tokens = 3 * len(ids)  # the echo engine would repeat the prompt up to this
     chunks = await generate(client, ids, max_tokens=max_tokens, stop=[STOP])
     expected = TEXT[: TEXT.index(STOP)]
@@ -88,11 +97,20 @@ async def test_stop_string_across_tokens_ends_the_stream_early(namespace, spawn,
     assert chunks[-1]["usage"]["completion_tokens"] == k
 
     # A stop string is not a cancellation: the client did not stop or kill anything.
-    port = int(next(line.split()[-1] for line in proc.logs().splitlines() if "metrics and health on port" in line))
+    port = int(next(
+        line.split()[-1]
+        for line in proc.logs().splitlines()
+        if "metrics and health on port" in line
+    ))
     body = await asyncio.to_thread(
-        lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        lambda: urllib.request.urlopen(
+            f"http://127.0.0.1:{port}/metrics", timeout=5
+        ).read().decode()
     )
-    cancelled = [line for line in body.splitlines() if line.startswith("dynamo_worker_cancellations_total{")]
+    cancelled = [
+        line for line in body.splitlines()
+        if line.startswith("dynamo_worker_cancellations_total{")
+    ]
     assert all(float(line.split()[-1]) == 0 for line in cancelled)
     assert 'dynamo_worker_requests_total{model="echo"}' in body
 
@@ -106,7 +124,9 @@ async def test_include_stop_str_in_output(namespace, spawn, make_runtime, tiny_m
     assert chunks[-1]["usage"]["completion_tokens"] == completing_token(tiny_model, ids, STOP)
 
 
-async def test_without_tokenizer_chunks_pass_through(namespace, spawn, make_runtime, tiny_model, ids, tmp_path):
+async def test_without_tokenizer_chunks_pass_through(
+    namespace, spawn, make_runtime, tiny_model, ids, tmp_path
+):
     model = tmp_path / "model"
     model.mkdir()
     shutil.copy(tiny_model / "config.json", model / "config.json")

@@ -83,7 +83,8 @@ def add_mocker_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -
     """Add the mocker's flags (names as in Dynamo's mocker)."""
     add = parser.add_argument
     add("--block-size", type=int, default=64, help="tokens per KV block")
-    add("--num-gpu-blocks-override", type=int, default=16384, help="KV blocks per data-parallel rank")
+    add("--num-gpu-blocks-override", type=int, default=16384,
+        help="KV blocks per data-parallel rank")
     add("--max-num-seqs", type=int, default=256, help="running sequences per rank")
     add("--max-num-batched-tokens", type=int, default=8192, help="token budget of one step")
     add("--speedup-ratio", type=float, default=1.0, help="divide every simulated step time by this")
@@ -135,7 +136,9 @@ def _config_from_args(args: argparse.Namespace) -> MockerConfig:
     host, advertise = _hosts(args)
     model_path = getattr(args, "model_path", None)
     from_dir = read_model_dir(model_path) if model_path else {}
-    name = getattr(args, "model_name", None) or (Path(model_path).resolve().name if model_path else "mocker")
+    name = getattr(args, "model_name", None) or (
+        Path(model_path).resolve().name if model_path else "mocker"
+    )
     return MockerConfig(
         model_name=name,
         model_path=str(model_path) if model_path else None,

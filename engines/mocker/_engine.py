@@ -110,7 +110,9 @@ class MockerEngine(LLMEngine):
         if self._publisher is not None:
             self._publisher.publish(events, dp_rank)
 
-    async def generate(self, request: PreprocessedRequest, ctx: Context) -> AsyncIterator[LLMEngineOutput]:
+    async def generate(
+        self, request: PreprocessedRequest, ctx: Context
+    ) -> AsyncIterator[LLMEngineOutput]:
         """Stream one token per step, ending with exactly one terminal chunk."""
         prompt_usage = Usage(prompt_tokens=len(request.token_ids))
         problem = self._check(request)
@@ -156,8 +158,8 @@ class MockerEngine(LLMEngine):
         if not prompt:
             return "the prompt is empty"
         if len(prompt) >= cfg.context_length:
-            return (f"the prompt has {len(prompt)} tokens but the context length is {cfg.context_length} "
-                    f"(at most {cfg.context_length - 1} prompt tokens)")
+            return (f"the prompt has {len(prompt)} tokens but the context length is "
+                    f"{cfg.context_length} (at most {cfg.context_length - 1} prompt tokens)")
         if min(prompt) < 0 or max(prompt) >= cfg.vocab_size:
             return f"prompt token ids must be in [0, {cfg.vocab_size})"
         if -(-len(prompt) // cfg.block_size) > cfg.num_gpu_blocks:
@@ -168,7 +170,8 @@ class MockerEngine(LLMEngine):
             return f"max_tokens must be at least 1, got {max_tokens}"
         rank = request.routing.dp_rank
         if rank is not None and not 0 <= rank < len(self._ranks):
-            return f"dp_rank {rank} out of range: this engine serves ranks 0..{len(self._ranks) - 1}"
+            return (f"dp_rank {rank} out of range: this engine serves ranks "
+                    f"0..{len(self._ranks) - 1}")
         return None
 
     def _pick_rank(self, rank: int | None) -> RankScheduler:
@@ -206,7 +209,9 @@ class MockerEngine(LLMEngine):
         """Per rank: blocks held by running sequences, the rank's blocks, running and waiting
         sequences (empty before ``start`` and after ``cleanup``)."""
         return [
-            EngineLoad(r.rank, r.blocks.num_active, r.blocks.num_blocks, len(r.running), len(r.waiting))
+            EngineLoad(
+                r.rank, r.blocks.num_active, r.blocks.num_blocks, len(r.running), len(r.waiting)
+            )
             for r in self._ranks
         ]
 

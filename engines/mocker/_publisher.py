@@ -60,9 +60,13 @@ class KvEventPublisher:
             raise RuntimeError("publisher already started")
         self._zctx = zmq.Context()
         try:
-            self._pub = make_socket(self._zctx, zmq.PUB, bind=self._endpoint(self._ports[0]), hwm=PUB_HWM)
+            self._pub = make_socket(
+                self._zctx, zmq.PUB, bind=self._endpoint(self._ports[0]), hwm=PUB_HWM
+            )
             self.events_port = _bound_port(self._pub)
-            replay = make_socket(self._zctx, zmq.ROUTER, bind=self._endpoint(self._ports[1]), hwm=PUB_HWM)
+            replay = make_socket(
+                self._zctx, zmq.ROUTER, bind=self._endpoint(self._ports[1]), hwm=PUB_HWM
+            )
             self._replay = AsyncSocket(replay)
             self.replay_port = _bound_port(replay)
         except BaseException:
@@ -104,7 +108,11 @@ class KvEventPublisher:
 
     async def _answer(self, sock: AsyncSocket, frames: list[bytes]) -> None:
         # [identity, b"", start_seq] from a DEALER; [identity, start_seq] without the delimiter.
-        if len(frames) not in (2, 3) or (len(frames) == 3 and frames[1] != b"") or len(frames[-1]) != 8:
+        if (
+            len(frames) not in (2, 3)
+            or (len(frames) == 3 and frames[1] != b"")
+            or len(frames[-1]) != 8
+        ):
             log.warning("ignoring malformed KV replay request: %r", frames[:4])
             return
         identity, prefix = frames[0], [frames[0], b""] if len(frames) == 3 else [frames[0]]
@@ -115,7 +123,8 @@ class KvEventPublisher:
         for reply in replies:
             result = await sock.send(reply, timeout=REPLAY_SEND_TIMEOUT)
             if result != SendResult.SENT:
-                log.info("KV replay to %r abandoned (%s)", identity, "gone" if result == SendResult.GONE else "stalled")
+                log.info("KV replay to %r abandoned (%s)", identity,
+                         "gone" if result == SendResult.GONE else "stalled")
                 return
 
     async def close(self) -> None:

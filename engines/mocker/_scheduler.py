@@ -71,7 +71,9 @@ class RankScheduler:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.speedup_ratio = config.speedup_ratio
-        self.blocks = BlockManager(config.num_gpu_blocks, config.block_size, config.enable_prefix_caching)
+        self.blocks = BlockManager(
+            config.num_gpu_blocks, config.block_size, config.enable_prefix_caching
+        )
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.num_steps = 0
@@ -158,7 +160,9 @@ class RankScheduler:
                     self._wake.clear()
                     await self._wake.wait()
                     continue
-                delay = step_seconds(plan.prefill_tokens, plan.decoding, self.blocks.usage, self.speedup_ratio)
+                delay = step_seconds(
+                    plan.prefill_tokens, plan.decoding, self.blocks.usage, self.speedup_ratio
+                )
                 # Always yield to the loop, and count the scheduling work as part of the step.
                 await asyncio.sleep(max(0.0, started + delay - loop.time()))
                 self.apply(plan)
@@ -283,15 +287,17 @@ class RankScheduler:
         )
         seq.num_hashed_blocks = full
 
-    def _finish(self, seq: Sequence, reason: str, token_ids: Seq[int] = (), error: str | None = None,
-                emit: bool = True) -> None:
+    def _finish(self, seq: Sequence, reason: str, token_ids: Seq[int] = (),
+                error: str | None = None, emit: bool = True) -> None:
         """End ``seq`` (already out of the queues): free its blocks, queue its terminal chunk."""
         if seq.block_ids:
             self.blocks.free(seq.block_ids)
             seq.block_ids = []
         seq.status = SeqStatus.FINISHED
         if emit:
-            seq.emit(LLMEngineOutput(list(token_ids), finish_reason=reason, usage=seq.usage(), error=error))
+            seq.emit(LLMEngineOutput(
+                list(token_ids), finish_reason=reason, usage=seq.usage(), error=error
+            ))
 
     def _fail_all(self, message: str) -> None:
         doomed = [*self.running, *self.waiting]

@@ -81,7 +81,9 @@ class Sequence:
         hashes = self._hashes
         while len(hashes) < num_blocks:
             i = len(hashes)
-            hashes.append(block_hash(hashes[-1] if hashes else None, self.tokens[i * size : (i + 1) * size]))
+            hashes.append(
+                block_hash(hashes[-1] if hashes else None, self.tokens[i * size : (i + 1) * size])
+            )
         return hashes[:num_blocks]
 
     def sample(self) -> int:

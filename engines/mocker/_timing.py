@@ -20,7 +20,9 @@ def decode_ms(kv_usage: float) -> float:
     return max(1.0, -25.74 * u * u + 54.01 * u + 5.74)
 
 
-def step_seconds(prefill_tokens: int, decoding: int, kv_usage: float, speedup_ratio: float) -> float:
+def step_seconds(
+    prefill_tokens: int, decoding: int, kv_usage: float, speedup_ratio: float
+) -> float:
     """Simulated duration of one scheduler step, in seconds."""
     ms = prefill_ms(prefill_tokens)
     if decoding:

@@ -165,7 +165,9 @@ class VllmEngine(LLMEngine):
 
     def _engine_config(self, llm: Any, args: Any) -> EngineConfig:
         cfg = llm.vllm_config
-        model, cache, sched, par = cfg.model_config, cfg.cache_config, cfg.scheduler_config, cfg.parallel_config
+        model, cache, sched, par = (
+            cfg.model_config, cfg.cache_config, cfg.scheduler_config, cfg.parallel_config
+        )
         # vLLM's served name defaults to the model path; a local directory serves as its name.
         served = model.served_model_name
         if isinstance(served, (list, tuple)):
@@ -181,7 +183,9 @@ class VllmEngine(LLMEngine):
             events = _advertise(kv.endpoint, host)
             replay = _advertise(kv.replay_endpoint, host) if kv.replay_endpoint else None
             # vLLM offsets the ports of data-parallel rank r by r.
-            endpoints = [_offset(events, r) for r in range(par.data_parallel_size)] if events else []
+            endpoints = (
+                [_offset(events, r) for r in range(par.data_parallel_size)] if events else []
+            )
         return EngineConfig(
             model_name=model_id,
             served_model_name=served,
@@ -277,7 +281,9 @@ class VllmEngine(LLMEngine):
             return f"dp_rank {rank} out of range: this engine serves ranks 0..{size - 1}"
         return None
 
-    async def generate(self, request: PreprocessedRequest, ctx: Context) -> AsyncIterator[LLMEngineOutput]:
+    async def generate(
+        self, request: PreprocessedRequest, ctx: Context
+    ) -> AsyncIterator[LLMEngineOutput]:
         """Stream vLLM's deltas for ``request``; exactly one terminal chunk, last.
 
         Raises:
@@ -303,7 +309,8 @@ class VllmEngine(LLMEngine):
         key = ctx.id()
         self._live.setdefault(key, set()).add(rid)
         stream = llm.generate(
-            TokensPrompt(prompt_token_ids=list(request.token_ids)), params, rid, data_parallel_rank=rank
+            TokensPrompt(prompt_token_ids=list(request.token_ids)), params, rid,
+            data_parallel_rank=rank,
         )
         remove = ctx.add_listener(lambda _killed: self._spawn_abort(llm, [rid]))
         completion = 0

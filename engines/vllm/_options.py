@@ -97,7 +97,8 @@ def add_vllm_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> 
         default=False, help="vLLM detokenizes and applies stop strings itself (the worker passes "
         "its text through); the frontend must then tokenize with the model's own tokenizer")
     add("--kv-events-port", type=int, default=0, help="KV-event PUB port (0 = a free one)")
-    add("--kv-replay-port", type=int, default=0, help="KV-event replay ROUTER port (0 = a free one)")
+    add("--kv-replay-port", type=int, default=0,
+        help="KV-event replay ROUTER port (0 = a free one)")
     add("--no-kv-events", action="store_true", default=False,
         help="do not publish KV events (also keeps vLLM's --kv-events-config if given)")
     add("--kv-advertise-host", default=None, help="address routers use for the KV-event sockets")

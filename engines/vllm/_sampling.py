@@ -73,7 +73,9 @@ def finish_reason(reason: Any) -> str:
     return _FINISH.get(str(reason), FinishReason.ERROR)
 
 
-def to_output(out: Any, prompt_tokens: int, completion_tokens: int, detokenize: bool) -> tuple[LLMEngineOutput | None, int]:
+def to_output(
+    out: Any, prompt_tokens: int, completion_tokens: int, detokenize: bool
+) -> tuple[LLMEngineOutput | None, int]:
     """One chunk from one vLLM ``RequestOutput`` delta, and the completion tokens so far.
 
     Returns None for a non-final delta that carries nothing (vLLM may send empty deltas).
@@ -85,7 +87,9 @@ def to_output(out: Any, prompt_tokens: int, completion_tokens: int, detokenize: 
     log_probs = None
     if comp is not None and comp.logprobs:
         log_probs = [
-            float(step[token].logprob) for step, token in zip(comp.logprobs, ids, strict=False) if token in step
+            float(step[token].logprob)
+            for step, token in zip(comp.logprobs, ids, strict=False)
+            if token in step
         ] or None
     if not out.finished:
         if not ids and not text:
@@ -96,6 +100,8 @@ def to_output(out: Any, prompt_tokens: int, completion_tokens: int, detokenize: 
     usage = Usage(prompt_tokens, completion_tokens, cached if isinstance(cached, int) else None)
     error = "vLLM ended the request with an error" if reason == FinishReason.ERROR else None
     return (
-        LLMEngineOutput(ids, text=text, finish_reason=reason, usage=usage, error=error, log_probs=log_probs),
+        LLMEngineOutput(
+            ids, text=text, finish_reason=reason, usage=usage, error=error, log_probs=log_probs
+        ),
         completion_tokens,
     )

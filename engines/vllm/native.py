@@ -41,9 +41,13 @@ class NativeTokenizer:
         try:
             from transformers import AutoTokenizer
         except ImportError as exc:
-            raise errors.InvalidArgument(f"native processing needs transformers ({exc}); {INSTALL_HINT}") from exc
+            raise errors.InvalidArgument(
+                f"native processing needs transformers ({exc}); {INSTALL_HINT}"
+            ) from exc
         try:
-            self.tokenizer: Any = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+            self.tokenizer: Any = AutoTokenizer.from_pretrained(
+                str(model_dir), trust_remote_code=trust_remote_code
+            )
         except (OSError, ValueError) as exc:
             raise errors.InvalidArgument(f"no tokenizer in {model_dir}: {exc}") from exc
         self.model_dir = Path(model_dir)

@@ -43,12 +43,16 @@ class EchoEngine(LLMEngine):
         tokens = (request.token_ids * (limit // max(1, len(request.token_ids)) + 1))[:limit]
         for i, tok in enumerate(tokens):
             if ctx.is_stopped():
-                yield LLMEngineOutput(finish_reason="cancelled", usage=Usage(len(request.token_ids), i))
+                yield LLMEngineOutput(
+                    finish_reason="cancelled", usage=Usage(len(request.token_ids), i)
+                )
                 return
             yield LLMEngineOutput([tok])
             if self.delay:
                 await asyncio.sleep(self.delay)
-        yield LLMEngineOutput(finish_reason="length", usage=Usage(len(request.token_ids), len(tokens)))
+        yield LLMEngineOutput(
+            finish_reason="length", usage=Usage(len(request.token_ids), len(tokens))
+        )
 
     async def abort(self, ctx: Context) -> None:
         self.aborted.append(ctx.id())
