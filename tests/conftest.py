@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -46,9 +48,10 @@ def spawn() -> Iterator[Callable[..., Proc]]:
         proc.stop()
 
 
-@pytest.fixture
-async def make_runtime():
-    """Build in-process runtimes pinned to loopback; all are closed at teardown."""
+@contextlib.asynccontextmanager
+async def runtime_factory() -> AsyncIterator[Callable[..., Any]]:
+    """Build in-process runtimes pinned to loopback; all are closed on exit (in the event loop
+    that made them: a test on a module-scoped loop needs its own fixture over this)."""
     from dynamo_zmq.discovery import DiscoveryConfig
     from dynamo_zmq.runtime import DistributedRuntime, RuntimeConfig
 
@@ -63,9 +66,18 @@ async def make_runtime():
         runtimes.append(rt)
         return rt
 
-    yield make
-    for rt in runtimes:
-        await rt.close()
+    try:
+        yield make
+    finally:
+        for rt in runtimes:
+            await rt.close()
+
+
+@pytest.fixture
+async def make_runtime() -> AsyncIterator[Callable[..., Any]]:
+    """``runtime_factory`` for tests on the default (function-scoped) event loop."""
+    async with runtime_factory() as make:
+        yield make
 
 
 def app_args(namespace: str, *extra: str) -> list[str]:

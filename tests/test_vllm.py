@@ -43,6 +43,7 @@ from dynamo_zmq.llm import (
 )
 from dynamo_zmq.testing import run_conformance, validate_stream
 from engines.vllm import VllmEngine, VllmOptions
+from tests.conftest import runtime_factory
 
 #: vLLM on this CPU: a small KV cache, multiprocessing off for the uni executor.
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -71,6 +72,13 @@ async def engine(tiny_model):
     await eng.start(1)
     yield eng
     await eng.cleanup()
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def make_runtime():
+    """Runtimes closed on the module's event loop, where this module's tests run them."""
+    async with runtime_factory() as make:
+        yield make
 
 
 @pytest.fixture(scope="module")
