@@ -23,9 +23,13 @@ from typing import Any, TypeVar
 
 import zmq
 
-__all__ = ["Resources", "cancel_and_wait"]
+__all__ = ["Resources", "cancel_and_wait", "process_zmq_context"]
 
 log = logging.getLogger(__name__)
+
+#: Sockets the process's ZMQ context allows (libzmq's default, 1023, is two per peer for about
+#: 500 peers: a frontend in front of a large cluster needs more).
+MAX_SOCKETS = 32768
 
 T = TypeVar("T")
 
@@ -55,8 +59,8 @@ class Resources:
 
     @property
     def zctx(self) -> zmq.Context[zmq.Socket[bytes]]:
-        """The process's ZMQ context."""
-        return zmq.Context.instance()
+        """The process's ZMQ context (``process_zmq_context()``)."""
+        return process_zmq_context()
 
     @property
     def closed(self) -> bool:
@@ -137,10 +141,37 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Task[Any]]) -> None:
     """Cancel ``tasks`` and wait until they have ended.
 
     Their exceptions and cancellations are not raised here; if the caller itself is cancelled
-    while waiting, that cancellation propagates (the tasks still end on their own).
+    while waiting, that cancellation propagates (the tasks still end on their own). The calling
+    task itself is never cancelled (a component closing from one of its own tasks).
     """
-    pending = [task for task in tasks if not task.done()]
+    current = asyncio.current_task()
+    pending = [task for task in tasks if not task.done() and task is not current]
+    loop = asyncio.get_running_loop()
+    foreign = [task for task in pending if task.get_loop() is not loop]
+    if foreign:
+        # Waiting would hang for ever: their loop is not the one running.
+        raise RuntimeError(
+            f"cannot close tasks of another event loop ({foreign[0].get_name()}, ...): close "
+            "them from the loop that started them"
+        )
     for task in pending:
         task.cancel()
     if pending:
         await asyncio.wait(pending)
+
+
+def process_zmq_context() -> zmq.Context[zmq.Socket[bytes]]:
+    """The process's one ZMQ context (``zmq.Context.instance()``, allowing ``MAX_SOCKETS``).
+
+    Engines and other code that open ZMQ sockets outside a ``Resources`` use this too, so a
+    process has a single context and a single ZMQ I/O thread.
+    """
+    global _configured
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    if not _configured:
+        _configured = True
+        ctx.set(zmq.MAX_SOCKETS, MAX_SOCKETS)
+    return ctx
+
+
+_configured = False

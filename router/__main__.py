@@ -23,13 +23,13 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import msgspec
 
 from dynamo_zmq import errors
-from dynamo_zmq.llm import ModelCard
+from dynamo_zmq.llm import served_models, serves
 from dynamo_zmq.runtime import (
     DistributedRuntime,
     RuntimeConfig,
@@ -38,11 +38,11 @@ from dynamo_zmq.runtime import (
     check_name,
     setup_logging,
 )
-from dynamo_zmq.transport import PeerConnection
 
 from .kv_router import KvRouter, KvRouterConfig
 from .metrics import RouterMetrics
 from .options import add_kv_router_args, check_kv_router_args, kv_router_options
+from .plugin import DEFAULT_BLOCK_SIZE
 
 log = logging.getLogger("router")
 
@@ -61,44 +61,31 @@ class RouterService:
         self.config = config
         self.metrics = RouterMetrics()
         self.routers: dict[str, KvRouter] = {}
-        self._task: asyncio.Task[None] | None = None
+        self._res = runtime.resources.child("router-service")
 
     async def start(self) -> None:
         await self.runtime.peers(self.namespace)
         await self.refresh()
-        self._task = asyncio.create_task(self._follow(), name="router-models")
+        self._res.spawn(self._follow(), "router-models")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.wait({self._task})
+        await self._res.close()
         for router in self.routers.values():
             await router.close()
         self.routers.clear()
 
     async def refresh(self) -> None:
-        """Add a router for every model card seen among the namespace's live workers."""
-        for conn in await self.runtime.peers(self.namespace):
-            desc = conn.description
-            if desc is None or not conn.routable:
+        """Add a router for every model the namespace's live workers serve."""
+        for served in served_models(await self.runtime.peers(self.namespace), self.namespace):
+            name, path = served.advert.name, served.endpoint.path
+            if name in self.routers:
                 continue
-            for ep in desc.endpoints:
-                data = ep.metadata.get("model_card") if ep.namespace == self.namespace else None
-                if data is None:
-                    continue
-                try:
-                    card = msgspec.convert(data, ModelCard)
-                except msgspec.ValidationError:
-                    continue
-                if card.name in self.routers:
-                    continue
-                endpoint = self.runtime.namespace(self.namespace).component(ep.component).endpoint(ep.name)
-                client = await endpoint.client(select=_serves(card.name, ep.name))
-                block_size = card.kv_block_size or int((ep.metadata.get("engine") or {}).get("kv_block_size") or 16)
-                router = KvRouter(client, block_size, self.config, metrics=self.metrics,
-                                  model=card.name, runtime=self.runtime)
-                self.routers[card.name] = await router.start()
-                log.info("routing model %r (block size %d)", card.name, block_size)
+            client = await self.runtime.endpoint(path).client(select=serves(name, path))
+            block_size = served.advert.kv_block_size or DEFAULT_BLOCK_SIZE
+            router = KvRouter(client, block_size, self.config, metrics=self.metrics,
+                              model=name, runtime=self.runtime)
+            self.routers[name] = await router.start()
+            log.info("routing model %r (block size %d)", name, block_size)
 
     async def _follow(self) -> None:
         while True:
@@ -138,17 +125,6 @@ class RouterService:
         except ValueError as exc:  # token ids outside uint32 (router.hashing)
             raise errors.InvalidArgument(str(exc)) from exc
         yield decision.to_dict()
-
-
-def _serves(name: str, endpoint: str) -> Callable[[PeerConnection], bool]:
-    def select(conn: PeerConnection) -> bool:
-        desc = conn.description
-        return desc is not None and any(
-            ep.name == endpoint and (ep.metadata.get("model_card") or {}).get("name") == name
-            for ep in desc.endpoints
-        )
-
-    return select
 
 
 def build_parser() -> argparse.ArgumentParser:

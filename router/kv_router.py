@@ -1,57 +1,47 @@
-"""``KvRouter``: KV-cache-aware routing of one model's requests.
+"""``KvRouter``: KV-cache-aware routing of one model's requests (a ``ModelRouter``).
 
-It wraps the model's ``Client`` and keeps its contract (``generate``, ``instance_ids``,
-``wait_for_instances``): for each request it asks the index which (worker, data-parallel rank)
-already holds how much of the prompt, lets the scheduler weigh that against each candidate's
-predicted load, writes the choice into ``request.routing`` (``dp_rank``, ``overlap_blocks``) and
-sends the request with ``client.direct``. The returned stream releases the request's load when
-it ends, however it ends.
+For each request it asks the index which (worker, data-parallel rank) already holds how much of
+the prompt, lets the scheduler weigh that against each candidate's predicted load, writes the
+choice into ``request.routing`` (``dp_rank``, ``overlap_blocks``) and sends the request to that
+worker alone. The request's predicted load is held until its stream ends, however it ends
+(terminal output, error, ``aclose`` or garbage collection). A worker that cannot be reached, or
+that fails retryably before its first output, gets the request re-routed to the next best
+(worker, rank), excluding it, up to ``MAX_ATTEMPTS`` workers in all.
 
-The router follows the client's live instances: a new instance that publishes KV events gets a
-``KvEventSubscriber``, and one that publishes its load (``load_endpoint`` in its metadata) a
-``LoadSubscriber`` whose reports correct the predicted load (``report_load``); an instance that
-leaves (discovery or liveness) has its subscribers closed and its index state and load dropped. Without KV events (``use_kv_events=False``) the
-index is an ``ApproxIndexer`` fed by the router's own decisions.
-
-``KvRouterFactory`` builds started routers for a frontend's ``ModelManager``; several frontends
-(or ``python -m router``) can run side by side, each subscribing for itself.
+Which instances it routes to, and what it subscribes to for each, is ``InstanceFollower``'s
+job. Without KV events (``use_kv_events=False``, the approximate mode) the index is an
+``ApproxIndexer`` fed by the router's own decisions.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import logging
 import math
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
-import zmq
-
 from dynamo_zmq import errors
 from dynamo_zmq.context import Context
-from dynamo_zmq.llm import EngineLoad, PreprocessedRequest
-from dynamo_zmq.runtime import MAX_ATTEMPTS, Client
-from dynamo_zmq.transport import PeerConnection
+from dynamo_zmq.llm import LLMEngineOutput, OutputStream, PreprocessedRequest
+from dynamo_zmq.resources import Resources
+from dynamo_zmq.runtime import MAX_ATTEMPTS, Client, DistributedRuntime, RetryingStream
+from dynamo_zmq.transport import PeerConnection, ResponseStream, item_decoder
+from dynamo_zmq.wire import encode_item
 
 from .approx import DEFAULT_TTL, ApproxIndexer
+from .following import MAX_DP_SIZE, InstanceFollower
 from .hashing import block_hashes
 from .indexer import KvIndexer
 from .load import LoadSubscriber
 from .metrics import RouterMetrics
-from .routed_stream import RoutedStream
 from .scheduler import REPORT_TTL, Candidate, LoadTracker, Route, Scheduler, Selection
 from .subscriber import KvEventSubscriber
 
-__all__ = ["Decision", "KvRouter", "KvRouterConfig", "KvRouterFactory", "RoutedStream"]
+__all__ = ["MAX_DP_SIZE", "Decision", "KvRouter", "KvRouterConfig"]
 
-log = logging.getLogger(__name__)
-
-#: Seconds between two looks at the instance set when nothing signals a change.
-FOLLOW_INTERVAL = 1.0
-#: Most data-parallel ranks the router considers per instance (far above real deployments).
-MAX_DP_SIZE = 1024
+_decode_output = item_decoder(LLMEngineOutput)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,20 +91,27 @@ class Decision:
         }
 
 
-class _Worker:
-    """What the router knows of one live instance."""
+class _Placement:
+    """The load one routed request holds: the route of its current attempt, released once."""
 
-    __slots__ = (
-        "dp_size", "events_endpoint", "load_endpoint", "load_subscriber", "replay_endpoint", "subscriber",
-    )
+    __slots__ = ("_loads", "_route")
 
-    def __init__(self, dp_size: int, events: str | None, replay: str | None, load: str | None) -> None:
-        self.dp_size = dp_size
-        self.events_endpoint = events
-        self.replay_endpoint = replay
-        self.load_endpoint = load
-        self.subscriber: KvEventSubscriber | None = None
-        self.load_subscriber: LoadSubscriber | None = None
+    def __init__(self, loads: LoadTracker) -> None:
+        self._loads = loads
+        self._route: Route | None = None
+
+    def hold(self, route: Route) -> None:
+        self.release()
+        self._route = route
+
+    def release(self) -> None:
+        route, self._route = self._route, None
+        if route is not None:
+            self._loads.release(route)
+
+    def on_output(self, out: LLMEngineOutput) -> None:
+        if out.finish_reason is not None:
+            self.release()
 
 
 class KvRouter:
@@ -126,8 +123,8 @@ class KvRouter:
         config: the options; defaults match Dynamo's.
         metrics: shared router metrics (a private set when None).
         model: the model name (metrics label).
-        runtime: the client's runtime, to wake up on peer changes (polled when None).
-        zctx: the ZMQ context for subscriber sockets (a private one when None).
+        runtime: the client's runtime: wakes the router on peer changes, and owns its tasks
+            and sockets (polled, with resources of its own, when None).
         scheduler: override the scheduler (tests: a seeded one).
     """
 
@@ -139,8 +136,7 @@ class KvRouter:
         *,
         metrics: RouterMetrics | None = None,
         model: str = "",
-        runtime: Any = None,
-        zctx: zmq.Context[Any] | None = None,
+        runtime: DistributedRuntime | None = None,
         scheduler: Scheduler | None = None,
     ) -> None:
         if block_size < 1:
@@ -153,54 +149,67 @@ class KvRouter:
         self.metrics = metrics or RouterMetrics()
         self.scheduler = scheduler or Scheduler(cfg.overlap_score_weight, cfg.router_temperature)
         self.loads = LoadTracker(report_ttl=cfg.load_report_ttl, report_grace=cfg.load_report_grace)
-        self.indexer: Any = (
+        self.indexer: KvIndexer | ApproxIndexer = (
             KvIndexer(block_size) if cfg.use_kv_events else ApproxIndexer(block_size, cfg.approx_ttl)
         )
-        self._runtime = runtime
-        self._own_zctx = zctx is None
-        self._zctx = zctx if zctx is not None else zmq.Context(io_threads=1)
-        self._workers: dict[int, _Worker] = {}
-        self._task: asyncio.Task[None] | None = None
-        self._closed = False
+        name = f"kv-router {model or self.path}"
+        self._res = runtime.resources.child(name) if runtime is not None else Resources(name)
+        self._follower = InstanceFollower(
+            client, self._res, self.indexer, cfg.use_kv_events, self.loads, self.metrics, model,
+            block_size, cfg.replay_timeout, runtime,
+        )
+        self._res.on_close(self._follower.close)  # after the follow task is cancelled
+        self._started = False
 
-    # -- the Client contract ---------------------------------------------------------------
-
-    def instances(self) -> list[PeerConnection]:
-        return self.client.instances()
+    # -- the ModelRouter interface ---------------------------------------------------------
 
     def instance_ids(self) -> list[int]:
         return self.client.instance_ids()
 
-    async def wait_for_instances(self, timeout: float | None = None) -> list[int]:
-        return await self.client.wait_for_instances(timeout)
-
     async def generate(
-        self, request: PreprocessedRequest, context: Context | None = None, **kwargs: Any
-    ) -> RoutedStream:
-        """Route and send ``request``; the stream behaves like ``Client.generate``'s.
+        self,
+        request: PreprocessedRequest,
+        context: Context | None = None,
+        *,
+        instance_id: int | None = None,
+        idle_timeout: float | None = None,
+    ) -> OutputStream:
+        """Route and send ``request``; its outputs stream back, decoded.
 
-        Sets ``request.routing.dp_rank`` and ``request.routing.overlap_blocks``. A request that
-        cannot reach its worker, or whose worker fails retryably before the first response, is
-        routed again (excluding that worker), up to ``MAX_ATTEMPTS`` workers in all.
+        Sets ``request.routing.dp_rank`` and ``request.routing.overlap_blocks`` (again on each
+        re-route). ``instance_id`` is not read: the router chooses.
 
         Raises:
-            CannotConnect: no live instance.
+            CannotConnect: no live instance could take the request.
         """
         hashes = self._hashes(request.token_ids)
-        exclude: set[int] = set()
-        while True:
-            decision, route = self._route(request, hashes, exclude)
-            try:
-                stream = await self.client.direct(request, decision.worker_id, context=context, **kwargs)
-            except errors.CannotConnect:
-                self.loads.release(route)
-                exclude.add(decision.worker_id)
-                if len(exclude) >= MAX_ATTEMPTS:
-                    raise
-                continue
-            return RoutedStream(self, request, hashes, stream, decision, route, exclude, kwargs)
+        placement = _Placement(self.loads)
+        first = await self._send(request, hashes, frozenset(), placement, context, idle_timeout)
 
-    def best_worker(self, token_ids: Sequence[int], exclude: set[int] | frozenset[int] = frozenset()) -> Decision:
+        async def reopen(tried: frozenset[int]) -> ResponseStream[LLMEngineOutput] | None:
+            try:
+                return await self._send(
+                    request, hashes, tried, placement, first.context, idle_timeout
+                )
+            except errors.CannotConnect:
+                return None
+
+        stream = RetryingStream(
+            first, reopen, on_item=placement.on_output, on_end=placement.release
+        )
+        # Releases the load even if the stream is dropped unread (and never iterated again).
+        weakref.finalize(stream, placement.release)
+        return stream
+
+    async def close(self) -> None:
+        """Stop following and close every subscriber (idempotent)."""
+        await self._res.close()
+
+    # -- deciding --------------------------------------------------------------------------
+
+    def best_worker(
+        self, token_ids: Sequence[int], exclude: set[int] | frozenset[int] = frozenset()
+    ) -> Decision:
         """Where ``token_ids`` would go now, without sending or counting anything.
 
         Raises:
@@ -211,29 +220,51 @@ class KvRouter:
 
     def report_load(self, worker_id: int, dp_rank: int, active_blocks: float) -> None:
         """What a worker says one of its ranks holds now: replaces the router's prediction of
-        the requests routed before it, for a few seconds (``LoadTracker.report``). The worker's
-        ``LoadSubscriber`` calls it for every published report; a worker that publishes none
-        is loaded by the router's own prediction alone."""
+        the requests routed before it, for a few seconds (``LoadTracker.report``)."""
         self.loads.report((worker_id, dp_rank), active_blocks)
-
-    # -- deciding --------------------------------------------------------------------------
-
-    def _hashes(self, token_ids: Sequence[int]) -> list[int]:
-        return block_hashes(token_ids, self.block_size)
 
     def candidates(self, exclude: set[int] | frozenset[int] = frozenset()) -> list[Candidate]:
         """Every (instance, rank) of the live instances."""
         out: list[Candidate] = []
         for conn in self.client.instances():
             iid = conn.instance_id
-            if iid in exclude:
-                continue
-            worker = self._workers.get(iid)
-            dp_size = worker.dp_size if worker is not None else _engine_info(conn, self.path)[0]
-            out.extend((iid, rank) for rank in range(dp_size))
+            if iid not in exclude:
+                out.extend((iid, rank) for rank in range(self._follower.dp_size(conn)))
         return out
 
-    def _decide(self, hashes: list[int], exclude: set[int] | frozenset[int]) -> tuple[Decision, Selection]:
+    async def _send(
+        self,
+        request: PreprocessedRequest,
+        hashes: list[int],
+        tried: frozenset[int],
+        placement: _Placement,
+        context: Context | None,
+        idle_timeout: float | None,
+    ) -> ResponseStream[LLMEngineOutput]:
+        """Route and send one attempt, moving on from workers that cannot be reached."""
+        exclude = set(tried)
+        while True:
+            decision, route = self._route(request, hashes, exclude)
+            try:
+                stream = await self.client.open(
+                    encode_item(request), _decode_output, decision.worker_id, context=context,
+                    idle_timeout=idle_timeout,
+                )
+            except errors.CannotConnect:
+                self.loads.release(route)
+                exclude.add(decision.worker_id)
+                if len(exclude) >= MAX_ATTEMPTS:
+                    raise
+                continue
+            placement.hold(route)
+            return stream
+
+    def _hashes(self, token_ids: Sequence[int]) -> list[int]:
+        return block_hashes(token_ids, self.block_size)
+
+    def _decide(
+        self, hashes: list[int], exclude: set[int] | frozenset[int]
+    ) -> tuple[Decision, Selection]:
         candidates = self.candidates(exclude)
         if not candidates:
             raise errors.CannotConnect(f"no live instance of {self.path}")
@@ -277,210 +308,28 @@ class KvRouter:
 
     async def start(self) -> KvRouter:
         """Subscribe to the current instances and keep following them."""
-        if self._task is None and not self._closed:
-            await self.sync()
-            self._task = asyncio.create_task(self._follow(), name=f"kv-router-{self.model or self.path}")
+        if not self._started and not self._res.closed:
+            self._started = True
+            await self._follower.sync()
+            self._follower.start()
         return self
-
-    async def close(self) -> None:
-        """Stop following and close every subscriber (idempotent)."""
-        if self._closed:
-            return
-        self._closed = True
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.wait({task})  # our own cancellation still propagates
-        for iid in list(self._workers):
-            await self._remove(iid)
-        if self._own_zctx:
-            self._zctx.destroy(linger=0)
 
     async def sync(self) -> None:
         """Bring the followed set in line with the client's live instances now."""
-        live = {c.instance_id: c for c in self.client.instances()}
-        for iid in [i for i in self._workers if i not in live]:
-            await self._remove(iid)
-        for iid, conn in live.items():
-            worker = self._workers.get(iid)
-            if worker is None:
-                self._add(conn)
-            else:
-                if worker.subscriber is not None and not worker.subscriber.running:
-                    log.warning("KV event subscriber of %x stopped; restarting it", iid)
-                    await worker.subscriber.close()
-                    self._subscribe(iid, worker)
-                if worker.load_subscriber is not None and not worker.load_subscriber.running:
-                    log.warning("load subscriber of %x stopped; restarting it", iid)
-                    await worker.load_subscriber.close()
-                    self._subscribe_load(iid, worker)
-        self._update_gauges()
-
-    def subscriber(self, worker_id: int) -> KvEventSubscriber | None:
-        worker = self._workers.get(worker_id)
-        return worker.subscriber if worker is not None else None
-
-    def load_subscriber(self, worker_id: int) -> LoadSubscriber | None:
-        worker = self._workers.get(worker_id)
-        return worker.load_subscriber if worker is not None else None
+        await self._follower.sync()
 
     def followed(self) -> list[int]:
         """Instance ids the router follows now."""
-        return sorted(self._workers)
+        return self._follower.followed()
 
-    def _add(self, conn: PeerConnection) -> None:
-        dp_size, events, replay, block_size = _engine_info(conn, self.path)
-        if block_size and block_size != self.block_size:
-            log.warning("instance %x uses KV block size %d, the router %d: its events won't match",
-                        conn.instance_id, block_size, self.block_size)
-        load = _load_endpoint(conn, self.path)
-        worker = self._workers[conn.instance_id] = _Worker(dp_size, events, replay, load)
-        if self.config.use_kv_events:
-            if events:
-                self._subscribe(conn.instance_id, worker)
-            else:
-                log.info("instance %x publishes no KV events: routed on load only", conn.instance_id)
-        if load:
-            self._subscribe_load(conn.instance_id, worker)
-        else:
-            log.info("instance %x publishes no load: its load is the router's prediction", conn.instance_id)
-        log.info("router follows instance %x (%d rank%s)", conn.instance_id, dp_size, "s"[: dp_size > 1])
+    def subscriber(self, worker_id: int) -> KvEventSubscriber | None:
+        return self._follower.subscriber(worker_id)
 
-    def _subscribe(self, iid: int, worker: _Worker) -> None:
-        assert worker.events_endpoint is not None
-        sub = KvEventSubscriber(
-            self._zctx, iid, worker.events_endpoint, self.indexer,
-            replay_endpoint=worker.replay_endpoint, metrics=self.metrics, model=self.model,
-            replay_timeout=self.config.replay_timeout,
-        )
-        if _started(sub, iid, "KV events", worker.events_endpoint):
-            worker.subscriber = sub
+    def load_subscriber(self, worker_id: int) -> LoadSubscriber | None:
+        return self._follower.load_subscriber(worker_id)
 
-    def _subscribe_load(self, iid: int, worker: _Worker) -> None:
-        assert worker.load_endpoint is not None
-        sub = LoadSubscriber(
-            self._zctx, iid, worker.load_endpoint, self._on_load, dp_size=worker.dp_size,
-            metrics=self.metrics, model=self.model,
-        )
-        if _started(sub, iid, "load", worker.load_endpoint):
-            worker.load_subscriber = sub
+    def instances(self) -> list[PeerConnection]:
+        return self.client.instances()
 
-    def _on_load(self, worker_id: int, ranks: list[EngineLoad]) -> None:
-        if worker_id not in self._workers:  # left while the report was on its way
-            return
-        gauge = self.metrics.reported_blocks
-        for rank in ranks:
-            self.report_load(worker_id, rank.dp_rank, rank.active_blocks)
-            gauge.labels(self.model, f"{worker_id:x}", str(rank.dp_rank)).set(rank.active_blocks)
-
-    async def _remove(self, iid: int) -> None:
-        worker = self._workers.pop(iid)
-        # State first (no await before it): once an instance is not followed, it is not indexed
-        # and reports no load.
-        self.indexer.remove_worker(iid)
-        self.loads.remove_worker(iid)
-        if worker.load_subscriber is not None:
-            await worker.load_subscriber.close()
-        if worker.subscriber is not None:
-            await worker.subscriber.close(drop_state=True)
-        self.metrics.forget_worker(self.model, f"{iid:x}", worker.dp_size)
-        log.info("router dropped instance %x", iid)
-
-    def _update_gauges(self) -> None:
-        m, model = self.metrics, self.model
-        for iid, worker in self._workers.items():
-            for rank in range(worker.dp_size):
-                key = (iid, rank)
-                m.index_blocks.labels(model, f"{iid:x}", str(rank)).set(self.indexer.num_blocks(key))
-                m.active_blocks.labels(model, f"{iid:x}", str(rank)).set(self.loads.load(key))
-
-    async def _follow(self) -> None:
-        while True:
-            try:
-                if self._runtime is not None:
-                    await self._runtime.wait_peers_changed(timeout=FOLLOW_INTERVAL)
-                else:
-                    await asyncio.sleep(FOLLOW_INTERVAL / 4)
-                await self.sync()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("KV router of %s: following instances failed", self.path)
-                await asyncio.sleep(FOLLOW_INTERVAL)
-
-
-def _started(sub: KvEventSubscriber | LoadSubscriber, iid: int, what: str, endpoint: str) -> bool:
-    """Start ``sub``; an endpoint a worker advertises but ZMQ cannot connect to (``tcp://*:N``,
-    vLLM's bind form, is the likely one) is the worker's mistake: warn, and go on without it."""
-    try:
-        sub.start()
-    except zmq.ZMQError as exc:
-        log.warning("instance %x advertises %s at %r, which the router cannot connect to (%s): "
-                    "routing it without them", iid, what, endpoint, exc)
-        return False
-    return True
-
-
-def _engine_info(conn: PeerConnection, path: str) -> tuple[int, str | None, str | None, int]:
-    """(data-parallel size, KV events endpoint, replay endpoint, block size) of an instance's
-    engine, from the metadata of its endpoint ``path``."""
-    desc = conn.description
-    engine: dict[str, Any] = {}
-    if desc is not None:
-        for ep in desc.endpoints:
-            if ep.path == path:
-                engine = ep.metadata.get("engine") or {}
-                break
-    try:
-        dp_size = max(1, int(engine.get("data_parallel_size") or 1))
-        block_size = int(engine.get("kv_block_size") or 0)
-    except (TypeError, ValueError, OverflowError):
-        dp_size, block_size = 1, 0
-    if dp_size > MAX_DP_SIZE:  # every rank is a candidate in every decision: bound what a peer asks
-        log.warning("instance %x advertises %d data-parallel ranks; routing to its first %d",
-                    conn.instance_id, dp_size, MAX_DP_SIZE)
-        dp_size = MAX_DP_SIZE
-    events, replay = engine.get("kv_events_endpoint"), engine.get("kv_replay_endpoint")
-    return (dp_size, events if isinstance(events, str) and events else None,
-            replay if isinstance(replay, str) and replay else None, block_size)
-
-
-def _load_endpoint(conn: PeerConnection, path: str) -> str | None:
-    """The ``load_endpoint`` a worker advertises with its endpoint ``path``, if any."""
-    desc = conn.description
-    if desc is not None:
-        for ep in desc.endpoints:
-            if ep.path == path:
-                endpoint = ep.metadata.get("load_endpoint")
-                return endpoint if isinstance(endpoint, str) and endpoint else None
-    return None
-
-
-class KvRouterFactory:
-    """Builds a started ``KvRouter`` per model for a frontend's ``ModelManager``.
-
-    Args:
-        runtime: the frontend's runtime (wakes routers up on peer changes).
-        config: the options every router gets.
-        registry: the Prometheus registry for the router metrics (the frontend's).
-    """
-
-    def __init__(self, runtime: Any, config: KvRouterConfig, registry: Any = None) -> None:
-        self.runtime = runtime
-        self.config = config
-        self.metrics = RouterMetrics(registry)
-
-    async def __call__(self, client: Client, card: Any) -> KvRouter:
-        """A router for ``client``; the block size comes from the model card (else from an
-        instance's engine config, else 16)."""
-        block_size = int(getattr(card, "kv_block_size", 0) or 0)
-        if not block_size:
-            for conn in client.instances():
-                block_size = _engine_info(conn, client.path)[3]
-                if block_size:
-                    break
-        router = KvRouter(
-            client, block_size or 16, self.config, metrics=self.metrics,
-            model=str(getattr(card, "name", "")), runtime=self.runtime,
-        )
-        return await router.start()
+    async def wait_for_instances(self, timeout: float | None = None) -> list[int]:
+        return await self.client.wait_for_instances(timeout)

@@ -17,11 +17,11 @@ from typing import Any
 
 import psutil
 import pytest
-import zmq
 
+from dynamo_zmq.resources import Resources
 from dynamo_zmq.transport import PeerConnection, ResponseStream
 from dynamo_zmq.transport.client import DEFAULT_WINDOW
-from dynamo_zmq.wire import encode_item
+from dynamo_zmq.wire import decode_item, encode_item
 from tests.conftest import app_args
 
 N_ITEMS = 20_000
@@ -119,8 +119,8 @@ async def producer(make_runtime, namespace: str) -> AsyncIterator[dict[str, Any]
 
     srv = make_runtime(static=())
     await srv.endpoint(path).start_serving(produce)
-    zctx = zmq.Context()
-    conn = PeerConnection(zctx, srv.address)
+    res = Resources("test")
+    conn = PeerConnection(res, srv.address)
     conn.start()
     try:
         await conn.wait_described(10)
@@ -128,13 +128,13 @@ async def producer(make_runtime, namespace: str) -> AsyncIterator[dict[str, Any]
         yield state
     finally:
         await conn.close()
-        zctx.term()
+        await res.close()
 
 
 async def test_the_client_queue_is_bounded_by_the_credit_window(producer: dict[str, Any]) -> None:
     conn: PeerConnection = producer["conn"]
     stream: ResponseStream = await conn.open_stream(
-        producer["path"], encode_item({"n": SMALL_N}), window=WINDOW, annotated=False
+        producer["path"], encode_item({"n": SMALL_N}), window=WINDOW, decode=decode_item
     )
     queued = stream._st.items
 

@@ -266,13 +266,13 @@ async def test_load_is_counted_at_routing_and_released_when_the_stream_ends(slow
     total = lambda: sum(router.loads.load(k) for k in keys)  # noqa: E731
     prompt = list(range(1, 41))  # 2 full blocks + 8 tokens
     # Ends with its terminal item: counted at once (no token yet), released at the terminal.
-    stream = await router.generate(_request(prompt, 20))
+    request = _request(prompt, 20)
+    stream = await router.generate(request)
     assert total() == 2 + math.ceil((8 + 20) / 16)
-    assert stream.instance_id == proc.instance_id and stream.routed_header.startswith(
-        f"{proc.instance_id:x}/".encode()
-    )
+    # The choice travels with the request (the frontend's x-dynamo-worker: <instance>/<rank>).
+    assert stream.instance_id == proc.instance_id and request.routing.dp_rank in (0, 1)
     items = [item async for item in stream]
-    assert items[-1].data()["finish_reason"] == "length" and total() == 0
+    assert items[-1].finish_reason == "length" and total() == 0
     # Closed early.
     stream = await router.generate(_request(prompt, 500))
     assert total() > 0
@@ -289,23 +289,27 @@ async def test_load_is_counted_at_routing_and_released_when_the_stream_ends(slow
 
 async def test_requests_in_flight_push_the_next_one_to_the_idle_rank(slow_worker):
     _proc, router = slow_worker
-    first = await router.generate(_request([3] * 64, 500))
-    second = await router.generate(_request([4] * 64, 500))  # unrelated: only load differs
-    assert {first.dp_rank, second.dp_rank} == {0, 1}
+    first_req, second_req = _request([3] * 64, 500), _request([4] * 64, 500)
+    first = await router.generate(first_req)
+    second = await router.generate(second_req)  # unrelated: only load differs
+    assert {first_req.routing.dp_rank, second_req.routing.dp_rank} == {0, 1}
     # The worker honoured the ranks: each rank has one running sequence.
-    assert first.decision.overlap_blocks == second.decision.overlap_blocks == 0
+    assert first_req.routing.overlap_blocks == second_req.routing.overlap_blocks == 0
     await first.aclose()
     await second.aclose()
     # Once the first request's blocks are reported by KV events, a request sharing its prefix
     # goes to the same rank even though both ranks are idle.
     shared = [5] * 64
-    done = await router.generate(_request(shared + [6] * 3, 1))
+    done_req = _request(shared + [6] * 3, 1)
+    done = await router.generate(done_req)
     [_ async for _ in done]
     assert await until(
         router.client, lambda: router.best_worker([*shared, 7]).overlap_blocks == 4, 10
     )
-    again = await router.generate(_request(shared + [7] * 5, 1))
-    assert again.dp_rank == done.dp_rank and again.decision.overlap_blocks == 4
+    again_req = _request(shared + [7] * 5, 1)
+    again = await router.generate(again_req)
+    assert again_req.routing.dp_rank == done_req.routing.dp_rank
+    assert again_req.routing.overlap_blocks == 4
     await again.aclose()
 
 
@@ -323,17 +327,18 @@ async def test_approximate_mode_routes_by_its_own_decisions(
     try:
         assert router.subscriber(proc.instance_id) is None
         prefix = list(range(100, 164))  # 4 blocks
-        first = await router.generate(_request([*prefix, 1], 2))
-        [_ async for _ in first]
+        first = _request([*prefix, 1], 2)
+        [_ async for _ in await router.generate(first)]
         for tail in ([2, 3], [4] * 20, [9]):
-            s = await router.generate(_request(prefix + tail, 2))
-            assert s.dp_rank == first.dp_rank and s.decision.overlap_blocks == 4
+            req = _request(prefix + tail, 2)
+            s = await router.generate(req)
+            assert req.routing.dp_rank == first.routing.dp_rank
+            assert req.routing.overlap_blocks == 4
             [_ async for _ in s]
-        assert router.indexer.find_matches(prefix) == {(proc.instance_id, first.dp_rank): 4}
+        rank = first.routing.dp_rank
+        assert router.indexer.find_matches(prefix) == {(proc.instance_id, rank): 4}
         hashes = block_hashes(prefix, 16)  # keyed by the router's own hashes
-        assert router.indexer.find_matches_for_hashes(hashes[:2]) == {
-            (proc.instance_id, first.dp_rank): 2
-        }
+        assert router.indexer.find_matches_for_hashes(hashes[:2]) == {(proc.instance_id, rank): 2}
     finally:
         await router.close()
 
@@ -425,8 +430,8 @@ async def test_an_unconnectable_kv_event_endpoint_is_a_warning_not_a_failure(
             )
             assert sub is not None and sub.running
         stream = await router.generate(_request(list(range(1, 40)), 3))
-        chunks = [c.data() async for c in stream]
-        assert chunks[-1]["finish_reason"] == "length"
+        chunks = [c async for c in stream]
+        assert chunks[-1].finish_reason == "length"
     finally:
         await router.close()
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
@@ -444,7 +449,7 @@ async def test_an_absurd_data_parallel_size_is_bounded(
     try:
         assert len(router.candidates()) == MAX_DP_SIZE
         stream = await router.generate(_request(list(range(1, 40)), 3))
-        assert [c.data() async for c in stream][-1]["finish_reason"] == "length"
+        assert [c async for c in stream][-1].finish_reason == "length"
     finally:
         await router.close()
     assert any(

@@ -1,12 +1,14 @@
 """``python -m dynamo_zmq.frontend``: the OpenAI-compatible HTTP entry point.
 
     python -m dynamo_zmq.frontend [--http-host 127.0.0.1] [--http-port 8000]
-        [--router-mode round-robin|random|kv] [--namespace dynamo]
-        [--kv-overlap-score-weight 1.0] [--router-temperature 0.0] [--no-kv-events]
+        [--router-mode round-robin|random|direct|kv|approx] [--namespace dynamo]
         [--discovery mdns|static] [--static-workers tcp://h:p,...] [--request-timeout S]
+        [router plugin flags, e.g. --kv-overlap-score-weight 1.0 --router-temperature 0.0]
 
 Every flag has a ``DYN_*`` variable (``--http-port`` -> ``DYN_HTTP_PORT``). Prints
-``READY http://HOST:PORT`` once it accepts connections.
+``READY http://HOST:PORT`` once it accepts connections. Router modes beyond the built-in
+``round-robin``, ``random`` and ``direct`` come from plugins (``dynamo_zmq.routers`` entry
+points; the ``router`` package adds ``kv`` and ``approx``), which also add their flags.
 """
 
 from __future__ import annotations
@@ -14,69 +16,90 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib
 import logging
 import os
 import signal
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 import uvicorn
 
 from .. import errors
 from ..discovery import DiscoveryConfig, add_discovery_args, read_static_file
+from ..llm import BUILTIN_MODES, ROUTERS, RouterPlugin, load_plugin, plugin_names
 from ..runtime import DistributedRuntime, RuntimeConfig, check_name, check_number, setup_logging
 from .app import FrontendApp
 from .models import ModelManager
 
-# The KV router's flags; loaded by name like the router itself (it depends on this package).
-_kv_options = importlib.import_module("router.options")
-
 log = logging.getLogger("dynamo_zmq.frontend")
 
-ROUTER_MODES = {"round-robin": "round_robin", "random": "random", "kv": "kv"}
-#: The KV router lives in the ``router`` package, which depends on this one: it is loaded by name
-#: when ``--router-mode kv`` asks for it, never imported statically.
-KV_ROUTER_MODULE = "router.kv_router"
+
+def router_modes() -> list[str]:
+    """The ``--router-mode`` choices: the built-in modes, then every installed plugin's."""
+    return [*BUILTIN_MODES, *(m for m in plugin_names(ROUTERS) if m not in BUILTIN_MODES)]
 
 
 def build_parser() -> argparse.ArgumentParser:
     env = os.environ.get
-    parser = argparse.ArgumentParser(prog="python -m dynamo_zmq.frontend", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--http-host", default=env("DYN_HTTP_HOST", "127.0.0.1"), help="[DYN_HTTP_HOST]")
-    parser.add_argument("--http-port", type=int, default=env("DYN_HTTP_PORT", "8000"), help="0 = any [DYN_HTTP_PORT]")
-    parser.add_argument(
-        "--router-mode", choices=sorted(ROUTER_MODES), default=env("DYN_ROUTER_MODE", "round-robin"),
-        help="[DYN_ROUTER_MODE]",
+    parser = argparse.ArgumentParser(
+        prog="python -m dynamo_zmq.frontend", description=__doc__.split("\n\n")[0]
     )
-    _kv_options.add_kv_router_args(parser)
+    parser.add_argument("--http-host", default=env("DYN_HTTP_HOST", "127.0.0.1"),
+                        help="[DYN_HTTP_HOST]")
+    parser.add_argument("--http-port", type=int, default=env("DYN_HTTP_PORT", "8000"),
+                        help="0 = any [DYN_HTTP_PORT]")
+    parser.add_argument(
+        "--router-mode", choices=router_modes(), default=env("DYN_ROUTER_MODE", "round-robin"),
+        help="direct: each request names its instance in the x-worker-instance-id header "
+             "[DYN_ROUTER_MODE]",
+    )
     parser.add_argument("--namespace", default=env("DYN_NAMESPACE", "dynamo"), help="[DYN_NAMESPACE]")
     parser.add_argument(
         "--request-timeout", type=float, default=env("DYN_REQUEST_TIMEOUT", "300"),
         help="seconds to wait for a worker's next output before 504 [DYN_REQUEST_TIMEOUT]",
     )
-    parser.add_argument("--model-cache", default=env("DYN_MODEL_CACHE"), help="where fetched tokenizer files are kept")
+    parser.add_argument("--model-cache", default=env("DYN_MODEL_CACHE"),
+                        help="where fetched tokenizer files are kept [DYN_MODEL_CACHE]")
     add_discovery_args(parser)
+    modes_of: dict[type[RouterPlugin], list[str]] = {}
+    for mode in plugin_names(ROUTERS):
+        try:
+            modes_of.setdefault(load_plugin(ROUTERS, mode), []).append(mode)
+        except errors.InvalidArgument as exc:  # a broken plugin must not break the frontend
+            log.warning("router mode %r unavailable: %s", mode, exc.message)
+    for plugin, modes in modes_of.items():
+        plugin.add_args(parser.add_argument_group(f"router modes {', '.join(modes)}"))
     return parser
 
 
-async def serve(args: argparse.Namespace) -> int:
+def routing_plugin(args: argparse.Namespace) -> RouterPlugin | None:
+    """The configured plugin of a plugin router mode (None for a built-in mode).
+
+    Raises:
+        InvalidArgument: the plugin's flags cannot work.
+    """
+    if args.router_mode in BUILTIN_MODES:
+        return None
+    plugin_class: type[RouterPlugin] = load_plugin(ROUTERS, args.router_mode)
+    return plugin_class.from_args(args.router_mode, args)
+
+
+async def serve(args: argparse.Namespace, plugin: RouterPlugin | None) -> int:
     runtime = DistributedRuntime(config=RuntimeConfig(discovery=DiscoveryConfig.from_args(args)))
-    mode = ROUTER_MODES[args.router_mode]
-    manager = ModelManager(runtime, args.namespace, "round_robin" if mode == "kv" else mode, args.model_cache)
+    app: FrontendApp
 
     async def start() -> ModelManager:
+        manager = ModelManager(runtime, args.namespace, args.router_mode, plugin,
+                               args.model_cache, app.metrics.registry)
         await manager.start()
         return manager
 
     async def stop() -> None:
-        await manager.close()
+        if app.manager is not None:
+            await app.manager.close()
         await runtime.close()
 
     app = FrontendApp(start, stop, request_timeout=args.request_timeout)
-    if mode == "kv":
-        manager.client_wrapper = _kv_router_factory(args, runtime, app.metrics.registry)
     config = uvicorn.Config(
         app, host=args.http_host, port=args.http_port, loop="none", http="httptools",
         lifespan="on", log_level="warning", access_log=False, timeout_graceful_shutdown=5,
@@ -108,13 +131,6 @@ async def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _kv_router_factory(args: argparse.Namespace, runtime: DistributedRuntime, registry: object) -> Any:
-    """``router.kv_router.KvRouterFactory`` with the flags' options, metrics on ``registry``."""
-    module = importlib.import_module(KV_ROUTER_MODULE)
-    config = module.KvRouterConfig(**_kv_options.kv_router_options(args))
-    return module.KvRouterFactory(runtime, config, registry)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     setup_logging()
     try:
@@ -122,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         discovery = DiscoveryConfig.from_args(args)
         if discovery.backend == "static" and discovery.static_file is not None:
             read_static_file(discovery.static_file)  # unreadable: say so now, not as a failed start
-        _kv_options.check_kv_router_args(args)
+        plugin = routing_plugin(args)
         check_name(args.namespace, "namespace")
         if not 0 <= args.http_port <= 65535:
             raise errors.InvalidArgument(f"--http-port must be 0-65535, got {args.http_port}")
@@ -133,9 +149,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         import uvloop
 
-        return uvloop.run(serve(args))
+        return uvloop.run(serve(args, plugin))
     except ImportError:
-        return asyncio.run(serve(args))
+        return asyncio.run(serve(args, plugin))
 
 
 if __name__ == "__main__":

@@ -1,34 +1,42 @@
 """Which models the frontend can serve, learned from the workers it discovers.
 
-Each worker publishes a model card in the metadata of its ``generate`` endpoint. The first time
-a card's checksum is seen, its tokenizer files are fetched from that worker (``model_files``),
-checked against the card, cached on disk by checksum, and a ``Preprocessor`` is built. A model
-is listed while at least one live instance serves it; a model seen before whose instances all
-died is still *known*, so requests for it get 503 (no live worker) rather than 404.
+Each worker advertises its model on its generate endpoint (a ``ModelAdvert``). The first time a
+model's checksum is seen, its tokenizer files are fetched from that worker (``model_files``),
+checked against the card, cached on disk by checksum, and a ``Preprocessor`` and the model's
+``ModelRouter`` (the frontend's routing mode) are built. A model is listed while at least one
+live instance serves it; a model seen before whose instances all died is still *known*, so
+requests for it get 503 (no live worker) rather than 404.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
-import importlib
 import logging
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-import msgspec
+from prometheus_client import CollectorRegistry
 
 from .. import errors
-from ..llm import ModelCard
-from ..runtime import Client, DistributedRuntime
-from ..transport import PeerConnection
+from ..llm import (
+    BUILTIN_MODES,
+    TOKENIZERS,
+    ClientRouter,
+    ModelCard,
+    ModelRouter,
+    RouterPlugin,
+    RoutingTarget,
+    ServedModel,
+    load_plugin,
+    served_models,
+    serves,
+)
+from ..runtime import DistributedRuntime
 from .preprocess import Preprocessor
 
 __all__ = ["ModelEntry", "ModelManager"]
@@ -38,67 +46,68 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class ModelEntry:
-    """A served model: its card, its preprocessor and a client routed to its instances."""
+    """A served model: its card, its preprocessor and the router to its instances."""
 
     name: str
     card: ModelCard
     preprocessor: Preprocessor
-    #: The model's ``Client``, or what ``ModelManager.client_wrapper`` made of it (a KV router):
-    #: anything with ``generate(request, context=, **options)`` and ``instance_ids()``.
-    client: Any
+    router: ModelRouter
     created: int
     instance_ids: list[int] = field(default_factory=list)
-
-
-#: Wraps a model's client, e.g. in a KV router: ``await wrapper(client, card)``. What it returns
-#: replaces the client; if that has an async ``close()``, it is called when the model is dropped.
-ClientWrapper = Callable[[Client, ModelCard], Awaitable[Any]]
 
 
 class ModelManager:
     """Follows the workers of one namespace and keeps the model table current.
 
-    ``client_wrapper`` (set before ``start``) wraps each model's client, e.g. in a KV router.
+    Args:
+        runtime: the frontend's runtime.
+        namespace: the namespace whose models are served.
+        mode: the routing mode, a built-in (``BUILTIN_MODES``) or a plugin's.
+        plugin: the router plugin for a plugin mode (None for a built-in one).
+        cache_dir: where fetched tokenizer files are kept (``DYN_MODEL_CACHE``, else a temp dir).
+        registry: where routers put their metrics (the frontend's).
     """
 
     def __init__(
         self,
         runtime: DistributedRuntime,
         namespace: str,
-        router_mode: str = "round_robin",
+        mode: str = "round-robin",
+        plugin: RouterPlugin | None = None,
         cache_dir: str | Path | None = None,
+        registry: CollectorRegistry | None = None,
     ) -> None:
+        if plugin is None and mode not in BUILTIN_MODES:
+            raise errors.InvalidArgument(f"router mode {mode!r} needs its plugin")
         self.runtime = runtime
         self.namespace = namespace
-        self.router_mode = router_mode
-        default_cache = os.environ.get("DYN_MODEL_CACHE") or Path(tempfile.gettempdir()) / "dynamo-zmq-models"
+        self.mode = mode
+        self._plugin = plugin
+        self._registry = registry
+        default_cache = (
+            os.environ.get("DYN_MODEL_CACHE") or Path(tempfile.gettempdir()) / "dynamo-zmq-models"
+        )
         self.cache_dir = Path(cache_dir or default_cache)
         self.models: dict[str, ModelEntry] = {}
-        self._loading: dict[str, asyncio.Task[None]] = {}
-        self._task: asyncio.Task[None] | None = None
+        self._loading: set[str] = set()
+        self._res = runtime.resources.child("models")
         self.changed = asyncio.Event()
-        self.client_wrapper: ClientWrapper | None = None
 
     async def start(self) -> None:
         await self.runtime.peers(self.namespace)  # starts discovery for the namespace
-        self._task = asyncio.create_task(self._follow(), name="model-manager")
+        self._res.spawn(self._follow(), "model-manager")
 
     async def close(self) -> None:
-        tasks = [t for t in (self._task, *self._loading.values()) if t is not None]
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(BaseException):
-                await task
+        await self._res.close()
         for entry in self.models.values():
-            await _close_client(entry.client)
+            await _close_router(entry.router)
 
     def get(self, name: str) -> ModelEntry | None:
         return self.models.get(name)
 
     def live(self) -> list[ModelEntry]:
         """Models with at least one live instance, by name."""
-        return [m for _, m in sorted(self.models.items()) if m.client.instance_ids()]
+        return [m for _, m in sorted(self.models.items()) if m.router.instance_ids()]
 
     async def _follow(self) -> None:
         while True:
@@ -109,52 +118,54 @@ class ModelManager:
             await self.runtime.wait_peers_changed(timeout=1.0)
 
     async def _refresh(self) -> None:
-        for conn in await self.runtime.peers(self.namespace):
-            desc = conn.description
-            if desc is None or not conn.routable:
-                continue
-            for ep in desc.endpoints:
-                card_data = ep.metadata.get("model_card") if ep.namespace == self.namespace else None
-                if card_data is None:
-                    continue
-                try:
-                    card = msgspec.convert(card_data, ModelCard)
-                except msgspec.ValidationError as exc:
-                    log.warning("instance %x has a malformed model card: %s", desc.instance_id, exc)
-                    continue
-                known = self.models.get(card.name)
-                if (known is None or known.card.checksum != card.checksum) and card.name not in self._loading:
-                    self._loading[card.name] = asyncio.create_task(
-                        self._load(conn, ep.component, ep.name, card), name=f"load-model-{card.name}"
-                    )
+        for served in served_models(await self.runtime.peers(self.namespace), self.namespace):
+            card = served.advert.model_card
+            known = self.models.get(card.name)
+            if (known is None or known.card.checksum != card.checksum) and (
+                card.name not in self._loading
+            ):
+                self._loading.add(card.name)
+                self._res.spawn(self._load(served), f"load-model-{card.name}")
         for entry in self.models.values():
-            entry.instance_ids = entry.client.instance_ids()
+            entry.instance_ids = entry.router.instance_ids()
         self.changed.set()
         self.changed = asyncio.Event()
 
-    async def _load(self, conn: PeerConnection, component: str, endpoint: str, card: ModelCard) -> None:
+    async def _load(self, served: ServedModel) -> None:
+        card, advert = served.advert.model_card, served.advert
         try:
-            model_dir = await self._fetch_files(conn.instance_id, component, card)
+            model_dir = await self._fetch_files(served.instance_id, served.endpoint.component, card)
             preprocessor = await asyncio.to_thread(Preprocessor, model_dir, card)
-            native = _native_tokenizer_class(conn, endpoint)
-            if native is not None:  # the engine asks for its own tokenizer and detokenizer
+            if advert.native_tokenizer is not None:  # the engine's own tokenizer and template
+                native = load_plugin(TOKENIZERS, advert.native_tokenizer)
                 preprocessor.use_native(await asyncio.to_thread(native, model_dir))
                 log.info("model %r uses the engine's native processing", card.name)
-            endpoint_obj = self.runtime.namespace(self.namespace).component(component).endpoint(endpoint)
-            client: Any = await endpoint_obj.client(self.router_mode, select=_serves(card.name, endpoint))
-            if self.client_wrapper is not None:
-                client = await self.client_wrapper(client, card)
-            created = int(time.time())
+            router = await self._router(served)
             old = self.models.get(card.name)
-            self.models[card.name] = ModelEntry(card.name, card, preprocessor, client, created)
+            self.models[card.name] = ModelEntry(
+                card.name, card, preprocessor, router, int(time.time())
+            )
             if old is not None:
-                await _close_client(old.client)
+                await _close_router(old.router)
             log.info("model %r available (checksum %s)", card.name, card.checksum[:12])
             self.changed.set()
         except Exception as exc:
-            log.warning("could not load model %r from instance %x: %s", card.name, conn.instance_id, exc)
+            log.warning("could not load model %r from instance %x: %s",
+                        card.name, served.instance_id, exc)
         finally:
-            self._loading.pop(card.name, None)
+            self._loading.discard(card.name)
+
+    async def _router(self, served: ServedModel) -> ModelRouter:
+        """The model's router in the frontend's mode, over a client of the instances serving
+        the model on its endpoint."""
+        path, name = served.endpoint.path, served.advert.name
+        endpoint = self.runtime.endpoint(path)
+        if self._plugin is None:
+            client = await endpoint.client(BUILTIN_MODES[self.mode], select=serves(name, path))
+            return ClientRouter(client)
+        client = await endpoint.client(select=serves(name, path))
+        target = RoutingTarget(self.runtime, client, served.advert, self._registry)
+        return await self._plugin.router(target)
 
     async def _fetch_files(self, instance_id: int, component: str, card: ModelCard) -> Path:
         """Download the card's files into the cache (once per checksum) and verify them."""
@@ -174,42 +185,11 @@ class ModelManager:
         return target
 
 
-def _serves(name: str, endpoint: str) -> Callable[[PeerConnection], bool]:
-    """Does an instance serve model ``name`` on ``endpoint``? (Instances of one endpoint path
-    may serve different models.)"""
-
-    def select(conn: PeerConnection) -> bool:
-        desc = conn.description
-        if desc is None:
-            return False
-        return any(
-            ep.name == endpoint and (ep.metadata.get("model_card") or {}).get("name") == name
-            for ep in desc.endpoints
-        )
-
-    return select
-
-
-async def _close_client(client: Any) -> None:
-    close = getattr(client, "close", None)
-    if close is not None:
-        try:
-            await close()
-        except Exception:
-            log.exception("closing the client of a model failed")
-
-
-def _native_tokenizer_class(conn: PeerConnection, endpoint: str) -> Any:
-    """The tokenizer adapter an engine names for native processing (``module:Class`` in its
-    EngineConfig ``extra``), loaded by name: the frontend never imports engines statically."""
-    desc = conn.description
-    info = next((ep for ep in desc.endpoints if ep.name == endpoint), None) if desc else None
-    extra = ((info.metadata.get("engine") or {}).get("extra") or {}) if info else {}
-    if not extra.get("native_processing"):
-        return None
-    spec = extra.get("native_tokenizer", "engines.vllm.native:NativeTokenizer")
-    module_name, _, attr = str(spec).partition(":")
-    return getattr(importlib.import_module(module_name), attr)
+async def _close_router(router: ModelRouter) -> None:
+    try:
+        await router.close()
+    except Exception:
+        log.exception("closing the router of a model failed")
 
 
 def _matches(path: Path, sha256: str) -> bool:

@@ -1,10 +1,16 @@
-"""The LLM layer: the engine contract, what workers advertise and publish (model cards, KV
-events, load reports), worker-side post-processing and the engine stream contract.
+"""The LLM layer: the engine contract, what workers advertise and publish (model adverts and
+cards, KV events, load reports), how a model's requests are routed (``ModelRouter``), plugins,
+worker-side post-processing and the engine stream contract.
 
 Engines (``engines/``), the worker, the frontend and the KV router (``router/``) all speak these
 types; this layer sits on the runtime and knows nothing of HTTP.
 """
 
+from ._advert import ModelAdvert as ModelAdvert
+from ._advert import ServedModel as ServedModel
+from ._advert import advert_of as advert_of
+from ._advert import served_models as served_models
+from ._advert import serves as serves
 from ._engine import EngineConfig as EngineConfig
 from ._engine import EngineLoad as EngineLoad
 from ._engine import FinishReason as FinishReason
@@ -42,10 +48,21 @@ from ._model_card import CardFile as CardFile
 from ._model_card import ModelCard as ModelCard
 from ._model_card import build_card as build_card
 from ._model_card import read_card_file as read_card_file
+from ._plugins import ENGINES as ENGINES
+from ._plugins import ROUTERS as ROUTERS
+from ._plugins import TOKENIZERS as TOKENIZERS
+from ._plugins import load_plugin as load_plugin
+from ._plugins import plugin_names as plugin_names
 from ._postprocess import IncrementalDetokenizer as IncrementalDetokenizer
 from ._postprocess import PostProcessor as PostProcessor
 from ._postprocess import StopStringMatcher as StopStringMatcher
 from ._postprocess import postprocess as postprocess
+from ._routing import BUILTIN_MODES as BUILTIN_MODES
+from ._routing import ClientRouter as ClientRouter
+from ._routing import ModelRouter as ModelRouter
+from ._routing import OutputStream as OutputStream
+from ._routing import RouterPlugin as RouterPlugin
+from ._routing import RoutingTarget as RoutingTarget
 from ._stream_contract import BadFinishReason as BadFinishReason
 from ._stream_contract import ChunkAfterTerminal as ChunkAfterTerminal
 from ._stream_contract import ConformanceError as ConformanceError
@@ -57,13 +74,17 @@ from ._stream_contract import StreamContractError as StreamContractError
 from ._stream_contract import validate_stream as validate_stream
 
 __all__ = [
+    "BUILTIN_MODES",
     "CARD_FILES",
     "CHUNK",
+    "ENGINES",
     "LOAD_TOPIC",
     "LOAD_VERSION",
     "MAX_LOAD_INTERVAL",
     "MAX_REPORT_BYTES",
     "MEDIUM_GPU",
+    "ROUTERS",
+    "TOKENIZERS",
     "AllBlocksCleared",
     "BadFinishReason",
     "BlockRemoved",
@@ -71,6 +92,7 @@ __all__ = [
     "BlockStored",
     "CardFile",
     "ChunkAfterTerminal",
+    "ClientRouter",
     "ConformanceError",
     "EngineConfig",
     "EngineLoad",
@@ -82,20 +104,27 @@ __all__ = [
     "LLMEngineOutput",
     "LoadDecodeError",
     "LoadReport",
+    "ModelAdvert",
     "ModelCard",
+    "ModelRouter",
     "MultipleTerminals",
     "NoTerminal",
     "NotAStream",
     "NotAnOutput",
     "OutputOptions",
+    "OutputStream",
     "PostProcessor",
     "PreprocessedRequest",
+    "RouterPlugin",
     "RoutingHints",
+    "RoutingTarget",
     "SamplingOptions",
+    "ServedModel",
     "StopConditions",
     "StopStringMatcher",
     "StreamContractError",
     "Usage",
+    "advert_of",
     "build_card",
     "cancelled_output",
     "decode_report",
@@ -103,8 +132,12 @@ __all__ = [
     "encode_report",
     "error_output",
     "length_output",
+    "load_plugin",
+    "plugin_names",
     "postprocess",
     "read_card_file",
+    "served_models",
+    "serves",
     "stop_output",
     "validate_stream",
 ]

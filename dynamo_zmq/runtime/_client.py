@@ -6,18 +6,21 @@ import asyncio
 import itertools
 import random
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
 from .. import errors
 from ..context import Context
-from ..transport import PeerConnection, ResponseStream
-from ..wire import encode_item
+from ..transport import ItemDecoder, ItemStream, PeerConnection, Response, ResponseStream
+from ..transport import item_decoder as typed_decoder
+from ..wire import decode_item, encode_item
 from ._peers import PeerPool
 from ._retry import RetryingStream
 
 __all__ = ["Client", "RouterMode"]
+
+T = TypeVar("T")
 
 
 class RouterMode:
@@ -29,6 +32,7 @@ class RouterMode:
 
 
 Picker = Callable[[list[PeerConnection]], list[PeerConnection]]
+"""Orders the candidate instances of one attempt (the first that accepts the request wins)."""
 
 
 class Client:
@@ -37,6 +41,10 @@ class Client:
     A request that fails with a retryable error (the instance died, or started shutting down)
     before any response arrived is sent again to another instance, up to ``MAX_ATTEMPTS`` in
     all; ``direct`` calls are never moved.
+
+    Dynamo's methods (``generate``, ``round_robin``, ``random``, ``direct``) yield ``Response``
+    items (``annotated=True``) or plain decoded values; ``stream`` yields items validated into
+    a given type, and ``open`` is one attempt on one chosen instance, for routers.
     """
 
     def __init__(
@@ -49,8 +57,8 @@ class Client:
         if router_mode not in (RouterMode.RoundRobin, RouterMode.Random, RouterMode.Direct):
             raise errors.InvalidArgument(f"unknown router mode {router_mode!r}")
         self.path = path
+        self.mode = router_mode
         self._pool = pool
-        self._mode = router_mode
         self._select = select
         self._rr = itertools.count()
 
@@ -74,70 +82,141 @@ class Client:
             await self._pool.wait_changed(min(remaining, 1.0) if remaining is not None else 1.0)
         return ids
 
+    # -- Dynamo's API ----------------------------------------------------------------------
+
     async def generate(
-        self, request: Any, annotated: bool = True, context: Context | None = None, **kwargs: Any
-    ) -> Any:
+        self,
+        request: object,
+        annotated: bool = True,
+        context: Context | None = None,
+        *,
+        instance_id: int | str | None = None,
+        timeout: float | None = None,
+        idle_timeout: float | None = None,
+    ) -> ItemStream[Any]:
         """Send with the client's router mode (``direct`` mode needs ``instance_id=``)."""
-        if self._mode == RouterMode.Direct:
-            instance_id = kwargs.pop("instance_id", None)
-            if instance_id is None:
-                raise errors.InvalidArgument("a direct-mode client needs instance_id= (or use direct())")
-            return await self.direct(request, instance_id, context=context, annotated=annotated, **kwargs)
-        if self._mode == RouterMode.Random:
-            return await self.random(request, context=context, annotated=annotated, **kwargs)
-        return await self.round_robin(request, context=context, annotated=annotated, **kwargs)
+        if self.mode == RouterMode.Direct and instance_id is None:
+            raise errors.InvalidArgument("a direct-mode client needs instance_id= (or use direct())")
+        return await self._call(
+            request, _plain(annotated), context, instance_id, timeout, idle_timeout
+        )
 
-    async def round_robin(self, request: Any, context: Context | None = None, **kwargs: Any) -> Any:
-        def pick(conns: list[PeerConnection]) -> list[PeerConnection]:
-            start = next(self._rr) % len(conns)
-            return conns[start:] + conns[:start]
+    async def round_robin(
+        self, request: object, context: Context | None = None, annotated: bool = True, **options: Any
+    ) -> ItemStream[Any]:
+        return await self._send(request, self._round_robin, _plain(annotated), context, **options)
 
-        return await self._send(request, pick, context, failover=True, **kwargs)
-
-    async def random(self, request: Any, context: Context | None = None, **kwargs: Any) -> Any:
-        def pick(conns: list[PeerConnection]) -> list[PeerConnection]:
-            return random.sample(conns, len(conns))
-
-        return await self._send(request, pick, context, failover=True, **kwargs)
+    async def random(
+        self, request: object, context: Context | None = None, annotated: bool = True, **options: Any
+    ) -> ItemStream[Any]:
+        return await self._send(request, _shuffled, _plain(annotated), context, **options)
 
     async def direct(
-        self, request: Any, instance_id: int | str, context: Context | None = None, **kwargs: Any
-    ) -> Any:
+        self,
+        request: object,
+        instance_id: int | str,
+        context: Context | None = None,
+        annotated: bool = True,
+        **options: Any,
+    ) -> ItemStream[Any]:
         """Send to exactly ``instance_id`` (int, or hex string); CannotConnect if it is not live."""
-        target = int(instance_id, 16) if isinstance(instance_id, str) else int(instance_id)
+        pick = self._only(instance_id)
+        return await self._send(request, pick, _plain(annotated), context, failover=False, **options)
 
-        def pick(conns: list[PeerConnection]) -> list[PeerConnection]:
-            chosen = [c for c in conns if c.instance_id == target]
-            if not chosen:
-                raise errors.CannotConnect(f"instance {target:x} of {self.path} is not live")
-            return chosen
+    # -- typed -----------------------------------------------------------------------------
 
-        return await self._send(request, pick, context, failover=False, **kwargs)
+    async def stream(
+        self,
+        request: object,
+        item_type: type[T],
+        *,
+        context: Context | None = None,
+        instance_id: int | None = None,
+        timeout: float | None = None,
+        idle_timeout: float | None = None,
+    ) -> ItemStream[T]:
+        """Like ``generate``, with items decoded and validated into ``item_type`` (a response
+        that does not fit fails the stream with ``errors.Unknown``)."""
+        return await self._call(
+            request, typed_decoder(item_type), context, instance_id, timeout, idle_timeout
+        )
+
+    async def open(
+        self,
+        payload: msgspec.Raw,
+        decode: ItemDecoder[T],
+        instance_id: int,
+        *,
+        context: Context | None = None,
+        timeout: float | None = None,
+        idle_timeout: float | None = None,
+    ) -> ResponseStream[T]:
+        """One attempt: send the encoded request to exactly ``instance_id``, no failover.
+
+        Raises:
+            CannotConnect: the instance is not live (or its send failed).
+        """
+        return await self._open(
+            payload, self._only(instance_id), decode, context, frozenset(), timeout, idle_timeout
+        )
+
+    # -- sending ---------------------------------------------------------------------------
+
+    async def _call(
+        self,
+        request: object,
+        decode: ItemDecoder[T],
+        context: Context | None,
+        instance_id: int | str | None,
+        timeout: float | None,
+        idle_timeout: float | None,
+    ) -> ItemStream[T]:
+        if instance_id is not None:
+            pick, failover = self._only(instance_id), False
+        elif self.mode == RouterMode.Random:
+            pick, failover = _shuffled, True
+        else:
+            pick, failover = self._round_robin, True
+        return await self._send(
+            request, pick, decode, context, failover=failover, timeout=timeout,
+            idle_timeout=idle_timeout,
+        )
 
     async def _send(
         self,
-        request: Any,
+        request: object,
         pick: Picker,
+        decode: ItemDecoder[T],
         context: Context | None,
-        failover: bool,
-        **options: Any,
-    ) -> Any:
+        failover: bool = True,
+        timeout: float | None = None,
+        idle_timeout: float | None = None,
+    ) -> ItemStream[T]:
         payload = encode_item(request)
-        stream = await self._open(payload, pick, context, exclude=set(), **options)
+        first = await self._open(payload, pick, decode, context, frozenset(), timeout, idle_timeout)
         if not failover:
-            return stream
-        return FailoverStream(self, stream, payload, pick, options)
+            return first
+
+        async def reopen(tried: frozenset[int]) -> ResponseStream[T] | None:
+            try:
+                return await self._open(
+                    payload, pick, decode, first.context, tried, timeout, idle_timeout
+                )
+            except errors.CannotConnect:
+                return None
+
+        return RetryingStream(first, reopen)
 
     async def _open(
         self,
         payload: msgspec.Raw,
         pick: Picker,
+        decode: ItemDecoder[T],
         context: Context | None,
-        exclude: set[int],
-        annotated: bool = True,
-        timeout: float | None = None,
-        idle_timeout: float | None = None,
-    ) -> ResponseStream:
+        exclude: frozenset[int],
+        timeout: float | None,
+        idle_timeout: float | None,
+    ) -> ResponseStream[T]:
         conns = [c for c in self.instances() if c.instance_id not in exclude]
         if not conns:
             raise errors.CannotConnect(f"no live instance of {self.path}")
@@ -146,11 +225,7 @@ class Client:
         for conn in pick(conns):
             try:
                 return await conn.open_stream(
-                    self.path,
-                    payload,
-                    context,
-                    annotated=annotated,
-                    timeout=timeout,
+                    self.path, payload, context, decode=decode, timeout=timeout,
                     idle_timeout=idle_timeout,
                 )
             except errors.CannotConnect as exc:
@@ -158,28 +233,26 @@ class Client:
         assert last is not None
         raise last
 
+    def _round_robin(self, conns: list[PeerConnection]) -> list[PeerConnection]:
+        start = next(self._rr) % len(conns)
+        return conns[start:] + conns[:start]
 
-class FailoverStream(RetryingStream):
-    """A response stream that moves to another instance if the first fails before responding."""
+    def _only(self, instance_id: int | str) -> Picker:
+        target = int(instance_id, 16) if isinstance(instance_id, str) else int(instance_id)
 
-    def __init__(
-        self,
-        client: Client,
-        stream: ResponseStream,
-        payload: msgspec.Raw,
-        pick: Picker,
-        options: dict[str, Any],
-    ) -> None:
-        super().__init__(stream)
-        self._client = client
-        self._payload = payload
-        self._pick = pick
-        self._options = options
+        def pick(conns: list[PeerConnection]) -> list[PeerConnection]:
+            chosen = [c for c in conns if c.instance_id == target]
+            if not chosen:
+                raise errors.CannotConnect(f"instance {target:x} of {self.path} is not live")
+            return chosen
 
-    async def _reopen(self) -> ResponseStream | None:
-        try:
-            return await self._client._open(
-                self._payload, self._pick, self._stream.context, self._tried, **self._options
-            )
-        except errors.CannotConnect:
-            return None
+        return pick
+
+
+def _shuffled(conns: list[PeerConnection]) -> list[PeerConnection]:
+    return random.sample(conns, len(conns))
+
+
+def _plain(annotated: bool) -> ItemDecoder[Any]:
+    """Dynamo's item forms: ``Response`` (decoded on ``data()``) or the decoded value."""
+    return Response if annotated else decode_item

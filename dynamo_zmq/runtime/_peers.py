@@ -12,9 +12,8 @@ import contextlib
 import logging
 import time
 
-import zmq
-
 from ..discovery import Discovery, PeerAdded, PeerRemoved
+from ..resources import Resources
 from ..transport import PeerConnection, PeerState
 
 __all__ = ["PeerPool"]
@@ -26,27 +25,30 @@ WITHDRAWN_LINGER = 2.0
 
 
 class PeerPool:
-    """Connections to every discovered peer, keyed by address."""
+    """Connections to every discovered peer, keyed by address.
 
-    def __init__(self, zctx: zmq.Context, discovery: Discovery) -> None:
-        self._zctx = zctx
+    Args:
+        resources: owns the pool's tasks and its connections (children of a child of it).
+        discovery: where peers are learned from (started by the caller).
+    """
+
+    def __init__(self, resources: Resources, discovery: Discovery) -> None:
+        self._res = resources.child("peers")
         self._discovery = discovery
         self.peers: dict[str, PeerConnection] = {}
         self._withdrawn: dict[str, float] = {}
-        self._watchers: dict[str | None, asyncio.Task[None]] = {}
+        self._watching: set[str | None] = set()
         self._changed = asyncio.Event()
-        self._janitor: asyncio.Task[None] | None = None
         self._closed = False
 
     def watch(self, namespace: str | None) -> None:
         """Follow discovery for ``namespace`` (idempotent)."""
-        if self._closed or namespace in self._watchers or None in self._watchers:
+        if self._closed or namespace in self._watching or None in self._watching:
             return
-        self._watchers[namespace] = asyncio.create_task(
-            self._watch(namespace), name=f"discovery-watch-{namespace}"
-        )
-        if self._janitor is None:
-            self._janitor = asyncio.create_task(self._janitor_loop(), name="peer-janitor")
+        if not self._watching:
+            self._res.spawn(self._janitor_loop(), "peer-janitor")
+        self._watching.add(namespace)
+        self._res.spawn(self._watch(namespace), f"discovery-watch-{namespace}")
 
     def instances(self, path: str) -> list[PeerConnection]:
         """Routable connections serving endpoint ``path``, one per instance id, by instance id."""
@@ -70,25 +72,18 @@ class PeerPool:
         self._withdrawn.pop(address, None)
         conn = self.peers.get(address)
         if conn is None:
-            conn = PeerConnection(self._zctx, address, on_change=self._on_peer_change)
+            conn = PeerConnection(self._res, address, on_change=self._on_peer_change)
             self.peers[address] = conn
             conn.start()
         self._changed.set()
         return conn
 
     async def close(self) -> None:
+        """Stop following discovery and close every connection (idempotent)."""
         self._closed = True
-        tasks = list(self._watchers.values())
-        if self._janitor is not None:
-            tasks.append(self._janitor)
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(BaseException):
-                await task
-        self._watchers.clear()
+        await self._res.close()  # watchers, janitor, then each connection (newest first)
         for conn in list(self.peers.values()):
-            await conn.close()
+            await conn.close()  # already closed by the above; marks them CLOSED for callers
         self.peers.clear()
 
     def _on_peer_change(self, conn: PeerConnection) -> None:

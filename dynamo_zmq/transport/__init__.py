@@ -3,21 +3,29 @@
 from ._sockets import AsyncSocket as AsyncSocket
 from ._sockets import SendResult as SendResult
 from ._sockets import make_socket as make_socket
+from ._streams import ItemDecoder as ItemDecoder
+from ._streams import ItemStream as ItemStream
+from ._streams import Response as Response
+from ._streams import ResponseStream as ResponseStream
+from ._streams import item_decoder as item_decoder
+from .client import DEFAULT_WINDOW as DEFAULT_WINDOW
 from .client import PeerConnection as PeerConnection
 from .client import PeerState as PeerState
-from .client import Response as Response
-from .client import ResponseStream as ResponseStream
 from .server import Handler as Handler
 from .server import Server as Server
 
 __all__ = [
+    "DEFAULT_WINDOW",
     "AsyncSocket",
     "Handler",
+    "ItemDecoder",
+    "ItemStream",
     "PeerConnection",
     "PeerState",
     "Response",
     "ResponseStream",
     "SendResult",
     "Server",
+    "item_decoder",
     "make_socket",
 ]

@@ -14,9 +14,8 @@ import enum
 import itertools
 import logging
 import time
-from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import TypeVar
 
 import msgspec
 import zmq
@@ -24,11 +23,11 @@ from zmq.utils.monitor import parse_monitor_message
 
 from .. import errors
 from ..context import Context
+from ..resources import Resources
 from ..wire import (
     PROTOCOL_VERSION,
     Batch,
     Control,
-    Credit,
     Data,
     Describe,
     Description,
@@ -39,12 +38,12 @@ from ..wire import (
     Ping,
     Pong,
     Request,
-    decode_item,
     encode,
 )
 from ._sockets import AsyncSocket, SendResult, make_socket
+from ._streams import ItemDecoder, ResponseStream, _StreamState
 
-__all__ = ["PeerConnection", "PeerState", "Response", "ResponseStream"]
+__all__ = ["DEFAULT_WINDOW", "PeerConnection", "PeerState"]
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +57,11 @@ _decoders = {
     Kind.BATCH: msgspec.msgpack.Decoder(Batch),
 }
 
+T = TypeVar("T")
+
 _request_ids = itertools.count(1)
 
+#: Items a server may send on a stream before the caller grants more credit.
 DEFAULT_WINDOW = 1024
 
 
@@ -70,164 +72,11 @@ class PeerState(enum.Enum):
     CLOSED = "closed"
 
 
-class Response:
-    """One streamed item; ``data()`` decodes it on first use (Dynamo's annotated response)."""
-
-    __slots__ = ("_raw", "_value")
-
-    _UNSET: Any = object()
-
-    def __init__(self, raw: msgspec.Raw) -> None:
-        self._raw = raw
-        self._value = Response._UNSET
-
-    def data(self) -> Any:
-        if self._value is Response._UNSET:
-            self._value = decode_item(self._raw)
-        return self._value
-
-    def raw(self) -> bytes:
-        return bytes(self._raw)
-
-    @property
-    def payload(self) -> msgspec.Raw:
-        """The item's MessagePack bytes, uncopied (decode with a typed decoder)."""
-        return self._raw
-
-    def __repr__(self) -> str:
-        return f"Response({self.data()!r})"
-
-
-class _StreamState:
-    __slots__ = (
-        "done",
-        "error",
-        "expected_seq",
-        "items",
-        "request_id",
-        "unconsumed_credit",
-        "unlink",
-        "waiter",
-        "window",
-    )
-
-    def __init__(self, request_id: int, window: int) -> None:
-        self.request_id = request_id
-        self.window = window
-        self.items: deque[msgspec.Raw] = deque()
-        self.expected_seq = 0
-        self.done = False
-        self.error: errors.DynamoError | None = None
-        self.waiter = asyncio.Event()
-        self.unconsumed_credit = 0
-        self.unlink: Callable[[], None] | None = None
-
-    def terminate(self, error: errors.DynamoError | None) -> None:
-        if not self.done:
-            self.done = True
-            self.error = error
-            self.waiter.set()
-        if self.unlink is not None:
-            self.unlink()
-            self.unlink = None
-
-
-class ResponseStream:
-    """Async iterator over one request's responses. Leaving it early kills the request."""
-
-    def __init__(
-        self,
-        conn: PeerConnection,
-        state: _StreamState,
-        ctx: Context,
-        annotated: bool,
-        idle_timeout: float | None,
-    ) -> None:
-        self._conn = conn
-        self._st = state
-        self._ctx = ctx
-        self._annotated = annotated
-        self._idle_timeout = idle_timeout
-        self._closed = False
-
-    @property
-    def context(self) -> Context:
-        return self._ctx
-
-    @property
-    def instance_id(self) -> int:
-        return self._conn.instance_id
-
-    def __aiter__(self) -> ResponseStream:
-        return self
-
-    #: Returned by ``next_nowait`` when no item is waiting.
-    EMPTY: Any = object()
-
-    def next_nowait(self) -> Any:
-        """The next item if it has already arrived, else ``EMPTY``; never waits, never raises.
-
-        Lets a consumer batch what is ready (e.g. several SSE events in one write).
-        """
-        return self._pop() if self._st.items else ResponseStream.EMPTY
-
-    def _pop(self) -> Any:
-        st = self._st
-        raw = st.items.popleft()
-        st.unconsumed_credit += 1
-        if st.unconsumed_credit >= st.window // 2 and not st.done:
-            self._conn._send_control(Kind.CREDIT, Credit(st.request_id, st.unconsumed_credit))
-            st.unconsumed_credit = 0
-        return Response(raw) if self._annotated else decode_item(raw)
-
-    async def __anext__(self) -> Any:
-        st = self._st
-        while True:
-            if st.items:
-                return self._pop()
-            if st.done:
-                self._release()
-                if st.error is not None:
-                    raise st.error
-                raise StopAsyncIteration
-            st.waiter.clear()
-            if self._idle_timeout is None:
-                await st.waiter.wait()
-            else:
-                try:
-                    await asyncio.wait_for(st.waiter.wait(), self._idle_timeout)
-                except asyncio.TimeoutError:
-                    self._conn._send_control(Kind.KILL, Control(st.request_id))
-                    st.terminate(errors.ResponseTimeout(f"no response within {self._idle_timeout}s"))
-
-    async def aclose(self) -> None:
-        """Stop listening; if the stream was still open, the server's context is killed."""
-        if not self._st.done:
-            self._conn._send_control(Kind.KILL, Control(self._st.request_id))
-            self._st.terminate(errors.Cancelled("stream closed by the caller"))
-        self._release()
-
-    def _release(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._conn._streams.pop(self._st.request_id, None)
-
-    def __del__(self) -> None:
-        # Dropped without being read to the end: the caller is gone, so is the request. Release
-        # it even when its terminal already arrived, or the connection keeps it forever.
-        if not self._closed:
-            with contextlib.suppress(Exception):
-                if not self._st.done:
-                    self._conn._send_control(Kind.KILL, Control(self._st.request_id))
-                    self._st.terminate(None)
-                self._release()
-
-
 class PeerConnection:
     """A DEALER connection to one serving process, with liveness and stream multiplexing.
 
     Args:
-        zctx: the process's ZMQ context.
+        resources: the owner of its tasks (a child is made for them) and of the ZMQ context.
         address: ``tcp://host:port`` of the peer's ROUTER socket.
         on_change: called (synchronously) whenever state, description or draining changes.
         ping_interval: seconds between application pings.
@@ -236,13 +85,13 @@ class PeerConnection:
 
     def __init__(
         self,
-        zctx: zmq.Context,
+        resources: Resources,
         address: str,
         on_change: Callable[[PeerConnection], None] | None = None,
         ping_interval: float = 0.25,
         liveness_timeout: float = 1.5,
     ) -> None:
-        self._zctx = zctx
+        self._res = resources.child(f"peer {address}")
         self.address = address
         self._on_change = on_change
         self._ping_interval = ping_interval
@@ -257,7 +106,6 @@ class PeerConnection:
         self._sock: AsyncSocket | None = None
         self._monitor: AsyncSocket | None = None
         self._streams: dict[int, _StreamState] = {}
-        self._tasks: list[asyncio.Task[None]] = []
         self._last_rx = 0.0
         self._last_describe = 0.0
         self._described = asyncio.Event()
@@ -279,7 +127,7 @@ class PeerConnection:
 
     def start(self) -> None:
         """Create the socket and start connecting (never blocks; see ``wait_described``)."""
-        sock = make_socket(self._zctx, zmq.DEALER)
+        sock = make_socket(self._res.zctx, zmq.DEALER)
         # Monitor before connecting, or a fast handshake is over before anyone listens.
         monitor = sock.get_monitor_socket(
             zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
@@ -288,11 +136,9 @@ class PeerConnection:
         self._sock = AsyncSocket(sock)
         self._monitor = AsyncSocket(monitor)
         name = f"peer-{self.address}"
-        self._tasks = [
-            asyncio.create_task(self._recv_loop(), name=f"{name}-recv"),
-            asyncio.create_task(self._monitor_loop(), name=f"{name}-monitor"),
-            asyncio.create_task(self._ping_loop(), name=f"{name}-ping"),
-        ]
+        self._res.spawn(self._recv_loop(), f"{name}-recv")
+        self._res.spawn(self._monitor_loop(), f"{name}-monitor")
+        self._res.spawn(self._ping_loop(), f"{name}-ping")
 
     async def wait_described(self, timeout: float) -> Description:
         """Wait for the first DESCRIBE answer; raises ConnectionTimeout."""
@@ -308,11 +154,7 @@ class PeerConnection:
             return
         self._fail_streams(errors.Disconnected(f"connection to {self.address} closed"))
         self.state = PeerState.CLOSED
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(BaseException):
-                await task
+        await self._res.close()  # the loops and any control message still waiting to go out
         if self._sock is not None:
             with contextlib.suppress(Exception):
                 self._sock.sock.disable_monitor()
@@ -329,12 +171,12 @@ class PeerConnection:
         payload: msgspec.Raw,
         context: Context | None = None,
         *,
-        annotated: bool = True,
+        decode: ItemDecoder[T],
         window: int = DEFAULT_WINDOW,
         timeout: float | None = None,
         idle_timeout: float | None = None,
-    ) -> ResponseStream:
-        """Send a request and return its response stream.
+    ) -> ResponseStream[T]:
+        """Send a request and return its response stream, whose items ``decode`` makes.
 
         ``context`` links the call: stopping or killing it reaches the server. ``timeout`` is a
         deadline the server enforces (ResponseTimeout); ``idle_timeout`` bounds the wait for each
@@ -363,22 +205,14 @@ class PeerConnection:
                 st.terminate(errors.Cancelled("request killed by the caller"))
 
         st.unlink = ctx.add_listener(on_cancel)
-        return ResponseStream(self, st, ctx, annotated, idle_timeout)
+        return ResponseStream(self, st, ctx, decode, idle_timeout)
 
     def _send_control(self, kind: bytes, msg: msgspec.Struct) -> None:
         if self._sock is None or self._sock.closed:
             return
-        if self._sock.try_send([kind, encode(msg)]) == SendResult.FULL:
-            task = asyncio.get_running_loop().create_task(
-                self._sock.send([kind, encode(msg)], timeout=self._liveness_timeout),
-                name=f"control-{self.address}",
-            )
-            self._tasks.append(task)  # owned: cancelled on close, forgotten when done
-            task.add_done_callback(self._forget_task)
-
-    def _forget_task(self, task: asyncio.Task[Any]) -> None:
-        with contextlib.suppress(ValueError):
-            self._tasks.remove(task)
+        if self._sock.try_send([kind, encode(msg)]) == SendResult.FULL and not self._res.closed:
+            send = self._sock.send([kind, encode(msg)], timeout=self._liveness_timeout)
+            self._res.spawn(send, f"control-{self.address}")
 
     def _fail_streams(self, error: errors.DynamoError) -> None:
         streams, self._streams = self._streams, {}

@@ -22,11 +22,10 @@ import zmq
 
 from .. import errors
 from ..context import Context
+from ..resources import Resources
 from ..wire import (
-    Batch,
     Control,
     Credit,
-    Data,
     Describe,
     Description,
     End,
@@ -39,6 +38,7 @@ from ..wire import (
     encode,
     encode_item,
 )
+from ._outbox import MAX_BATCH, OpenStream, Outbox
 from ._sockets import AsyncSocket, SendResult, make_socket
 
 __all__ = ["Handler", "Server"]
@@ -48,13 +48,13 @@ log = logging.getLogger(__name__)
 Handler = Callable[[msgspec.Raw, Context], AsyncIterator[Any]]
 """An endpoint as the transport sees it: raw request payload and context in, items out."""
 
-#: Most items one DATA frame carries; also how far a producer may run ahead of the socket.
-MAX_BATCH = 256
 #: A client that has sent nothing (not even a ping) for this long is gone: kill its streams.
 CLIENT_TIMEOUT = 3.0
 #: Largest request payload handed to a handler, in bytes; a bigger one is refused with
 #: InvalidArgument before anything decodes it (a 1M-token prompt is ~5 MiB of MessagePack).
 MAX_REQUEST_BYTES = 64 << 20
+#: Seconds ``close`` gives cancelled streams to send their terminals.
+CLOSE_GRACE = 2.0
 
 _decoders = {
     Kind.REQUEST: msgspec.msgpack.Decoder(Request),
@@ -66,47 +66,11 @@ _decoders = {
 }
 
 
-class _Stream:
-    """Server-side state of one open request."""
-
-    __slots__ = (
-        "buf",
-        "credit",
-        "ctx",
-        "finishing",
-        "gone",
-        "identity",
-        "request_id",
-        "scheduled",
-        "seq",
-        "task",
-        "terminal",
-        "timed_out",
-        "wake",
-    )
-
-    def __init__(self, identity: bytes, request_id: int, ctx: Context, window: int) -> None:
-        self.identity = identity
-        self.request_id = request_id
-        self.ctx = ctx
-        self.credit = window
-        self.buf: list[msgspec.Raw] = []
-        self.seq = 0
-        self.scheduled = False
-        self.timed_out = False
-        self.finishing = False
-        self.gone = False
-        #: The END or ERROR waiting to go out after ``buf`` (set when the handler is done).
-        self.terminal: End | Error | None = None
-        self.wake = asyncio.Event()
-        self.task: asyncio.Task[None] | None = None
-
-
 class Server:
     """Binds the process's ROUTER socket and serves every registered endpoint on it.
 
     Args:
-        zctx: the process's ZMQ context.
+        resources: the owner of its tasks (a child is made for them) and of the ZMQ context.
         bind: ``tcp://host:port`` (port 0 picks a free one).
         instance_id: this process's instance id (reported in PONG/NOTICE).
         resolve: maps an endpoint path to its handler, or None if not served here.
@@ -115,13 +79,13 @@ class Server:
 
     def __init__(
         self,
-        zctx: zmq.Context,
+        resources: Resources,
         bind: str,
         instance_id: int,
         resolve: Callable[[str], Handler | None],
         describe: Callable[[], Description],
     ) -> None:
-        self._zctx = zctx
+        self._res = resources.child("server")
         self._bind = bind
         self.instance_id = instance_id
         self._resolve = resolve
@@ -132,11 +96,9 @@ class Server:
         self.max_request_bytes = MAX_REQUEST_BYTES
         self.address = ""
         self._sock: AsyncSocket | None = None
-        self._streams: dict[tuple[bytes, int], _Stream] = {}
+        self._streams: dict[tuple[bytes, int], OpenStream] = {}
         self._last_seen: dict[bytes, float] = {}
-        self._dirty: list[_Stream] = []
-        self._flush_pending = False
-        self._tasks: list[asyncio.Task[None]] = []
+        self._outbox = Outbox(self._send_nowait, self._client_gone, self._is_open)
         self._idle = asyncio.Event()
         self._idle.set()
         self.malformed_frames = 0
@@ -145,13 +107,11 @@ class Server:
 
     async def start(self) -> str:
         """Bind and start receiving; returns the bound ``tcp://host:port``."""
-        sock = make_socket(self._zctx, zmq.ROUTER, bind=self._bind)
+        sock = make_socket(self._res.zctx, zmq.ROUTER, bind=self._bind)
         self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._sock = AsyncSocket(sock)
-        self._tasks = [
-            asyncio.create_task(self._recv_loop(), name="server-recv"),
-            asyncio.create_task(self._reap_loop(), name="server-reaper"),
-        ]
+        self._res.spawn(self._recv_loop(), "server-recv")
+        self._res.spawn(self._reap_loop(), "server-reaper")
         return self.address
 
     @property
@@ -183,19 +143,18 @@ class Server:
             return False
 
     async def close(self) -> None:
-        """Kill open streams (their clients see EngineShutdown), then close the socket."""
-        for st in list(self._streams.values()):
-            if st.task is not None:
-                st.task.cancel()
-        stream_tasks = [st.task for st in self._streams.values() if st.task is not None]
-        if stream_tasks:
-            await asyncio.wait(stream_tasks, timeout=2.0)
-        for task in self._tasks:
+        """Cancel open streams (their clients see EngineShutdown; their terminals get up to
+        ``CLOSE_GRACE`` seconds to go out), stop the loops, then close the socket."""
+        streams = list(self._streams.values())
+        tasks = [st.task for st in streams if st.task is not None and not st.task.done()]
+        for task in tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(BaseException):
-                await task
-        self._tasks = []
+        if tasks:
+            await asyncio.wait(tasks, timeout=CLOSE_GRACE)
+        for st in streams:  # a terminal still waiting for a full peer queue is abandoned
+            st.gone = True
+            st.wake.set()
+        await self._res.close()
         if self._sock is not None:
             # Let ZMQ's I/O thread write the last frames (terminals of just-finished streams).
             self._sock.close(linger_ms=1000)
@@ -292,12 +251,10 @@ class Server:
             reject(errors.InvalidArgument(
                 f"request payload of {len(req.payload)} bytes is over the {self.max_request_bytes}-byte limit"))
             return
-        st = _Stream(identity, req.request_id, Context(req.context_id), req.window)
+        st = OpenStream(identity, req.request_id, Context(req.context_id), req.window)
         self._streams[key] = st
         self._idle.clear()
-        st.task = asyncio.create_task(
-            self._run_stream(st, handler, req.payload), name=f"stream-{req.request_id}"
-        )
+        st.task = self._res.spawn(self._run_stream(st, handler, req.payload), f"stream-{req.request_id}")
         # Also when the task is cancelled before it ever ran (its body's finally never runs).
         st.task.add_done_callback(lambda _t: self._forget(st))
         st.ctx.add_listener(lambda killed: _on_kill(st) if killed else st.wake.set())
@@ -307,20 +264,20 @@ class Server:
 
     # -- streaming -------------------------------------------------------------------------
 
-    async def _run_stream(self, st: _Stream, handler: Handler, payload: msgspec.Raw) -> None:
-        terminal: tuple[bytes, Any]
+    async def _run_stream(self, st: OpenStream, handler: Handler, payload: msgspec.Raw) -> None:
+        terminal: End | Error
         agen: AsyncIterator[Any] | None = None
         try:
             agen = handler(payload, st.ctx)
             async for item in agen:
                 st.buf.append(encode_item(item))
                 st.credit -= 1
-                self._schedule(st)
+                self._outbox.schedule(st)
                 if st.credit <= 0 or len(st.buf) >= MAX_BATCH:
-                    await self._wait_room(st)
+                    await self._outbox.wait_room(st)
                 if st.ctx.is_killed():
                     raise asyncio.CancelledError
-            terminal = (Kind.END, End(st.request_id, 0))
+            terminal = End(st.request_id, 0)
         except asyncio.CancelledError:
             exc: errors.DynamoError
             if st.timed_out:
@@ -329,109 +286,29 @@ class Server:
                 exc = errors.Cancelled("request killed")
             else:
                 exc = errors.EngineShutdown("server closed")
-            terminal = (Kind.ERROR, Error(st.request_id, 0, exc.kind, exc.message))
+            terminal = Error(st.request_id, 0, exc.kind, exc.message)
         except Exception as exc:
             err = errors.from_exception(exc)
             if isinstance(err, errors.Unknown):
                 log.exception("handler for request %d failed", st.request_id)
-            terminal = (Kind.ERROR, Error(st.request_id, 0, err.kind, _wire_text(err.message)))
+            terminal = Error(st.request_id, 0, err.kind, _wire_text(err.message))
         finally:
+            st.finishing = True  # from here on a KILL no longer cancels this task
             aclose = getattr(agen, "aclose", None)
             if aclose is not None:
+                # Whatever the handler's clean-up raises, the terminal must still go out.
                 with contextlib.suppress(BaseException):
                     await aclose()
-        st.finishing = True
-        await self._finish(st, *terminal)
+        await self._outbox.finish(st, terminal)
 
-    def _forget(self, st: _Stream) -> None:
+    def _is_open(self, st: OpenStream) -> bool:
+        return (st.identity, st.request_id) in self._streams
+
+    def _forget(self, st: OpenStream) -> None:
         if self._streams.get((st.identity, st.request_id)) is st:
             del self._streams[(st.identity, st.request_id)]
         if not self._streams:
             self._idle.set()
-
-    async def _wait_room(self, st: _Stream) -> None:
-        """Block the producer until the buffer is sent and the client granted credit.
-
-        A STOP lets the producer run once more so it can see ``is_stopped()`` and finish; one
-        that keeps producing into a full buffer after that is killed.
-        """
-        while (st.credit <= 0 or st.buf) and not st.ctx.is_stopped():
-            st.wake.clear()
-            await st.wake.wait()
-        if st.ctx.is_stopped() and len(st.buf) > MAX_BATCH:
-            st.ctx.kill()
-
-    def _schedule(self, st: _Stream) -> None:
-        if not st.scheduled:
-            st.scheduled = True
-            self._dirty.append(st)
-            if not self._flush_pending:
-                self._flush_pending = True
-                asyncio.get_running_loop().call_soon(self._flush)
-
-    def _flush(self) -> None:
-        """Send what every dirty stream has buffered (runs once per loop tick).
-
-        All streams to one peer go out in one message: a DATA (or END/ERROR) frame when a single
-        stream has something, else a BATCH of every stream's DATA, END and ERROR. With many
-        concurrent streams this turns one ZMQ send per token per stream into one per tick.
-        """
-        self._flush_pending = False
-        dirty, self._dirty = self._dirty, []
-        by_peer: dict[bytes, list[_Stream]] = {}
-        for st in dirty:
-            st.scheduled = False
-            if st.buf or st.terminal is not None:
-                by_peer.setdefault(st.identity, []).append(st)
-        blocked: list[_Stream] = []
-        for identity, streams in by_peer.items():
-            result = self._send_to_peer(identity, streams)
-            if result == SendResult.FULL:
-                blocked.extend(streams)
-            elif result == SendResult.GONE:
-                self._client_gone(identity)
-        if blocked:
-            asyncio.get_running_loop().call_later(0.002, self._reschedule, blocked)
-
-    def _send_to_peer(self, identity: bytes, streams: list[_Stream]) -> int:
-        data: list[Data] = []
-        ends: list[End] = []
-        errs: list[Error] = []
-        for st in streams:
-            seq = st.seq
-            if st.buf:
-                data.append(Data(st.request_id, seq, st.buf))
-                seq += 1
-            if st.terminal is not None:
-                st.terminal.seq = seq
-                (ends if isinstance(st.terminal, End) else errs).append(st.terminal)
-        if len(data) + len(ends) + len(errs) == 1:
-            kind, msg = (Kind.DATA, data[0]) if data else (Kind.END, ends[0]) if ends else (Kind.ERROR, errs[0])
-            result = self._send_nowait(identity, kind, encode(msg))
-        else:
-            result = self._send_nowait(identity, Kind.BATCH, encode(Batch(data, ends, errs)))
-        if result == SendResult.SENT:
-            for st in streams:
-                if st.buf:
-                    st.seq += 1
-                    st.buf = []
-                st.terminal = None
-                st.wake.set()
-        return result
-
-    def _reschedule(self, streams: list[_Stream]) -> None:
-        for st in streams:
-            if (st.buf or st.terminal is not None) and (st.identity, st.request_id) in self._streams:
-                self._schedule(st)
-
-    async def _finish(self, st: _Stream, kind: bytes, terminal: Any) -> None:
-        """Queue the terminal after what is buffered and wait until both are sent (or the
-        client is gone)."""
-        st.terminal = terminal
-        self._schedule(st)
-        while st.terminal is not None and not st.gone:
-            st.wake.clear()
-            await st.wake.wait()
 
     def _send_nowait(self, identity: bytes, kind: bytes, payload: bytes) -> int:
         if self._sock is None or self._sock.closed:
@@ -471,13 +348,13 @@ class Server:
                 self._client_gone(identity)
 
 
-def _on_kill(st: _Stream) -> None:
+def _on_kill(st: OpenStream) -> None:
     st.wake.set()
     if st.task is not None and not st.task.done() and not st.finishing:
         st.task.cancel()
 
 
-def _on_deadline(st: _Stream) -> None:
+def _on_deadline(st: OpenStream) -> None:
     if st.task is not None and not st.task.done():
         st.timed_out = True
         st.ctx.kill()

@@ -2,17 +2,17 @@
 (registration, admission, post-processing, health canary, metrics, load reports, shutdown order).
 """
 
+from ._cli import build_parser as build_parser
+from ._cli import load_engine_class as load_engine_class
+from ._cli import main as main
+from ._cli import parse_args as parse_args
+from ._health import Health as Health
 from ._load_publisher import LoadPublisher as LoadPublisher
 from ._metrics import WorkerMetrics as WorkerMetrics
-from ._worker import ENGINE_GROUP as ENGINE_GROUP
 from ._worker import Worker as Worker
-from ._worker import build_parser as build_parser
-from ._worker import load_engine_class as load_engine_class
-from ._worker import main as main
-from ._worker import parse_args as parse_args
 
 __all__ = [
-    "ENGINE_GROUP",
+    "Health",
     "LoadPublisher",
     "Worker",
     "WorkerMetrics",

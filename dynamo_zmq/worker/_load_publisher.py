@@ -7,11 +7,11 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 
 import zmq
 
 from ..llm import LOAD_TOPIC, LOAD_VERSION, EngineLoad, LoadReport, encode_report
+from ..resources import Resources
 from ..transport import make_socket
 
 __all__ = ["PUB_HWM", "LoadPublisher"]
@@ -24,17 +24,25 @@ PUB_HWM = 1000
 
 class LoadPublisher:
     """Publishes an engine's ``load()`` on a PUB socket every ``interval`` seconds; owns the
-    socket, its ZMQ context and the task.
+    socket and the task.
 
     Args:
         source: ``engine.load`` (a list of ranks; None or empty: nothing to send this time).
         instance_id: the worker's instance id, sent in every report.
         bind: ``tcp://HOST:PORT`` to bind (port 0: any free one).
         interval: seconds between two reports (> 0).
+        resources: the owner it belongs to (closing that closes the publisher too); default
+            a ``Resources`` of its own.
     """
 
     def __init__(
-        self, source: Callable[[], list[EngineLoad] | None], instance_id: int, bind: str, interval: float
+        self,
+        source: Callable[[], list[EngineLoad] | None],
+        instance_id: int,
+        bind: str,
+        interval: float,
+        *,
+        resources: Resources | None = None,
     ) -> None:
         if not interval > 0:
             raise ValueError(f"interval must be > 0, got {interval}")
@@ -45,24 +53,20 @@ class LoadPublisher:
         self.port = 0
         #: Reports sent so far (the next report's seq).
         self.sent = 0
-        self._zctx: zmq.Context[Any] | None = None
-        self._pub: zmq.Socket[Any] | None = None
-        self._task: asyncio.Task[None] | None = None
+        owner = resources if resources is not None else Resources()
+        self._res = owner.child("load-publisher")
+        self._pub: zmq.Socket[bytes] | None = None
         self._failing = False
 
     async def start(self) -> None:
         """Bind the socket and start publishing."""
-        if self._zctx is not None:
+        if self._pub is not None:
             raise RuntimeError("load publisher already started")
-        self._zctx = zmq.Context(io_threads=1)
-        try:
-            self._pub = make_socket(self._zctx, zmq.PUB, bind=self._bind, hwm=PUB_HWM)
-            endpoint = self._pub.getsockopt(zmq.LAST_ENDPOINT)
-            self.port = int(endpoint.decode().rsplit(":", 1)[1])  # type: ignore[union-attr]
-        except BaseException:
-            await self.close()
-            raise
-        self._task = asyncio.create_task(self._run(), name="worker-load-publisher")
+        self._pub = make_socket(self._res.zctx, zmq.PUB, bind=self._bind, hwm=PUB_HWM)
+        self._res.on_close(self._close_socket)
+        endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.port = int(endpoint.rsplit(":", 1)[1])
+        self._res.spawn(self._run(), "worker-load-publisher")
 
     def publish(self) -> bool:
         """Read the engine's load and send one report now; False if there was nothing to send
@@ -94,13 +98,9 @@ class LoadPublisher:
 
     async def close(self) -> None:
         """Stop publishing and close the socket (idempotent)."""
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.wait({task})
+        await self._res.close()
+
+    def _close_socket(self) -> None:
         if self._pub is not None:
             self._pub.close(linger=0)
             self._pub = None
-        if self._zctx is not None:
-            self._zctx.term()
-            self._zctx = None

@@ -202,8 +202,8 @@ class VllmEngine(LLMEngine):
                 "engine": "vllm",
                 "vllm_version": _vllm_version(),
                 "native_processing": self.options.native_processing,
-                # The frontend's tokenizer adapter for native processing (loaded by name).
-                "native_tokenizer": "engines.vllm.native:NativeTokenizer",
+                # The frontend's tokenizer for native processing: a dynamo_zmq.tokenizers plugin.
+                "native_tokenizer": "vllm",
                 "enable_prefix_caching": bool(cache.enable_prefix_caching),
                 "kv_events_topic": kv.topic if kv is not None else None,
                 "kv_events_format": "vllm",

@@ -1,0 +1,168 @@
+"""One generation request's output loop: the worker's outputs as OpenAI SSE chunks (streaming)
+or one JSON body (not), with the frontend's token metrics.
+
+The outputs arrive decoded from the model's router (``OutputStream``), their text already made
+by the worker's post-processing; what arrived together is written in one send.
+"""
+
+from __future__ import annotations
+
+import time
+
+from .. import errors
+from ..llm import FinishReason, LLMEngineOutput, OutputStream
+from . import errors as http_errors
+from ._asgi import JSON, SSE, ClientGone, Send, error, reply, send_message
+from .errors import HttpError
+from .metrics import FrontendMetrics
+from .responses import DONE, ChatFormatter, CompletionFormatter, sse_error
+
+__all__ = ["Generation"]
+
+_NO_FINISH = "the worker ended the stream without a finish"
+
+
+class Generation:
+    """The output side of one request (streamed or aggregated).
+
+    Args:
+        metrics: the frontend's metrics.
+        model: the served model name (metrics label).
+        fmt: the chat or completion chunk formatter.
+        prompt_tokens: the prompt's length (usage).
+        started: when the request arrived (``time.monotonic()``), for time to first token.
+        headers: extra response headers (``x-dynamo-worker``).
+    """
+
+    def __init__(
+        self,
+        metrics: FrontendMetrics,
+        model: str,
+        fmt: ChatFormatter | CompletionFormatter,
+        prompt_tokens: int,
+        started: float,
+        headers: list[tuple[bytes, bytes]],
+    ) -> None:
+        self.metrics = metrics
+        self.model = model
+        self.fmt = fmt
+        self.prompt_tokens = prompt_tokens
+        self.started = started
+        self.last = started
+        self.headers = headers
+        self.completion_tokens = 0
+        self.usage_tokens: int | None = None
+        self.cached_tokens: int | None = None
+        self.first = True
+
+    @property
+    def tokens(self) -> int:
+        return self.usage_tokens if self.usage_tokens is not None else self.completion_tokens
+
+    def _account(self, out: LLMEngineOutput) -> str:
+        """Update counters and metrics for one output; returns its text."""
+        n = len(out.token_ids)
+        if n:
+            now = time.monotonic()
+            ttft, itl = self.metrics.token_metrics(self.model)
+            if self.first:
+                ttft.observe(now - self.started)
+                self.first = False
+            else:
+                itl.observe((now - self.last) / n)
+            self.last = now
+            self.completion_tokens += n
+        if out.usage is not None:
+            self.usage_tokens = out.usage.completion_tokens
+            self.cached_tokens = out.usage.cached_tokens
+        return out.text or ""
+
+    def _finish(self) -> None:
+        self.metrics.osl.labels(self.model).observe(self.tokens)
+
+    async def stream_sse(self, stream: OutputStream, send: Send, include_usage: bool) -> str:
+        """Write the outputs as SSE chunks; returns the request's status for the metrics."""
+        fmt = self.fmt
+        start = {"type": "http.response.start", "status": 200, "headers": SSE + self.headers}
+        await send_message(send, start)
+        head = fmt.role_chunk()
+        while True:
+            err: HttpError | None = None
+            try:
+                batch = await stream.next_batch()
+            except errors.Cancelled:
+                raise ClientGone from None
+            except errors.DynamoError as exc:
+                err = http_errors.from_dynamo(exc)
+            else:
+                if not batch:
+                    err = http_errors.engine_error(_NO_FINISH)
+            if err is not None:
+                body = head + sse_error(err.to_json()) + DONE
+                await send_message(send, {"type": "http.response.body", "body": body,
+                                          "more_body": False})
+                return "error"
+            parts = [head] if head else []
+            head = b""
+            for out in batch:
+                text = self._account(out)
+                if text:
+                    parts.append(fmt.content_chunk(text))
+                if out.finish_reason is not None:
+                    return await self._end_sse(out, parts, send, include_usage)
+            body = b"".join(parts)
+            await send_message(send, {"type": "http.response.body", "body": body, "more_body": True})
+
+    async def _end_sse(
+        self, out: LLMEngineOutput, parts: list[bytes], send: Send, include_usage: bool
+    ) -> str:
+        self._finish()
+        if out.finish_reason == FinishReason.ERROR:
+            parts.append(sse_error(http_errors.engine_error(out.error or "engine error").to_json()))
+            status = "error"
+        else:
+            parts.append(self.fmt.finish_chunk(_openai_reason(out.finish_reason)))
+            if include_usage:
+                parts.append(
+                    self.fmt.usage_chunk(self.prompt_tokens, self.tokens, self.cached_tokens)
+                )
+            status = "success"
+        parts.append(DONE)
+        body = b"".join(parts)
+        await send_message(send, {"type": "http.response.body", "body": body, "more_body": False})
+        return status
+
+    async def respond_once(self, stream: OutputStream, send: Send) -> str:
+        """Gather the outputs into one JSON response; returns the status for the metrics."""
+        texts: list[str] = []
+        finish_reason: str | None = None
+        try:
+            async for out in stream:
+                texts.append(self._account(out))
+                if out.finish_reason is not None:
+                    finish_reason = out.finish_reason
+                    if out.finish_reason == FinishReason.ERROR:
+                        raise http_errors.engine_error(out.error or "engine error")
+                    break
+        except errors.Cancelled:
+            raise ClientGone from None
+        except errors.DynamoError as exc:
+            await error(send, http_errors.from_dynamo(exc))
+            return "error"
+        except HttpError as exc:
+            await error(send, exc)
+            return "error"
+        if finish_reason is None:
+            await error(send, http_errors.engine_error(_NO_FINISH))
+            return "error"
+        self._finish()
+        body = self.fmt.full(
+            "".join(texts), _openai_reason(finish_reason), self.prompt_tokens, self.tokens,
+            self.cached_tokens,
+        )
+        await reply(send, 200, body, JSON + self.headers)
+        return "success"
+
+
+def _openai_reason(reason: str | None) -> str:
+    return "length" if reason == FinishReason.LENGTH else "stop"

@@ -1,0 +1,167 @@
+"""``ModelAdvert``: what a worker's generate endpoint advertises, typed, decoded in one place.
+
+The worker writes it into its endpoint's metadata (``ModelAdvert.to_metadata``); frontends,
+KV routers and tools read it back with ``advert_of(conn, path)``, which decodes each instance's
+advert once per description revision and remembers the result. ``served_models`` lists what the
+live instances of a namespace serve, for anyone keeping a model table.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from ..transport import PeerConnection
+from ..wire import EndpointInfo
+from ._engine import EngineConfig
+from ._model_card import ModelCard
+
+__all__ = ["ModelAdvert", "ServedModel", "advert_of", "served_models", "serves"]
+
+log = logging.getLogger(__name__)
+
+#: Adverts remembered (one per instance, endpoint and description revision).
+CACHE_SIZE = 4096
+
+
+class ModelAdvert(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=False):
+    """A model served on one endpoint of one worker: its card (name, checksum, files, context
+    length, block size, disaggregation role), its engine's configuration (data-parallel size,
+    KV-event and replay endpoints), and where it publishes its load."""
+
+    model_card: ModelCard
+    engine: EngineConfig
+    #: The worker's load-report PUB socket (``dynamo_zmq.llm.LoadReport``), if it publishes.
+    load_endpoint: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.model_card.name
+
+    @property
+    def checksum(self) -> str:
+        return self.model_card.checksum
+
+    @property
+    def role(self) -> str:
+        """``agg``, ``prefill`` or ``decode``."""
+        return self.model_card.role
+
+    @property
+    def data_parallel_size(self) -> int:
+        return max(1, self.engine.data_parallel_size)
+
+    @property
+    def kv_block_size(self) -> int:
+        """Tokens per KV block (the card's, else the engine's; 0 if neither says)."""
+        return self.model_card.kv_block_size or self.engine.kv_block_size
+
+    @property
+    def kv_events_endpoint(self) -> str | None:
+        return self.engine.kv_events_endpoint or None
+
+    @property
+    def kv_replay_endpoint(self) -> str | None:
+        return self.engine.kv_replay_endpoint or None
+
+    @property
+    def native_tokenizer(self) -> str | None:
+        """The tokenizer plugin the engine asks frontends to use (native processing), if any."""
+        extra = self.engine.extra
+        if not extra.get("native_processing"):
+            return None
+        name = extra.get("native_tokenizer")
+        return name if isinstance(name, str) and name else None
+
+    def to_metadata(self) -> dict[str, Any]:
+        """The endpoint metadata a worker serves this advert as."""
+        meta: dict[str, Any] = msgspec.to_builtins(self)
+        return meta
+
+    @classmethod
+    def from_metadata(cls, metadata: dict[str, Any]) -> ModelAdvert | None:
+        """The advert in an endpoint's metadata; None if it advertises no model.
+
+        Raises:
+            msgspec.ValidationError: the metadata holds a model card but the advert is malformed.
+        """
+        if "model_card" not in metadata:
+            return None
+        return msgspec.convert(metadata, cls)
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """One live instance's endpoint serving a model, and what it advertises."""
+
+    conn: PeerConnection
+    endpoint: EndpointInfo
+    advert: ModelAdvert
+
+    @property
+    def instance_id(self) -> int:
+        return self.conn.instance_id
+
+
+_cache: OrderedDict[tuple[int, int, str], ModelAdvert | None] = OrderedDict()
+
+
+def advert_of(conn: PeerConnection, path: str) -> ModelAdvert | None:
+    """The model advert of endpoint ``path`` of the instance behind ``conn``.
+
+    None if the instance is not described yet, does not serve ``path``, serves no model there,
+    or advertises a malformed one (logged once per description revision).
+    """
+    desc = conn.description
+    if desc is None:
+        return None
+    key = (desc.instance_id, desc.rev, path)
+    try:
+        found = _cache[key]
+    except KeyError:
+        pass
+    else:
+        _cache.move_to_end(key)
+        return found
+    advert = None
+    for info in desc.endpoints:
+        if info.path == path:
+            try:
+                advert = ModelAdvert.from_metadata(info.metadata)
+            except msgspec.ValidationError as exc:
+                log.warning("instance %x advertises a malformed model on %s: %s",
+                            desc.instance_id, path, exc)
+            break
+    _cache[key] = advert
+    if len(_cache) > CACHE_SIZE:
+        _cache.popitem(last=False)
+    return advert
+
+
+def served_models(conns: Iterable[PeerConnection], namespace: str) -> list[ServedModel]:
+    """Every model endpoint of ``namespace`` among the routable ``conns``."""
+    found: list[ServedModel] = []
+    for conn in conns:
+        desc = conn.description
+        if desc is None or not conn.routable:
+            continue
+        for info in desc.endpoints:
+            if info.namespace == namespace and (advert := advert_of(conn, info.path)) is not None:
+                found.append(ServedModel(conn, info, advert))
+    return found
+
+
+def serves(model: str, path: str) -> Callable[[PeerConnection], bool]:
+    """Whether an instance serves ``model`` on endpoint ``path`` (instances of one endpoint
+    may serve different models): a ``Client``'s ``select``."""
+
+    def select(conn: PeerConnection) -> bool:
+        advert = advert_of(conn, path)
+        return advert is not None and advert.name == model
+
+    return select

@@ -1,0 +1,147 @@
+"""How one model's requests reach its workers: the ``ModelRouter`` interface every routing mode
+implements, the built-in modes (round-robin, random, direct) and the plugin base for the others.
+
+The frontend makes one ``ModelRouter`` per model and calls nothing else to send a request: it
+gets back a stream of decoded ``LLMEngineOutput``s. Where a router places a request inside a
+worker (a data-parallel rank) it writes into ``request.routing``, which travels with it.
+"""
+
+from __future__ import annotations
+
+import abc
+import argparse
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from .. import errors
+from ..context import Context
+from ..runtime import Client, RouterMode
+from ..transport import ItemStream
+from ._advert import ModelAdvert
+from ._engine import LLMEngineOutput, PreprocessedRequest
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+    from ..runtime import DistributedRuntime
+
+__all__ = [
+    "BUILTIN_MODES",
+    "ClientRouter",
+    "ModelRouter",
+    "OutputStream",
+    "RouterPlugin",
+    "RoutingTarget",
+]
+
+OutputStream = ItemStream[LLMEngineOutput]
+"""A request's engine outputs, as the worker's post-processing made them."""
+
+#: The modes the core provides (the frontend's ``--router-mode`` names -> ``Client`` modes).
+BUILTIN_MODES = {
+    "round-robin": RouterMode.RoundRobin,
+    "random": RouterMode.Random,
+    "direct": RouterMode.Direct,
+}
+
+
+class ModelRouter(Protocol):
+    """Sends one model's requests to its workers."""
+
+    def instance_ids(self) -> list[int]:
+        """The instances serving the model now, sorted."""
+        ...
+
+    async def generate(
+        self,
+        request: PreprocessedRequest,
+        context: Context,
+        *,
+        instance_id: int | None = None,
+        idle_timeout: float | None = None,
+    ) -> OutputStream:
+        """Send ``request``; its outputs stream back.
+
+        Args:
+            request: the preprocessed request (a router may fill ``request.routing``).
+            context: the request's cancellation context (stop and kill reach the worker).
+            instance_id: the instance chosen outside the router (``direct`` mode needs it;
+                other modes do not read it).
+            idle_timeout: seconds to wait for each next output (ResponseTimeout after).
+
+        Raises:
+            CannotConnect: no live instance (or not the one named).
+            InvalidArgument: the request cannot be routed as given.
+        """
+        ...
+
+    async def close(self) -> None:
+        """Release what the router holds (subscriptions, tasks). Idempotent."""
+        ...
+
+
+class ClientRouter:
+    """The built-in modes: round-robin, random or direct over the model's ``Client``, with its
+    failover (a request whose worker fails before the first output moves to another)."""
+
+    def __init__(self, client: Client) -> None:
+        self.client = client
+
+    def instance_ids(self) -> list[int]:
+        return self.client.instance_ids()
+
+    async def generate(
+        self,
+        request: PreprocessedRequest,
+        context: Context,
+        *,
+        instance_id: int | None = None,
+        idle_timeout: float | None = None,
+    ) -> OutputStream:
+        if self.client.mode == RouterMode.Direct and instance_id is None:
+            raise errors.InvalidArgument("direct routing needs the instance to send to")
+        if self.client.mode != RouterMode.Direct:
+            instance_id = None
+        return await self.client.stream(
+            request, LLMEngineOutput, context=context, instance_id=instance_id,
+            idle_timeout=idle_timeout,
+        )
+
+    async def close(self) -> None:
+        """Nothing to release."""
+
+
+@dataclass(frozen=True)
+class RoutingTarget:
+    """What a router plugin routes for: one model of one frontend (or router service)."""
+
+    runtime: DistributedRuntime
+    #: A client of the model's endpoint, narrowed to the instances serving the model.
+    client: Client
+    #: The model as one of its instances advertises it (name, block size, engine).
+    advert: ModelAdvert
+    #: Where the router's metrics go (the frontend's registry); None: a private one.
+    registry: CollectorRegistry | None = None
+
+
+class RouterPlugin(abc.ABC):
+    """A routing mode another package provides (entry-point group ``dynamo_zmq.routers``, the
+    entry point's name being the mode). One plugin object serves a whole frontend: its
+    ``router`` makes the ``ModelRouter`` of each model."""
+
+    @classmethod  # noqa: B027 (optional hook)
+    def add_args(cls, parser: argparse.ArgumentParser) -> None:
+        """Add the plugin's flags (called once per plugin class, whatever the mode chosen)."""
+
+    @classmethod
+    @abc.abstractmethod
+    def from_args(cls, mode: str, args: argparse.Namespace) -> RouterPlugin:
+        """The plugin for ``mode`` configured from the parsed flags.
+
+        Raises:
+            InvalidArgument: a flag's value cannot work (the frontend exits 2 with the message).
+        """
+
+    @abc.abstractmethod
+    async def router(self, target: RoutingTarget) -> ModelRouter:
+        """A started router for one model."""

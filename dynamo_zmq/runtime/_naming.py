@@ -1,0 +1,141 @@
+"""Dynamo's names: ``Namespace -> Component -> Endpoint``, and what an endpoint can do
+(serve a handler, register and unregister, make a client)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from .. import errors
+from ..transport import PeerConnection
+from ..wire import EndpointInfo
+from ._client import Client, RouterMode
+from ._handlers import adapt_handler
+
+if TYPE_CHECKING:
+    from ._runtime import DistributedRuntime
+
+__all__ = ["Component", "Endpoint", "Namespace", "check_name"]
+
+
+class Namespace:
+    def __init__(self, runtime: DistributedRuntime, name: str) -> None:
+        self.runtime = runtime
+        self.name = name
+
+    def component(self, name: str) -> Component:
+        return Component(self, check_name(name, "component"))
+
+    def __repr__(self) -> str:
+        return f"Namespace({self.name!r})"
+
+
+class Component:
+    def __init__(self, namespace: Namespace, name: str) -> None:
+        self._namespace = namespace
+        self.runtime = namespace.runtime
+        self.name = name
+
+    def namespace(self) -> Namespace:
+        return self._namespace
+
+    def endpoint(self, name: str) -> Endpoint:
+        return Endpoint(self, check_name(name, "endpoint"))
+
+    async def create_service(self) -> None:
+        """Make sure this process can serve (binds the request-plane socket)."""
+        await self.runtime._ensure_server()
+
+    def __repr__(self) -> str:
+        return f"Component({self._namespace.name}.{self.name})"
+
+
+class Endpoint:
+    """A named, streaming entry point of a component."""
+
+    def __init__(self, component: Component, name: str) -> None:
+        self._component = component
+        self.runtime = component.runtime
+        self.namespace = component.namespace().name
+        self.component_name = component.name
+        self.name = name
+        self.path = f"{self.namespace}.{self.component_name}.{name}"
+        self._handler: Callable[..., Any] | None = None
+        self._request_type: type | None = None
+
+    def __repr__(self) -> str:
+        return f"Endpoint({self.path})"
+
+    def component(self) -> Component:
+        return self._component
+
+    def connection_id(self) -> int:
+        """This process's instance id."""
+        return self.runtime.instance_id
+
+    async def start_serving(
+        self,
+        handler: Callable[..., Any],
+        metadata: dict[str, Any] | None = None,
+        request_type: type | None = None,
+    ) -> None:
+        """Register ``handler`` and advertise it; returns at once (see ``serve_endpoint``).
+
+        With ``request_type`` (a msgspec Struct), requests are decoded and validated straight
+        into that type; a request that does not fit fails with InvalidArgument.
+        """
+        self._handler = handler
+        self._request_type = request_type
+        info = EndpointInfo(self.namespace, self.component_name, self.name, metadata or {})
+        await self.runtime._add_endpoint(info, adapt_handler(handler, request_type))
+
+    async def serve_endpoint(
+        self,
+        handler: Callable[..., Any],
+        graceful_shutdown: bool = True,
+        metrics_labels: list[tuple[str, str]] | None = None,
+        health_check_payload: dict[str, Any] | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> None:
+        """Serve ``handler`` until the runtime shuts down (Dynamo's blocking form).
+
+        ``handler(request)`` or ``handler(request, context)`` is an async generator; what it
+        yields streams back to the caller. With ``graceful_shutdown`` the call returns only after
+        in-flight requests finished (bounded by the runtime's graceful timeout).
+        """
+        meta = dict(metadata or {})
+        if health_check_payload is not None:
+            meta["health_check_payload"] = health_check_payload
+        await self.start_serving(handler, meta)
+        await self.runtime.wait_shutdown()
+        if graceful_shutdown:
+            await self.runtime.drain()
+        await self.runtime._remove_endpoint(self.path)
+
+    async def unregister_endpoint_instance(self) -> None:
+        """Stop routing new requests here (the socket keeps serving what is in flight)."""
+        await self.runtime._remove_endpoint(self.path)
+
+    async def register_endpoint_instance(self) -> None:
+        if self._handler is None:
+            raise errors.InvalidArgument(f"{self.path} has no handler to register")
+        await self.start_serving(self._handler, request_type=self._request_type)
+
+    async def client(
+        self,
+        router_mode: str | None = None,
+        select: Callable[[PeerConnection], bool] | None = None,
+    ) -> Client:
+        """A client for every live instance of this endpoint (default: round-robin).
+
+        ``select`` narrows the instances further, e.g. to those serving one model.
+        """
+        pool = await self.runtime._pool(self.namespace)
+        return Client(self.path, pool, router_mode or RouterMode.RoundRobin, select)
+
+
+def check_name(name: str, what: str) -> str:
+    """``name`` if it can be a namespace, component or endpoint name, else InvalidArgument."""
+    if not name or "." in name or any(c.isspace() for c in name):
+        raise errors.InvalidArgument(f"{what} name {name!r} must be non-empty, without dots or spaces")
+    return name

@@ -1,0 +1,91 @@
+"""The worker's health: a one-token canary on the engine, run at start and after idle spells,
+and the engine's live numbers copied into the metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from ..context import Context
+from ..llm import FinishReason, LLMEngine, LLMEngineOutput, PreprocessedRequest, StopConditions
+from ._metrics import WorkerMetrics
+
+__all__ = ["CANARY_TIMEOUT", "Health"]
+
+log = logging.getLogger("dynamo_zmq.worker")
+
+#: Seconds the canary may take before it counts as failed.
+CANARY_TIMEOUT = 30.0
+
+
+class Health:
+    """Whether the engine answers, and when it last served a request.
+
+    Args:
+        engine: the started engine.
+        metrics: the worker's metrics (``healthy``, KV gauges).
+        interval: run the canary after this many idle seconds.
+    """
+
+    def __init__(self, engine: LLMEngine, metrics: WorkerMetrics, interval: float) -> None:
+        self._engine = engine
+        self._metrics = metrics
+        self._interval = interval
+        self.healthy = False
+        self.detail: dict[str, Any] = {"status": "starting"}
+        self.inflight = 0
+        self._last_activity = time.monotonic()
+
+    def request_started(self) -> None:
+        self.inflight += 1
+
+    def request_ended(self) -> None:
+        self.inflight -= 1
+        self._last_activity = time.monotonic()
+
+    async def canary(self) -> None:
+        """Generate one token on the engine directly; the result sets ``healthy``."""
+        request = PreprocessedRequest(
+            token_ids=[1], stop=StopConditions(max_tokens=1, ignore_eos=True)
+        )
+        ctx = Context(f"health-{time.monotonic_ns()}")
+        started = time.monotonic()
+        detail: dict[str, Any]
+        try:
+            out = await asyncio.wait_for(self._last_output(request, ctx), CANARY_TIMEOUT)
+            ok = out is not None and out.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
+            detail = {"status": "healthy" if ok else "unhealthy",
+                      "finish_reason": out and out.finish_reason}
+        except Exception as exc:
+            ok, detail = False, {"status": "unhealthy", "error": f"{type(exc).__name__}: {exc}"}
+        detail["canary_seconds"] = round(time.monotonic() - started, 4)
+        if ok != self.healthy:
+            log.log(logging.INFO if ok else logging.WARNING, "health canary: %s", detail)
+        self.healthy, self.detail = ok, detail
+        self._metrics.healthy.labels(self._metrics.model).set(1 if ok else 0)
+
+    async def _last_output(self, request: PreprocessedRequest, ctx: Context) -> LLMEngineOutput | None:
+        last = None
+        async for out in self._engine.generate(request, ctx):
+            last = out
+        return last
+
+    async def run(self) -> None:
+        """Every second: refresh the engine's numbers; after ``interval`` idle, the canary."""
+        while True:
+            await asyncio.sleep(min(1.0, self._interval))
+            self.refresh_stats()
+            idle = time.monotonic() - self._last_activity
+            if self.inflight == 0 and idle >= self._interval:
+                await self.canary()
+                self._last_activity = time.monotonic()
+
+    def refresh_stats(self) -> None:
+        stats = self._engine.stats()
+        active, total = stats.get("kv_active_blocks"), stats.get("kv_total_blocks")
+        if active is not None:
+            self._metrics.kv_active.labels(self._metrics.model).set(active)
+            if total:
+                self._metrics.kv_usage.labels(self._metrics.model).set(active / total)
