@@ -59,6 +59,7 @@ from .llm import (
     StreamContractError,
     validate_stream,
 )
+from .resources import cancel_and_wait
 
 __all__ = [
     "CANCEL_DEADLINE",
@@ -301,9 +302,7 @@ async def _check_concurrent(
         try:
             await asyncio.wait(tasks)
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await cancel_and_wait(tasks)
         failed = [(i, t) for i, t in enumerate(tasks) if t.cancelled() or t.exception()]
         if failed:
             i, task = failed[0]

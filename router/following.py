@@ -160,7 +160,7 @@ class InstanceFollower:
         assert isinstance(self._indexer, KvIndexer)  # events are followed only into one
         endpoint = known.advert.kv_events_endpoint
         sub = KvEventSubscriber(
-            self._res.zctx, iid, endpoint, self._indexer,
+            self._res, iid, endpoint, self._indexer,
             replay_endpoint=known.advert.kv_replay_endpoint, metrics=self._metrics,
             model=self._model, replay_timeout=self._replay_timeout,
         )
@@ -171,7 +171,7 @@ class InstanceFollower:
         assert known.advert is not None and known.advert.load_endpoint is not None
         endpoint = known.advert.load_endpoint
         sub = LoadSubscriber(
-            self._res.zctx, iid, endpoint, self._on_load, dp_size=known.dp_size,
+            self._res, iid, endpoint, self._on_load, dp_size=known.dp_size,
             metrics=self._metrics, model=self._model,
         )
         if _started(sub, iid, "load", endpoint):

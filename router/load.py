@@ -14,11 +14,11 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 
 import zmq
 
 from dynamo_zmq.llm import LOAD_TOPIC, EngineLoad, LoadDecodeError, decode_report
+from dynamo_zmq.resources import Resources
 from dynamo_zmq.transport import AsyncSocket, make_socket
 
 from .metrics import RouterMetrics
@@ -58,7 +58,7 @@ class LoadSubscriber:
     """Follows one worker's load reports.
 
     Args:
-        zctx: the ZMQ context to make the socket in.
+        owner: the resources this subscriber's task and socket hang under (the router's).
         worker_id: the worker's instance id (reports naming another are rejected).
         endpoint: the worker's advertised ``load_endpoint``.
         on_load: called with ``(worker_id, ranks)`` for each valid report.
@@ -68,7 +68,7 @@ class LoadSubscriber:
 
     def __init__(
         self,
-        zctx: zmq.Context[Any],
+        owner: Resources,
         worker_id: int,
         endpoint: str,
         on_load: OnLoad,
@@ -77,7 +77,8 @@ class LoadSubscriber:
         metrics: RouterMetrics | None = None,
         model: str = "",
     ) -> None:
-        self._zctx = zctx
+        self._owner = owner
+        self._res: Resources | None = None
         self.worker_id = worker_id
         self.endpoint = endpoint
         self._on_load = on_load
@@ -99,29 +100,26 @@ class LoadSubscriber:
         """Connect and start following (needs a running event loop; returns at once)."""
         if self._sock is not None or self._closed:
             raise RuntimeError("load subscriber already started or closed")
-        sock = make_socket(self._zctx, zmq.SUB, hwm=SUB_HWM, heartbeat_ms=0)
+        sock = make_socket(self._owner.zctx, zmq.SUB, hwm=SUB_HWM, heartbeat_ms=0)
         try:
             sock.setsockopt(zmq.SUBSCRIBE, LOAD_TOPIC)
             sock.connect(self.endpoint)
-            self._sock = AsyncSocket(sock)
+            self._sock = async_sock = AsyncSocket(sock)
         except BaseException:
             sock.close(linger=0)
             raise
-        self._task = asyncio.create_task(self._run(), name=f"load-{self.worker_id:x}")
+        self._res = res = self._owner.child(f"load {self.worker_id:x}")
+        res.on_close(async_sock.close)  # after the task has ended
+        self._task = res.spawn(self._run(), f"load-{self.worker_id:x}")
 
     async def close(self) -> None:
         """Stop following (idempotent); no report is delivered once this is called."""
         if self._closed:
             return
         self._closed = True
-        task, self._task = self._task, None
-        try:
-            if task is not None:
-                task.cancel()
-                await asyncio.wait({task})  # our own cancellation still propagates
-        finally:
-            if self._sock is not None:
-                self._sock.close()
+        self._task = None
+        if self._res is not None:
+            await self._res.close()
 
     @property
     def running(self) -> bool:

@@ -33,10 +33,11 @@ import contextlib
 import logging
 import math
 import time
-from typing import Any, Protocol
+from typing import Protocol
 
 import zmq
 
+from dynamo_zmq.resources import Resources
 from dynamo_zmq.transport import AsyncSocket, SendResult, make_socket
 
 from .events import EventBatch, EventDecodeError, decode_batch
@@ -97,7 +98,7 @@ class KvEventSubscriber:
     """Follows one publisher (worker instance) and applies its batches to ``indexer``.
 
     Args:
-        zctx: the ZMQ context to make sockets in.
+        owner: the resources this subscriber's task and sockets hang under (the router's).
         worker_id: the worker's instance id (the index key's first half).
         events_endpoint: the engine's ``kv_events_endpoint`` (PUB).
         indexer: the index to feed (``apply_batch``, ``remove_worker``).
@@ -111,7 +112,7 @@ class KvEventSubscriber:
 
     def __init__(
         self,
-        zctx: zmq.Context[Any],
+        owner: Resources,
         worker_id: int,
         events_endpoint: str,
         indexer: Index,
@@ -123,7 +124,8 @@ class KvEventSubscriber:
         max_batch_bytes: int = MAX_BATCH_BYTES,
         max_replay_bytes: int = MAX_REPLAY_BYTES,
     ) -> None:
-        self._zctx = zctx
+        self._owner = owner
+        self._res: Resources | None = None
         self._max_batch_bytes = max_batch_bytes
         self._max_replay_bytes = max_replay_bytes
         self.worker_id = worker_id
@@ -151,29 +153,28 @@ class KvEventSubscriber:
         """Connect and start following (needs a running event loop; returns at once)."""
         if self._sock is not None or self._closed:
             raise RuntimeError("subscriber already started or closed")
-        sock = make_socket(self._zctx, zmq.SUB, hwm=SUB_HWM, heartbeat_ms=0)
+        sock = make_socket(self._owner.zctx, zmq.SUB, hwm=SUB_HWM, heartbeat_ms=0)
         try:
             sock.setsockopt(zmq.SUBSCRIBE, b"")
             sock.connect(self.events_endpoint)
-            self._sock = AsyncSocket(sock)
+            self._sock = async_sock = AsyncSocket(sock)
         except BaseException:
             sock.close(linger=0)
             raise
-        self._task = asyncio.create_task(self._run(), name=f"kv-events-{self.worker_id:x}")
+        self._res = res = self._owner.child(f"kv-events {self.worker_id:x}")
+        res.on_close(async_sock.close)  # after the task has ended
+        self._task = res.spawn(self._run(), f"kv-events-{self.worker_id:x}")
 
     async def close(self, drop_state: bool = True) -> None:
         """Stop following; with ``drop_state`` the worker's blocks leave the index. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        task, self._task = self._task, None
+        self._task = None
         try:
-            if task is not None:
-                task.cancel()
-                await asyncio.wait({task})  # our own cancellation still propagates
+            if self._res is not None:
+                await self._res.close()
         finally:
-            if self._sock is not None:
-                self._sock.close()
             self._progress.set()
             if drop_state:
                 self._indexer.remove_worker(self.worker_id)
@@ -330,7 +331,7 @@ class KvEventSubscriber:
         # A fresh DEALER per replay: a late answer to an abandoned one can never be mistaken
         # for this one's.
         try:
-            sock = AsyncSocket(make_socket(self._zctx, zmq.DEALER, connect=self.replay_endpoint,
+            sock = AsyncSocket(make_socket(self._owner.zctx, zmq.DEALER, connect=self.replay_endpoint,
                                            hwm=SUB_HWM, heartbeat_ms=0))
         except zmq.ZMQError as exc:  # e.g. vLLM's bind form tcp://*:N advertised by mistake
             log.warning("worker %x advertises KV replay at %r, which the router cannot connect to "

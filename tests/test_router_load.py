@@ -25,6 +25,7 @@ from dynamo_zmq.llm import (
     StopConditions,
     encode_report,
 )
+from dynamo_zmq.resources import Resources
 from router.kv_router import KvRouter
 from router.load import LoadSubscriber
 from router.metrics import RouterMetrics
@@ -67,7 +68,7 @@ async def test_malformed_load_messages_are_counted_and_never_fatal(zctx):
     tracker = LoadTracker()
     metrics = RouterMetrics()
     sub = LoadSubscriber(
-        zctx, WID, f"tcp://127.0.0.1:{port}",
+        Resources("test"), WID, f"tcp://127.0.0.1:{port}",
         lambda w, ranks: [tracker.report((w, r.dp_rank), r.active_blocks) for r in ranks],
         dp_size=2, metrics=metrics, model="m",
     )
@@ -125,7 +126,7 @@ frames_strategy = st.lists(st.binary(max_size=64), max_size=4) | st.tuples(
 @given(st.lists(frames_strategy, max_size=5))
 def test_handle_never_raises_and_only_valid_reports_reach_the_router(messages):
     seen: list[tuple[int, list[EngineLoad]]] = []
-    sub = LoadSubscriber(zmq.Context.instance(), WID, "tcp://127.0.0.1:1",
+    sub = LoadSubscriber(Resources("test"), WID, "tcp://127.0.0.1:1",
                          lambda w, r: seen.append((w, r)), dp_size=2)
     for frames in messages:
         sub.handle(frames)

@@ -19,6 +19,7 @@ import zmq
 
 from dynamo_zmq.context import Context
 from dynamo_zmq.llm import PreprocessedRequest, RoutingHints, StopConditions
+from dynamo_zmq.resources import Resources
 from engines.mocker import MockerConfig, MockerEngine
 from engines.mocker._hashing import chain_hashes
 from router.events import BlockStored, encode_batch
@@ -84,7 +85,7 @@ def subscriber(zctx: Any, engine: MockerEngine, index: KvIndexer, replay: bool =
                metrics: RouterMetrics | None = None, **options: Any) -> KvEventSubscriber:
     cfg = engine.engine_config
     assert cfg is not None and cfg.kv_events_endpoint and cfg.kv_replay_endpoint
-    sub = KvEventSubscriber(zctx, WID, cfg.kv_events_endpoint, index,
+    sub = KvEventSubscriber(Resources("test"), WID, cfg.kv_events_endpoint, index,
                             replay_endpoint=cfg.kv_replay_endpoint if replay else None,
                             metrics=metrics, model="m", replay_timeout=2.0, **options)
     sub.start()
@@ -287,7 +288,7 @@ async def test_undecodable_batches_are_counted_and_skipped(zctx):
     pub.setsockopt(zmq.LINGER, 0)
     port = pub.bind_to_random_port("tcp://127.0.0.1")
     index = KvIndexer(BS)
-    sub = KvEventSubscriber(zctx, WID, f"tcp://127.0.0.1:{port}", index)
+    sub = KvEventSubscriber(Resources("test"), WID, f"tcp://127.0.0.1:{port}", index)
     sub.start()
     seq = 0
 
@@ -320,7 +321,7 @@ async def test_odd_batch_timestamps_never_poison_the_event_lag_metric(zctx):
     pub.setsockopt(zmq.LINGER, 0)
     port = pub.bind_to_random_port("tcp://127.0.0.1")
     index, metrics = KvIndexer(BS), RouterMetrics()
-    sub = KvEventSubscriber(zctx, WID, f"tcp://127.0.0.1:{port}", index, metrics=metrics, model="m")
+    sub = KvEventSubscriber(Resources("test"), WID, f"tcp://127.0.0.1:{port}", index, metrics=metrics, model="m")
     sub.start()
     seq = 0
 
@@ -358,7 +359,7 @@ async def test_an_oversized_batch_is_skipped_undecoded(zctx):
     pub.setsockopt(zmq.LINGER, 0)
     port = pub.bind_to_random_port("tcp://127.0.0.1")
     index = KvIndexer(BS)
-    sub = KvEventSubscriber(zctx, WID, f"tcp://127.0.0.1:{port}", index, max_batch_bytes=64 << 10)
+    sub = KvEventSubscriber(Resources("test"), WID, f"tcp://127.0.0.1:{port}", index, max_batch_bytes=64 << 10)
     sub.start()
     seq = 0
 

@@ -20,6 +20,7 @@ from zeroconf import InterfaceChoice, IPVersion, ServiceStateChange, Zeroconf
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
 
 from ..errors import InvalidArgument
+from ..resources import cancel_and_wait
 from ._base import (
     PROTOCOL_VERSION,
     SERVICE_TYPE,
@@ -266,10 +267,7 @@ class _Watch:
                 await browser.async_cancel()
             except Exception:
                 log.exception("mDNS: error while cancelling a browser")
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(self._tasks)
         self.queue.put_nowait(None)
 
     def _on_change(

@@ -8,12 +8,12 @@ order, then the end marker ``[b"", b"", b"\\xff" * 8, b""]``.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import logging
 
 import zmq
 
+from dynamo_zmq.resources import Resources
 from dynamo_zmq.transport import AsyncSocket, SendResult, make_socket
 
 from ._kv_events import KvEvent, encode_batch
@@ -41,10 +41,9 @@ class KvEventPublisher:
         self.topic = topic
         self._buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=buffer_size)
         self._next_seq = 0
-        self._zctx: zmq.Context | None = None
-        self._pub: zmq.Socket | None = None
+        self._res: Resources | None = None
+        self._pub: zmq.Socket[bytes] | None = None
         self._replay: AsyncSocket | None = None
-        self._task: asyncio.Task[None] | None = None
         self.events_port = 0
         self.replay_port = 0
         self.dropped = 0
@@ -56,23 +55,24 @@ class KvEventPublisher:
 
     async def start(self) -> None:
         """Bind both sockets and start serving replays."""
-        if self._zctx is not None:
+        if self._res is not None:
             raise RuntimeError("publisher already started")
-        self._zctx = zmq.Context()
+        self._res = res = Resources("mocker-kv-publisher")
+        res.on_close(self._close_sockets)
         try:
             self._pub = make_socket(
-                self._zctx, zmq.PUB, bind=self._endpoint(self._ports[0]), hwm=PUB_HWM
+                res.zctx, zmq.PUB, bind=self._endpoint(self._ports[0]), hwm=PUB_HWM
             )
             self.events_port = _bound_port(self._pub)
             replay = make_socket(
-                self._zctx, zmq.ROUTER, bind=self._endpoint(self._ports[1]), hwm=PUB_HWM
+                res.zctx, zmq.ROUTER, bind=self._endpoint(self._ports[1]), hwm=PUB_HWM
             )
             self._replay = AsyncSocket(replay)
             self.replay_port = _bound_port(replay)
         except BaseException:
             await self.close()
             raise
-        self._task = asyncio.create_task(self._serve_replay(), name="mocker-kv-replay")
+        res.spawn(self._serve_replay(), "mocker-kv-replay")
 
     def _endpoint(self, port: int) -> str:
         return f"tcp://{self._bind_host}:{port}"
@@ -129,19 +129,16 @@ class KvEventPublisher:
 
     async def close(self) -> None:
         """Stop the replay task and close the sockets (idempotent)."""
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.wait({task})
+        if self._res is not None:
+            await self._res.close()
+
+    def _close_sockets(self) -> None:
         if self._replay is not None:
             self._replay.close()
             self._replay = None
         if self._pub is not None:
             self._pub.close(linger=0)
             self._pub = None
-        if self._zctx is not None:
-            self._zctx.term()
-            self._zctx = None
 
 
 def _bound_port(sock: zmq.Socket) -> int:

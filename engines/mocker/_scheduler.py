@@ -25,6 +25,7 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 from dynamo_zmq.llm import FinishReason, LLMEngineOutput
+from dynamo_zmq.resources import Resources
 
 from ._blocks import BlockManager
 from ._config import MockerConfig
@@ -82,22 +83,21 @@ class RankScheduler:
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
-        self._task: asyncio.Task[None] | None = None
+        self._res = Resources(f"mocker-rank-{rank}")
+        self._started = False
         self._failure: str | None = None
 
     # -- lifecycle --------------------------------------------------------------------------
 
     def start(self) -> None:
         """Start the step loop (on the running event loop)."""
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name=f"mocker-rank-{self.rank}")
+        if not self._started and not self._res.closed:
+            self._started = True
+            self._res.spawn(self._run(), f"mocker-rank-{self.rank}")
 
     async def close(self) -> None:
         """Stop the step loop; every unfinished sequence ends with an error."""
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.wait({task})
+        await self._res.close()
         self._failure = self._failure or "the mocker engine shut down"
         self._fail_all(self._failure)
 

@@ -17,7 +17,7 @@ import itertools
 import logging
 import os
 import socket
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ from dynamo_zmq.llm import (
     cancelled_output,
     error_output,
 )
+from dynamo_zmq.resources import Resources, cancel_and_wait
 
 from ._options import (
     VllmOptions,
@@ -74,7 +75,8 @@ class VllmEngine(LLMEngine):
         self._ids = itertools.count()
         #: vLLM request ids by context id (for ``abort``).
         self._live: dict[str, set[str]] = {}
-        self._tasks: set[asyncio.Task[Any]] = set()
+        #: Owns the abort tasks a stopped context starts.
+        self._res = Resources("vllm-engine")
         self._state = "new"  # new -> starting -> started -> closed
 
     # -- construction ----------------------------------------------------------------------
@@ -219,20 +221,14 @@ class VllmEngine(LLMEngine):
         """Abort what is left and shut vLLM down. Idempotent; safe before ``start``."""
         self._state = "closed"
         llm, self._llm = self._llm, None
-        for task in list(self._tasks):
-            task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(BaseException):
-                await task
+        await self._res.close()
         if llm is not None:
             with contextlib.suppress(Exception):
                 await llm.abort([rid for rids in self._live.values() for rid in rids])
             # vLLM's output task would log the engine core's exit as a failure: stop it first.
             handler = getattr(llm, "output_handler", None)
-            if handler is not None:
-                handler.cancel()
-                with contextlib.suppress(BaseException):
-                    await handler
+            if isinstance(handler, asyncio.Task):
+                await cancel_and_wait((handler,))
             await asyncio.to_thread(llm.shutdown, self.options.shutdown_timeout)
         self._live.clear()
 
@@ -364,18 +360,8 @@ class VllmEngine(LLMEngine):
             await self._llm.abort(rids)
 
     def _spawn_abort(self, llm: Any, rids: list[str]) -> None:
-        task = asyncio.get_running_loop().create_task(llm.abort(rids), name=f"vllm-abort-{rids[0]}")
-        self._tasks.add(task)
-        task.add_done_callback(_forget(self._tasks))
-
-
-def _forget(tasks: set[asyncio.Task[Any]]) -> Callable[[asyncio.Task[Any]], None]:
-    def done(task: asyncio.Task[Any]) -> None:
-        tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("vLLM abort failed: %r", task.exception())
-
-    return done
+        if not self._res.closed:  # once closed, cleanup aborts whatever is left
+            self._res.spawn(llm.abort(rids), f"vllm-abort-{rids[0]}")
 
 
 def _free_port(exclude: int = 0) -> int:
