@@ -27,7 +27,14 @@ import msgspec
 import numpy as np
 import xxhash
 
-__all__ = ["ROOT_SEED", "block_hashes", "extra_key_hash", "root_hash", "token_bytes"]
+__all__ = [
+    "ROOT_SEED",
+    "block_hashes",
+    "extra_key_hash",
+    "root_hash",
+    "salted_block_hashes",
+    "token_bytes",
+]
 
 #: Parent of the first block of every sequence without LoRA (an arbitrary fixed constant).
 ROOT_SEED = xxhash.xxh3_64_intdigest(b"dynamo-zmq/router/block-hash/v1")
@@ -122,3 +129,28 @@ def extra_key_hash(own_hash: int, extra_key: Any) -> int:
     never match it; its children chain from the salted hash.
     """
     return _h64(b"extra:" + msgspec.msgpack.encode(extra_key), own_hash)
+
+
+def salted_block_hashes(
+    token_ids: TokenIds, block_size: int, parent: int, extra_keys: Sequence[Any]
+) -> list[int]:
+    """The chained hashes of ``len(extra_keys)`` full blocks, each salted with its extra key.
+
+    A block whose extra key is ``None`` hashes as in ``block_hashes``; one with an extra key is
+    salted (``extra_key_hash``), and its successors chain from the salted hash.
+
+    Args:
+        token_ids: the blocks' tokens, concatenated (ints, see ``token_bytes``).
+        block_size: tokens per block (> 0).
+        parent: the hash of the block before the first one.
+        extra_keys: per block, the engine's extra hash inputs or ``None``.
+
+    Raises:
+        ValueError: bad token ids or block size.
+    """
+    owns: list[int] = []
+    for i, extra in enumerate(extra_keys):
+        (h,) = block_hashes(token_ids[i * block_size : (i + 1) * block_size], block_size, parent)
+        parent = h if extra is None else extra_key_hash(h, extra)
+        owns.append(parent)
+    return owns

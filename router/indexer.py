@@ -5,21 +5,14 @@ Data structure (chosen for CPython speed, see scripts/bench_indexer.py):
 * Each ``WorkerKey = (worker_id, dp_rank)`` gets one bit. ``_masks`` maps the router's own block
   hash (``router.hashing``: chained, so one hash names a whole prefix) to the int bitmask of the
   keys holding that block.
-* Per key, ``e2o`` maps each held engine hash to one packed int: its own hash (bits 0-63), its
-  parent's engine hash (64-127), a has-parent bit (128) and its number of held children (129+).
-  It chains a store to its parent and tells what a removal drops. ``dups`` counts extra stores
-  of an engine hash already held (vLLM does publish the same hash twice); ``shared`` counts extra
-  engine hashes mapping to an own hash the key already holds (an engine-side salt the router
-  cannot see). A key's bit leaves ``_masks[h]`` with its last reference to ``h``.
-* ``orphans`` counts a key's held blocks whose parent engine block is not held (it was removed
-  first), ``orphan_parents`` their missing parents. A key without orphans holds an
-  ancestor-closed set, so along any prompt its blocks form a prefix and
-  ``find_matches_for_hashes`` binary-searches each key's match length
+* Per key, a ``KeyState`` (``router._keystate``: packed ``e2o`` entries, duplicate and orphan
+  counts) chains the held blocks by engine hash. A key without orphans (held blocks whose parent
+  was removed first) holds an ancestor-closed set, so along any prompt its blocks form a prefix
+  and ``find_matches_for_hashes`` binary-searches each key's match length
   (``router.matching.prefix_matches``), ~10 us for a 2,000-block prompt over 8 keys. Engines
   evict leaves first (vLLM frees a request's blocks tail-first), so orphans are rare; while a key
   holding the prompt's first block has some, the query is answered by an exact linear scan
-  instead (``linear_matches``). Orphans are counted per engine block, which over-counts only in
-  odd cases (twin engine hashes), never under-counts.
+  instead (``linear_matches``).
 
 Conservative handling (never index data the event does not prove):
 
@@ -45,8 +38,7 @@ Conservative handling (never index data the event does not prove):
   costs cache hits, never routes on wrong data. Engines' caches are bounded, so the bound is a
   safety net against runaway or hostile publishers, not a cache policy.
 
-Memory: ``bytes_per_block()`` computes the live figure from the containers (dict tables plus the
-int objects they hold); scripts/bench_indexer.py checks it against tracemalloc.
+Memory: ``bytes_per_block()`` computes the live figure (``router._index_stats``).
 """
 
 from __future__ import annotations
@@ -55,69 +47,39 @@ import array
 import itertools
 import logging
 import operator
-import sys
 from collections.abc import Sequence
 from typing import Any
 
-import msgspec
 import xxhash
 
+from ._index_stats import IndexerStats as IndexerStats
+from ._index_stats import bytes_per_block
+from ._keystate import CHILD as _CHILD
+from ._keystate import CHILD_SHIFT as _CHILD_SHIFT
+from ._keystate import HAS_PARENT as _HAS_PARENT
+from ._keystate import MASK64 as _MASK64
+from ._keystate import KeyState, KeyTable, relink, unlink
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
-from .hashing import ROOT_SEED, TokenIds, block_hashes, extra_key_hash, root_hash
-from .matching import WorkerKey, linear_matches, prefix_matches
+from .hashing import ROOT_SEED, TokenIds, block_hashes, root_hash, salted_block_hashes
+from .matching import WorkerKey as WorkerKey
+from .matching import linear_matches, prefix_matches
 
 __all__ = ["DEFAULT_MAX_BLOCKS", "IndexerStats", "KvIndexer", "WorkerKey"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BLOCKS = 10_000_000
-#: pymalloc sizes of a uint64 int object (3 x 30-bit digits) and of a 128-bit one (5 digits).
-_INT_BYTES = 40
-_PACKED_BYTES = 48
 
 _NO_EXTRA = [None]
 _h64 = xxhash.xxh3_64_intdigest
-_MASK64 = (1 << 64) - 1
-_HAS_PARENT = 1 << 128
-_CHILD_SHIFT = 129
-_CHILD = 1 << _CHILD_SHIFT
 _SIXTY_FOUR = itertools.repeat(64)
 _lshift = operator.lshift
 _and = operator.and_
 _or = operator.or_
 
 
-class IndexerStats(msgspec.Struct, gc=False):
-    """Counters of what the indexer applied, ignored or refused (all monotonic)."""
-
-    stored_blocks: int = 0
-    removed_blocks: int = 0
-    duplicate_stores: int = 0
-    conflicts: int = 0
-    unknown_parent: int = 0
-    bad_length: int = 0
-    block_size_mismatch: int = 0
-    unknown_removed: int = 0
-    refused: int = 0
-    bad_tokens: int = 0
-    clears: int = 0
-
-
 def _zeros(n: int) -> itertools.repeat[int]:
     return itertools.repeat(0, n)
-
-
-class _KeyState:
-    __slots__ = ("bit", "dups", "e2o", "orphan_parents", "orphans", "poisoned", "shared")
-
-    def __init__(self, bit: int) -> None:
-        self.bit = bit
-        self.e2o: dict[int, int] = {}  # engine hash -> packed (see the module docstring)
-        self.dups: dict[int, int] = {}  # engine hash -> extra stores
-        self.shared: dict[int, int] = {}  # own hash -> extra engine hashes mapping to it
-        self.orphan_parents: dict[int, tuple[int, int]] = {}  # gone parent -> (children, own)
-        self.orphans = 0  # held blocks whose parent engine block is not held
-        self.poisoned = False  # bookkeeping no longer trusted: always scan linearly
 
 
 class KvIndexer:
@@ -138,27 +100,14 @@ class KvIndexer:
         self.stats = IndexerStats()
         self._masks: dict[int, int] = {}
         self._dirty = 0  # bits of the keys with orphans (or poisoned)
-        self._state: dict[WorkerKey, _KeyState] = {}
-        self._bit_keys: dict[int, WorkerKey] = {}  # bit value -> key
-        self._free_bits: list[int] = []  # bit positions released by remove_worker
-        self._next_bit = 0
+        self._keys = KeyTable()
+        # The table's own dicts (never rebound), read directly on the hot paths.
+        self._state: dict[WorkerKey, KeyState] = self._keys.states
+        self._bit_keys: dict[int, WorkerKey] = self._keys.bit_keys
         self._total = 0
         self._warned_full = False
 
     # --- keys ------------------------------------------------------------------------------------
-
-    def _key_state(self, key: WorkerKey) -> _KeyState:
-        st = self._state.get(key)
-        if st is None:
-            if self._free_bits:
-                pos = min(self._free_bits)  # small bit positions keep masks small ints
-                self._free_bits.remove(pos)
-            else:
-                pos = self._next_bit
-                self._next_bit += 1
-            st = self._state[key] = _KeyState(1 << pos)
-            self._bit_keys[st.bit] = key
-        return st
 
     def keys(self) -> set[WorkerKey]:
         """Keys seen in events (an ``AllBlocksCleared`` keeps its key; ``remove_worker`` drops
@@ -208,7 +157,7 @@ class KvIndexer:
             extra_keys: per block, the engine's extra hash inputs or ``None``.
         """
         stats = self.stats
-        st = self._state.get(key) or self._key_state(key)
+        st = self._state.get(key) or self._keys.add(key)
         n = len(engine_hashes)
         if block_size != self.block_size:
             stats.block_size_mismatch += 1
@@ -255,7 +204,7 @@ class KvIndexer:
                 if len(extra_keys) != n:
                     stats.bad_length += 1
                     return
-                owns = self._salted_hashes(token_ids, seed, extra_keys)
+                owns = salted_block_hashes(token_ids, block_size, seed, extra_keys)
             else:
                 owns = block_hashes(token_ids, block_size, seed)
         except ValueError:
@@ -296,7 +245,7 @@ class KvIndexer:
         self._total += n
         stats.stored_blocks += n
 
-    def _store_each(self, st: _KeyState, engine_hashes: list[int], owns: list[int],
+    def _store_each(self, st: KeyState, engine_hashes: list[int], owns: list[int],
                     parent: int | None) -> None:
         """Block-by-block store: duplicates, conflicts, re-stored parents, the capacity bound."""
         stats, e2o, masks, bit = self.stats, st.e2o, self._masks, st.bit
@@ -321,15 +270,9 @@ class KvIndexer:
             else:
                 packed = oh | prev << 64 | _HAS_PARENT
                 e2o[prev] += _CHILD
-            gone = st.orphan_parents.pop(eh, None) if st.orphan_parents else None
-            if gone is not None:  # stored again under its held children
-                children, old_own = gone
-                if old_own == oh:
-                    packed += children * _CHILD
-                    self._set_orphans(st, st.orphans - children)
-                else:
-                    st.poisoned = True
-                    self._set_orphans(st, st.orphans)
+            if st.orphan_parents and eh in st.orphan_parents:  # stored again under its children
+                packed = relink(st, eh, oh, packed)
+                self._set_orphans(st, st.orphans)
             e2o[eh] = packed
             m = masks.get(oh, 0)
             if m & bit:
@@ -339,7 +282,7 @@ class KvIndexer:
         self._total += added
         stats.stored_blocks += added
 
-    def _set_orphans(self, st: _KeyState, orphans: int) -> None:
+    def _set_orphans(self, st: KeyState, orphans: int) -> None:
         st.orphans = orphans
         if orphans > 0 or st.poisoned:
             self._dirty |= st.bit
@@ -351,15 +294,6 @@ class KvIndexer:
         if not self._warned_full:
             self._warned_full = True
             log.warning("KV index full (%d blocks); refusing new stores", self.max_blocks)
-
-    def _salted_hashes(self, token_ids: TokenIds, parent: int, extra_keys: list[Any]) -> list[int]:
-        bs = self.block_size
-        owns: list[int] = []
-        for i, extra in enumerate(extra_keys):
-            (h,) = block_hashes(token_ids[i * bs : (i + 1) * bs], bs, parent)
-            parent = h if extra is None else extra_key_hash(h, extra)
-            owns.append(parent)
-        return owns
 
     def apply_removed(self, key: WorkerKey, engine_hashes: list[int]) -> None:
         """Drop one reference per engine hash; a block leaves the key with its last reference."""
@@ -386,7 +320,7 @@ class KvIndexer:
             oh = packed & _MASK64
             children = packed >> _CHILD_SHIFT
             if children or packed & _HAS_PARENT:
-                self._unlink(st, eh, packed, oh, children)
+                self._set_orphans(st, unlink(st, eh, packed, oh, children))
             s = shared.get(oh)
             if s is not None:
                 if s > 1:
@@ -401,27 +335,6 @@ class KvIndexer:
                 del masks[oh]
         self._total -= removed
         stats.removed_blocks += removed
-
-    def _unlink(self, st: _KeyState, eh: int, packed: int, oh: int, children: int) -> None:
-        """Parent/children bookkeeping of a removed engine block."""
-        orphans = st.orphans + children  # its held children lose their parent
-        if children:
-            st.orphan_parents[eh] = (children, oh)
-        if packed & _HAS_PARENT:
-            pe = (packed >> 64) & _MASK64
-            pp = st.e2o.get(pe)
-            if pp is not None:
-                if pp >> _CHILD_SHIFT:  # (only a poisoned key can be at 0 here)
-                    st.e2o[pe] = pp - _CHILD
-            else:  # it was an orphan itself
-                orphans -= 1
-                gone = st.orphan_parents.get(pe)
-                if gone is not None:
-                    if gone[0] > 1:
-                        st.orphan_parents[pe] = (gone[0] - 1, gone[1])
-                    else:
-                        del st.orphan_parents[pe]
-        self._set_orphans(st, orphans)
 
     def clear(self, key: WorkerKey) -> None:
         """Forget every block of ``key`` (its ``AllBlocksCleared``); the key stays known."""
@@ -451,9 +364,7 @@ class KvIndexer:
         """Forget ``worker_id`` entirely: all its DP ranks, their blocks and their keys."""
         for key in [k for k in self._state if k[0] == worker_id]:
             self._clear(key)
-            st = self._state.pop(key)
-            del self._bit_keys[st.bit]
-            self._free_bits.append(st.bit.bit_length() - 1)
+            self._keys.drop(key)
 
     # --- queries ---------------------------------------------------------------------------------
 
@@ -477,21 +388,7 @@ class KvIndexer:
     # --- memory ----------------------------------------------------------------------------------
 
     def bytes_per_block(self) -> float:
-        """Bytes of index memory per (key, engine block) entry, computed from the live containers:
-        dict tables (``sys.getsizeof``, slack included) plus the int objects they own: own hash
-        keys, engine hash keys, packed ``e2o`` values, and masks too wide for CPython's cached
-        small ints (sampled). 0.0 when empty. scripts/bench_indexer.py checks it against
-        tracemalloc."""
-        if not self._total:
-            return 0.0
-        masks = self._masks
-        size = sys.getsizeof(masks) + len(masks) * _INT_BYTES
-        sample = list(itertools.islice(masks.values(), 0, None, max(1, len(masks) // 10_000)))
-        if sample:
-            # Single-bit masks are mostly the key's own bit object, shared (see apply_stored).
-            wide = sum(1 for m in sample if m > 256 and m & (m - 1)) / len(sample)
-            size += int(wide * len(masks)) * _INT_BYTES
-        for st in self._state.values():
-            size += sum(map(sys.getsizeof, (st.e2o, st.dups, st.shared, st.orphan_parents)))
-            size += len(st.e2o) * (_INT_BYTES + _PACKED_BYTES)  # engine hash keys, packed values
-        return size / self._total
+        """Bytes of index memory per (key, engine block) entry, computed from the live containers
+        (``router._index_stats.bytes_per_block``); 0.0 when empty. scripts/bench_indexer.py
+        checks it against tracemalloc."""
+        return bytes_per_block(self._masks, self._state.values(), self._total)

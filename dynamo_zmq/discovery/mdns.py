@@ -1,21 +1,20 @@
-"""mDNS discovery: advertise instances as ``_dynamo-zmq._tcp.local.`` services and browse for peers.
+"""mDNS discovery: advertise instances as ``_dynamo-zmq._tcp.local.`` services, browse for peers.
 
 One ``AsyncZeroconf`` per ``MdnsDiscovery`` owns the sockets. Each advert is one service named
-``<namespace>-<instance id as 16 hex>``; its TXT carries only ``ns``, ``iid``, ``v`` and ``comps``.
-Each ``watch()`` owns one browser, the resolve tasks it starts, and the queue it yields from.
-Zeroconf failures after ``start()`` are logged, never raised into the caller's loop.
+``<namespace>-<instance id as 16 hex>``; its TXT carries only ``ns``, ``iid``, ``v`` and
+``comps``. Each ``watch()`` owns one browser, the resolve tasks it starts, and the queue it
+yields from. Zeroconf failures after ``start()`` are logged, never raised into the caller's
+loop. Which IPv4 addresses are published and dialled is ``_mdns_addresses.py``'s.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import re
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
-import ifaddr
 from zeroconf import InterfaceChoice, IPVersion, ServiceStateChange, Zeroconf
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
 
@@ -30,7 +29,11 @@ from ._base import (
     PeerAdded,
     PeerRemoved,
 )
-from ._config import DiscoveryConfig, validate_address
+from ._config import DiscoveryConfig
+from ._mdns_addresses import advert_endpoint as _advert_endpoint
+from ._mdns_addresses import local_ipv4 as _local_ipv4
+from ._mdns_addresses import local_networks as _local_networks
+from ._mdns_addresses import pick_ip as _pick_ip
 
 __all__ = ["MdnsDiscovery", "instance_name"]
 
@@ -43,7 +46,6 @@ _MAX_LABEL = 63
 _TTL = 120
 #: Budget for one TXT entry (the format allows 255 bytes per ``key=value``).
 _MAX_TXT_VALUE = 200
-_WILDCARDS = ("*", "0.0.0.0")
 _ADD_OR_UPDATE = (ServiceStateChange.Added, ServiceStateChange.Updated)
 
 
@@ -339,61 +341,6 @@ class _Watch:
             return
         self._known[name] = event
         self.queue.put_nowait(event)
-
-
-def _advert_endpoint(addresses: Iterable[str], pinned: Sequence[str]) -> tuple[list[str], int]:
-    """IPv4 addresses and the port to advertise; wildcard hosts become the local addresses."""
-    ips: list[str] = []
-    port: int | None = None
-    for address in addresses:
-        host, _, port_text = validate_address(address)[len("tcp://") :].rpartition(":")
-        if port is None:
-            port = int(port_text)
-        elif int(port_text) != port:
-            log.debug("mDNS: not advertising %s: one port per advert", address)
-            continue
-        if host in _WILDCARDS:
-            ips.extend(pinned or _reachable_ipv4())
-            continue
-        try:
-            ips.append(str(ipaddress.IPv4Address(host)))
-        except ValueError:
-            log.debug("mDNS: not advertising %s: host is not an IPv4 address", address)
-    if port is None or not ips:
-        raise InvalidArgument(f"no IPv4 tcp://host:port address to advertise in {addresses!r}")
-    return list(dict.fromkeys(ips)), port
-
-
-def _local_ipv4() -> list[str]:
-    """This host's IPv4 addresses."""
-    return [str(ip.ip) for a in ifaddr.get_adapters() for ip in a.ips if isinstance(ip.ip, str)]
-
-
-def _reachable_ipv4() -> list[str]:
-    """What a wildcard bind is advertised as: this host's addresses, loopback only if alone."""
-    found = _local_ipv4()
-    outside = [ip for ip in found if not ipaddress.IPv4Address(ip).is_loopback]
-    return outside or found
-
-
-def _local_networks(pinned: Sequence[str]) -> list[ipaddress.IPv4Network]:
-    """Networks of the pinned interfaces, or of every interface when none is pinned."""
-    return [
-        ipaddress.IPv4Network(f"{ip.ip}/{ip.network_prefix}", strict=False)
-        for adapter in ifaddr.get_adapters()
-        for ip in adapter.ips
-        if isinstance(ip.ip, str) and (not pinned or ip.ip in pinned)
-    ]
-
-
-def _pick_ip(ips: Sequence[str], networks: Sequence[ipaddress.IPv4Network]) -> str | None:
-    """The first address on one of ``networks``, preferring non-loopback; else the first."""
-
-    def rank(ip: str) -> tuple[bool, bool]:
-        addr = ipaddress.IPv4Address(ip)
-        return (not any(addr in net for net in networks), addr.is_loopback)
-
-    return min(ips, key=rank) if ips else None
 
 
 def _join_limited(names: Iterable[str], limit: int) -> str:

@@ -2,30 +2,27 @@
 
 A ``Preprocessor`` is built once per model from its tokenizer files (``tokenizer.json``,
 ``tokenizer_config.json``, ``chat_template.jinja``, ``generation_config.json``, ``config.json``)
-and compiles the chat template once. Templates render as Hugging Face ``transformers`` renders
-them: a sandboxed jinja2 environment with ``trim_blocks`` and ``lstrip_blocks``, the
-``loopcontrols`` extension, ``{% generation %}`` blocks, ``raise_exception``, ``strftime_now``
-and transformers' ``tojson`` filter. Chat prompts are tokenized without special tokens (the
-template carries them); text completion prompts with them (the tokenizer's post-processor).
+and compiles the chat template once, in the environment ``_chat_template.py`` builds as Hugging
+Face ``transformers`` does. Chat prompts are tokenized without special tokens (the template
+carries them); text completion prompts with them (the tokenizer's post-processor). It owns the
+translation of the request's sampling, stop and length options, and the context-length checks.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
 import jinja2
-from jinja2 import nodes
-from jinja2.ext import Extension
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from ..llm import ModelCard, OutputOptions, PreprocessedRequest, SamplingOptions, StopConditions
+from ._chat_template import RESERVED, continue_final, function_dict, message_dict
+from ._chat_template import template_environment as template_environment
 from .errors import bad_request, prompt_too_long
-from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, FunctionDefinition
+from .protocol import ChatCompletionRequest, CompletionRequest
 
 __all__ = ["Preprocessor", "template_environment"]
 
@@ -39,53 +36,6 @@ _SPECIAL_TOKENS = (
     "mask_token",
     "additional_special_tokens",
 )
-#: Template variables that request ``chat_template_kwargs`` may not override.
-_RESERVED = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
-
-
-class _GenerationBlock(Extension):
-    """``{% generation %}...{% endgeneration %}`` (transformers' assistant masks): the body."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: Any) -> nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return nodes.Scope(body, lineno=lineno)
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(
-    x: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    # transformers' filter: no HTML escaping, json.dumps options exposed.
-    return json.dumps(
-        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _strftime_now(format: str) -> str:
-    return datetime.now().strftime(format)
-
-
-def template_environment() -> ImmutableSandboxedEnvironment:
-    """The jinja2 environment chat templates are compiled in (as transformers builds it)."""
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True,
-        lstrip_blocks=True,
-        extensions=[_GenerationBlock, "jinja2.ext.loopcontrols"],
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -212,43 +162,6 @@ class Preprocessor:
             param="messages",
         )
 
-    @staticmethod
-    def _message(message: ChatMessage) -> dict[str, Any]:
-        content = message.content
-        if content is None:
-            text = ""
-        elif isinstance(content, str):
-            text = content
-        else:
-            text = "\n".join(part.text or "" for part in content)
-        out: dict[str, Any] = {"role": message.role, "content": text}
-        if message.name is not None:
-            out["name"] = message.name
-        if message.tool_calls is not None:
-            calls = []
-            for call in message.tool_calls:
-                arguments: Any = call.function.arguments
-                if isinstance(arguments, str):
-                    try:  # templates expect a mapping, as vLLM passes it
-                        parsed = json.loads(arguments)
-                    except ValueError:
-                        parsed = None
-                    if isinstance(parsed, dict):
-                        arguments = parsed
-                item: dict[str, Any] = {
-                    "type": call.type,
-                    "function": {"name": call.function.name, "arguments": arguments},
-                }
-                if call.id is not None:
-                    item["id"] = call.id
-                calls.append(item)
-            out["tool_calls"] = calls
-        if message.tool_call_id is not None:
-            out["tool_call_id"] = message.tool_call_id
-        if message.reasoning_content is not None:
-            out["reasoning_content"] = message.reasoning_content
-        return out
-
     def render(self, req: ChatCompletionRequest) -> str:
         """The chat prompt text of ``req``, rendered with the model's template.
 
@@ -257,13 +170,13 @@ class Preprocessor:
         """
         tools = None
         if req.tools:
-            tools = [{"type": t.type, "function": _function_dict(t.function)} for t in req.tools]
+            tools = [{"type": t.type, "function": function_dict(t.function)} for t in req.tools]
         template = self._template(tools is not None)
-        messages = [self._message(m) for m in req.messages]
+        messages = [message_dict(m) for m in req.messages]
         variables: dict[str, Any] = dict(self.special_tokens)
         if req.chat_template_kwargs:
             variables.update(
-                (k, v) for k, v in req.chat_template_kwargs.items() if k not in _RESERVED
+                (k, v) for k, v in req.chat_template_kwargs.items() if k not in RESERVED
             )
         variables["messages"] = messages
         variables["tools"] = tools
@@ -281,7 +194,7 @@ class Preprocessor:
                 param="messages",
             ) from exc
         if req.continue_final_message:
-            text = _continue_final(text, messages[-1]["content"])
+            text = continue_final(text, messages[-1]["content"])
         return text
 
     def chat(self, req: ChatCompletionRequest) -> PreprocessedRequest:
@@ -340,9 +253,9 @@ class Preprocessor:
         assert self.native is not None
         tools = None
         if req.tools:
-            tools = [{"type": t.type, "function": _function_dict(t.function)} for t in req.tools]
-        messages = [self._message(m) for m in req.messages]
-        kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in _RESERVED}
+            tools = [{"type": t.type, "function": function_dict(t.function)} for t in req.tools]
+        messages = [message_dict(m) for m in req.messages]
+        kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in RESERVED}
         return self._native_call(
             self.native.apply_chat_template, messages, "messages",
             tools=tools, add_generation_prompt=req.add_generation_prompt is not False, **kwargs,
@@ -427,32 +340,9 @@ class Preprocessor:
                 include_stop_str_in_output=bool(req.include_stop_str_in_output),
             ),
             output=OutputOptions(
-                skip_special_tokens=req.skip_special_tokens is not False, detokenize=self.native is not None
+                skip_special_tokens=req.skip_special_tokens is not False,
+                detokenize=self.native is not None,
             ),
             eos_token_ids=list(self.eos_token_ids),
         )
 
-
-def _function_dict(function: FunctionDefinition) -> dict[str, Any]:
-    out: dict[str, Any] = {"name": function.name}
-    if function.description is not None:
-        out["description"] = function.description
-    if function.parameters is not None:
-        out["parameters"] = function.parameters
-    if function.strict is not None:
-        out["strict"] = function.strict
-    return out
-
-
-def _continue_final(text: str, final: str) -> str:
-    """Cut the rendering right after the final message's content (transformers' rule)."""
-    final = final.strip()
-    if not final:
-        return text
-    at = text.rfind(final)
-    if at < 0:
-        raise bad_request(
-            "'continue_final_message' needs the final message's content in the rendered prompt",
-            param="continue_final_message",
-        )
-    return text[: at + len(final)]
