@@ -38,6 +38,8 @@ __all__ = [
     "Notice",
     "Ping",
     "Pong",
+    "RawBatch",
+    "RawData",
     "Request",
     "decode_item",
     "encode",
@@ -110,6 +112,9 @@ class Describe(msgspec.Struct, **_STRUCT):
 
 
 class Data(msgspec.Struct, **_STRUCT):
+    """Items of ``request_id``, frame ``seq``. Each item is one MessagePack value: a sender may
+    put the objects themselves in ``items`` (they encode to the same bytes)."""
+
     request_id: int
     seq: int
     items: list[msgspec.Raw]
@@ -134,6 +139,23 @@ class Batch(msgspec.Struct, **_STRUCT):
     DATA, then each END, then each ERROR)."""
 
     data: list[Data]
+    ends: list[End] = msgspec.field(default_factory=list)
+    errors: list[Error] = msgspec.field(default_factory=list)
+
+
+class RawData(msgspec.Struct, **_STRUCT):
+    """DATA as a receiver reads it: the same bytes, its items left as one raw MessagePack array,
+    which the stream's own decoder turns into its items in one call."""
+
+    request_id: int
+    seq: int
+    items: msgspec.Raw
+
+
+class RawBatch(msgspec.Struct, **_STRUCT):
+    """BATCH as a receiver reads it (``RawData`` frames)."""
+
+    data: list[RawData]
     ends: list[End] = msgspec.field(default_factory=list)
     errors: list[Error] = msgspec.field(default_factory=list)
 

@@ -3,8 +3,8 @@
 For each request it asks the index which (worker, data-parallel rank) already holds how much of
 the prompt, lets the scheduler weigh that against each candidate's predicted load, writes the
 choice into ``request.routing`` (``dp_rank``, ``overlap_blocks``) and sends the request to that
-worker alone. The request's predicted load is held until its stream ends, however it ends
-(terminal output, error, ``aclose`` or garbage collection). A worker that cannot be reached, or
+worker alone. The request's predicted load is held until the engine's terminal output, or until
+its stream is done with however it ends (an error, ``aclose``, or being dropped unread). A worker that cannot be reached, or
 that fails retryably before its first output, gets the request re-routed to the next best
 (worker, rank), excluding it, up to ``MAX_ATTEMPTS`` workers in all.
 
@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,7 +25,7 @@ from dynamo_zmq import errors
 from dynamo_zmq.context import Context
 from dynamo_zmq.llm import LLMEngineOutput, OutputStream, PreprocessedRequest
 from dynamo_zmq.resources import Resources
-from dynamo_zmq.runtime import MAX_ATTEMPTS, Client, DistributedRuntime, RetryingStream
+from dynamo_zmq.runtime import MAX_ATTEMPTS, Client, DistributedRuntime, failover
 from dynamo_zmq.transport import PeerConnection, ResponseStream, item_decoder
 from dynamo_zmq.wire import encode_item
 
@@ -185,21 +184,20 @@ class KvRouter:
         hashes = self._hashes(request.token_ids)
         placement = _Placement(self.loads)
         first = await self._send(request, hashes, frozenset(), placement, context, idle_timeout)
+        ctx = first.context  # not ``first``: the hook must not keep the stream alive
 
         async def reopen(tried: frozenset[int]) -> ResponseStream[LLMEngineOutput] | None:
             try:
-                return await self._send(
-                    request, hashes, tried, placement, first.context, idle_timeout
-                )
+                return await self._send(request, hashes, tried, placement, ctx, idle_timeout)
             except errors.CannotConnect:
                 return None
 
-        stream = RetryingStream(
-            first, reopen, on_item=placement.on_output, on_end=placement.release
-        )
-        # Releases the load even if the stream is dropped unread (and never iterated again).
-        weakref.finalize(stream, placement.release)
-        return stream
+        # The load is released once: at the engine's terminal output, or when the stream is
+        # done with however it ends (even dropped unread); a re-route moves it to the new
+        # attempt's (worker, rank).
+        first.set_on_item(placement.on_output)
+        first.set_on_release(placement.release)
+        return failover(first, reopen)
 
     async def close(self) -> None:
         """Stop following and close every subscriber (idempotent)."""

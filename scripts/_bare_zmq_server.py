@@ -10,10 +10,13 @@ Written the way a competent engineer would write it with ``zmq.asyncio``: one RO
 10,000-message high-water marks as the runtime), one asyncio task per request, ``await
 recv_multipart()`` per request and ``await send_multipart()`` per frame (no drain loop: at
 hundreds of items per frame the per-``await`` cost does not matter). A request is the
-MessagePack array ``[request_id, n, batch]``; the answer is ``ceil(n / batch)`` frames
+MessagePack array ``[request_id, n, batch, produce]``; the answer is ``ceil(n / batch)`` frames
 ``[request_id, seq, items]`` with up to ``batch`` items ``{"i": i, "instance": id}`` each (the
 items the runtime's ``count`` endpoint yields; ``id`` is a random 63-bit int, as there), then
 ``[request_id, seq, None]`` to end. Encoding is msgspec MessagePack, one ``encode`` per frame.
+``produce`` 0 builds each frame's items with one list comprehension (the least work there is);
+1 takes them one at a time from an async generator, as a handler of the runtime yields them (the
+same work as the runtime's server does, without the runtime).
 No flow control, cancellation, liveness or multiplexing of several streams into one message:
 that is the point of a baseline.
 """
@@ -24,6 +27,7 @@ import argparse
 import asyncio
 import secrets
 import signal
+from collections.abc import AsyncIterator
 
 import msgspec
 import zmq
@@ -34,15 +38,33 @@ HWM = 10_000
 INSTANCE_ID = secrets.randbits(63) or 1
 
 
+async def count(n: int) -> AsyncIterator[dict[str, int]]:
+    """The items, one at a time (the runtime's ``count`` handler, without a context)."""
+    for i in range(n):
+        yield {"i": i, "instance": INSTANCE_ID}
+
+
 async def stream(
-    sock: zmq.asyncio.Socket, identity: bytes, request_id: int, n: int, batch: int
+    sock: zmq.asyncio.Socket, identity: bytes, request_id: int, n: int, batch: int, produce: int
 ) -> None:
     encode = msgspec.msgpack.Encoder().encode
     seq = 0
-    for start in range(0, n, batch):
-        items = [{"i": i, "instance": INSTANCE_ID} for i in range(start, min(n, start + batch))]
-        await sock.send_multipart([identity, encode((request_id, seq, items))])
-        seq += 1
+    if produce:
+        items: list[dict[str, int]] = []
+        async for item in count(n):
+            items.append(item)
+            if len(items) >= batch:
+                await sock.send_multipart([identity, encode((request_id, seq, items))])
+                seq += 1
+                items = []
+        if items:
+            await sock.send_multipart([identity, encode((request_id, seq, items))])
+            seq += 1
+    else:
+        for start in range(0, n, batch):
+            items = [{"i": i, "instance": INSTANCE_ID} for i in range(start, min(n, start + batch))]
+            await sock.send_multipart([identity, encode((request_id, seq, items))])
+            seq += 1
     await sock.send_multipart([identity, encode((request_id, seq, None))])
 
 
@@ -58,15 +80,17 @@ async def serve(host: str) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    decode = msgspec.msgpack.Decoder(tuple[int, int, int]).decode
+    decode = msgspec.msgpack.Decoder(tuple[int, int, int, int]).decode
     tasks: set[asyncio.Task[None]] = set()
     print(f"READY {sock.getsockopt_string(zmq.LAST_ENDPOINT)} {INSTANCE_ID:x}", flush=True)
 
     async def receive() -> None:
         while True:
             identity, payload = await sock.recv_multipart()
-            request_id, n, batch = decode(payload)
-            task = asyncio.create_task(stream(sock, identity, request_id, n, max(1, batch)))
+            request_id, n, batch, produce = decode(payload)
+            task = asyncio.create_task(
+                stream(sock, identity, request_id, n, max(1, batch), produce)
+            )
             tasks.add(task)
             task.add_done_callback(tasks.discard)
 

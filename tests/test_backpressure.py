@@ -19,9 +19,9 @@ import psutil
 import pytest
 
 from dynamo_zmq.resources import Resources
-from dynamo_zmq.transport import PeerConnection, ResponseStream
+from dynamo_zmq.transport import PeerConnection, ResponseStream, plain_items
 from dynamo_zmq.transport.client import DEFAULT_WINDOW
-from dynamo_zmq.wire import decode_item, encode_item
+from dynamo_zmq.wire import encode_item
 from tests.conftest import app_args
 
 N_ITEMS = 20_000
@@ -134,7 +134,7 @@ async def producer(make_runtime, namespace: str) -> AsyncIterator[dict[str, Any]
 async def test_the_client_queue_is_bounded_by_the_credit_window(producer: dict[str, Any]) -> None:
     conn: PeerConnection = producer["conn"]
     stream: ResponseStream = await conn.open_stream(
-        producer["path"], encode_item({"n": SMALL_N}), window=WINDOW, decode=decode_item
+        producer["path"], encode_item({"n": SMALL_N}), window=WINDOW, decode=plain_items
     )
     queued = stream._st.items
 

@@ -287,6 +287,24 @@ async def test_load_is_counted_at_routing_and_released_when_the_stream_ends(slow
     assert total() == 0
 
 
+async def test_a_dropped_stream_releases_its_load_at_once_without_the_garbage_collector(
+    slow_worker,
+):
+    """Nothing the stream's hooks hold refers back to it: dropping it releases it then."""
+    proc, router = slow_worker
+    keys = [(proc.instance_id, 0), (proc.instance_id, 1)]
+    total = lambda: sum(router.loads.load(k) for k in keys)  # noqa: E731
+    gc.disable()
+    try:
+        stream = await router.generate(_request(list(range(1, 41)), 500))
+        await stream.__anext__()
+        assert total() > 0
+        del stream
+        assert total() == 0
+    finally:
+        gc.enable()
+
+
 async def test_requests_in_flight_push_the_next_one_to_the_idle_rank(slow_worker):
     _proc, router = slow_worker
     first_req, second_req = _request([3] * 64, 500), _request([4] * 64, 500)

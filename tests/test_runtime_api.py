@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 
 import msgspec
@@ -249,9 +250,93 @@ async def test_kill_abandons_items_already_received(make_runtime):
     stream = await c.generate({}, context=ctx, annotated=False)
     assert await stream.__anext__() == 0
     for _ in range(100):  # let the rest of the burst arrive unread
-        if len(stream._stream._st.items) == 49:
+        if len(stream._st.items) == 49:
             break
         await asyncio.sleep(0.01)
     ctx.kill()
     with pytest.raises(errors.Cancelled):
         await stream.__anext__()
+
+
+class Point(msgspec.Struct):
+    x: int
+
+
+async def test_an_item_that_cannot_be_encoded_fails_its_stream_after_the_items_before_it(
+    make_runtime, caplog
+):
+    """Items are encoded a frame at a time: a bad one must not take its frame's good items
+    (or the stream's other frames, or other streams) with it."""
+    server = make_runtime(static=())
+    release = asyncio.Event()
+
+    async def handler(request):
+        if request == "slow":  # the good items go out in earlier frames
+            for i in range(3):
+                yield {"i": i}
+                await asyncio.sleep(0.01)
+        elif request == "together":  # the bad item shares a frame with good ones
+            yield {"i": 0}
+            yield {"i": 1}
+        if request != "ok":
+            yield object()
+            await release.wait()  # never reached: the stream fails, the handler is ended
+            yield {"i": 99}
+        else:
+            yield {"i": "ok"}
+
+    await serve(server, "ns.c.bad", handler)
+    client = await client_for(make_runtime, server, "ns.c.bad")
+    for request, good in (("slow", 3), ("together", 2), ("first", 0)):
+        got = []
+        with pytest.raises(errors.Unknown, match="cannot encode object"):
+            async for item in await client.generate(request, annotated=False):
+                got.append(item)
+        assert got == [{"i": i} for i in range(good)], request
+    # The server serves on, and nothing of the failed streams is left open.
+    assert [x async for x in await client.generate("ok", annotated=False)] == [{"i": "ok"}]
+    assert await until(client, lambda: not server._server._streams, 5)
+    assert any("cannot be encoded" in r.getMessage() for r in caplog.records)
+
+
+async def test_an_item_that_does_not_fit_the_callers_type_fails_after_the_items_before_it(
+    make_runtime,
+):
+    server = make_runtime(static=())
+
+    async def handler(request):
+        yield {"x": 1}
+        yield {"x": 2}
+        yield {"x": "not an int"}
+        yield {"x": 4}
+
+    await serve(server, "ns.c.typed", handler)
+    client = await client_for(make_runtime, server, "ns.c.typed")
+    got = []
+    with pytest.raises(errors.Unknown, match="undecodable response item"):
+        async for point in await client.stream({}, Point):
+            got.append(point)
+    assert got == [Point(1), Point(2)]
+    assert await until(client, lambda: not server._server._streams, 5)
+
+
+async def test_a_dropped_stream_is_killed_at_once_without_the_garbage_collector(make_runtime):
+    """The failover hook does not keep its stream alive: dropping it sends KILL right away."""
+    server = make_runtime(static=())
+
+    async def forever(request, context):
+        while True:
+            yield 1
+            await asyncio.sleep(0.01)
+
+    await serve(server, "ns.c.forever", forever)
+    client = await client_for(make_runtime, server, "ns.c.forever")
+    gc.disable()
+    try:
+        stream = await client.generate({}, annotated=False)  # round-robin: with failover
+        assert await stream.__anext__() == 1
+        assert len(server._server._streams) == 1
+        del stream
+        assert await until(client, lambda: not server._server._streams, 5)
+    finally:
+        gc.enable()

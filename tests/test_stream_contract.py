@@ -25,8 +25,8 @@ from hypothesis import strategies as st
 from dynamo_zmq import errors
 from dynamo_zmq.resources import Resources
 from dynamo_zmq.runtime import Context
-from dynamo_zmq.transport import PeerConnection, Server
-from dynamo_zmq.wire import decode_item, encode_item
+from dynamo_zmq.transport import PeerConnection, Server, plain_items
+from dynamo_zmq.wire import encode_item
 
 # The pair fixture is deliberately shared by the examples of a test: each example is one request
 # and leaves nothing behind (which the test checks).
@@ -116,7 +116,7 @@ async def _next(stream: Any) -> Any:
 async def call(pair: Pair, request: dict[str, Any], window: int, action: str, j: int) -> Seen:
     ctx = Context()
     stream = await pair.conn.open_stream(
-        pair.path, encode_item(request), ctx, window=window, decode=decode_item
+        pair.path, encode_item(request), ctx, window=window, decode=plain_items
     )
     got: list[Any] = []
     acted = done_when_acted = False
@@ -215,7 +215,7 @@ async def test_terminal_rules_and_cancellation(
 async def test_kill_reaches_a_hanging_handler(pair: Pair) -> None:
     ctx = Context()
     request = {"k": 2, "end": "hang", "msg": "", "delay": 0}
-    stream = await pair.conn.open_stream(pair.path, encode_item(request), ctx, decode=decode_item)
+    stream = await pair.conn.open_stream(pair.path, encode_item(request), ctx, decode=plain_items)
     assert [await stream.__anext__(), await stream.__anext__()] == [0, 1]
     await eventually(lambda: len(pair.server._streams) == 1, "the server holds the stream")
     ctx.kill()
@@ -227,7 +227,7 @@ async def test_kill_reaches_a_hanging_handler(pair: Pair) -> None:
 async def test_a_finished_stream_dropped_unread_is_forgotten(pair: Pair) -> None:
     request = {"k": 5, "end": "return", "msg": "", "delay": 0}
     stream = await pair.conn.open_stream(
-        pair.path, encode_item(request), Context(), decode=decode_item
+        pair.path, encode_item(request), Context(), decode=plain_items
     )
     assert await stream.__anext__() == 0
     state = stream._st

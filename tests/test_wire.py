@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dynamo_zmq import wire
+from dynamo_zmq.transport import plain_items
 from dynamo_zmq.wire import (
     Batch,
     Control,
@@ -28,6 +29,8 @@ from dynamo_zmq.wire import (
     Notice,
     Ping,
     Pong,
+    RawBatch,
+    RawData,
     Request,
     decode_item,
     encode,
@@ -88,6 +91,22 @@ def batches(draw: st.DrawFn) -> tuple[Batch, list[Any]]:
 
 
 @st.composite
+def raw_datas(draw: st.DrawFn) -> tuple[RawData, list[Any]]:
+    rid, seq = draw(ints), draw(ints)
+    values = draw(st.lists(items, max_size=8))
+    return RawData(rid, seq, encode_item(values)), [rid, seq, values]
+
+
+@st.composite
+def raw_batches(draw: st.DrawFn) -> tuple[RawBatch, list[Any]]:
+    data = draw(st.lists(raw_datas(), max_size=3))
+    ends = draw(st.lists(st.tuples(ints, ints), max_size=3))
+    errs = draw(st.lists(st.tuples(ints, ints, texts, texts), max_size=3))
+    msg = RawBatch([d for d, _ in data], [End(*e) for e in ends], [Error(*e) for e in errs])
+    return msg, [[arr for _, arr in data], [list(e) for e in ends], [list(e) for e in errs]]
+
+
+@st.composite
 def descriptions(draw: st.DrawFn) -> tuple[Description, list[Any]]:
     eps = draw(st.lists(endpoint_infos(), max_size=4))
     fields = [
@@ -117,6 +136,8 @@ structs = st.one_of(
     _plain(Describe, ints),
     datas(),
     batches(),
+    raw_datas(),
+    raw_batches(),
     _plain(End, ints, ints),
     _plain(Error, ints, ints, texts, texts),
     _plain(Pong, ints, ints, ints, st.booleans(), ints),
@@ -190,6 +211,21 @@ def test_request_schema_evolves_at_the_end(
     assert comparable(new) == comparable(msg)
 
 
+@SETTINGS
+@given(rid=ints, seq=ints, values=st.lists(items, max_size=8))
+def test_data_with_objects_is_the_same_bytes_and_reads_back_as_raw_data(
+    rid: int, seq: int, values: list[Any]
+) -> None:
+    """The server encodes a frame's items as they are, in one call; a reader sees the same
+    bytes as item-by-item encoding, and ``RawData`` keeps the items as one array."""
+    whole = encode(Data(rid, seq, values))
+    assert whole == encode(Data(rid, seq, [encode_item(v) for v in values]))
+    view = msgspec.msgpack.decode(whole, type=RawData)
+    assert (view.request_id, view.seq) == (rid, seq)
+    assert plain_items(view.items) == values == [decode_item(r) for r in
+                                                 msgspec.msgpack.decode(whole, type=Data).items]
+
+
 def test_every_wire_struct_is_covered_here() -> None:
     exported = {
         obj
@@ -197,8 +233,8 @@ def test_every_wire_struct_is_covered_here() -> None:
         if isinstance(obj := getattr(wire, name), type) and issubclass(obj, msgspec.Struct)
     }
     covered = {
-        Request, Control, Credit, Ping, Describe, Data, Batch, End, Error, Pong, Notice,
-        EndpointInfo, Description,
+        Request, Control, Credit, Ping, Describe, Data, Batch, RawData, RawBatch, End, Error,
+        Pong, Notice, EndpointInfo, Description,
     }  # fmt: skip
     assert exported == covered, "add a strategy for the new Struct to `structs`"
 

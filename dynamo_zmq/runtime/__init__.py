@@ -24,7 +24,7 @@ from ._naming import Namespace as Namespace
 from ._naming import check_name as check_name
 from ._peers import PeerPool as PeerPool
 from ._retry import MAX_ATTEMPTS as MAX_ATTEMPTS
-from ._retry import RetryingStream as RetryingStream
+from ._retry import failover as failover
 from ._runtime import DistributedRuntime as DistributedRuntime
 from ._status_server import StatusServer as StatusServer
 
@@ -37,7 +37,6 @@ __all__ = [
     "Endpoint",
     "Namespace",
     "PeerPool",
-    "RetryingStream",
     "RouterMode",
     "RuntimeConfig",
     "StatusServer",
@@ -46,5 +45,6 @@ __all__ = [
     "check_number",
     "dynamo_endpoint",
     "dynamo_worker",
+    "failover",
     "setup_logging",
 ]

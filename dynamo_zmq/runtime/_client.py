@@ -12,11 +12,18 @@ import msgspec
 
 from .. import errors
 from ..context import Context
-from ..transport import ItemDecoder, ItemStream, PeerConnection, Response, ResponseStream
+from ..transport import (
+    ItemDecoder,
+    ItemStream,
+    PeerConnection,
+    ResponseStream,
+    plain_items,
+    response_items,
+)
 from ..transport import item_decoder as typed_decoder
-from ..wire import decode_item, encode_item
+from ..wire import encode_item
+from . import _retry
 from ._peers import PeerPool
-from ._retry import RetryingStream
 
 __all__ = ["Client", "RouterMode"]
 
@@ -196,16 +203,15 @@ class Client:
         first = await self._open(payload, pick, decode, context, frozenset(), timeout, idle_timeout)
         if not failover:
             return first
+        ctx = first.context  # not ``first``: the hook must not keep the stream alive
 
         async def reopen(tried: frozenset[int]) -> ResponseStream[T] | None:
             try:
-                return await self._open(
-                    payload, pick, decode, first.context, tried, timeout, idle_timeout
-                )
+                return await self._open(payload, pick, decode, ctx, tried, timeout, idle_timeout)
             except errors.CannotConnect:
                 return None
 
-        return RetryingStream(first, reopen)
+        return _retry.failover(first, reopen)
 
     async def _open(
         self,
@@ -255,4 +261,4 @@ def _shuffled(conns: list[PeerConnection]) -> list[PeerConnection]:
 
 def _plain(annotated: bool) -> ItemDecoder[Any]:
     """Dynamo's item forms: ``Response`` (decoded on ``data()``) or the decoded value."""
-    return Response if annotated else decode_item
+    return response_items if annotated else plain_items

@@ -5,9 +5,12 @@ from ._sockets import SendResult as SendResult
 from ._sockets import make_socket as make_socket
 from ._streams import ItemDecoder as ItemDecoder
 from ._streams import ItemStream as ItemStream
+from ._streams import Reopen as Reopen
 from ._streams import Response as Response
 from ._streams import ResponseStream as ResponseStream
 from ._streams import item_decoder as item_decoder
+from ._streams import plain_items as plain_items
+from ._streams import response_items as response_items
 from .client import DEFAULT_WINDOW as DEFAULT_WINDOW
 from .client import PeerConnection as PeerConnection
 from .client import PeerState as PeerState
@@ -22,10 +25,13 @@ __all__ = [
     "ItemStream",
     "PeerConnection",
     "PeerState",
+    "Reopen",
     "Response",
     "ResponseStream",
     "SendResult",
     "Server",
     "item_decoder",
     "make_socket",
+    "plain_items",
+    "response_items",
 ]

@@ -1,22 +1,24 @@
 """The server's writing side: what each open stream has to send, coalesced per peer and tick.
 
-Each item a handler yields goes into its stream's buffer and marks the stream dirty; once per
-event-loop tick, ``Outbox`` sends every dirty stream's buffer (and terminal, when the handler is
-done), all streams to one peer in one message: a DATA (or END/ERROR) frame when a single stream
-has something, else a BATCH. Nothing waits to fill a batch: an idle stream's item goes out on the
-next tick alone, and only what queued while a send could not proceed shares a frame. A full peer
-queue is retried every 2 ms; a peer that is gone is reported to the server.
+Each item a handler yields goes into its stream's buffer as it is and marks the stream dirty;
+once per event-loop tick, ``Outbox`` sends every dirty stream's buffer (and terminal, when the
+handler is done), all streams to one peer in one message: a DATA (or END/ERROR) frame when a
+single stream has something, else a BATCH. The whole message is encoded in one call; if an item
+cannot be encoded, the items before it still go out and its stream fails (``on_bad_item``).
+Nothing waits to fill a batch: an idle stream's item goes out on the next tick alone, and only
+what queued while a send could not proceed shares a frame. A full peer queue is retried every
+2 ms; a peer that is gone is reported to the server.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Any
 
-import msgspec
-
+from .. import errors
 from ..context import Context
-from ..wire import Batch, Data, End, Error, Kind, encode
+from ..wire import Batch, Data, End, Error, Kind, encode, encode_item
 from ._sockets import SendResult
 
 __all__ = ["MAX_BATCH", "OpenStream", "Outbox"]
@@ -34,10 +36,12 @@ class OpenStream:
         "buf",
         "credit",
         "ctx",
+        "failure",
         "finishing",
         "gone",
         "identity",
         "request_id",
+        "room",
         "scheduled",
         "seq",
         "task",
@@ -50,13 +54,22 @@ class OpenStream:
         self.identity = identity
         self.request_id = request_id
         self.ctx = ctx
+        #: Items the client accepts beyond those sent (its window, less what was sent, plus
+        #: what it granted back); ``buf`` counts against it.
         self.credit = window
-        self.buf: list[msgspec.Raw] = []
+        #: Items the producer may append before it must call ``Outbox.reserve`` (which
+        #: schedules the flush and waits for room); 1 after each send, so the next item
+        #: schedules the next flush.
+        self.room = 1
+        #: Items yielded and not sent yet, as the handler made them (encoded when sent).
+        self.buf: list[Any] = []
         self.seq = 0
         self.scheduled = False
         self.timed_out = False
         self.finishing = False
         self.gone = False
+        #: Set when an item could not be encoded: the stream ends with this error.
+        self.failure: errors.DynamoError | None = None
         #: The END or ERROR waiting to go out after ``buf`` (set when the handler is done).
         self.terminal: End | Error | None = None
         self.wake = asyncio.Event()
@@ -70,6 +83,8 @@ class Outbox:
         send: sends ``(identity, kind, payload)`` without blocking; returns a ``SendResult``.
         on_gone: called with a peer's identity when a send finds it gone.
         is_open: whether a stream is still open (a blocked stream is retried only if it is).
+        on_bad_item: called with a stream and its ``failure`` set when one of its items could not
+            be encoded (the server ends the handler; the stream's terminal becomes the failure).
     """
 
     def __init__(
@@ -77,10 +92,12 @@ class Outbox:
         send: Callable[[bytes, bytes, bytes], int],
         on_gone: Callable[[bytes], None],
         is_open: Callable[[OpenStream], bool],
+        on_bad_item: Callable[[OpenStream], None],
     ) -> None:
         self._send = send
         self._on_gone = on_gone
         self._is_open = is_open
+        self._on_bad_item = on_bad_item
         self._dirty: list[OpenStream] = []
         self._flush_pending = False
 
@@ -93,21 +110,36 @@ class Outbox:
                 self._flush_pending = True
                 asyncio.get_running_loop().call_soon(self._flush)
 
-    async def wait_room(self, st: OpenStream) -> None:
-        """Block the producer until the buffer is sent and the client granted credit.
+    async def reserve(self, st: OpenStream) -> None:
+        """Called by the producer once ``st.room`` is spent: schedule the flush, wait while the
+        buffer is full (``MAX_BATCH``) or the client's credit is spent, then set ``st.room`` to
+        what the producer may append before the next call.
 
         A STOP lets the producer run once more so it can see ``is_stopped()`` and finish; one
         that keeps producing into a full buffer after that is killed.
         """
-        while (st.credit <= 0 or st.buf) and not st.ctx.is_stopped():
+        if st.buf and not st.scheduled:
+            self.schedule(st)
+        while True:
+            pending = len(st.buf)
+            room = min(st.credit, MAX_BATCH) - pending
+            if room > 0:
+                # An empty buffer was just sent: its next item must schedule the next flush.
+                st.room = room if pending else 1
+                return
+            if st.ctx.is_stopped():
+                if pending > MAX_BATCH:
+                    st.ctx.kill()
+                st.room = 1
+                return
             st.wake.clear()
             await st.wake.wait()
-        if st.ctx.is_stopped() and len(st.buf) > MAX_BATCH:
-            st.ctx.kill()
 
     async def finish(self, st: OpenStream, terminal: End | Error) -> None:
         """Queue the terminal after what is buffered and wait until both are sent (or the
-        client is gone)."""
+        client is gone). A stream with a ``failure`` ends with that instead."""
+        if st.failure is not None:
+            terminal = _error(st, st.failure)
         st.terminal = terminal
         self.schedule(st)
         while st.terminal is not None and not st.gone:
@@ -133,6 +165,26 @@ class Outbox:
             asyncio.get_running_loop().call_later(RETRY_FULL, self._reschedule, blocked)
 
     def _send_to_peer(self, identity: bytes, streams: list[OpenStream]) -> int:
+        try:
+            kind, payload = self._message(streams)
+        except Exception:  # an item msgspec cannot encode: find it, then send the rest
+            for st in streams:
+                self._drop_unencodable(st)
+            kind, payload = self._message(streams)
+        result = self._send(identity, kind, payload)
+        if result == SendResult.SENT:
+            for st in streams:
+                if st.buf:
+                    st.seq += 1
+                    st.credit -= len(st.buf)
+                    st.buf = []
+                    st.room = 1
+                st.terminal = None
+                st.wake.set()
+        return result
+
+    def _message(self, streams: list[OpenStream]) -> tuple[bytes, bytes]:
+        """The frame kind and encoded payload that carry ``streams``' buffers and terminals."""
         data: list[Data] = []
         ends: list[End] = []
         errs: list[Error] = []
@@ -146,23 +198,30 @@ class Outbox:
                 (ends if isinstance(st.terminal, End) else errs).append(st.terminal)
         if len(data) + len(ends) + len(errs) == 1:
             if data:
-                result = self._send(identity, Kind.DATA, encode(data[0]))
-            elif ends:
-                result = self._send(identity, Kind.END, encode(ends[0]))
-            else:
-                result = self._send(identity, Kind.ERROR, encode(errs[0]))
-        else:
-            result = self._send(identity, Kind.BATCH, encode(Batch(data, ends, errs)))
-        if result == SendResult.SENT:
-            for st in streams:
-                if st.buf:
-                    st.seq += 1
-                    st.buf = []
-                st.terminal = None
-                st.wake.set()
-        return result
+                return Kind.DATA, encode(data[0])
+            if ends:
+                return Kind.END, encode(ends[0])
+            return Kind.ERROR, encode(errs[0])
+        return Kind.BATCH, encode(Batch(data, ends, errs))
+
+    def _drop_unencodable(self, st: OpenStream) -> None:
+        """Cut ``st``'s buffer before its first item that does not encode and fail the stream."""
+        for index, item in enumerate(st.buf):
+            try:
+                encode_item(item)
+            except Exception as exc:
+                st.buf = st.buf[:index]
+                st.failure = errors.Unknown(f"{type(exc).__name__}: {exc}")
+                if st.terminal is not None:
+                    st.terminal = _error(st, st.failure)
+                self._on_bad_item(st)
+                return
 
     def _reschedule(self, streams: list[OpenStream]) -> None:
         for st in streams:
             if (st.buf or st.terminal is not None) and self._is_open(st):
                 self.schedule(st)
+
+
+def _error(st: OpenStream, error: errors.DynamoError) -> Error:
+    return Error(st.request_id, 0, error.kind, error.message)

@@ -26,9 +26,7 @@ from ..context import Context
 from ..resources import Resources
 from ..wire import (
     PROTOCOL_VERSION,
-    Batch,
     Control,
-    Data,
     Describe,
     Description,
     End,
@@ -37,24 +35,26 @@ from ..wire import (
     Notice,
     Ping,
     Pong,
+    RawBatch,
+    RawData,
     Request,
     encode,
 )
 from ._sockets import AsyncSocket, SendResult, make_socket
-from ._streams import ItemDecoder, ResponseStream, _StreamState
+from ._streams import ItemDecoder, ResponseStream, _StreamState, decode_items
 
 __all__ = ["DEFAULT_WINDOW", "PeerConnection", "PeerState"]
 
 log = logging.getLogger(__name__)
 
 _decoders = {
-    Kind.DATA: msgspec.msgpack.Decoder(Data),
+    Kind.DATA: msgspec.msgpack.Decoder(RawData),
     Kind.END: msgspec.msgpack.Decoder(End),
     Kind.ERROR: msgspec.msgpack.Decoder(Error),
     Kind.PONG: msgspec.msgpack.Decoder(Pong),
     Kind.INFO: msgspec.msgpack.Decoder(Description),
     Kind.NOTICE: msgspec.msgpack.Decoder(Notice),
-    Kind.BATCH: msgspec.msgpack.Decoder(Batch),
+    Kind.BATCH: msgspec.msgpack.Decoder(RawBatch),
 }
 
 T = TypeVar("T")
@@ -186,7 +186,7 @@ class PeerConnection:
             raise errors.CannotConnect(f"instance at {self.address} is {self.state.value}")
         ctx = context if context is not None else Context()
         request_id = next(_request_ids)
-        st = _StreamState(request_id, window)
+        st = _StreamState(request_id, window, decode)
         self._streams[request_id] = st
         req = Request(request_id, endpoint, ctx.id(), payload, window, timeout)
         result = await self._sock.send([Kind.REQUEST, encode(req)], timeout=self._liveness_timeout)
@@ -205,7 +205,7 @@ class PeerConnection:
                 st.terminate(errors.Cancelled("request killed by the caller"))
 
         st.unlink = ctx.add_listener(on_cancel)
-        return ResponseStream(self, st, ctx, decode, idle_timeout)
+        return ResponseStream(self, st, ctx, idle_timeout)
 
     def _send_control(self, kind: bytes, msg: msgspec.Struct) -> None:
         if self._sock is None or self._sock.closed:
@@ -271,16 +271,25 @@ class PeerConnection:
         elif kind == Kind.INFO:
             self._on_description(msg)
 
-    def _on_data(self, msg: Data) -> None:
+    def _on_data(self, msg: RawData) -> None:
         st = self._streams.get(msg.request_id)
         if st is None or st.done:
             return
         if msg.seq != st.expected_seq:
             self._send_control(Kind.KILL, Control(st.request_id))
-            st.terminate(errors.StreamIncomplete(f"frame {msg.seq} arrived, expected {st.expected_seq}"))
+            st.terminate(
+                errors.StreamIncomplete(f"frame {msg.seq} arrived, expected {st.expected_seq}")
+            )
             return
         st.expected_seq += 1
-        st.items.extend(msg.items)
+        try:
+            st.items.extend(st.decode(msg.items))
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+            items, error = decode_items(st.decode, msg.items)
+            st.items.extend(items)
+            if error is not None:  # the items before it are still delivered
+                self._send_control(Kind.KILL, Control(st.request_id))
+                st.terminate(error)
         st.waiter.set()
 
     def _on_end(self, msg: End | Error, error: Error | None) -> None:

@@ -36,9 +36,8 @@ from ..wire import (
     Pong,
     Request,
     encode,
-    encode_item,
 )
-from ._outbox import MAX_BATCH, OpenStream, Outbox
+from ._outbox import OpenStream, Outbox
 from ._sockets import AsyncSocket, SendResult, make_socket
 
 __all__ = ["Handler", "Server"]
@@ -98,7 +97,9 @@ class Server:
         self._sock: AsyncSocket | None = None
         self._streams: dict[tuple[bytes, int], OpenStream] = {}
         self._last_seen: dict[bytes, float] = {}
-        self._outbox = Outbox(self._send_nowait, self._client_gone, self._is_open)
+        self._outbox = Outbox(
+            self._send_nowait, self._client_gone, self._is_open, self._on_bad_item
+        )
         self._idle = asyncio.Event()
         self._idle.set()
         self.malformed_frames = 0
@@ -269,18 +270,19 @@ class Server:
         agen: AsyncIterator[Any] | None = None
         try:
             agen = handler(payload, st.ctx)
+            reserve = self._outbox.reserve
             async for item in agen:
-                st.buf.append(encode_item(item))
-                st.credit -= 1
-                self._outbox.schedule(st)
-                if st.credit <= 0 or len(st.buf) >= MAX_BATCH:
-                    await self._outbox.wait_room(st)
-                if st.ctx.is_killed():
-                    raise asyncio.CancelledError
+                st.buf.append(item)  # encoded with the rest of its frame when sent
+                st.room -= 1
+                if st.room <= 0:  # the first item since a send, a full frame, or no credit
+                    await reserve(st)
+            # (A KILL cancels this task wherever it waits, so no check per item is needed.)
             terminal = End(st.request_id, 0)
         except asyncio.CancelledError:
             exc: errors.DynamoError
-            if st.timed_out:
+            if st.failure is not None:
+                exc = st.failure
+            elif st.timed_out:
                 exc = errors.ResponseTimeout("request deadline exceeded")
             elif st.ctx.is_killed():
                 exc = errors.Cancelled("request killed")
@@ -300,6 +302,12 @@ class Server:
                 with contextlib.suppress(BaseException):
                     await aclose()
         await self._outbox.finish(st, terminal)
+
+    def _on_bad_item(self, st: OpenStream) -> None:
+        """One of ``st``'s items could not be encoded: a bug in the handler, like raising."""
+        log.error("handler for request %d yielded an item that cannot be encoded: %s",
+                  st.request_id, st.failure)
+        st.ctx.kill()  # ends the handler; its terminal is the failure
 
     def _is_open(self, st: OpenStream) -> bool:
         return (st.identity, st.request_id) in self._streams
