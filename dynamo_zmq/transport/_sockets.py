@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+from collections.abc import Callable
 
 import zmq
 
@@ -124,6 +125,22 @@ class AsyncSocket:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def drain(self, dispatch: Callable[[list[bytes]], None], what: str) -> None:
+        """Hand every message already queued to ``dispatch``, without waiting. A ``dispatch``
+        that raises is a bug, not bad input: it is logged and the next message handled."""
+        while not self._closed and (frames := self.recv_nowait()) is not None:
+            try:
+                dispatch(frames)
+            except Exception:
+                log.exception("error handling a message from %s", what)
+
+    async def drain_forever(self, dispatch: Callable[[list[bytes]], None], what: str) -> None:
+        """The drain loop: ``drain``, then wait until readable, until the socket is closed
+        (one ``await`` per burst of messages, not per message)."""
+        while not self._closed:
+            self.drain(dispatch, what)
+            await self.wait_readable()
 
     async def wait_readable(self) -> None:
         """Return when a message can be received (or the socket was closed)."""

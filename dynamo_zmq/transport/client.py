@@ -222,21 +222,12 @@ class PeerConnection:
     # -- background loops ------------------------------------------------------------------
 
     async def _recv_loop(self) -> None:
-        sock = self._sock
-        assert sock is not None
-        while not sock.closed:
-            self._drain_pending()
-            await sock.wait_readable()
+        assert self._sock is not None
+        await self._sock.drain_forever(self._dispatch, self.address)
 
     def _drain_pending(self) -> None:
-        sock = self._sock
-        if sock is None or sock.closed:
-            return
-        while (frames := sock.recv_nowait()) is not None:
-            try:
-                self._dispatch(frames)
-            except Exception:
-                log.exception("error handling a frame from %s", self.address)
+        if self._sock is not None:
+            self._sock.drain(self._dispatch, self.address)
 
     def _dispatch(self, frames: list[bytes]) -> None:
         self._last_rx = time.monotonic()

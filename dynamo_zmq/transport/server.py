@@ -163,21 +163,12 @@ class Server:
     # -- receiving -------------------------------------------------------------------------
 
     async def _recv_loop(self) -> None:
-        sock = self._sock
-        assert sock is not None
-        while not sock.closed:
-            self._drain_pending()
-            await sock.wait_readable()
+        assert self._sock is not None
+        await self._sock.drain_forever(self._dispatch, "a client")
 
     def _drain_pending(self) -> None:
-        sock = self._sock
-        if sock is None or sock.closed:
-            return
-        while (frames := sock.recv_nowait()) is not None:
-            try:
-                self._dispatch(frames)
-            except Exception:  # a bug, not bad input: log it and keep serving
-                log.exception("error dispatching frame")
+        if self._sock is not None:
+            self._sock.drain(self._dispatch, "a client")
 
     def _dispatch(self, frames: list[bytes]) -> None:
         identity = frames[0]
