@@ -51,8 +51,9 @@ TOOLS: dict[str, Callable[[Sequence[str]], int]] = {
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help") or args[0] not in TOOLS:
-        print(__doc__.strip(), file=sys.stderr if args and args[0] not in ("-h", "--help") else sys.stdout)
-        if args and args[0] not in ("-h", "--help"):
+        unknown = bool(args) and args[0] not in ("-h", "--help")
+        print(__doc__.strip(), file=sys.stderr if unknown else sys.stdout)
+        if unknown:
             print(f"\nerror: unknown tool {args[0]!r}", file=sys.stderr)
             return 2
         return 0 if args else 2

@@ -22,7 +22,9 @@ Listener = Callable[[bool], None]
 class Context:
     """Cancellation state of one request, shared by every hop that serves it."""
 
-    __slots__ = ("_children", "_id", "_killed", "_killed_ev", "_listeners", "_stopped", "_stopped_ev")
+    __slots__ = (
+        "_children", "_id", "_killed", "_killed_ev", "_listeners", "_stopped", "_stopped_ev"
+    )
 
     def __init__(self, id: str | None = None) -> None:
         self._id = id or uuid.uuid4().hex

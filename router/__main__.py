@@ -130,8 +130,12 @@ class RouterService:
 def build_parser() -> argparse.ArgumentParser:
     env = os.environ.get
     parser = argparse.ArgumentParser(prog="python -m router", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--namespace", default=env("DYN_NAMESPACE", "dynamo"), help="[DYN_NAMESPACE]")
-    parser.add_argument("--component", default="router", help="component of the best_worker endpoint")
+    parser.add_argument(
+        "--namespace", default=env("DYN_NAMESPACE", "dynamo"), help="[DYN_NAMESPACE]"
+    )
+    parser.add_argument(
+        "--component", default="router", help="component of the best_worker endpoint"
+    )
     add_kv_router_args(parser)
     parser.add_argument("--wait-for-workers", type=int, default=0, metavar="N",
                         help="serve only once N worker instances are followed (default 0: at once)")
@@ -154,11 +158,14 @@ async def serve(args: argparse.Namespace) -> int:
         await service.start()
         if args.wait_for_workers > 0 and not await service.wait_for_workers(args.wait_for_workers):
             return 0  # shut down while waiting
-        endpoint = runtime.namespace(args.namespace).component(args.component).endpoint("best_worker")
+        component = runtime.namespace(args.namespace).component(args.component)
+        endpoint = component.endpoint("best_worker")
         await endpoint.start_serving(service.best_worker, request_type=BestWorkerRequest)
         if args.metrics_port is not None:
-            status = StatusServer(runtime.config.bind_host, args.metrics_port, service.metrics.render,
-                                  lambda: (bool(service.routers), {"models": sorted(service.routers)}))
+            status = StatusServer(
+                runtime.config.bind_host, args.metrics_port, service.metrics.render,
+                lambda: (bool(service.routers), {"models": sorted(service.routers)}),
+            )
             status.start()
             log.info("metrics on port %d", status.port)
         print(f"READY {runtime.address} {runtime.instance_id:x}", flush=True)

@@ -4,9 +4,10 @@ For each request it asks the index which (worker, data-parallel rank) already ho
 the prompt, lets the scheduler weigh that against each candidate's predicted load, writes the
 choice into ``request.routing`` (``dp_rank``, ``overlap_blocks``) and sends the request to that
 worker alone. The request's predicted load is held until the engine's terminal output, or until
-its stream is done with however it ends (an error, ``aclose``, or being dropped unread). A worker that cannot be reached, or
-that fails retryably before its first output, gets the request re-routed to the next best
-(worker, rank), excluding it, up to ``MAX_ATTEMPTS`` workers in all.
+its stream is done with however it ends (an error, ``aclose``, or being dropped unread). A
+worker that cannot be reached, or that fails retryably before its first output, gets the
+request re-routed to the next best (worker, rank), excluding it, up to ``MAX_ATTEMPTS`` workers
+in all.
 
 Which instances it routes to, and what it subscribes to for each, is ``InstanceFollower``'s
 job. Without KV events (``use_kv_events=False``, the approximate mode) the index is an
@@ -149,7 +150,9 @@ class KvRouter:
         self.scheduler = scheduler or Scheduler(cfg.overlap_score_weight, cfg.router_temperature)
         self.loads = LoadTracker(report_ttl=cfg.load_report_ttl, report_grace=cfg.load_report_grace)
         self.indexer: KvIndexer | ApproxIndexer = (
-            KvIndexer(block_size) if cfg.use_kv_events else ApproxIndexer(block_size, cfg.approx_ttl)
+            KvIndexer(block_size)
+            if cfg.use_kv_events
+            else ApproxIndexer(block_size, cfg.approx_ttl)
         )
         name = f"kv-router {model or self.path}"
         self._res = runtime.resources.child(name) if runtime is not None else Resources(name)

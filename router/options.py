@@ -13,22 +13,25 @@ from dynamo_zmq.runtime import check_number
 __all__ = ["add_kv_router_args", "check_kv_router_args", "kv_router_options"]
 
 
-def add_kv_router_args(parser: argparse.ArgumentParser) -> None:
+def add_kv_router_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """``--kv-overlap-score-weight``, ``--router-temperature``, ``--no-kv-events``,
     ``--router-ttl``, ``--load-report-ttl`` and ``--load-report-grace`` (each with its DYN_*
     variable)."""
     env = os.environ.get
     parser.add_argument(
         "--kv-overlap-score-weight", type=float, default=env("DYN_KV_OVERLAP_SCORE_WEIGHT", "1.0"),
-        help="kv routing: weight of blocks to prefill against decode load [DYN_KV_OVERLAP_SCORE_WEIGHT]",
+        help="kv routing: weight of blocks to prefill against decode load "
+             "[DYN_KV_OVERLAP_SCORE_WEIGHT]",
     )
     parser.add_argument(
         "--router-temperature", type=float, default=env("DYN_ROUTER_TEMPERATURE", "0.0"),
-        help="kv routing: 0 picks the cheapest worker, > 0 samples by softmax [DYN_ROUTER_TEMPERATURE]",
+        help="kv routing: 0 picks the cheapest worker, > 0 samples by softmax "
+             "[DYN_ROUTER_TEMPERATURE]",
     )
     parser.add_argument(
         "--no-kv-events", action="store_true", default=env("DYN_KV_EVENTS", "1") == "0",
-        help="kv routing: predict caches from routing decisions instead of KV events [DYN_KV_EVENTS=0]",
+        help="kv routing: predict caches from routing decisions instead of KV events "
+             "[DYN_KV_EVENTS=0]",
     )
     parser.add_argument(
         "--router-ttl", type=float, default=env("DYN_ROUTER_TTL", "120"), metavar="SECONDS",
@@ -64,7 +67,8 @@ def check_kv_router_args(args: argparse.Namespace) -> None:
         )
     if not 0 <= args.load_report_grace < args.load_report_ttl:
         raise InvalidArgument(
-            f"--load-report-grace must be >= 0 and < --load-report-ttl, got {args.load_report_grace}"
+            "--load-report-grace must be >= 0 and < --load-report-ttl, "
+            f"got {args.load_report_grace}"
         )
 
 

@@ -28,7 +28,7 @@ class KvRouting(RouterPlugin):
         self._metrics: dict[int, RouterMetrics] = {}
 
     @classmethod
-    def add_args(cls, parser: argparse.ArgumentParser) -> None:
+    def add_args(cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
         add_kv_router_args(parser)
 
     @classmethod

@@ -331,8 +331,10 @@ class KvEventSubscriber:
         # A fresh DEALER per replay: a late answer to an abandoned one can never be mistaken
         # for this one's.
         try:
-            sock = AsyncSocket(make_socket(self._owner.zctx, zmq.DEALER, connect=self.replay_endpoint,
-                                           hwm=SUB_HWM, heartbeat_ms=0))
+            sock = AsyncSocket(make_socket(
+                self._owner.zctx, zmq.DEALER, connect=self.replay_endpoint, hwm=SUB_HWM,
+                heartbeat_ms=0,
+            ))
         except zmq.ZMQError as exc:  # e.g. vLLM's bind form tcp://*:N advertised by mistake
             log.warning("worker %x advertises KV replay at %r, which the router cannot connect to "
                         "(%s): following its events without replay", self.worker_id,

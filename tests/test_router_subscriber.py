@@ -321,7 +321,9 @@ async def test_odd_batch_timestamps_never_poison_the_event_lag_metric(zctx):
     pub.setsockopt(zmq.LINGER, 0)
     port = pub.bind_to_random_port("tcp://127.0.0.1")
     index, metrics = KvIndexer(BS), RouterMetrics()
-    sub = KvEventSubscriber(Resources("test"), WID, f"tcp://127.0.0.1:{port}", index, metrics=metrics, model="m")
+    sub = KvEventSubscriber(
+        Resources("test"), WID, f"tcp://127.0.0.1:{port}", index, metrics=metrics, model="m"
+    )
     sub.start()
     seq = 0
 
@@ -359,7 +361,9 @@ async def test_an_oversized_batch_is_skipped_undecoded(zctx):
     pub.setsockopt(zmq.LINGER, 0)
     port = pub.bind_to_random_port("tcp://127.0.0.1")
     index = KvIndexer(BS)
-    sub = KvEventSubscriber(Resources("test"), WID, f"tcp://127.0.0.1:{port}", index, max_batch_bytes=64 << 10)
+    sub = KvEventSubscriber(
+        Resources("test"), WID, f"tcp://127.0.0.1:{port}", index, max_batch_bytes=64 << 10
+    )
     sub.start()
     seq = 0
 

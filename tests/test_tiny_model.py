@@ -202,7 +202,8 @@ def test_cli(tmp_path: Path):
     assert done.stdout.strip() == str(out)
     assert {p.name for p in out.iterdir()} == FILES
     bad = subprocess.run(
-        [sys.executable, "-m", "dynamo_zmq", "tiny-model", str(tmp_path / "y"), "--vocab-size", "10"],
+        [sys.executable, "-m", "dynamo_zmq", "tiny-model", str(tmp_path / "y"),
+         "--vocab-size", "10"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -30,7 +30,8 @@ class Advert:
 
 @dataclass(frozen=True)
 class PeerAdded:
-    """A peer may be reachable at ``address``. Hints are ``None`` when discovery cannot know them."""
+    """A peer may be reachable at ``address``. Hints are ``None`` when discovery cannot know
+    them."""
 
     address: str
     namespace: str | None = None

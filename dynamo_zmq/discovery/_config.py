@@ -49,7 +49,8 @@ class DiscoveryConfig:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> DiscoveryConfig:
-        """Build from ``DYN_DISCOVERY``, ``DYN_STATIC_WORKERS``, ``DYN_STATIC_FILE``, ``DYN_MDNS_INTERFACES``.
+        """Build from ``DYN_DISCOVERY``, ``DYN_STATIC_WORKERS``, ``DYN_STATIC_FILE``,
+        ``DYN_MDNS_INTERFACES``.
 
         Raises:
             InvalidArgument: a value is malformed.

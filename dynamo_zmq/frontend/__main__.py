@@ -53,7 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="direct: each request names its instance in the x-worker-instance-id header "
              "[DYN_ROUTER_MODE]",
     )
-    parser.add_argument("--namespace", default=env("DYN_NAMESPACE", "dynamo"), help="[DYN_NAMESPACE]")
+    parser.add_argument(
+        "--namespace", default=env("DYN_NAMESPACE", "dynamo"), help="[DYN_NAMESPACE]"
+    )
     parser.add_argument(
         "--request-timeout", type=float, default=env("DYN_REQUEST_TIMEOUT", "300"),
         help="seconds to wait for a worker's next output before 504 [DYN_REQUEST_TIMEOUT]",
@@ -122,8 +124,8 @@ async def serve(args: argparse.Namespace, plugin: RouterPlugin | None) -> int:
         await asyncio.sleep(0.02)
     if task.done():
         if not task.result():
-            print(f"error: cannot serve HTTP on {args.http_host}:{args.http_port} (why is logged above)",
-                  file=sys.stderr)
+            print(f"error: cannot serve HTTP on {args.http_host}:{args.http_port} "
+                  "(why is logged above)", file=sys.stderr)
         return 1
     host, port = server.servers[0].sockets[0].getsockname()[:2]
     print(f"READY http://{host}:{port}", flush=True)

@@ -67,8 +67,8 @@ async def read_body(receive: Receive) -> bytes:
         body = message.get("body", b"")
         size += len(body)
         if size > MAX_BODY:
-            raise HttpError(413, "invalid_request_error", f"request body larger than {MAX_BODY} bytes",
-                            code="request_too_large")
+            raise HttpError(413, "invalid_request_error",
+                            f"request body larger than {MAX_BODY} bytes", code="request_too_large")
         chunks.append(body)
         if not message.get("more_body", False):
             return b"".join(chunks)

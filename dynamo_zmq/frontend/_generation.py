@@ -111,7 +111,9 @@ class Generation:
                 if out.finish_reason is not None:
                     return await self._end_sse(out, parts, send, include_usage)
             body = b"".join(parts)
-            await send_message(send, {"type": "http.response.body", "body": body, "more_body": True})
+            await send_message(
+                send, {"type": "http.response.body", "body": body, "more_body": True}
+            )
 
     async def _end_sse(
         self, out: LLMEngineOutput, parts: list[bytes], send: Send, include_usage: bool

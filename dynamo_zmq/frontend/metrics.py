@@ -19,24 +19,32 @@ class FrontendMetrics:
             "dynamo_frontend_requests", "Requests by model, endpoint, type and status",
             ["model", "endpoint", "request_type", "status"], registry=r,
         )
-        self.inflight = Gauge("dynamo_frontend_inflight_requests", "Requests in flight", ["model"], registry=r)
+        self.inflight = Gauge(
+            "dynamo_frontend_inflight_requests", "Requests in flight", ["model"], registry=r
+        )
         self.ttft = Histogram(
-            "dynamo_frontend_time_to_first_token_seconds", "Time to first token", ["model"], buckets=_LATENCY, registry=r
+            "dynamo_frontend_time_to_first_token_seconds", "Time to first token", ["model"],
+            buckets=_LATENCY, registry=r,
         )
         self.itl = Histogram(
-            "dynamo_frontend_inter_token_latency_seconds", "Inter-token latency", ["model"], buckets=_LATENCY, registry=r
+            "dynamo_frontend_inter_token_latency_seconds", "Inter-token latency", ["model"],
+            buckets=_LATENCY, registry=r,
         )
         self.isl = Histogram(
-            "dynamo_frontend_input_sequence_tokens", "Prompt tokens", ["model"], buckets=_TOKENS, registry=r
+            "dynamo_frontend_input_sequence_tokens", "Prompt tokens", ["model"],
+            buckets=_TOKENS, registry=r,
         )
         self.osl = Histogram(
-            "dynamo_frontend_output_sequence_tokens", "Generated tokens", ["model"], buckets=_TOKENS, registry=r
+            "dynamo_frontend_output_sequence_tokens", "Generated tokens", ["model"],
+            buckets=_TOKENS, registry=r,
         )
         self.duration = Histogram(
-            "dynamo_frontend_request_duration_seconds", "Request duration", ["model"], buckets=_LATENCY, registry=r
+            "dynamo_frontend_request_duration_seconds", "Request duration", ["model"],
+            buckets=_LATENCY, registry=r,
         )
         self.disconnected = Counter(
-            "dynamo_frontend_disconnected_clients", "Clients that went away mid-request", ["model"], registry=r
+            "dynamo_frontend_disconnected_clients", "Clients that went away mid-request",
+            ["model"], registry=r,
         )
 
         self._children: dict[str, tuple[Any, Any]] = {}

@@ -170,16 +170,21 @@ class ModelManager:
     async def _fetch_files(self, instance_id: int, component: str, card: ModelCard) -> Path:
         """Download the card's files into the cache (once per checksum) and verify them."""
         target = self.cache_dir / card.checksum
-        if await asyncio.to_thread(lambda: all(_matches(target / f.name, f.sha256) for f in card.files)):
+        if await asyncio.to_thread(
+            lambda: all(_matches(target / f.name, f.sha256) for f in card.files)
+        ):
             return target
-        files = await self.runtime.namespace(self.namespace).component(component).endpoint("model_files").client()
+        worker = self.runtime.namespace(self.namespace).component(component)
+        files = await worker.endpoint("model_files").client()
         await files.wait_for_instances(timeout=10)
         fetched: dict[str, bytes] = {}
         for f in card.files:
             stream = await files.direct({"name": f.name}, instance_id, idle_timeout=30)
             data = b"".join([r.data() async for r in stream])
             if hashlib.sha256(data).hexdigest() != f.sha256:
-                raise errors.InvalidArgument(f"{f.name} of model {card.name!r} does not match its card")
+                raise errors.InvalidArgument(
+                    f"{f.name} of model {card.name!r} does not match its card"
+                )
             fetched[f.name] = data
         await asyncio.to_thread(_install, self.cache_dir, target, fetched)
         return target

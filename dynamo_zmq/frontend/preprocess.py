@@ -229,6 +229,7 @@ class Preprocessor:
             add_special = req.add_special_tokens is not False
             token_ids = self._encode(prompt, add_special, "prompt")
         else:
+            # parse_completion leaves a str or a list of ints (CompletionRequest)
             token_ids = list(prompt)  # type: ignore[arg-type]
             if not token_ids:
                 raise bad_request("'prompt' must not be empty", param="prompt")

@@ -330,7 +330,8 @@ def _validate_completion(req: CompletionRequest) -> None:
     _range(req.best_of, "best_of", 1, _I64_MAX)
     if req.best_of is not None and req.best_of > 1:
         raise unsupported("best_of", "only best_of=1")
-    req.prompt = _one_prompt(req.prompt)
+    # a list[int] is a valid value of the field, but lists are invariant to mypy
+    req.prompt = _one_prompt(req.prompt)  # type: ignore[assignment]
 
 
 def _one_prompt(prompt: str | list[Any]) -> str | list[int]:
@@ -362,6 +363,7 @@ def _one_prompt(prompt: str | list[Any]) -> str | list[int]:
         )
     if isinstance(first, list):
         return _one_prompt(first)
+    assert isinstance(first, str)  # the schema's items: str, int or list[int]
     return first
 
 

@@ -20,7 +20,9 @@ _json = msgspec.json.encode
 
 def _usage(prompt: int, completion: int, cached: int | None = None) -> dict[str, object]:
     usage: dict[str, object] = {
-        "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
     }
     if cached is not None:  # prompt tokens the engine served from its prefix cache (as OpenAI)
         usage["prompt_tokens_details"] = {"cached_tokens": cached}
@@ -59,7 +61,8 @@ class ChatFormatter(_Formatter):
     def role_chunk(self) -> bytes:
         return (
             self._head
-            + b'{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n'
+            + b'{"index":0,"delta":{"role":"assistant","content":""},'
+            b'"logprobs":null,"finish_reason":null}]}\n\n'
         )
 
     def content_chunk(self, text: str) -> bytes:
@@ -70,10 +73,13 @@ class ChatFormatter(_Formatter):
 
     def finish_chunk(self, finish_reason: str) -> bytes:
         return (
-            self._head + b'{"index":0,"delta":{},"logprobs":null,"finish_reason":' + _json(finish_reason) + b"}]}\n\n"
+            self._head + b'{"index":0,"delta":{},"logprobs":null,"finish_reason":'
+            + _json(finish_reason) + b"}]}\n\n"
         )
 
-    def full(self, text: str, finish_reason: str, prompt: int, completion: int, cached: int | None = None) -> bytes:
+    def full(
+        self, text: str, finish_reason: str, prompt: int, completion: int, cached: int | None = None
+    ) -> bytes:
         return _json(
             {
                 "id": self.id,
@@ -104,20 +110,28 @@ class CompletionFormatter(_Formatter):
 
     def content_chunk(self, text: str) -> bytes:
         return (
-            self._head + b'{"index":0,"text":' + _json(text) + b',"logprobs":null,"finish_reason":null}]}\n\n'
+            self._head + b'{"index":0,"text":' + _json(text)
+            + b',"logprobs":null,"finish_reason":null}]}\n\n'
         )
 
     def finish_chunk(self, finish_reason: str) -> bytes:
-        return self._head + b'{"index":0,"text":"","logprobs":null,"finish_reason":' + _json(finish_reason) + b"}]}\n\n"
+        return (
+            self._head + b'{"index":0,"text":"","logprobs":null,"finish_reason":'
+            + _json(finish_reason) + b"}]}\n\n"
+        )
 
-    def full(self, text: str, finish_reason: str, prompt: int, completion: int, cached: int | None = None) -> bytes:
+    def full(
+        self, text: str, finish_reason: str, prompt: int, completion: int, cached: int | None = None
+    ) -> bytes:
         return _json(
             {
                 "id": self.id,
                 "object": "text_completion",
                 "created": self.created,
                 "model": self.model,
-                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+                "choices": [
+                    {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+                ],
                 "usage": _usage(prompt, completion, cached),
             }
         )

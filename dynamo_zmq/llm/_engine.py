@@ -195,7 +195,7 @@ class LLMEngine(abc.ABC):
     name: ClassVar[str] = ""
 
     @classmethod  # noqa: B027 (optional hook)
-    def add_args(cls, parser: argparse.ArgumentParser) -> None:
+    def add_args(cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
         """Add this engine's own command-line flags."""
 
     @classmethod
@@ -209,7 +209,9 @@ class LLMEngine(abc.ABC):
         """Load the model and return its configuration. Called once."""
 
     @abc.abstractmethod
-    def generate(self, request: PreprocessedRequest, ctx: Context) -> AsyncIterator[LLMEngineOutput]:
+    def generate(
+        self, request: PreprocessedRequest, ctx: Context
+    ) -> AsyncIterator[LLMEngineOutput]:
         """Stream outputs for one request, ending with exactly one terminal chunk."""
 
     async def abort(self, ctx: Context) -> None:  # noqa: B027 (optional hook)

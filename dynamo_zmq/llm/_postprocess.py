@@ -169,7 +169,9 @@ class PostProcessor:
         self._detok = (
             None
             if request.output.detokenize or tokenizer is None
-            else IncrementalDetokenizer(tokenizer, request.token_ids, request.output.skip_special_tokens)
+            else IncrementalDetokenizer(
+                tokenizer, request.token_ids, request.output.skip_special_tokens
+            )
         )
         stop = request.stop
         self._matcher = StopStringMatcher(stop.stop, stop.include_stop_str_in_output)
@@ -196,7 +198,9 @@ class PostProcessor:
             if matched:
                 return self._stopped(out, ids, parts)
         else:
-            skip_last = out.finish_reason == FinishReason.STOP and bool(ids) and ids[-1] in self._stop_ids
+            skip_last = (
+                out.finish_reason == FinishReason.STOP and bool(ids) and ids[-1] in self._stop_ids
+            )
             for n, token in enumerate(ids):
                 self.completion_tokens += 1
                 delta = "" if skip_last and n == len(ids) - 1 else self._detok.step(token)

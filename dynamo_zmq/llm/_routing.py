@@ -130,7 +130,7 @@ class RouterPlugin(abc.ABC):
     ``router`` makes the ``ModelRouter`` of each model."""
 
     @classmethod  # noqa: B027 (optional hook)
-    def add_args(cls, parser: argparse.ArgumentParser) -> None:
+    def add_args(cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
         """Add the plugin's flags (called once per plugin class, whatever the mode chosen)."""
 
     @classmethod

@@ -25,5 +25,6 @@ def check_number(flag: str, value: float, *, positive: bool = False) -> float:
     """``value`` if it is finite and >= 0 (> 0 with ``positive``), else InvalidArgument naming
     ``flag`` (NaN passes every ``<`` test, so a plain comparison would let it through)."""
     if not (math.isfinite(value) and (value > 0 if positive else value >= 0)):
-        raise InvalidArgument(f"{flag} must be a finite number {'>' if positive else '>='} 0, got {value}")
+        bound = ">" if positive else ">="
+        raise InvalidArgument(f"{flag} must be a finite number {bound} 0, got {value}")
     return value

@@ -103,18 +103,28 @@ class Client:
     ) -> ItemStream[Any]:
         """Send with the client's router mode (``direct`` mode needs ``instance_id=``)."""
         if self.mode == RouterMode.Direct and instance_id is None:
-            raise errors.InvalidArgument("a direct-mode client needs instance_id= (or use direct())")
+            raise errors.InvalidArgument(
+                "a direct-mode client needs instance_id= (or use direct())"
+            )
         return await self._call(
             request, _plain(annotated), context, instance_id, timeout, idle_timeout
         )
 
     async def round_robin(
-        self, request: object, context: Context | None = None, annotated: bool = True, **options: Any
+        self,
+        request: object,
+        context: Context | None = None,
+        annotated: bool = True,
+        **options: Any,
     ) -> ItemStream[Any]:
         return await self._send(request, self._round_robin, _plain(annotated), context, **options)
 
     async def random(
-        self, request: object, context: Context | None = None, annotated: bool = True, **options: Any
+        self,
+        request: object,
+        context: Context | None = None,
+        annotated: bool = True,
+        **options: Any,
     ) -> ItemStream[Any]:
         return await self._send(request, _shuffled, _plain(annotated), context, **options)
 
@@ -128,7 +138,9 @@ class Client:
     ) -> ItemStream[Any]:
         """Send to exactly ``instance_id`` (int, or hex string); CannotConnect if it is not live."""
         pick = self._only(instance_id)
-        return await self._send(request, pick, _plain(annotated), context, failover=False, **options)
+        return await self._send(
+            request, pick, _plain(annotated), context, failover=False, **options
+        )
 
     # -- typed -----------------------------------------------------------------------------
 

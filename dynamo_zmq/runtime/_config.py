@@ -76,9 +76,12 @@ class RuntimeConfig:
 
 def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     """Add ``--host``, ``--port`` and the discovery flags, defaulting to ``DYN_*`` variables."""
-    parser.add_argument("--host", default=os.environ.get("DYN_HOST"), help="bind address [DYN_HOST]")
     parser.add_argument(
-        "--port", type=int, default=os.environ.get("DYN_PORT") or "0", help="bind port, 0 = any [DYN_PORT]"
+        "--host", default=os.environ.get("DYN_HOST"), help="bind address [DYN_HOST]"
+    )
+    parser.add_argument(
+        "--port", type=int, default=os.environ.get("DYN_PORT") or "0",
+        help="bind port, 0 = any [DYN_PORT]",
     )
     add_discovery_args(parser)
 

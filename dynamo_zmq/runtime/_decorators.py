@@ -64,7 +64,10 @@ def dynamo_endpoint(request_model: Any, response_model: Any) -> Callable[..., An
         async def wrapper(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
             args_list = list(args)
             # (request), (self, request), (request, context) or (self, request, context)
-            index = 1 if len(args_list) == 3 or (len(args_list) == 2 and not isinstance(args_list[1], Context)) else 0
+            with_self = len(args_list) == 3 or (
+                len(args_list) == 2 and not isinstance(args_list[1], Context)
+            )
+            index = 1 if with_self else 0
             args_list[index] = parse(args_list[index])
             async for item in func(*args_list, **kwargs):
                 yield item

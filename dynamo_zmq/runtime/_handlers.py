@@ -18,7 +18,9 @@ from ..wire import decode_item
 __all__ = ["adapt_handler"]
 
 
-def adapt_handler(handler: Callable[..., Any], request_type: type | None = None) -> TransportHandler:
+def adapt_handler(
+    handler: Callable[..., Any], request_type: type | None = None
+) -> TransportHandler:
     """Wrap a user handler ``(request)`` or ``(request, context)`` for the transport."""
     wants_context = _accepts_context(handler)
     decode = decode_item if request_type is None else msgspec.msgpack.Decoder(request_type).decode
@@ -34,7 +36,7 @@ def adapt_handler(handler: Callable[..., Any], request_type: type | None = None)
             raise errors.InvalidArgument(f"request is not valid MessagePack: {exc}") from exc
         result = handler(request, ctx) if wants_context else handler(request)
         if hasattr(result, "__aiter__"):
-            return result  # type: ignore[no-any-return]
+            return result  # type: ignore[no-any-return]  # hasattr() does not narrow Any
         if inspect.isawaitable(result):
             return _single(result)
         raise errors.Unknown(f"handler returned {type(result).__name__}, not an async iterator")

@@ -137,5 +137,7 @@ class Endpoint:
 def check_name(name: str, what: str) -> str:
     """``name`` if it can be a namespace, component or endpoint name, else InvalidArgument."""
     if not name or "." in name or any(c.isspace() for c in name):
-        raise errors.InvalidArgument(f"{what} name {name!r} must be non-empty, without dots or spaces")
+        raise errors.InvalidArgument(
+            f"{what} name {name!r} must be non-empty, without dots or spaces"
+        )
     return name

@@ -32,15 +32,17 @@ def failover(
     caller as they are."""
     tried = {first.instance_id}
 
-    async def reopen(stream: ResponseStream[T], exc: errors.DynamoError) -> ResponseStream[T] | None:
+    async def reopen(
+        stream: ResponseStream[T], exc: errors.DynamoError
+    ) -> ResponseStream[T] | None:
         if not exc.retryable or len(tried) >= MAX_ATTEMPTS or stream.context.is_stopped():
             return None
         log.info("request failed on instance %x before responding (%r): retrying",
                  stream.instance_id, exc)
-        stream = await open_elsewhere(frozenset(tried))
-        if stream is not None:
-            tried.add(stream.instance_id)
-        return stream
+        other = await open_elsewhere(frozenset(tried))
+        if other is not None:
+            tried.add(other.instance_id)
+        return other
 
     hook: Reopen[T] = reopen
     first.set_reopen(hook)

@@ -76,7 +76,8 @@ class DistributedRuntime:
                 disc = dataclasses.replace(config.discovery, backend=discovery_backend)
                 config = dataclasses.replace(config, discovery=disc)
             elif discovery_backend is not None:
-                log.info("discovery backend %r maps to %r here", discovery_backend, config.discovery.backend)
+                log.info("discovery backend %r maps to %r here",
+                         discovery_backend, config.discovery.backend)
         self.config = config
         self.instance_id = secrets.randbits(63) or 1
         self.started_at = time.time()
@@ -102,7 +103,9 @@ class DistributedRuntime:
         """``"ns.component.endpoint"`` (or ``"dyn://ns.component.endpoint"``)."""
         parts = path.removeprefix("dyn://").split(".")
         if len(parts) != 3:
-            raise errors.InvalidArgument(f"endpoint path {path!r} is not namespace.component.endpoint")
+            raise errors.InvalidArgument(
+                f"endpoint path {path!r} is not namespace.component.endpoint"
+            )
         return self.namespace(parts[0]).component(parts[1]).endpoint(parts[2])
 
     # -- serving ---------------------------------------------------------------------------
@@ -228,7 +231,9 @@ class DistributedRuntime:
         self._server.set_draining()
         await asyncio.sleep(self.config.grace_period)
         self._server.refuse_new()
-        return await self._server.wait_idle(self.config.graceful_timeout if timeout is None else timeout)
+        return await self._server.wait_idle(
+            self.config.graceful_timeout if timeout is None else timeout
+        )
 
     async def close(self) -> None:
         """Withdraw adverts, close the server, peers and discovery (idempotent)."""

@@ -15,7 +15,8 @@ __all__ = ["StatusServer"]
 
 
 class StatusServer:
-    """``GET /metrics``, ``/health`` (200 healthy / 503 not) and ``/live`` on a background thread."""
+    """``GET /metrics``, ``/health`` (200 healthy / 503 not) and ``/live`` on a background
+    thread."""
 
     def __init__(
         self,
@@ -53,10 +54,14 @@ class StatusServer:
         try:
             self._httpd = ThreadingHTTPServer((host, port), Handler)
         except OSError as exc:  # the port is taken, the host is not ours...
-            raise InvalidArgument(f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}") from exc
+            raise InvalidArgument(
+                f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}"
+            ) from exc
         self._httpd.daemon_threads = True
         self.port = self._httpd.server_address[1]
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="status-http", daemon=True)
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, name="status-http", daemon=True
+        )
 
     def start(self) -> None:
         self._thread.start()

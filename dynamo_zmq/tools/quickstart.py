@@ -68,10 +68,16 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dynamo_zmq quickstart", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m dynamo_zmq quickstart", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--http-port", type=int, default=8000)
-    parser.add_argument("--model-dir", default=str(Path(tempfile.gettempdir()) / "dynamo-zmq-tiny-model"))
-    parser.add_argument("--check", action="store_true", help="send one request, print the answer, exit")
+    parser.add_argument(
+        "--model-dir", default=str(Path(tempfile.gettempdir()) / "dynamo-zmq-tiny-model")
+    )
+    parser.add_argument(
+        "--check", action="store_true", help="send one request, print the answer, exit"
+    )
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _interrupt)  # stop the children as Ctrl-C does
 
@@ -84,18 +90,27 @@ def main(argv: list[str] | None = None) -> int:
         env,
     )
     frontend = _start(
-        ["-m", "dynamo_zmq.frontend", "--http-port", str(args.http_port), "--namespace", namespace], env
+        ["-m", "dynamo_zmq.frontend", "--http-port", str(args.http_port),
+         "--namespace", namespace],
+        env,
     )
     try:
         _wait_ready(worker, "worker")
         url = _wait_ready(frontend, "frontend")
         _wait_model(url)
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16}
-        curl = f"curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{json.dumps(body)}'"
+        body = {
+            "model": MODEL, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16
+        }
+        curl = (
+            f"curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' "
+            f"-d '{json.dumps(body)}'"
+        )
         print(f"\nServing {MODEL} (mocker engine) at {url}. Try:\n\n  {curl}\n", flush=True)
         if args.check:
             request = urllib.request.Request(
-                f"{url}/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+                f"{url}/v1/chat/completions",
+                json.dumps(body).encode(),
+                {"Content-Type": "application/json"},
             )
             with urllib.request.urlopen(request, timeout=30) as resp:
                 answer = json.load(resp)

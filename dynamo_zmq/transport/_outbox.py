@@ -193,9 +193,13 @@ class Outbox:
             if st.buf:
                 data.append(Data(st.request_id, seq, st.buf))
                 seq += 1
-            if st.terminal is not None:
-                st.terminal.seq = seq
-                (ends if isinstance(st.terminal, End) else errs).append(st.terminal)
+            terminal = st.terminal
+            if terminal is not None:
+                terminal.seq = seq
+                if isinstance(terminal, End):
+                    ends.append(terminal)
+                else:
+                    errs.append(terminal)
         if len(data) + len(ends) + len(errs) == 1:
             if data:
                 return Kind.DATA, encode(data[0])

@@ -12,6 +12,7 @@ import asyncio
 import errno
 import logging
 from collections.abc import Callable
+from typing import cast
 
 import zmq
 
@@ -33,14 +34,14 @@ DEFAULT_HWM = 10_000
 
 
 def make_socket(
-    zctx: zmq.Context,
+    zctx: zmq.Context[zmq.Socket[bytes]],
     socket_type: int,
     *,
     bind: str | None = None,
     connect: str | None = None,
     hwm: int = DEFAULT_HWM,
     heartbeat_ms: int = 500,
-) -> zmq.Socket:
+) -> zmq.Socket[bytes]:
     """Create a socket with the project's standard options, bound or connected.
 
     ``bind`` may end in ``:0`` or ``:*`` for an ephemeral port; read it back with
@@ -71,7 +72,9 @@ def make_socket(
             try:
                 sock.bind(bind)
             except zmq.ZMQError as exc:  # the port is taken, the host is not ours...
-                raise errors.InvalidArgument(f"cannot bind {bind}: {zmq.strerror(exc.errno)}") from exc
+                # ZMQError always sets errno (from zmq_errno() when not given)
+                reason = zmq.strerror(exc.errno) if exc.errno is not None else str(exc)
+                raise errors.InvalidArgument(f"cannot bind {bind}: {reason}") from exc
         if connect is not None:
             sock.connect(connect)
     except BaseException:
@@ -94,12 +97,12 @@ class AsyncSocket:
     ``EVENTS`` afterwards, so a readiness change consumed by a send is never missed.
     """
 
-    def __init__(self, sock: zmq.Socket) -> None:
+    def __init__(self, sock: zmq.Socket[bytes]) -> None:
         self.sock = sock
         self._loop = asyncio.get_running_loop()
         self._readable = asyncio.Event()
         self._writable = asyncio.Event()
-        self._fd = sock.getsockopt(zmq.FD)
+        self._fd = sock.fileno()  # the ZMQ_FD option
         self._closed = False
         self._loop.add_reader(self._fd, self._poll_events)
 
@@ -107,7 +110,8 @@ class AsyncSocket:
         if self._closed:
             return
         try:
-            events = self.sock.getsockopt(_EVENTS)
+            # ZMQ_EVENTS is an int option; pyzmq types every getsockopt as ``int | bytes``
+            events = cast(int, self.sock.getsockopt(_EVENTS))
         except zmq.ZMQError:
             return
         if events & _POLLIN:
@@ -145,7 +149,7 @@ class AsyncSocket:
     async def wait_readable(self) -> None:
         """Return when a message can be received (or the socket was closed)."""
         while not self._closed:
-            if self.sock.getsockopt(_EVENTS) & _POLLIN:
+            if cast(int, self.sock.getsockopt(_EVENTS)) & _POLLIN:
                 return
             self._readable.clear()
             await self._readable.wait()
@@ -166,7 +170,8 @@ class AsyncSocket:
             self._poll_events()
 
     async def send(self, frames: list[bytes], timeout: float | None = None) -> int:
-        """Send, waiting while the peer's queue is full; returns SENT or GONE (or FULL on timeout)."""
+        """Send, waiting while the peer's queue is full; returns SENT or GONE (or FULL on
+        timeout)."""
         deadline = None if timeout is None else self._loop.time() + timeout
         backoff = 0.0005
         while True:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import types
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
@@ -38,7 +39,6 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-T_co = TypeVar("T_co", covariant=True)
 
 ItemDecoder = Callable[[msgspec.Raw], list[T]]
 """Turns one DATA frame's items (a MessagePack array) into what the stream yields."""
@@ -57,7 +57,9 @@ def item_decoder(item_type: type[T]) -> ItemDecoder[T]:
     """A decoder validating items into ``item_type`` (built once per type)."""
     decode = _typed_decoders.get(item_type)
     if decode is None:
-        decode = _typed_decoders[item_type] = msgspec.msgpack.Decoder(list[item_type]).decode
+        # ``list[item_type]`` built at run time (a type variable's value is no static type)
+        list_type = types.GenericAlias(list, (item_type,))
+        decode = _typed_decoders[item_type] = msgspec.msgpack.Decoder(list_type).decode
     return decode
 
 
@@ -84,7 +86,7 @@ def decode_items(
     return good, errors.Unknown("undecodable response items")
 
 
-class ItemStream(Protocol[T_co]):
+class ItemStream(Protocol[T]):
     """A request's response items: iterate them, or take what has arrived in batches."""
 
     @property
@@ -95,11 +97,11 @@ class ItemStream(Protocol[T_co]):
         """The instance serving the request now."""
         ...
 
-    def __aiter__(self) -> AsyncIterator[T_co]: ...
+    def __aiter__(self) -> AsyncIterator[T]: ...
 
-    async def __anext__(self) -> T_co: ...
+    async def __anext__(self) -> T: ...
 
-    async def next_batch(self, max_items: int = MAX_BATCH_ITEMS) -> list[T_co]:
+    async def next_batch(self, max_items: int = MAX_BATCH_ITEMS) -> list[T]:
         """Wait for at least one item and return every item that has arrived (up to
         ``max_items``); an empty list once the stream has ended. Errors raise as from
         ``__anext__``."""

@@ -47,7 +47,10 @@ __all__ = ["DEFAULT_WINDOW", "PeerConnection", "PeerState"]
 
 log = logging.getLogger(__name__)
 
-_decoders = {
+_FromServer = RawData | End | Error | Pong | Description | Notice | RawBatch
+"""What a server sends; each frame kind decodes to its own one of these types."""
+
+_decoders: dict[bytes, msgspec.msgpack.Decoder[_FromServer]] = {
     Kind.DATA: msgspec.msgpack.Decoder(RawData),
     Kind.END: msgspec.msgpack.Decoder(End),
     Kind.ERROR: msgspec.msgpack.Decoder(Error),
@@ -145,7 +148,9 @@ class PeerConnection:
         try:
             await asyncio.wait_for(self._described.wait(), timeout)
         except asyncio.TimeoutError:
-            raise errors.ConnectionTimeout(f"{self.address} did not answer within {timeout}s") from None
+            raise errors.ConnectionTimeout(
+                f"{self.address} did not answer within {timeout}s"
+            ) from None
         assert self.description is not None
         return self.description
 
@@ -241,25 +246,26 @@ class PeerConnection:
         except (msgspec.DecodeError, RecursionError) as exc:
             log.warning("undecodable %r frame from %s: %s", kind, self.address, exc)
             return
-        if kind == Kind.DATA:
+        # the frame's kind chose the decoder, so the decoded type tells the kind
+        if isinstance(msg, RawData):
             self._on_data(msg)
-        elif kind == Kind.END:
+        elif isinstance(msg, End):
             self._on_end(msg, None)
-        elif kind == Kind.ERROR:
+        elif isinstance(msg, Error):
             self._on_end(msg, msg)
-        elif kind == Kind.BATCH:
+        elif isinstance(msg, RawBatch):
             for data in msg.data:
                 self._on_data(data)
             for end in msg.ends:
                 self._on_end(end, None)
             for err in msg.errors:
                 self._on_end(err, err)
-        elif kind == Kind.PONG:
+        elif isinstance(msg, Pong):
             self.inflight = msg.inflight
             self._on_state(msg.instance_id, msg.rev, msg.draining)
-        elif kind == Kind.NOTICE:
+        elif isinstance(msg, Notice):
             self._on_state(msg.instance_id, msg.rev, msg.draining)
-        elif kind == Kind.INFO:
+        elif isinstance(msg, Description):
             self._on_description(msg)
 
     def _on_data(self, msg: RawData) -> None:
@@ -291,7 +297,9 @@ class PeerConnection:
             return
         if msg.seq != st.expected_seq:
             st.terminate(
-                errors.StreamIncomplete(f"stream ended after {msg.seq} frames but {st.expected_seq} arrived")
+                errors.StreamIncomplete(
+                    f"stream ended after {msg.seq} frames but {st.expected_seq} arrived"
+                )
             )
         elif error is not None:
             st.terminate(errors.from_wire(error.kind, error.message))
@@ -375,7 +383,9 @@ class PeerConnection:
 
     def _check_silence(self) -> None:
         """Mark the peer down if nothing came from it for the liveness timeout."""
-        if self.state is not PeerState.READY or time.monotonic() - self._last_rx <= self._liveness_timeout:
+        if self.state is not PeerState.READY:
+            return
+        if time.monotonic() - self._last_rx <= self._liveness_timeout:
             return
         # After a stall of this process (GC, a busy loop, CPU starvation) this can run before
         # the receive loop has read what arrived meanwhile: that proves the peer alive.

@@ -55,7 +55,11 @@ MAX_REQUEST_BYTES = 64 << 20
 #: Seconds ``close`` gives cancelled streams to send their terminals.
 CLOSE_GRACE = 2.0
 
-_decoders = {
+_FromClient = Request | Control | Credit | Ping | Describe
+"""What a client sends; each frame kind decodes to one of these types (STOP and KILL to
+``Control``)."""
+
+_decoders: dict[bytes, msgspec.msgpack.Decoder[_FromClient]] = {
     Kind.REQUEST: msgspec.msgpack.Decoder(Request),
     Kind.STOP: msgspec.msgpack.Decoder(Control),
     Kind.KILL: msgspec.msgpack.Decoder(Control),
@@ -174,7 +178,9 @@ class Server:
         identity = frames[0]
         self._last_seen[identity] = time.monotonic()
         if len(frames) != 3:
-            self._malformed(identity, f"expected 2 frames after the identity, got {len(frames) - 1}")
+            self._malformed(
+                identity, f"expected 2 frames after the identity, got {len(frames) - 1}"
+            )
             return
         kind, payload = frames[1], frames[2]
         decoder = _decoders.get(kind)
@@ -186,17 +192,18 @@ class Server:
         except (msgspec.DecodeError, RecursionError) as exc:  # deep nesting raises RecursionError
             self._malformed(identity, f"bad {kind!r} payload: {exc}", _request_id_of(payload))
             return
-        if kind == Kind.REQUEST:
+        # the frame's kind chose the decoder, so the decoded type tells the kind
+        if isinstance(msg, Request):
             self._on_request(identity, msg)
-        elif kind == Kind.PING:
+        elif isinstance(msg, Ping):
             pong = Pong(msg.nonce, self.instance_id, self.rev, self.draining, len(self._streams))
             self._send_nowait(identity, Kind.PONG, encode(pong))
-        elif kind == Kind.CREDIT:
+        elif isinstance(msg, Credit):
             st = self._streams.get((identity, msg.request_id))
             if st is not None and msg.items > 0:
                 st.credit += msg.items
                 st.wake.set()
-        elif kind == Kind.STOP or kind == Kind.KILL:
+        elif isinstance(msg, Control):  # STOP or KILL
             st = self._streams.get((identity, msg.request_id))
             if st is None:
                 log.debug("%r for unknown request %d", kind, msg.request_id)
@@ -204,7 +211,7 @@ class Server:
                 st.ctx.kill()
             else:
                 st.ctx.stop()
-        elif kind == Kind.DESCRIBE:
+        elif isinstance(msg, Describe):
             self._send_nowait(identity, Kind.INFO, encode(self._describe()))
 
     def _malformed(self, identity: bytes, reason: str, request_id: int = 0) -> None:
@@ -241,12 +248,15 @@ class Server:
             return
         if len(req.payload) > self.max_request_bytes:
             reject(errors.InvalidArgument(
-                f"request payload of {len(req.payload)} bytes is over the {self.max_request_bytes}-byte limit"))
+                f"request payload of {len(req.payload)} bytes is over the "
+                f"{self.max_request_bytes}-byte limit"))
             return
         st = OpenStream(identity, req.request_id, Context(req.context_id), req.window)
         self._streams[key] = st
         self._idle.clear()
-        st.task = self._res.spawn(self._run_stream(st, handler, req.payload), f"stream-{req.request_id}")
+        st.task = self._res.spawn(
+            self._run_stream(st, handler, req.payload), f"stream-{req.request_id}"
+        )
         # Also when the task is cancelled before it ever ran (its body's finally never runs).
         st.task.add_done_callback(lambda _t: self._forget(st))
         st.ctx.add_listener(lambda killed: _on_kill(st) if killed else st.wake.set())

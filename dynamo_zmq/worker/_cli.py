@@ -53,14 +53,24 @@ def load_engine_class(spec: str) -> type[LLMEngine]:
     return cls
 
 
-def build_parser(engine_cls: type[LLMEngine] | None = None, add_help: bool = True) -> argparse.ArgumentParser:
+def build_parser(
+    engine_cls: type[LLMEngine] | None = None, add_help: bool = True
+) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m dynamo_zmq.worker", description="Serve an LLM engine on the dynamo-zmq request plane.",
+        prog="python -m dynamo_zmq.worker",
+        description="Serve an LLM engine on the dynamo-zmq request plane.",
         add_help=add_help,
     )
-    parser.add_argument("--engine", default=_env("ENGINE", "mocker"), help="engine name or MODULE:CLASS [DYN_ENGINE]")
-    parser.add_argument("--model-path", default=_env("MODEL_PATH"), help="model directory [DYN_MODEL_PATH]")
-    parser.add_argument("--model-name", default=_env("MODEL_NAME"), help="served model name [DYN_MODEL_NAME]")
+    parser.add_argument(
+        "--engine", default=_env("ENGINE", "mocker"),
+        help="engine name or MODULE:CLASS [DYN_ENGINE]",
+    )
+    parser.add_argument(
+        "--model-path", default=_env("MODEL_PATH"), help="model directory [DYN_MODEL_PATH]"
+    )
+    parser.add_argument(
+        "--model-name", default=_env("MODEL_NAME"), help="served model name [DYN_MODEL_NAME]"
+    )
     parser.add_argument("--namespace", default=_env("NAMESPACE", "dynamo"), help="[DYN_NAMESPACE]")
     parser.add_argument("--component", default=_env("COMPONENT", "backend"), help="[DYN_COMPONENT]")
     parser.add_argument("--endpoint", default=_env("ENDPOINT", "generate"), help="[DYN_ENDPOINT]")
@@ -86,8 +96,9 @@ def build_parser(engine_cls: type[LLMEngine] | None = None, add_help: bool = Tru
     )
     parser.add_argument(
         "--load-interval", type=float, default=_env("LOAD_INTERVAL", "0.1"),
-        help=f"publish the engine's load for KV routers every this many seconds, 0 = never, at most "
-             f"{MAX_LOAD_INTERVAL:g} (engines without load() publish nothing) [DYN_LOAD_INTERVAL]",
+        help="publish the engine's load for KV routers every this many seconds, 0 = never, "
+             f"at most {MAX_LOAD_INTERVAL:g} (engines without load() publish nothing) "
+             "[DYN_LOAD_INTERVAL]",
     )
     parser.add_argument(
         "--load-port", type=int, default=_env("LOAD_PORT", "0"),
@@ -100,13 +111,14 @@ def build_parser(engine_cls: type[LLMEngine] | None = None, add_help: bool = Tru
     add_runtime_args(parser)
     if engine_cls is not None:
         group = parser.add_argument_group(f"{engine_cls.name or engine_cls.__name__} engine")
-        engine_cls.add_args(group)  # type: ignore[arg-type]
+        engine_cls.add_args(group)
     return parser
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[type[LLMEngine], argparse.Namespace]:
     """Two passes: find ``--engine``, then parse with that engine's own flags added."""
-    pre, _ = build_parser(add_help=False).parse_known_args(argv)  # --help waits for the engine's flags
+    # --help waits for the engine's flags
+    pre, _ = build_parser(add_help=False).parse_known_args(argv)
     engine_cls = load_engine_class(pre.engine)
     args = build_parser(engine_cls).parse_args(argv)
     for what in ("namespace", "component", "endpoint"):
@@ -115,7 +127,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[type[LLMEngine], argp
         raise errors.InvalidArgument(f"--model-path {args.model_path!r} is not a directory")
     if not 0 <= args.load_interval <= MAX_LOAD_INTERVAL:
         raise errors.InvalidArgument(
-            f"--load-interval must be 0 (never) or up to {MAX_LOAD_INTERVAL:g} s, got {args.load_interval:g}"
+            f"--load-interval must be 0 (never) or up to {MAX_LOAD_INTERVAL:g} s, "
+            f"got {args.load_interval:g}"
         )
     return engine_cls, args
 

@@ -66,7 +66,9 @@ class Health:
         self.healthy, self.detail = ok, detail
         self._metrics.healthy.labels(self._metrics.model).set(1 if ok else 0)
 
-    async def _last_output(self, request: PreprocessedRequest, ctx: Context) -> LLMEngineOutput | None:
+    async def _last_output(
+        self, request: PreprocessedRequest, ctx: Context
+    ) -> LLMEngineOutput | None:
         last = None
         async for out in self._engine.generate(request, ctx):
             last = out

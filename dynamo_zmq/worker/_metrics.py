@@ -20,9 +20,15 @@ class WorkerMetrics:
         labels = ["model"]
         r = self.registry
         self.requests = Counter("dynamo_worker_requests", "Requests received", labels, registry=r)
-        self.inflight = Gauge("dynamo_worker_inflight_requests", "Requests in flight", labels, registry=r)
-        self.errors = Counter("dynamo_worker_errors", "Requests failed, by error kind", [*labels, "kind"], registry=r)
-        self.cancellations = Counter("dynamo_worker_cancellations", "Requests stopped or killed", labels, registry=r)
+        self.inflight = Gauge(
+            "dynamo_worker_inflight_requests", "Requests in flight", labels, registry=r
+        )
+        self.errors = Counter(
+            "dynamo_worker_errors", "Requests failed, by error kind", [*labels, "kind"], registry=r
+        )
+        self.cancellations = Counter(
+            "dynamo_worker_cancellations", "Requests stopped or killed", labels, registry=r
+        )
         self.ttft = Histogram(
             "dynamo_worker_time_to_first_token_seconds", "Time to first token", labels,
             buckets=_LATENCY_BUCKETS, registry=r,
@@ -31,10 +37,18 @@ class WorkerMetrics:
             "dynamo_worker_inter_token_latency_seconds", "Time between chunks", labels,
             buckets=_LATENCY_BUCKETS, registry=r,
         )
-        self.output_tokens = Counter("dynamo_worker_output_tokens", "Tokens generated", labels, registry=r)
-        self.kv_usage = Gauge("dynamo_worker_kv_usage_ratio", "Active KV blocks / total", labels, registry=r)
-        self.kv_active = Gauge("dynamo_worker_kv_active_blocks", "Active KV blocks", labels, registry=r)
-        self.healthy = Gauge("dynamo_worker_healthy", "1 when the health canary passes", labels, registry=r)
+        self.output_tokens = Counter(
+            "dynamo_worker_output_tokens", "Tokens generated", labels, registry=r
+        )
+        self.kv_usage = Gauge(
+            "dynamo_worker_kv_usage_ratio", "Active KV blocks / total", labels, registry=r
+        )
+        self.kv_active = Gauge(
+            "dynamo_worker_kv_active_blocks", "Active KV blocks", labels, registry=r
+        )
+        self.healthy = Gauge(
+            "dynamo_worker_healthy", "1 when the health canary passes", labels, registry=r
+        )
         self.model = model
 
     def render(self) -> bytes:
@@ -44,9 +58,13 @@ class WorkerMetrics:
         """The per-model children, resolved once (``labels()`` costs microseconds per call)."""
         m = self.model
         return ModelMetrics(
-            requests=self.requests.labels(m), inflight=self.inflight.labels(m),
-            cancellations=self.cancellations.labels(m), ttft=self.ttft.labels(m), itl=self.itl.labels(m),
-            output_tokens=self.output_tokens.labels(m), engine_errors=self.errors.labels(m, "EngineError"),
+            requests=self.requests.labels(m),
+            inflight=self.inflight.labels(m),
+            cancellations=self.cancellations.labels(m),
+            ttft=self.ttft.labels(m),
+            itl=self.itl.labels(m),
+            output_tokens=self.output_tokens.labels(m),
+            engine_errors=self.errors.labels(m, "EngineError"),
         )
 
 

@@ -48,7 +48,7 @@ class MockerEngine(LLMEngine):
         self._state = "new"  # new -> started -> closed
 
     @classmethod
-    def add_args(cls, parser: argparse.ArgumentParser) -> None:
+    def add_args(cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
         add_mocker_args(parser)
 
     @classmethod

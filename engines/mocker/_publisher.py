@@ -141,7 +141,7 @@ class KvEventPublisher:
             self._pub = None
 
 
-def _bound_port(sock: zmq.Socket) -> int:
+def _bound_port(sock: zmq.Socket[bytes]) -> int:
     endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
     text = endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
     return int(text.rsplit(":", 1)[1])

@@ -82,7 +82,7 @@ class VllmEngine(LLMEngine):
     # -- construction ----------------------------------------------------------------------
 
     @classmethod
-    def add_args(cls, parser: argparse.ArgumentParser) -> None:
+    def add_args(cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
         add_vllm_args(parser)
 
     @classmethod

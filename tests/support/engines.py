@@ -21,7 +21,7 @@ class EchoEngine(LLMEngine):
         self.aborted: list[str] = []
 
     @classmethod
-    def add_args(cls, parser: argparse.ArgumentParser) -> None:
+    def add_args(cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
         parser.add_argument("--echo-delay", type=float, default=0.0)
         # Advertised only (the echo engine publishes and answers nothing there).
         parser.add_argument("--echo-kv-events-endpoint", default=None)
