@@ -4,22 +4,48 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from .. import errors
-from ..transport import PeerConnection
+from ..transport import Handler, PeerConnection
 from ..wire import EndpointInfo
 from ._client import Client, RouterMode
 from ._handlers import adapt_handler
+from ._peers import PeerPool
 
-if TYPE_CHECKING:
-    from ._runtime import DistributedRuntime
+__all__ = ["Component", "Endpoint", "EndpointHost", "Namespace", "check_name"]
 
-__all__ = ["Component", "Endpoint", "Namespace", "check_name"]
+
+class EndpointHost(Protocol):
+    """What names need of the runtime they belong to (``DistributedRuntime``)."""
+
+    @property
+    def instance_id(self) -> int: ...
+
+    async def create_service(self) -> None:
+        """Bind the request-plane socket if it is not bound yet."""
+        ...
+
+    async def add_endpoint(self, info: EndpointInfo, handler: Handler) -> None:
+        """Serve ``handler`` as ``info.path`` and advertise it."""
+        ...
+
+    async def remove_endpoint(self, path: str) -> None:
+        """Stop serving ``path`` (and withdraw the advert when it was the last of its
+        namespace)."""
+        ...
+
+    async def peer_pool(self, namespace: str | None) -> PeerPool:
+        """The connections to the processes of ``namespace`` (discovery started)."""
+        ...
+
+    async def wait_shutdown(self) -> None: ...
+
+    async def drain(self, timeout: float | None = None) -> bool: ...
 
 
 class Namespace:
-    def __init__(self, runtime: DistributedRuntime, name: str) -> None:
+    def __init__(self, runtime: EndpointHost, name: str) -> None:
         self.runtime = runtime
         self.name = name
 
@@ -44,7 +70,7 @@ class Component:
 
     async def create_service(self) -> None:
         """Make sure this process can serve (binds the request-plane socket)."""
-        await self.runtime._ensure_server()
+        await self.runtime.create_service()
 
     def __repr__(self) -> str:
         return f"Component({self._namespace.name}.{self.name})"
@@ -87,7 +113,7 @@ class Endpoint:
         self._handler = handler
         self._request_type = request_type
         info = EndpointInfo(self.namespace, self.component_name, self.name, metadata or {})
-        await self.runtime._add_endpoint(info, adapt_handler(handler, request_type))
+        await self.runtime.add_endpoint(info, adapt_handler(handler, request_type))
 
     async def serve_endpoint(
         self,
@@ -110,11 +136,11 @@ class Endpoint:
         await self.runtime.wait_shutdown()
         if graceful_shutdown:
             await self.runtime.drain()
-        await self.runtime._remove_endpoint(self.path)
+        await self.runtime.remove_endpoint(self.path)
 
     async def unregister_endpoint_instance(self) -> None:
         """Stop routing new requests here (the socket keeps serving what is in flight)."""
-        await self.runtime._remove_endpoint(self.path)
+        await self.runtime.remove_endpoint(self.path)
 
     async def register_endpoint_instance(self) -> None:
         if self._handler is None:
@@ -130,7 +156,7 @@ class Endpoint:
 
         ``select`` narrows the instances further, e.g. to those serving one model.
         """
-        pool = await self.runtime._pool(self.namespace)
+        pool = await self.runtime.peer_pool(self.namespace)
         return Client(self.path, pool, router_mode or RouterMode.RoundRobin, select)
 
 

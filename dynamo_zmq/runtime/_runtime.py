@@ -147,14 +147,20 @@ class DistributedRuntime:
             metadata=self.metadata,
         )
 
-    async def _add_endpoint(self, info: EndpointInfo, handler: TransportHandler) -> None:
+    async def create_service(self) -> None:
+        """Bind the request-plane socket if it is not bound yet (``Component.create_service``)."""
+        await self._ensure_server()
+
+    async def add_endpoint(self, info: EndpointInfo, handler: TransportHandler) -> None:
+        """Serve ``handler`` as ``info.path`` and advertise it (``Endpoint.start_serving``)."""
         server = await self._ensure_server()
         self._handlers[info.path] = handler
         self._endpoint_info[info.path] = info
         server.bump_rev()
         await self._advertise(info.namespace)
 
-    async def _remove_endpoint(self, path: str) -> None:
+    async def remove_endpoint(self, path: str) -> None:
+        """Stop serving ``path``; withdraw the advert when it was the last of its namespace."""
         info = self._endpoint_info.pop(path, None)
         self._handlers.pop(path, None)
         if info is None or self._server is None:
@@ -186,7 +192,8 @@ class DistributedRuntime:
 
     # -- calling ---------------------------------------------------------------------------
 
-    async def _pool(self, namespace: str | None) -> PeerPool:
+    async def peer_pool(self, namespace: str | None) -> PeerPool:
+        """The peer connections, watching ``namespace`` too (None: every namespace)."""
         if self._peers is None:
             await self._ensure_discovery()
             self._peers = PeerPool(self.resources, self._discovery)
@@ -195,12 +202,12 @@ class DistributedRuntime:
 
     async def peers(self, namespace: str | None = None) -> list[PeerConnection]:
         """Connections to every discovered process (``None``: all namespaces)."""
-        pool = await self._pool(namespace)
+        pool = await self.peer_pool(namespace)
         return list(pool.peers.values())
 
     async def wait_peers_changed(self, timeout: float | None = None) -> None:
         """Wait until any discovered peer changes (or ``timeout``)."""
-        pool = await self._pool(None) if self._peers is None else self._peers
+        pool = await self.peer_pool(None) if self._peers is None else self._peers
         await pool.wait_changed(timeout)
 
     # -- lifecycle -------------------------------------------------------------------------

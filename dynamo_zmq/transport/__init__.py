@@ -8,6 +8,7 @@ from ._streams import ItemStream as ItemStream
 from ._streams import Reopen as Reopen
 from ._streams import Response as Response
 from ._streams import ResponseStream as ResponseStream
+from ._streams import StreamHost as StreamHost
 from ._streams import item_decoder as item_decoder
 from ._streams import plain_items as plain_items
 from ._streams import response_items as response_items
@@ -30,6 +31,7 @@ __all__ = [
     "ResponseStream",
     "SendResult",
     "Server",
+    "StreamHost",
     "item_decoder",
     "make_socket",
     "plain_items",

@@ -16,7 +16,7 @@ import contextlib
 import types
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import msgspec
 
@@ -24,15 +24,13 @@ from .. import errors
 from ..context import Context
 from ..wire import Control, Credit, Kind, decode_item
 
-if TYPE_CHECKING:
-    from .client import PeerConnection
-
 __all__ = [
     "ItemDecoder",
     "ItemStream",
     "Reopen",
     "Response",
     "ResponseStream",
+    "StreamHost",
     "item_decoder",
     "plain_items",
     "response_items",
@@ -108,6 +106,21 @@ class ItemStream(Protocol[T]):
         ...
 
     async def aclose(self) -> None: ...
+
+
+class StreamHost(Protocol):
+    """What a stream needs of the connection its request went out on (``PeerConnection``)."""
+
+    @property
+    def instance_id(self) -> int: ...
+
+    def send_control(self, kind: bytes, msg: msgspec.Struct) -> None:
+        """Send STOP, KILL or CREDIT for a stream, without waiting."""
+        ...
+
+    def forget_stream(self, request_id: int) -> None:
+        """Stop tracking the stream ``request_id`` (its caller is done with it)."""
+        ...
 
 
 class Response:
@@ -198,7 +211,7 @@ class ResponseStream(Generic[T]):
 
     def __init__(
         self,
-        conn: PeerConnection,
+        conn: StreamHost,
         state: _StreamState,
         ctx: Context,
         idle_timeout: float | None,
@@ -296,7 +309,7 @@ class ResponseStream(Generic[T]):
     async def aclose(self) -> None:
         """Stop listening; if the stream was still open, the server's context is killed."""
         if not self._st.done:
-            self._conn._send_control(Kind.KILL, Control(self._st.request_id))
+            self._conn.send_control(Kind.KILL, Control(self._st.request_id))
             self._st.terminate(errors.Cancelled("stream closed by the caller"))
         self._release()
 
@@ -324,7 +337,7 @@ class ResponseStream(Generic[T]):
             try:
                 await asyncio.wait_for(st.waiter.wait(), self._idle_timeout)
             except asyncio.TimeoutError:
-                self._conn._send_control(Kind.KILL, Control(st.request_id))
+                self._conn.send_control(Kind.KILL, Control(st.request_id))
                 st.terminate(errors.ResponseTimeout(f"no response within {self._idle_timeout}s"))
 
     def _adopt(self, other: ResponseStream[T]) -> None:
@@ -338,14 +351,14 @@ class ResponseStream(Generic[T]):
         """Tell the server the items consumed since the last grant may be replaced."""
         st = self._st
         if not st.done:
-            self._conn._send_control(Kind.CREDIT, Credit(st.request_id, st.unconsumed_credit))
+            self._conn.send_control(Kind.CREDIT, Credit(st.request_id, st.unconsumed_credit))
         st.unconsumed_credit = 0
 
     def _release_attempt(self) -> None:
         """Forget the current attempt on its connection."""
         if not self._closed:
             self._closed = True
-            self._conn._streams.pop(self._st.request_id, None)
+            self._conn.forget_stream(self._st.request_id)
 
     def _release(self) -> None:
         self._release_attempt()
@@ -359,6 +372,6 @@ class ResponseStream(Generic[T]):
         if not self._closed or self._on_release is not None:
             with contextlib.suppress(Exception):
                 if not self._closed and not self._st.done:
-                    self._conn._send_control(Kind.KILL, Control(self._st.request_id))
+                    self._conn.send_control(Kind.KILL, Control(self._st.request_id))
                     self._st.terminate(None)
                 self._release()

@@ -204,7 +204,7 @@ class PeerConnection:
         def on_cancel(killed: bool) -> None:
             if st.done:
                 return
-            self._send_control(Kind.KILL if killed else Kind.STOP, Control(request_id))
+            self.send_control(Kind.KILL if killed else Kind.STOP, Control(request_id))
             if killed:  # abandon now: items already received are dropped too
                 st.items.clear()
                 st.terminate(errors.Cancelled("request killed by the caller"))
@@ -212,7 +212,13 @@ class PeerConnection:
         st.unlink = ctx.add_listener(on_cancel)
         return ResponseStream(self, st, ctx, idle_timeout)
 
-    def _send_control(self, kind: bytes, msg: msgspec.Struct) -> None:
+    def forget_stream(self, request_id: int) -> None:
+        """Stop tracking the stream ``request_id`` (its caller is done with it)."""
+        self._streams.pop(request_id, None)
+
+    def send_control(self, kind: bytes, msg: msgspec.Struct) -> None:
+        """Send a control frame (STOP, KILL, CREDIT, PING, DESCRIBE) without waiting; a full
+        queue hands it to a task that waits for room (bounded by the liveness timeout)."""
         if self._sock is None or self._sock.closed:
             return
         if self._sock.try_send([kind, encode(msg)]) == SendResult.FULL and not self._res.closed:
@@ -273,7 +279,7 @@ class PeerConnection:
         if st is None or st.done:
             return
         if msg.seq != st.expected_seq:
-            self._send_control(Kind.KILL, Control(st.request_id))
+            self.send_control(Kind.KILL, Control(st.request_id))
             st.terminate(
                 errors.StreamIncomplete(f"frame {msg.seq} arrived, expected {st.expected_seq}")
             )
@@ -285,7 +291,7 @@ class PeerConnection:
             items, error = decode_items(st.decode, msg.items)
             st.items.extend(items)
             if error is not None:  # the items before it are still delivered
-                self._send_control(Kind.KILL, Control(st.request_id))
+                self.send_control(Kind.KILL, Control(st.request_id))
                 st.terminate(error)
         st.waiter.set()
 
@@ -340,7 +346,7 @@ class PeerConnection:
         now = time.monotonic()
         if now - self._last_describe > 0.2:
             self._last_describe = now
-            self._send_control(Kind.DESCRIBE, Describe(next(self._nonce)))
+            self.send_control(Kind.DESCRIBE, Describe(next(self._nonce)))
 
     def _mark_down(self, reason: str) -> None:
         if self.state is PeerState.CLOSED:
@@ -378,7 +384,7 @@ class PeerConnection:
                 continue
             if not self._connected:
                 continue
-            self._send_control(Kind.PING, Ping(next(self._nonce)))
+            self.send_control(Kind.PING, Ping(next(self._nonce)))
             self._check_silence()
 
     def _check_silence(self) -> None:
