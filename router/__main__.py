@@ -36,6 +36,7 @@ from dynamo_zmq.runtime import (
     StatusServer,
     add_runtime_args,
     check_name,
+    run_main,
     setup_logging,
 )
 
@@ -193,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2
     try:
-        return asyncio.run(serve(args))
+        return run_main(serve(args))
     except errors.DynamoError as exc:  # e.g. a --port or --metrics-port that cannot be bound
         print(f"error: {exc.message}", file=sys.stderr)
         return 1

@@ -27,7 +27,14 @@ import uvicorn
 from .. import errors
 from ..discovery import DiscoveryConfig, add_discovery_args, read_static_file
 from ..llm import BUILTIN_MODES, ROUTERS, RouterPlugin, load_plugin, plugin_names
-from ..runtime import DistributedRuntime, RuntimeConfig, check_name, check_number, setup_logging
+from ..runtime import (
+    DistributedRuntime,
+    RuntimeConfig,
+    check_name,
+    check_number,
+    run_main,
+    setup_logging,
+)
 from .app import FrontendApp
 from .models import ModelManager
 
@@ -148,12 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except errors.DynamoError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2
-    try:
-        import uvloop
-
-        return uvloop.run(serve(args, plugin))
-    except ImportError:
-        return asyncio.run(serve(args, plugin))
+    return run_main(serve(args, plugin))
 
 
 if __name__ == "__main__":

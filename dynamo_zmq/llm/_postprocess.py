@@ -185,11 +185,17 @@ class PostProcessor:
         self.completion_tokens = 0
         #: True once a stop string ended the stream.
         self.stopped_by_string = False
+        # Most chunks are one token of a request without stop strings: detokenize, nothing else.
+        self._plain = self._detok is not None and not self._matcher.stops
 
     def process(self, out: LLMEngineOutput) -> LLMEngineOutput:
         """One engine chunk in, one chunk out; the result is terminal when the stream ends here
         (the engine's terminal, or a stop string)."""
         ids = out.token_ids
+        if self._plain and out.finish_reason is None and len(ids) == 1:
+            assert self._detok is not None
+            self.completion_tokens += 1
+            return LLMEngineOutput(ids, text=self._detok.step(ids[0]), log_probs=out.log_probs)
         parts: list[str] = []
         if self._detok is None:
             self.completion_tokens += len(ids)

@@ -11,6 +11,7 @@ sits on the transport and discovery layers and knows nothing of LLMs.
 
 from ..context import Context as Context
 from ._cli import check_number as check_number
+from ._cli import run_main as run_main
 from ._cli import setup_logging as setup_logging
 from ._client import Client as Client
 from ._client import RouterMode as RouterMode
@@ -46,5 +47,6 @@ __all__ = [
     "dynamo_endpoint",
     "dynamo_worker",
     "failover",
+    "run_main",
     "setup_logging",
 ]

@@ -13,7 +13,6 @@ Engines are found by name in the ``dynamo_zmq.engines`` entry-point group, or as
 from __future__ import annotations
 
 import argparse
-import asyncio
 import importlib
 import os
 import sys
@@ -23,7 +22,7 @@ from typing import Any
 
 from .. import errors
 from ..llm import ENGINES, MAX_LOAD_INTERVAL, LLMEngine, load_plugin, plugin_names
-from ..runtime import add_runtime_args, check_name, setup_logging
+from ..runtime import add_runtime_args, check_name, run_main, setup_logging
 from ._worker import Worker
 
 __all__ = ["build_parser", "load_engine_class", "main", "parse_args"]
@@ -141,5 +140,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     except errors.DynamoError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2
-    return asyncio.run(Worker(engine, args).run())
+    return run_main(Worker(engine, args).run())
 

@@ -32,9 +32,9 @@ from ..llm import (
     LLMEngineOutput,
     ModelAdvert,
     ModelCard,
+    PostProcessor,
     PreprocessedRequest,
     build_card,
-    postprocess,
     read_card_file,
     validate_stream,
 )
@@ -214,12 +214,22 @@ class Worker:
         stream = self.engine.generate(request, engine_ctx)
         if self.args.debug_streams:
             stream = validate_stream(stream)
-        if self.tokenizer is not None or request.output.detokenize:
-            stream = postprocess(stream, request, self.tokenizer, stop_engine)
+        # Post-processing runs here, chunk by chunk, rather than as one more generator layer
+        # around the engine's (``llm.postprocess`` is the same loop, for use on its own).
+        proc = (
+            PostProcessor(request, self.tokenizer)
+            if self.tokenizer is not None or request.output.detokenize
+            else None
+        )
         start = last = time.monotonic()
         tokens = 0
         try:
-            async for out in stream:
+            async for raw in stream:
+                out = raw
+                if proc is not None:
+                    out = proc.process(raw)
+                    if out.is_terminal and proc.stopped_by_string and not raw.is_terminal:
+                        await stop_engine()  # a stop string ended it: free the engine's sequence
                 if out.token_ids:
                     now = time.monotonic()
                     if tokens:
@@ -231,6 +241,11 @@ class Worker:
                 if out.finish_reason == FinishReason.ERROR:
                     m.engine_errors.inc()
                 yield out
+                if proc is not None and out.is_terminal:
+                    return  # the engine's stream is not read further (closed below)
+            if proc is not None:  # the engine's stream ended without a terminal
+                m.engine_errors.inc()
+                yield proc.missing_terminal()
         except Exception as exc:
             self.metrics.errors.labels(self.metrics.model, errors.from_exception(exc).kind).inc()
             raise

@@ -132,9 +132,7 @@ class MockerEngine(LLMEngine):
         try:
             while True:
                 if not seq.outbox:
-                    seq.ready.clear()
-                    await seq.ready.wait()
-                    continue
+                    await seq.wait_output()
                 chunk = seq.outbox.popleft()
                 yield chunk
                 if chunk.finish_reason is not None:
