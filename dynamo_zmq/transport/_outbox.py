@@ -57,9 +57,9 @@ class OpenStream:
         #: Items the client accepts beyond those sent (its window, less what was sent, plus
         #: what it granted back); ``buf`` counts against it.
         self.credit = window
-        #: Items the producer may append before it must call ``Outbox.reserve`` (which
-        #: schedules the flush and waits for room); 1 after each send, so the next item
-        #: schedules the next flush.
+        #: Items the producer may append before it must call ``Outbox.make_room`` (which
+        #: schedules the flush; ``wait_room`` when there is none); 1 after each send, so the
+        #: next item schedules the next flush.
         self.room = 1
         #: Items yielded and not sent yet, as the handler made them (encoded when sent).
         self.buf: list[Any] = []
@@ -110,28 +110,33 @@ class Outbox:
                 self._flush_pending = True
                 asyncio.get_running_loop().call_soon(self._flush)
 
-    async def reserve(self, st: OpenStream) -> None:
-        """Called by the producer once ``st.room`` is spent: schedule the flush, wait while the
-        buffer is full (``MAX_BATCH``) or the client's credit is spent, then set ``st.room`` to
-        what the producer may append before the next call.
+    def make_room(self, st: OpenStream) -> bool:
+        """Called by the producer once ``st.room`` is spent: schedule the flush and, if the
+        frame has room and the client credit, set ``st.room`` to what may be appended before
+        the next call and return True; False means ``wait_room`` first (no coroutine is made
+        on the common path, once per frame).
 
         A STOP lets the producer run once more so it can see ``is_stopped()`` and finish; one
         that keeps producing into a full buffer after that is killed.
         """
         if st.buf and not st.scheduled:
             self.schedule(st)
-        while True:
-            pending = len(st.buf)
-            room = min(st.credit, MAX_BATCH) - pending
-            if room > 0:
-                # An empty buffer was just sent: its next item must schedule the next flush.
-                st.room = room if pending else 1
-                return
-            if st.ctx.is_stopped():
-                if pending > MAX_BATCH:
-                    st.ctx.kill()
-                st.room = 1
-                return
+        pending = len(st.buf)
+        room = min(st.credit, MAX_BATCH) - pending
+        if room > 0:
+            # An empty buffer was just sent: its next item must schedule the next flush.
+            st.room = room if pending else 1
+            return True
+        if st.ctx.is_stopped():
+            if pending > MAX_BATCH:
+                st.ctx.kill()
+            st.room = 1
+            return True
+        return False
+
+    async def wait_room(self, st: OpenStream) -> None:
+        """Wait until ``make_room`` succeeds (the buffer was sent, or credit came)."""
+        while not self.make_room(st):
             st.wake.clear()
             await st.wake.wait()
 

@@ -271,12 +271,13 @@ class Server:
         agen: AsyncIterator[Any] | None = None
         try:
             agen = handler(payload, st.ctx)
-            reserve = self._outbox.reserve
+            outbox = self._outbox
             async for item in agen:
                 st.buf.append(item)  # encoded with the rest of its frame when sent
                 st.room -= 1
-                if st.room <= 0:  # the first item since a send, a full frame, or no credit
-                    await reserve(st)
+                # The first item since a send, a full frame, or no credit:
+                if st.room <= 0 and not outbox.make_room(st):
+                    await outbox.wait_room(st)
             # (A KILL cancels this task wherever it waits, so no check per item is needed.)
             terminal = End(st.request_id, 0)
         except asyncio.CancelledError:

@@ -114,12 +114,3 @@ class Sequence:
         waiter = self.waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
-
-    async def wait_output(self) -> None:
-        """Return once ``outbox`` has a chunk."""
-        while not self.outbox:
-            self.waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self.waiter
-            finally:
-                self.waiter = None
