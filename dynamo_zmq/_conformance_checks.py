@@ -2,7 +2,8 @@
 
 ``check_start``, ``check_stream``, ``check_concurrent``, ``check_cancel``, ``check_cleanup_twice``
 and ``check_cleanup_unstarted`` each raise their typed ``ConformanceError`` (the kit's failures,
-defined here; ``dynamo_zmq.testing`` draws the tree) on the first thing the engine gets wrong.
+defined here under the backend-common document's names; ``dynamo_zmq.testing`` draws the tree)
+on the first thing the engine gets wrong.
 Every engine call goes through ``_bounded``: a hung call fails its check after ``timeout`` and
 is cancelled, and an engine that swallows cancellation is abandoned after a grace period.
 ``dynamo_zmq.testing.run_conformance`` runs them in order and reports.
@@ -26,7 +27,7 @@ from .llm import (
     FinishReason,
     LLMEngine,
     LLMEngineOutput,
-    NoTerminal,
+    NoTerminalChunk,
     PreprocessedRequest,
     validate_stream,
 )
@@ -35,14 +36,15 @@ from .resources import cancel_and_wait
 __all__ = [
     "CANCEL_DEADLINE",
     "AbortFailed",
-    "CancelIgnored",
-    "CleanupBeforeStartFailed",
+    "CancellationIgnored",
+    "CancellationNotObserved",
     "CleanupFailed",
-    "CleanupNotIdempotent",
+    "CleanupWithoutStartFailed",
     "ConcurrentGenerateFailed",
-    "EmptyModelName",
+    "EmptyModelInConfig",
     "EngineFactory",
     "GenerateFailed",
+    "SecondCleanupFailed",
     "StartFailed",
     "check_cancel",
     "check_cleanup_twice",
@@ -69,7 +71,7 @@ class StartFailed(ConformanceError):
     """``start`` raised, hung, or returned something other than an ``EngineConfig``."""
 
 
-class EmptyModelName(ConformanceError):
+class EmptyModelInConfig(ConformanceError):
     """``start`` returned an ``EngineConfig`` whose ``model_name`` is empty."""
 
 
@@ -81,8 +83,14 @@ class ConcurrentGenerateFailed(ConformanceError):
     """One of several concurrent generates failed, hung or broke the stream contract."""
 
 
-class CancelIgnored(ConformanceError):
-    """After ``ctx.stop()`` and ``abort(ctx)`` the stream did not end with "cancelled" in time."""
+class CancellationNotObserved(ConformanceError):
+    """The stream was still open ``CANCEL_DEADLINE`` seconds after ``ctx.stop()`` and
+    ``abort(ctx)``: the engine never saw the cancellation."""
+
+
+class CancellationIgnored(ConformanceError):
+    """The stopped stream ended, but its terminal was not "cancelled" (it finished normally,
+    failed, or had already finished before it could be cancelled)."""
 
 
 class AbortFailed(ConformanceError):
@@ -93,11 +101,11 @@ class CleanupFailed(ConformanceError):
     """``cleanup`` after ``start`` raised or hung."""
 
 
-class CleanupNotIdempotent(ConformanceError):
-    """A second ``cleanup`` raised or hung."""
+class SecondCleanupFailed(ConformanceError):
+    """A second ``cleanup`` raised or hung (``cleanup`` is not idempotent)."""
 
 
-class CleanupBeforeStartFailed(ConformanceError):
+class CleanupWithoutStartFailed(ConformanceError):
     """``cleanup`` on an engine that was never started raised or hung."""
 
 
@@ -194,7 +202,7 @@ async def _collect(
             chunks.append(chunk)
 
     def hung() -> ConformanceError:
-        return NoTerminal(
+        return NoTerminalChunk(
             f"no terminal within {timeout:g} s: the stream hung after {len(chunks)} chunk(s)"
         )
 
@@ -217,7 +225,7 @@ async def check_start(factory: EngineFactory, timeout: float) -> EngineConfig:
     """``start`` returns an ``EngineConfig`` with a ``model_name``; returns that config."""
     async with _started(factory, timeout) as (_, config):
         if not config.model_name:
-            raise EmptyModelName(
+            raise EmptyModelInConfig(
                 f"start returned EngineConfig with model_name={config.model_name!r}"
             )
     return config
@@ -281,7 +289,7 @@ async def check_cancel(
         chunks: list[LLMEngineOutput] = []
 
         def no_first() -> ConformanceError:
-            return NoTerminal(f"the long request produced no chunk within {timeout:g} s")
+            return NoTerminalChunk(f"the long request produced no chunk within {timeout:g} s")
 
         async def drain() -> None:
             async for chunk in stream:
@@ -291,8 +299,8 @@ async def check_cancel(
         try:
             try:
                 first = await _bounded(stream.__anext__(), timeout, no_first)
-            except StopAsyncIteration:  # pragma: no cover - validate_stream raises NoTerminal first
-                raise NoTerminal("the long request ended with no chunk at all") from None
+            except StopAsyncIteration:  # pragma: no cover - validate_stream raises first
+                raise NoTerminalChunk("the long request ended with no chunk at all") from None
             except ConformanceError:
                 raise
             except Exception as exc:
@@ -300,7 +308,7 @@ async def check_cancel(
                     f"the long request raised {exc!r} before its first chunk"
                 ) from exc
             if first.is_terminal:
-                raise CancelIgnored(
+                raise CancellationIgnored(
                     f"the long request (max_tokens={long}, ignore_eos) ended at its first chunk "
                     f"with finish_reason={first.finish_reason!r} (error={first.error!r}); "
                     "nothing was left to cancel"
@@ -313,7 +321,7 @@ async def check_cancel(
             left = max(0.0, stopped_at + CANCEL_DEADLINE - time.monotonic())
             done, _ = await asyncio.wait({drainer}, timeout=left)
             if not done:
-                raise CancelIgnored(
+                raise CancellationNotObserved(
                     f"the stream was still open {CANCEL_DEADLINE:g} s after ctx.stop() and "
                     f"abort(ctx), with {len(chunks)} chunk(s) since the stop"
                 )
@@ -321,12 +329,12 @@ async def check_cancel(
             if isinstance(failure, ConformanceError):
                 raise failure
             if failure is not None:
-                raise CancelIgnored(
+                raise CancellationIgnored(
                     f"after ctx.stop() the stream raised {failure!r} instead of ending"
                 ) from failure
             last = chunks[-1]
             if last.finish_reason != FinishReason.CANCELLED:
-                raise CancelIgnored(
+                raise CancellationIgnored(
                     f"after ctx.stop() and abort(ctx) the stream ended with "
                     f"finish_reason={last.finish_reason!r} after {len(chunks)} more chunk(s); "
                     f"expected 'cancelled'"
@@ -347,10 +355,10 @@ async def check_cleanup_twice(factory: EngineFactory, timeout: float) -> None:
     engine = await _make(factory)
     await _start(engine, timeout)
     await _cleanup(engine, timeout, CleanupFailed, "cleanup after start")
-    await _cleanup(engine, timeout, CleanupNotIdempotent, "a second cleanup")
+    await _cleanup(engine, timeout, SecondCleanupFailed, "a second cleanup")
 
 
 async def check_cleanup_unstarted(factory: EngineFactory, timeout: float) -> None:
     """``cleanup`` on a never-started engine succeeds."""
     engine = await _make(factory)
-    await _cleanup(engine, timeout, CleanupBeforeStartFailed, "cleanup on a never-started engine")
+    await _cleanup(engine, timeout, CleanupWithoutStartFailed, "cleanup on a never-started engine")

@@ -1,7 +1,11 @@
 """The conformance kit: a correct engine passes, each broken engine fails with its named error.
 
-Also ``validate_stream`` on hand-made streams. Every check is bounded, so hanging engines run
-with tiny timeouts; only the engine that ignores cancel waits out ``CANCEL_DEADLINE``.
+Each of the backend-common document's eight checks has a broken test engine (``Broken<Name>``)
+that passes every other check and fails exactly that one, under the document's name. Also the
+document's ``mock_context`` / ``cancelling_context`` helpers, and ``validate_stream`` on
+hand-made streams (its property tests are in ``test_stream_contract.py``). Every check is
+bounded, so hanging engines run with tiny timeouts; only the engines that ignore cancel wait
+out ``CANCEL_DEADLINE``.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from dynamo_zmq import errors
 from dynamo_zmq.context import Context
 from dynamo_zmq.llm import (
     EngineConfig,
@@ -30,22 +35,25 @@ from dynamo_zmq.testing import (
     CANCEL_DEADLINE,
     AbortFailed,
     BadFinishReason,
-    CancelIgnored,
+    CancellationIgnored,
+    CancellationNotObserved,
     ChunkAfterTerminal,
-    CleanupBeforeStartFailed,
     CleanupFailed,
-    CleanupNotIdempotent,
+    CleanupWithoutStartFailed,
     ConcurrentGenerateFailed,
     ConformanceError,
-    EmptyModelName,
+    EmptyModelInConfig,
     GenerateFailed,
     MultipleTerminals,
     NotAnOutput,
     NotAStream,
-    NoTerminal,
+    NoTerminalChunk,
+    SecondCleanupFailed,
     StartFailed,
     StreamContractError,
+    cancelling_context,
     default_request,
+    mock_context,
     run_conformance,
     validate_stream,
 )
@@ -332,12 +340,12 @@ class CleanupRaises(RefEngine):
 @pytest.mark.parametrize(
     ("engine", "error", "words"),
     [
-        (EmptyName, EmptyModelName, "model_name=''"),
+        (EmptyName, EmptyModelInConfig, "model_name=''"),
         (StartRaises, StartFailed, "no such model"),
         (StartHangs, StartFailed, "did not return"),
         (StartReturnsDict, StartFailed, "dict"),
-        (NoTerminalEngine, NoTerminal, "after 3 chunk(s) without a terminal"),
-        (HangingStream, NoTerminal, "hung after 1 chunk(s)"),
+        (NoTerminalEngine, NoTerminalChunk, "after 3 chunk(s) without a terminal"),
+        (HangingStream, NoTerminalChunk, "hung after 1 chunk(s)"),
         (ChunkAfterTerminalEngine, ChunkAfterTerminal, "chunk 2 came after the terminal chunk 1"),
         (TwoTerminals, MultipleTerminals, "second terminal"),
         (UnknownReason, BadFinishReason, "'eos'"),
@@ -346,15 +354,15 @@ class CleanupRaises(RefEngine):
         (GenerateRaises, GenerateFailed, "CUDA out of memory"),
         (SyncGenerateRaises, GenerateFailed, "unsupported sampling"),
         (ErrorTerminal, GenerateFailed, "'error'"),
-        (FinishesAtOnce, CancelIgnored, "nothing was left to cancel"),
+        (FinishesAtOnce, CancellationIgnored, "nothing was left to cancel"),
         (NotThreadSafe, ConcurrentGenerateFailed, "overwrote"),
-        (IgnoresCancelFinishes, CancelIgnored, "finish_reason='length'"),
-        (EndsSilentlyOnCancel, NoTerminal, "without a terminal"),
+        (IgnoresCancelFinishes, CancellationIgnored, "finish_reason='length'"),
+        (EndsSilentlyOnCancel, NoTerminalChunk, "without a terminal"),
         (AbortRaises, AbortFailed, "KeyError"),
         (AbortHangs, AbortFailed, "did not return"),
-        (CleanupOnce, CleanupNotIdempotent, "already closed"),
-        (CleanupHangsSecondTime, CleanupNotIdempotent, "did not return"),
-        (CleanupNeedsStart, CleanupBeforeStartFailed, "never-started"),
+        (CleanupOnce, SecondCleanupFailed, "already closed"),
+        (CleanupHangsSecondTime, SecondCleanupFailed, "did not return"),
+        (CleanupNeedsStart, CleanupWithoutStartFailed, "never-started"),
         (CleanupRaises, CleanupFailed, "leaked sockets"),
     ],
 )
@@ -369,7 +377,7 @@ async def test_broken_engine_fails_with_its_error(engine, error, words):
 async def test_engine_ignoring_cancel_fails_within_the_deadline():
     loop = asyncio.get_running_loop()
     began = loop.time()
-    with pytest.raises(CancelIgnored, match=r"still open 2 s after ctx\.stop"):
+    with pytest.raises(CancellationNotObserved, match=r"still open 2 s after ctx\.stop"):
         await run_conformance(IgnoresCancelForever, timeout=5)
     assert loop.time() - began < CANCEL_DEADLINE + 3
 
@@ -381,17 +389,195 @@ async def test_concurrency_failure_keeps_the_cause():
     assert "of 4 concurrent generates failed" in str(info.value)
 
 
+# --- the document's eight checks: one broken test engine each --------------------------------
+
+
+class BrokenEmptyModelInConfig(RefEngine):
+    """Starts, but names no model."""
+
+    async def start(self, worker_id: int) -> EngineConfig:
+        await super().start(worker_id)
+        return EngineConfig(model_name="", context_length=4096)
+
+
+class BrokenNoTerminalChunk(RefEngine):
+    """Forgets the finish_reason of a request that runs to its end (a cancelled one is fine)."""
+
+    async def generate(self, request, ctx):
+        async for chunk in super().generate(request, ctx):
+            if chunk.finish_reason == FinishReason.LENGTH:
+                yield LLMEngineOutput(chunk.token_ids)
+                return
+            yield chunk
+
+
+class BrokenChunkAfterTerminal(RefEngine):
+    """Flushes one more token after the terminal of a request that runs to its end."""
+
+    async def generate(self, request, ctx):
+        async for chunk in super().generate(request, ctx):
+            yield chunk
+            if chunk.finish_reason == FinishReason.LENGTH:
+                yield LLMEngineOutput([0])
+
+
+class BrokenConcurrentGenerate(RefEngine):
+    """Keeps the request being generated on the engine: fine alone, corrupt when two overlap."""
+
+    current: str | None = None
+
+    async def generate(self, request, ctx):
+        self.current = request.request_id
+        async for chunk in super().generate(request, ctx):
+            if self.current != request.request_id:
+                raise RuntimeError(f"state of {self.current!r} overwrote {request.request_id!r}")
+            yield chunk
+
+
+class BrokenCancellationNotObserved(RefEngine):
+    """Never looks at the context, and abort does nothing: a stopped long request runs on."""
+
+    async def generate(self, request, ctx):
+        async for chunk in super().generate(request, Context(ctx.id())):
+            yield chunk
+
+    async def abort(self, ctx: Context) -> None:
+        pass
+
+
+class BrokenCancellationIgnored(RefEngine):
+    """Sees the stop at once but ends as if the request had finished: "stop", not "cancelled"."""
+
+    async def generate(self, request, ctx):
+        async for chunk in super().generate(request, ctx):
+            if chunk.finish_reason == FinishReason.CANCELLED:
+                yield stop_output(chunk.usage)
+                return
+            yield chunk
+
+
+class BrokenSecondCleanup(RefEngine):
+    """Frees its resources on the first cleanup and fails on the second."""
+
+    async def cleanup(self) -> None:
+        if getattr(self, "freed", False):
+            raise RuntimeError("double free")
+        self.freed = True
+        await super().cleanup()
+
+
+class BrokenCleanupWithoutStart(RefEngine):
+    """Cleanup assumes start made a handle."""
+
+    handle: object = None
+
+    async def start(self, worker_id: int) -> EngineConfig:
+        self.handle = object()
+        return await super().start(worker_id)
+
+    async def cleanup(self) -> None:
+        if self.handle is None:
+            raise AttributeError("'NoneType' object has no attribute 'close'")
+        await super().cleanup()
+
+
+DOCUMENT_CHECKS = [
+    ("EmptyModelInConfig", BrokenEmptyModelInConfig, EmptyModelInConfig, "start"),
+    ("NoTerminalChunk", BrokenNoTerminalChunk, NoTerminalChunk, "stream"),
+    ("ChunkAfterTerminal", BrokenChunkAfterTerminal, ChunkAfterTerminal, "stream"),
+    ("ConcurrentGenerateFailed", BrokenConcurrentGenerate, ConcurrentGenerateFailed, "concurrent"),
+    ("CancellationNotObserved", BrokenCancellationNotObserved, CancellationNotObserved, "cancel"),
+    ("CancellationIgnored", BrokenCancellationIgnored, CancellationIgnored, "cancel"),
+    ("SecondCleanupFailed", BrokenSecondCleanup, SecondCleanupFailed, "cleanup_twice"),
+    (
+        "CleanupWithoutStartFailed",
+        BrokenCleanupWithoutStart,
+        CleanupWithoutStartFailed,
+        "cleanup_before_start",
+    ),
+]
+
+
+def test_the_document_names_eight_distinct_failures():
+    names = [name for name, *_ in DOCUMENT_CHECKS]
+    errors_ = [error for _, _, error, _ in DOCUMENT_CHECKS]
+    assert names == [error.__name__ for error in errors_]
+    assert len(set(errors_)) == 8
+    # None of the eight is a kind of another: each is its own failure.
+    for a in errors_:
+        for b in errors_:
+            assert a is b or not issubclass(a, b), (a, b)
+
+
+@pytest.mark.parametrize(
+    ("engine", "error", "check"),
+    [pytest.param(e, err, c, id=name) for name, e, err, c in DOCUMENT_CHECKS],
+)
+async def test_each_document_check_fails_its_broken_engine(engine, error, check):
+    """The engine passes every check before its own and fails that one, under the document's
+    name (the exact class, not a relative)."""
+    with pytest.raises(ConformanceError) as info:
+        await run_conformance(engine, timeout=2.0)  # generous: CI machines are busy
+    assert type(info.value) is error, repr(info.value)
+    assert repr(info.value).startswith(f"{error.__name__}(")
+    assert info.value.check == check
+
+
 def test_error_tree():
-    for cls in (NoTerminal, ChunkAfterTerminal, MultipleTerminals, BadFinishReason, NotAnOutput):
+    for cls in (NoTerminalChunk, ChunkAfterTerminal, BadFinishReason, NotAnOutput, NotAStream):
         assert issubclass(cls, StreamContractError)
+    assert issubclass(MultipleTerminals, ChunkAfterTerminal)
     assert issubclass(StreamContractError, ConformanceError)
     assert issubclass(ConformanceError, AssertionError)
+    # The document's two cancellation failures are different failures, not one merged.
+    assert not issubclass(CancellationIgnored, CancellationNotObserved)
+    assert not issubclass(CancellationNotObserved, CancellationIgnored)
 
 
 def test_default_request():
     req = default_request()
     assert req.token_ids[:3] == [1, 2, 3]
     assert req.stop.max_tokens == 8
+
+
+# --- the document's helpers for hand-written tests ---------------------------------------------
+
+
+async def test_mock_context_runs_a_request_to_its_end():
+    engine = RefEngine()
+    await engine.start(1)
+    ctx = mock_context()
+    assert ctx.id() and not ctx.is_stopped() and not ctx.is_killed()
+    assert mock_context("req-1").id() == "req-1"
+    request = PreprocessedRequest(token_ids=[5, 6], stop=StopConditions(max_tokens=4))
+    chunks = [c async for c in validate_stream(engine.generate(request, ctx))]
+    assert [c.token_ids for c in chunks] == [[5], [6], [5], [6]]
+    assert chunks[-1].finish_reason == FinishReason.LENGTH
+    await engine.cleanup()
+
+
+async def test_cancelling_context_stops_a_long_request_mid_stream():
+    engine = RefEngine()
+    await engine.start(1)
+    ctx = cancelling_context(0.05)
+    assert not ctx.is_stopped()
+    request = PreprocessedRequest(token_ids=[1, 2], stop=StopConditions(max_tokens=100_000))
+    chunks = await asyncio.wait_for(read_all(engine.generate(request, ctx)), CANCEL_DEADLINE + 5)
+    assert ctx.is_stopped() and not ctx.is_killed()
+    assert len(chunks) > 1  # some tokens came before the stop
+    assert chunks[-1].finish_reason == FinishReason.CANCELLED
+    await engine.cleanup()
+
+
+async def test_cancelling_context_rejects_a_bad_delay():
+    for after in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="after must be"):
+            cancelling_context(after)
+
+
+def test_cancelling_context_needs_a_running_loop():
+    with pytest.raises(RuntimeError):
+        cancelling_context(0.1)
 
 
 # --- validate_stream on hand-made streams -----------------------------------------------------
@@ -423,8 +609,8 @@ async def test_validate_terminal_only():
 @pytest.mark.parametrize(
     ("items", "error", "words"),
     [
-        ([], NoTerminal, "after 0 chunk(s)"),
-        ([LLMEngineOutput([1])], NoTerminal, "after 1 chunk(s)"),
+        ([], NoTerminalChunk, "after 0 chunk(s)"),
+        ([LLMEngineOutput([1])], NoTerminalChunk, "after 1 chunk(s)"),
         ([stop_output(), LLMEngineOutput([1])], ChunkAfterTerminal, "chunk 1 came after"),
         ([stop_output(), stop_output()], MultipleTerminals, "second terminal"),
         ([stop_output(), cancelled_output()], MultipleTerminals, "finish_reason='stop'"),
@@ -490,6 +676,31 @@ async def test_validate_closes_the_inner_stream():
     with pytest.raises(ChunkAfterTerminal):
         await read_all(bad_stream())
     assert closed.is_set()
+
+
+async def test_validate_passes_a_typed_error_terminal_through():
+    shutdown = errors.EngineShutdown("engine died")
+
+    async def failing() -> AsyncIterator[LLMEngineOutput]:
+        yield LLMEngineOutput([1])
+        raise shutdown
+
+    seen: list[LLMEngineOutput] = []
+    with pytest.raises(errors.EngineShutdown) as info:
+        async for chunk in validate_stream(failing()):
+            seen.append(chunk)
+    assert info.value is shutdown and seen == [LLMEngineOutput([1])]
+
+
+async def test_validate_rejects_a_typed_error_after_the_terminal():
+    async def failing() -> AsyncIterator[LLMEngineOutput]:
+        yield stop_output()
+        raise errors.InvalidArgument("late")
+
+    with pytest.raises(MultipleTerminals, match="raised InvalidArgument") as info:
+        await read_all(failing())
+    assert isinstance(info.value, ChunkAfterTerminal)
+    assert isinstance(info.value.__cause__, errors.InvalidArgument)
 
 
 async def test_validate_propagates_engine_errors():

@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import contextlib
 import ipaddress
+import logging
 import os
 import re
 import signal
@@ -478,3 +479,82 @@ async def test_mdns_advertiser_in_another_process() -> None:
                 os.kill(proc.pid, signal.SIGKILL)
             await proc.wait()
         await watcher.close()
+
+
+# --- renew: the runtime's lease keep-alive ------------------------------------------------------
+
+
+async def eventually_renew(disc: MdnsDiscovery, advert: Advert, want: str | None) -> str | None:
+    """Call ``renew`` (as the runtime's keep-alive does) until it answers ``want`` (a reason
+    contains it) or the wait is over; returns the last answer."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + WAIT
+    while True:
+        got = await disc.renew(advert)
+        if (got is None) == (want is None) and (want is None or want in (got or "")):
+            return got
+        if loop.time() > deadline:
+            return got
+        await asyncio.sleep(0.05)
+
+
+async def test_mdns_renew_keeps_a_registered_advert(
+    mdns_pair: tuple[MdnsDiscovery, MdnsDiscovery],
+) -> None:
+    a, _ = mdns_pair
+    advert = Advert(unique_ns(), unique_iid(), ("tcp://127.0.0.1:5561",))
+    await a.advertise(advert)
+    for _ in range(3):
+        assert await a.renew(advert) is None
+    await a.withdraw(advert)
+    assert await a.renew(advert) is None  # withdrawn: nothing to keep, nothing registered again
+    assert await StaticDiscovery(DiscoveryConfig(backend="static")).renew(advert) is None
+
+
+async def test_mdns_renew_reports_another_responder_claiming_the_name(
+    mdns_pair: tuple[MdnsDiscovery, MdnsDiscovery],
+) -> None:
+    a, rogue = mdns_pair
+    ns, iid = unique_ns(), unique_iid()
+    advert = Advert(ns, iid, ("tcp://127.0.0.1:5562",))
+    await a.advertise(advert)
+    assert await a.renew(advert) is None
+    # Same namespace and instance id (so the same service name), another target.
+    await rogue.advertise(Advert(ns, iid, ("tcp://127.0.0.1:5563",)))
+    reason = await eventually_renew(a, advert, "another responder claims")
+    assert reason is not None and instance_name(ns, iid) in reason and ":5563" in reason
+
+
+async def test_mdns_renew_announces_again_after_a_goodbye_it_did_not_send(
+    mdns_pair: tuple[MdnsDiscovery, MdnsDiscovery], caplog: pytest.LogCaptureFixture
+) -> None:
+    owner, watcher = mdns_pair
+    ns, iid = unique_ns(), unique_iid()
+    advert = Advert(ns, iid, ("tcp://127.0.0.1:5564",), ("backend",))
+    it = watcher.watch(ns)
+    await owner.advertise(advert)
+    added = PeerAdded("tcp://127.0.0.1:5564", ns, iid, ("backend",))
+    assert await next_event(it) == added
+    # A third responder publishes the very same records, then says goodbye for them: every
+    # browser drops the owner's service although the owner never left.
+    other = MdnsDiscovery(LOOPBACK)
+    try:
+        await other.advertise(advert)
+        await other.withdraw(advert)
+        assert await next_event(it) == PeerRemoved("tcp://127.0.0.1:5564", iid)
+        # The owner's keep-alive notices and announces the service again (a browser's next query
+        # would bring it back too, later: the log says the announcement was the owner's own).
+        back = asyncio.create_task(next_event(it))
+        announced = f"{instance_name(ns, iid)} was removed from the network: announcing it again"
+        with caplog.at_level(logging.INFO, logger="dynamo_zmq.discovery.mdns"):
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + WAIT
+            while announced not in caplog.text:
+                assert loop.time() < deadline, "the owner never announced again"
+                assert await owner.renew(advert) is None
+                await asyncio.sleep(0.05)
+        assert await back == added
+        assert await owner.renew(advert) is None  # kept: nothing more to do
+        assert caplog.text.count(announced) == 1
+    finally:
+        await other.close()

@@ -82,22 +82,68 @@ def test_lists_mdns_instances_of_the_namespace_only(namespace, spawn) -> None:
     assert f"{other.instance_id:x}" not in {row["instance_id"] for row in rows}
 
 
-def test_static_list_shows_unreachable_peers(namespace, spawn) -> None:
+def test_static_list_shows_gone_and_unreachable_peers(namespace, spawn, taken_port) -> None:
     server = spawn(*app_args(namespace, "--discovery", "static"))
-    dead = f"tcp://127.0.0.1:{free_port()}"
+    dead = f"tcp://127.0.0.1:{free_port()}"  # nothing listens: refused at once
+    silent = f"tcp://127.0.0.1:{taken_port}"  # accepts TCP but never answers: a hung process
 
     rows = status_json(
         "--namespace", namespace, "--wait", "2",
-        "--discovery", "static", "--static-workers", f"{server.address},{dead}",
+        "--discovery", "static", "--static-workers", f"{server.address},{dead},{silent}",
     )  # fmt: skip
 
-    assert len(rows) == 2, rows
-    live = [row for row in rows if row["state"] != "unreachable"]
+    assert len(rows) == 3, rows
+    live = [row for row in rows if row["state"] not in ("gone", "unreachable")]
     assert len(live) == 1
     assert_row(live[0], namespace, "backend", ["count", "journal"], server)
-    (gone,) = [row for row in rows if row["state"] == "unreachable"]
-    assert gone["address"] == dead
-    assert gone["instance_id"] is None and gone["age"] is None
+    by_address = {row["address"]: row for row in rows}
+    assert by_address[dead]["state"] == "gone"
+    assert by_address[silent]["state"] == "unreachable"
+    for row in (by_address[dead], by_address[silent]):
+        assert row["instance_id"] is None and row["age"] is None and row["namespace"] is None
+
+
+def test_a_killed_static_worker_is_gone_at_once(namespace, spawn) -> None:
+    server = spawn(*app_args(namespace, "--discovery", "static"))
+    static = ("--discovery", "static", "--static-workers", server.address)
+    (row,) = status_json("--namespace", namespace, "--wait", "5", *static)
+    assert_row(row, namespace, "backend", ["count", "journal"], server)
+
+    server.signal(signal.SIGKILL)
+    server.wait()
+    (row,) = status_json("--namespace", namespace, "--wait", "5", *static)
+
+    assert row["state"] == "gone" and row["address"] == server.address
+
+
+def test_a_killed_mdns_worker_is_gone_while_its_record_lingers(namespace, spawn) -> None:
+    killed = spawn(*app_args(namespace))
+    alive = spawn(*app_args(namespace, "--component", "other"))
+    ids = {f"{killed.instance_id:x}", f"{alive.instance_id:x}"}
+    rows = status_json("--namespace", namespace, "--wait", "3")
+    assert {row["instance_id"] for row in rows} == ids
+
+    killed.signal(signal.SIGKILL)  # no goodbye: its record lives on in caches for its TTL
+    killed.wait()
+    # A fresh browser hears no answer for the dead instance: it is not listed as live.
+    rows = status_json("--namespace", namespace, "--wait", "2")
+    live = [row["instance_id"] for row in rows if row["state"] == "ready"]
+    assert live == [f"{alive.instance_id:x}"]
+    assert all(row["state"] == "gone" for row in rows if row["instance_id"] not in live)
+
+    # Where the record is still answered (a cache, a reflector, a sleep proxy), status checks the
+    # instance itself and shows it gone, with what the record said.
+    hex_id = f"{killed.instance_id:x}"
+    spawn("-m", "tests.support.mdns_record", namespace, hex_id, killed.address, "backend")
+    rows = status_json("--namespace", namespace, "--wait", "2")
+    by_id = {row["instance_id"]: row for row in rows}
+    assert set(by_id) == ids, rows
+    assert by_id[f"{alive.instance_id:x}"]["state"] == "ready"
+    gone = by_id[f"{killed.instance_id:x}"]
+    assert gone["state"] == "gone", gone
+    assert (gone["namespace"], gone["component"], gone["address"]) == (
+        namespace, "backend", killed.address,
+    )  # fmt: skip
 
 
 def test_table_shows_the_instance(namespace, spawn) -> None:

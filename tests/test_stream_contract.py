@@ -1,8 +1,15 @@
-"""Stream terminal rules and cancellation, explored with random handlers and random callers.
+"""The stream contract: ``validate_stream`` against a reference model of the document's rules,
+and the transport's terminal rules and cancellation, explored with random handlers and callers.
 
-One real server and client (in process, over TCP) per test; each example is one request. The
-handler yields ``k`` items and then returns, raises, or hangs until cancelled; the caller reads
-everything, or after ``j`` items stops, kills, closes or drops the stream. Whatever happens:
+``validate_stream`` (the backend-common document's validator): random engine streams (chunks,
+terminal chunks with good and bad finish reasons, things that are not chunks, typed errors and
+crashes, anything after a terminal, no terminal at all), read fully or closed early; what the
+validator yields and raises equals ``reference_verdict``, a direct reading of the rules.
+
+Transport: one real server and client (in process, over TCP) per test; each example is one
+request. The handler yields ``k`` items and then returns, raises, or hangs until cancelled; the
+caller reads everything, or after ``j`` items stops, kills, closes or drops the stream. Whatever
+happens:
 
 - the caller sees items ``0..m-1`` in order, each once, then exactly one outcome: a clean end,
   the handler's typed error with its kind and message, or Cancelled after a kill;
@@ -19,12 +26,21 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from dynamo_zmq import errors
+from dynamo_zmq.llm import FinishReason, LLMEngineOutput
 from dynamo_zmq.resources import Resources
 from dynamo_zmq.runtime import Context
+from dynamo_zmq.testing import (
+    BadFinishReason,
+    ChunkAfterTerminal,
+    MultipleTerminals,
+    NotAnOutput,
+    NoTerminalChunk,
+    validate_stream,
+)
 from dynamo_zmq.transport import PeerConnection, Server, plain_items
 from dynamo_zmq.wire import encode_item
 
@@ -235,3 +251,129 @@ async def test_a_finished_stream_dropped_unread_is_forgotten(pair: Pair) -> None
     del stream  # four items and the END never read
     gc.collect()
     assert not pair.conn._streams
+
+
+# --- validate_stream against a reference model of the rules -----------------------------------
+
+TYPED_ERRORS = [
+    errors.InvalidArgument,
+    errors.EngineShutdown,
+    errors.Cancelled,
+    errors.StreamIncomplete,
+    errors.Unknown,
+]
+
+tokens = st.builds(lambda ids: LLMEngineOutput(ids), st.lists(st.integers(0, 2**31), max_size=3))
+terminals = st.builds(
+    lambda ids, reason: LLMEngineOutput(ids, finish_reason=reason),
+    st.lists(st.integers(0, 2**31), max_size=2),
+    st.sampled_from(sorted(FinishReason.ALL)),
+)
+bad_terminals = st.builds(
+    lambda reason: LLMEngineOutput(finish_reason=reason),
+    st.text(max_size=8).filter(lambda r: r not in FinishReason.ALL),
+)
+not_outputs = st.sampled_from(
+    [None, 7, "stop", [1, 2], {"token_ids": [1], "finish_reason": "stop"},
+     errors.EngineShutdown("yielded, not raised")]
+)  # fmt: skip
+stream_items = st.one_of(tokens, tokens, terminals, terminals, bad_terminals, not_outputs)
+#: How the engine's stream ends after its items: returns, raises a typed error, or crashes.
+endings = st.one_of(
+    st.just("return"),
+    st.builds(lambda cls, msg: cls(msg), st.sampled_from(TYPED_ERRORS), st.text(max_size=8)),
+    st.builds(lambda msg: RuntimeError(msg), st.text(max_size=8)),
+)
+
+
+def reference_verdict(items: list[Any], ending: Any) -> tuple[list[Any], Any]:
+    """What the document's rules say a validator must do with this stream: the items it passes
+    on, and the exception it ends with (``None``: a clean end).
+
+    Rules: every item is an ``LLMEngineOutput``; a terminal is a chunk with a finish_reason
+    (one of ``FinishReason.ALL``) or a typed error the stream raises; there is exactly one, and
+    nothing follows it; any other exception is the engine's crash and passes through. The
+    first rule broken decides, and everything before the breaking item passes through.
+    """
+
+    def is_terminal(item: Any) -> bool:
+        return isinstance(item, LLMEngineOutput) and item.finish_reason is not None
+
+    for i, item in enumerate(items):
+        before = items[:i]
+        if not isinstance(item, LLMEngineOutput):
+            return before, NotAnOutput
+        if any(is_terminal(x) for x in before):
+            return before, MultipleTerminals if is_terminal(item) else ChunkAfterTerminal
+        if is_terminal(item) and item.finish_reason not in FinishReason.ALL:
+            return before, BadFinishReason
+    ended = any(is_terminal(x) for x in items)
+    if isinstance(ending, errors.DynamoError):
+        return items, MultipleTerminals if ended else ending
+    if isinstance(ending, Exception):
+        return items, ending
+    return items, None if ended else NoTerminalChunk
+
+
+def engine_stream(items: list[Any], ending: Any, closed: list[bool], pause: bool):
+    """An engine's ``generate`` stream: ``items``, then ``ending``; notes when it is closed."""
+
+    async def gen():
+        try:
+            for item in items:
+                if pause:
+                    await asyncio.sleep(0)
+                yield item
+            if isinstance(ending, Exception):
+                raise ending
+        finally:
+            closed.append(True)
+
+    return gen()
+
+
+@settings(max_examples=400, deadline=None)
+# The rules' corners, always tried: a typed error as the terminal, and after one; a crash after
+# one; a chunk and a second terminal after one; no terminal at all.
+@example([LLMEngineOutput([1])], errors.EngineShutdown("died"), False, None)
+@example([LLMEngineOutput(finish_reason="cancelled")], errors.InvalidArgument(""), False, None)
+@example([LLMEngineOutput(finish_reason="stop")], RuntimeError("late crash"), True, None)
+@example([LLMEngineOutput(finish_reason="length"), LLMEngineOutput([2])], "return", False, None)
+@example([LLMEngineOutput(finish_reason="stop")] * 2, "return", False, 1)
+@example([LLMEngineOutput([1]), LLMEngineOutput([2])], "return", True, None)
+@given(
+    items=st.lists(stream_items, max_size=8),
+    ending=endings,
+    pause=st.booleans(),
+    leave_after=st.none() | st.integers(1, 8),
+)
+async def test_validate_stream_matches_the_reference_model(
+    items: list[Any], ending: Any, pause: bool, leave_after: int | None
+) -> None:
+    closed: list[bool] = []
+    wrapped = validate_stream(engine_stream(items, ending, closed, pause))
+    got: list[Any] = []
+    outcome: BaseException | None = None
+    try:
+        async for chunk in wrapped:
+            got.append(chunk)
+            if leave_after is not None and len(got) == leave_after:
+                await wrapped.aclose()  # the reader leaves early
+                break
+    except Exception as exc:
+        outcome = exc
+
+    want, verdict = reference_verdict(items, ending)
+    if leave_after is not None and len(want) >= leave_after:
+        # The reader left after ``leave_after`` items: nothing more, and no verdict, reaches it.
+        assert got == want[:leave_after]
+        assert outcome is None, repr(outcome)
+    else:
+        assert got == want
+        if verdict is None:
+            assert outcome is None, repr(outcome)
+        elif isinstance(verdict, type):
+            assert type(outcome) is verdict, (repr(outcome), verdict)
+        else:
+            assert outcome is verdict, repr(outcome)  # the engine's own exception, unchanged
+    assert closed == [True]  # the engine's stream is closed, once, whatever happened

@@ -53,8 +53,8 @@ DiscoveryEvent = PeerAdded | PeerRemoved
 class Discovery(abc.ABC):
     """Advertises local instances and reports remote ones.
 
-    Lifecycle: ``await start()`` once, then any number of ``advertise``/``withdraw``/``watch``,
-    then ``await close()`` (idempotent, safe without ``start``).
+    Lifecycle: ``await start()`` once, then any number of ``advertise``/``renew``/``withdraw``/
+    ``watch``, then ``await close()`` (idempotent, safe without ``start``).
     """
 
     @abc.abstractmethod
@@ -68,6 +68,16 @@ class Discovery(abc.ABC):
     @abc.abstractmethod
     async def withdraw(self, advert: Advert) -> None:
         """Remove ``advert``; watchers see ``PeerRemoved`` promptly. Unknown adverts are ignored."""
+
+    async def renew(self, advert: Advert) -> str | None:
+        """Keep ``advert`` registered (the runtime's lease keep-alive, called every
+        ``LEASE_KEEPALIVE`` seconds): register it again if it was lost and can be.
+
+        Returns:
+            ``None`` while it is kept, else why it cannot be (the runtime's lease is then lost
+            and the runtime shuts down). This default has nothing to lose.
+        """
+        return None
 
     @abc.abstractmethod
     def watch(self, namespace: str | None = None) -> AsyncIterator[DiscoveryEvent]:

@@ -4,7 +4,9 @@ One ``AsyncZeroconf`` per ``MdnsDiscovery`` owns the sockets. Each advert is one
 ``<namespace>-<instance id as 16 hex>``; its TXT carries only ``ns``, ``iid``, ``v`` and
 ``comps``. Each ``watch()`` owns one browser, the resolve tasks it starts, and the queue it
 yields from. Zeroconf failures after ``start()`` are logged, never raised into the caller's
-loop. Which IPv4 addresses are published and dialled is ``_mdns_addresses.py``'s.
+loop. Which IPv4 addresses are published and dialled is ``_mdns_addresses.py``'s; what the
+network says about our own services (conflicts, goodbyes we did not send) ``_mdns_guard.py``'s,
+and ``renew`` (the runtime's lease keep-alive) acts on it.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from ._mdns_addresses import advert_endpoint as _advert_endpoint
 from ._mdns_addresses import local_ipv4 as _local_ipv4
 from ._mdns_addresses import local_networks as _local_networks
 from ._mdns_addresses import pick_ip as _pick_ip
+from ._mdns_guard import AdvertGuard
 
 __all__ = ["MdnsDiscovery", "instance_name"]
 
@@ -79,12 +82,15 @@ class MdnsDiscovery(Discovery):
         self._closed = False
         self._lock = asyncio.Lock()
         self._adverts: dict[tuple[str, int], AsyncServiceInfo] = {}
+        #: adverts whose registration failed: ``renew`` tries again.
+        self._unregistered: dict[tuple[str, int], AsyncServiceInfo] = {}
         self._watches: set[_Watch] = set()
         #: zeroconf's pending announce broadcast per advert: cancelled on withdraw and close, so
         #: a late announcement cannot resurrect a withdrawn advert.
         self._announcing: dict[tuple[str, int], asyncio.Future[Any]] = {}
         #: goodbye broadcasts and cancelled announcements, awaited by close().
         self._finishing: set[asyncio.Future[Any]] = set()
+        self._guard = AdvertGuard()
 
     async def start(self) -> None:
         """Open the mDNS sockets and wait until zeroconf runs.
@@ -107,30 +113,65 @@ class MdnsDiscovery(Discovery):
         info = self._service_info(advert)
         async with self._lock:
             await self._start_locked()
-            aiozc = self._aiozc
-            assert aiozc is not None
             key = (advert.namespace, advert.instance_id)
-            self._cancel_announce(key)
             try:
-                if key in self._adverts:
-                    sent = await aiozc.async_update_service(info)
-                else:
-                    sent = await aiozc.async_register_service(info, cooperating_responders=True)
+                await self._register_locked(key, info, update=key in self._adverts)
             except Exception:
                 log.exception("mDNS: could not advertise %s", info.name)
-                return
-            self._adverts[key] = info
-            if isinstance(sent, asyncio.Future):
-                self._announcing[key] = sent
+                self._unregistered[key] = info
+
+    async def renew(self, advert: Advert) -> str | None:
+        """Keep ``advert`` registered: announce it again after a goodbye we did not send, or
+        register it when that failed before. Returns ``None`` while it is kept, else why it is
+        lost (another responder claims its name, the responder stopped, registering failed)."""
+        info = self._service_info(advert)
+        async with self._lock:
+            key = (advert.namespace, advert.instance_id)
+            if self._closed or self._aiozc is None or self._aiozc.zeroconf.done:
+                return "the mDNS responder stopped"
+            conflict = self._guard.conflict(info.name)
+            if conflict is not None:
+                return conflict
+            removed = self._guard.take_removed(info.name)
+            registered = self._adverts.get(key)
+            failed = self._unregistered.get(key)
+            if (registered is not None and not removed) or (registered is None and failed is None):
+                return None  # kept, or not ours to keep (withdrawn)
+            if registered is not None:
+                log.info("mDNS: %s was removed from the network: announcing it again", info.name)
+            try:
+                await self._register_locked(key, registered or info, update=registered is not None)
+            except Exception as exc:
+                return f"cannot register {info.name} again: {exc!r}"
+            return None
+
+    async def _register_locked(
+        self, key: tuple[str, int], info: AsyncServiceInfo, update: bool
+    ) -> None:
+        """Register ``info`` (or announce its update); raises what zeroconf raises."""
+        aiozc = self._aiozc
+        assert aiozc is not None
+        self._cancel_announce(key)
+        if update:
+            sent = await aiozc.async_update_service(info)
+        else:
+            sent = await aiozc.async_register_service(info, cooperating_responders=True)
+        self._adverts[key] = info
+        self._unregistered.pop(key, None)
+        self._guard.claim(info.name, info.server or "", info.port or 0)
+        if isinstance(sent, asyncio.Future):
+            self._announcing[key] = sent
 
     async def withdraw(self, advert: Advert) -> None:
         """Unregister ``advert``; peers see the goodbye within milliseconds. Unknown is ignored."""
         async with self._lock:
             key = (advert.namespace, advert.instance_id)
             self._cancel_announce(key)
+            self._unregistered.pop(key, None)
             info = self._adverts.pop(key, None)
             if info is None or self._aiozc is None:
                 return
+            self._guard.release(info.name)
             try:
                 sent = await self._aiozc.async_unregister_service(info)
             except Exception:
@@ -172,6 +213,7 @@ class MdnsDiscovery(Discovery):
             await asyncio.gather(*self._finishing, return_exceptions=True)
             aiozc, self._aiozc = self._aiozc, None
             self._adverts.clear()
+            self._unregistered.clear()
             if aiozc is not None:
                 try:
                     await aiozc.async_close()  # sends the goodbyes first
@@ -196,6 +238,7 @@ class MdnsDiscovery(Discovery):
         except BaseException:
             await aiozc.async_close()
             raise
+        aiozc.zeroconf.async_add_listener(self._guard, None)
         self._aiozc = aiozc
 
     def _cancel_announce(self, key: tuple[str, int]) -> None:

@@ -69,7 +69,7 @@ from ._stream_contract import ConformanceError as ConformanceError
 from ._stream_contract import MultipleTerminals as MultipleTerminals
 from ._stream_contract import NotAnOutput as NotAnOutput
 from ._stream_contract import NotAStream as NotAStream
-from ._stream_contract import NoTerminal as NoTerminal
+from ._stream_contract import NoTerminalChunk as NoTerminalChunk
 from ._stream_contract import StreamContractError as StreamContractError
 from ._stream_contract import validate_stream as validate_stream
 
@@ -108,7 +108,7 @@ __all__ = [
     "ModelCard",
     "ModelRouter",
     "MultipleTerminals",
-    "NoTerminal",
+    "NoTerminalChunk",
     "NotAStream",
     "NotAnOutput",
     "OutputOptions",

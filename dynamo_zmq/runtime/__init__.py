@@ -19,6 +19,7 @@ from ._config import RuntimeConfig as RuntimeConfig
 from ._config import add_runtime_args as add_runtime_args
 from ._decorators import dynamo_endpoint as dynamo_endpoint
 from ._decorators import dynamo_worker as dynamo_worker
+from ._lease import Lease as Lease
 from ._naming import Component as Component
 from ._naming import Endpoint as Endpoint
 from ._naming import Namespace as Namespace
@@ -36,6 +37,7 @@ __all__ = [
     "Context",
     "DistributedRuntime",
     "Endpoint",
+    "Lease",
     "Namespace",
     "PeerPool",
     "RouterMode",

@@ -99,6 +99,10 @@ class Endpoint:
         """This process's instance id."""
         return self.runtime.instance_id
 
+    def lease_id(self) -> int:
+        """The primary lease id this endpoint is registered under (the instance id)."""
+        return self.runtime.instance_id
+
     async def start_serving(
         self,
         handler: Callable[..., Any],

@@ -36,6 +36,9 @@ class PeerPool:
         self._res = resources.child("peers")
         self._discovery = discovery
         self.peers: dict[str, PeerConnection] = {}
+        #: What discovery said about each address when it was last announced (mDNS: namespace,
+        #: instance id, components; a static list: nothing but the address).
+        self.hints: dict[str, PeerAdded] = {}
         self._withdrawn: dict[str, float] = {}
         self._watching: set[str | None] = set()
         self._changed = asyncio.Event()
@@ -85,6 +88,7 @@ class PeerPool:
         for conn in list(self.peers.values()):
             await conn.close()  # already closed by the above; marks them CLOSED for callers
         self.peers.clear()
+        self.hints.clear()
 
     def _on_peer_change(self, conn: PeerConnection) -> None:
         self._changed.set()
@@ -92,6 +96,7 @@ class PeerPool:
     async def _watch(self, namespace: str | None) -> None:
         async for event in self._discovery.watch(namespace):
             if isinstance(event, PeerAdded):
+                self.hints[event.address] = event
                 self.add(event.address)
             elif isinstance(event, PeerRemoved) and event.address in self.peers:
                 conn = self.peers[event.address]
@@ -113,5 +118,6 @@ class PeerPool:
                 if conn.state is PeerState.DOWN or (idle and now - since > WITHDRAWN_LINGER):
                     del self._withdrawn[address]
                     del self.peers[address]
+                    self.hints.pop(address, None)
                     await conn.close()
                     self._changed.set()

@@ -17,7 +17,10 @@ and a caller::
         print(response.data())
 
 One ROUTER socket per process serves every endpoint; calls go peer to peer over one DEALER per
-remote process. Discovery (mDNS or a static list) and liveness replace etcd and NATS.
+remote process. Discovery (mDNS or a static list) and liveness replace etcd and NATS. The
+runtime's primary lease (``primary_lease()``, ``_lease.py``) stands in for Dynamo's etcd lease:
+its id is the instance id in every registration, discovery renews the registrations, and a lost
+lease withdraws them and shuts the runtime down.
 """
 
 from __future__ import annotations
@@ -39,12 +42,16 @@ from ..transport import Handler as TransportHandler
 from ..transport import PeerConnection, Server
 from ..wire import PROTOCOL_VERSION, Description, EndpointInfo
 from ._config import RuntimeConfig
+from ._lease import Lease
 from ._naming import Endpoint, Namespace, check_name
 from ._peers import PeerPool
 
 __all__ = ["DistributedRuntime"]
 
 log = logging.getLogger(__name__)
+
+#: Seconds between renewals of the runtime's registrations (its lease keep-alive).
+LEASE_KEEPALIVE = 0.5
 
 
 class DistributedRuntime:
@@ -93,6 +100,9 @@ class DistributedRuntime:
         self._shutdown = asyncio.Event()
         self._closed = False
         self._lock = asyncio.Lock()
+        self._lease = Lease(self.instance_id)
+        self._lease.add_listener(self._on_lease_lost)
+        self._keeping_lease = False
 
     # -- naming ----------------------------------------------------------------------------
 
@@ -152,7 +162,16 @@ class DistributedRuntime:
         await self._ensure_server()
 
     async def add_endpoint(self, info: EndpointInfo, handler: TransportHandler) -> None:
-        """Serve ``handler`` as ``info.path`` and advertise it (``Endpoint.start_serving``)."""
+        """Serve ``handler`` as ``info.path`` and advertise it (``Endpoint.start_serving``).
+
+        Raises:
+            EngineShutdown: the runtime's lease was lost; it registers nothing new.
+        """
+        if not self._lease.is_valid():
+            raise errors.EngineShutdown(
+                f"cannot serve {info.path}: the lease {self.instance_id:x} was lost "
+                f"({self._lease.reason})"
+            )
         server = await self._ensure_server()
         self._handlers[info.path] = handler
         self._endpoint_info[info.path] = info
@@ -175,6 +194,8 @@ class DistributedRuntime:
 
     async def _advertise(self, namespace: str) -> None:
         assert self._server is not None
+        if not self._lease.is_valid():
+            return  # registrations die with the lease
         port = self._server.address.rsplit(":", 1)[1]
         components = tuple(
             sorted({e.component for e in self._endpoint_info.values() if e.namespace == namespace})
@@ -189,6 +210,52 @@ class DistributedRuntime:
             await self._ensure_discovery()
             await self._discovery.advertise(advert)
             self._advertised[namespace] = advert
+        if not self._keeping_lease:
+            self._keeping_lease = True
+            self.resources.spawn(self._keep_lease(), "lease-keepalive")
+
+    # -- the lease -------------------------------------------------------------------------
+
+    def primary_lease(self) -> Lease:
+        """The runtime's primary lease: ``id()`` (the instance id), ``is_valid()``,
+        ``revoke()``. Revoking it, or losing a registration that cannot be renewed, withdraws
+        every advert and shuts the runtime down (``wait_shutdown`` returns)."""
+        return self._lease
+
+    def lease_id(self) -> int:
+        """The primary lease id: the instance id in every registration (Dynamo's name)."""
+        return self._lease.id()
+
+    async def _keep_lease(self) -> None:
+        """Renew every registration until the lease ends (Dynamo's lease keep-alive task)."""
+        while self._lease.is_valid():
+            await asyncio.sleep(LEASE_KEEPALIVE)
+            for advert in list(self._advertised.values()):
+                if advert not in self._advertised.values():
+                    continue  # withdrawn meanwhile: nothing to keep
+                try:
+                    reason = await self._discovery.renew(advert)
+                except Exception as exc:  # Dynamo: a failed keep-alive task ends the lease too
+                    reason = f"renewing failed: {exc!r}"
+                if reason is not None and advert in self._advertised.values():
+                    self._lease.revoke(f"registration in {advert.namespace!r} lost: {reason}")
+                    return
+
+    def _on_lease_lost(self, reason: str) -> None:
+        """What etcd does when a lease ends: the registrations vanish, then the runtime stops."""
+        self.shutdown()
+        if self._closed or self.resources.closed:
+            return
+        if self._server is not None:
+            self._server.set_draining()  # connected clients route elsewhere at once
+        self.resources.spawn(self._withdraw_all(), "lease-lost")
+
+    async def _withdraw_all(self) -> None:
+        adverts = list(self._advertised.values())
+        self._advertised.clear()  # first, so the keep-alive renews none of them
+        for advert in adverts:
+            with contextlib.suppress(Exception):
+                await self._discovery.withdraw(advert)
 
     # -- calling ---------------------------------------------------------------------------
 
@@ -229,10 +296,7 @@ class DistributedRuntime:
 
         Returns False if requests were still running when ``timeout`` expired.
         """
-        for advert in list(self._advertised.values()):
-            with contextlib.suppress(Exception):
-                await self._discovery.withdraw(advert)
-        self._advertised.clear()
+        await self._withdraw_all()
         if self._server is None:
             return True
         self._server.set_draining()
@@ -248,10 +312,7 @@ class DistributedRuntime:
             return
         self._closed = True
         self._shutdown.set()
-        for advert in list(self._advertised.values()):
-            with contextlib.suppress(Exception):
-                await self._discovery.withdraw(advert)
-        self._advertised.clear()
+        await self._withdraw_all()
         if self._server is not None:
             await self._server.close()
         if self._peers is not None:

@@ -1,9 +1,15 @@
 """``python -m dynamo_zmq status``: list the instances discovery finds, as a table or JSON.
 
 The tool only calls: it binds no request-plane socket and advertises nothing. It discovers peers
-(mDNS browse, or the static list), connects to each, asks for its description (DESCRIBE), and
-prints one row per (instance, namespace, component). A peer that does not answer in time is
-listed as ``unreachable`` rather than dropped.
+(mDNS browse, or the static list), then checks each itself, the way the runtime's liveness does:
+it connects, asks for the description (DESCRIBE) and prints one row per (instance, namespace,
+component). Discovery alone is not believed: an mDNS record outlives a crashed (SIGKILLed)
+process until its TTL runs out, and a static list names addresses, not live processes. So:
+
+- ``ready`` / ``draining``: the instance answered;
+- ``gone``: nothing serves there any more (the connection was refused or dropped before any
+  answer, or another instance now holds the address): a crashed worker shows so at once;
+- ``unreachable``: no answer before the deadline (host down, filtered, or a hung process).
 
     python -m dynamo_zmq status --namespace demo
     python -m dynamo_zmq status --discovery static --static-workers tcp://10.0.0.5:5555 --json
@@ -19,10 +25,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..discovery import DiscoveryConfig, add_discovery_args
+from ..discovery import DiscoveryConfig, PeerAdded, add_discovery_args
 from ..errors import DynamoError
-from ..runtime import DistributedRuntime, RuntimeConfig, check_number
-from ..transport import PeerConnection
+from ..runtime import DistributedRuntime, PeerPool, RuntimeConfig, check_number
+from ..transport import PeerConnection, PeerState
 
 __all__ = ["collect_rows", "format_age", "format_table", "main"]
 
@@ -51,24 +57,37 @@ def format_age(seconds: float | None) -> str:
     return f"{seconds}s"
 
 
-def _rows_of(conn: PeerConnection, namespace: str | None, now: float) -> list[dict[str, Any]]:
-    """The rows for one peer: one per (namespace, component) it serves, or one if unreachable."""
+def _row(
+    address: str, state: str, hint: PeerAdded | None, instance_id: int | None = None
+) -> dict[str, Any]:
+    """The row of an instance that did not describe itself: what discovery said about it."""
+    iid = instance_id if instance_id is not None else (hint.instance_id if hint else None)
+    return {
+        "namespace": hint.namespace if hint else None,
+        "component": ",".join(hint.components) or None if hint else None,
+        "endpoints": [],
+        "instance_id": f"{iid:x}" if iid else None,
+        "address": address,
+        "age": None,
+        "state": state,
+        "hostname": None,
+        "pid": None,
+        "rev": None,
+    }
+
+
+def _rows_of(
+    conn: PeerConnection, hint: PeerAdded | None, namespace: str | None, now: float
+) -> list[dict[str, Any]]:
+    """The rows for one peer: one per (namespace, component) it serves, or one if it did not
+    answer (``gone`` when the connection was refused or dropped, else ``unreachable``)."""
     desc = conn.description
     if desc is None:
-        return [
-            {
-                "namespace": None,
-                "component": None,
-                "endpoints": [],
-                "instance_id": None,
-                "address": conn.address,
-                "age": None,
-                "state": "unreachable",
-                "hostname": None,
-                "pid": None,
-                "rev": None,
-            }
-        ]
+        return [_row(conn.address, "gone" if conn.state is PeerState.DOWN else "unreachable", hint)]
+    rows: list[dict[str, Any]] = []
+    if hint is not None and hint.instance_id and hint.instance_id != desc.instance_id:
+        # The advertised instance died and another one took its address.
+        rows.append(_row(conn.address, "gone", hint))
     state = "draining" if conn.draining else conn.state.value
     groups: dict[tuple[str, str], list[str]] = {}
     for ep in desc.endpoints:
@@ -77,7 +96,7 @@ def _rows_of(conn: PeerConnection, namespace: str | None, now: float) -> list[di
     if not groups and namespace is None:
         groups[("", "")] = []  # answering but serving nothing (yet): still worth a row
     age = max(0.0, now - desc.started_at)
-    return [
+    return rows + [
         {
             "namespace": ns or None,
             "component": comp or None,
@@ -94,46 +113,53 @@ def _rows_of(conn: PeerConnection, namespace: str | None, now: float) -> list[di
     ]
 
 
+def _settled(conn: PeerConnection) -> bool:
+    """Whether the liveness check of ``conn`` is over: it answered, or nothing serves there."""
+    return conn.description is not None or conn.state is PeerState.DOWN
+
+
 async def _wait_for_peers(
-    runtime: DistributedRuntime, namespace: str | None, wait: float, static: bool
+    runtime: DistributedRuntime, pool: PeerPool, wait: float, static: bool
 ) -> list[PeerConnection]:
-    """Browse for ``wait`` seconds (a static list: until every peer answered), then snapshot."""
+    """Browse for ``wait`` seconds (a static list: until every peer is settled), then give the
+    peers found last up to ``ANSWER_GRACE`` more to answer or refuse; returns the snapshot."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait
     while True:
-        peers = await runtime.peers(namespace)
-        answered = all(p.description is not None for p in peers)
+        peers = list(pool.peers.values())
         remaining = deadline - loop.time()
-        if remaining <= 0 or (static and peers and answered):
+        if remaining <= 0 or (static and peers and all(map(_settled, peers))):
             break
         await runtime.wait_peers_changed(min(remaining, 0.1))
     if not static:
         # mDNS may have found a peer just before the deadline: give it a moment to answer.
         grace_end = loop.time() + min(ANSWER_GRACE, wait)
-        while any(p.description is None for p in peers) and loop.time() < grace_end:
+        while not all(map(_settled, peers)) and loop.time() < grace_end:
             await runtime.wait_peers_changed(0.05)
-            peers = await runtime.peers(namespace)
+            peers = list(pool.peers.values())
     return peers
 
 
 async def collect_rows(
     discovery: DiscoveryConfig, namespace: str | None = None, wait: float = 2.0
 ) -> list[dict[str, Any]]:
-    """Discover peers and describe each; returns the rows, sorted.
+    """Discover peers and check each; returns the rows, sorted.
 
     Args:
         discovery: how to find peers.
-        namespace: only rows of this namespace (unreachable static peers are always listed).
+        namespace: only rows of this namespace (static peers that did not answer are always
+            listed).
         wait: seconds to browse mDNS, or to wait for static peers to answer.
     """
     runtime = DistributedRuntime(config=RuntimeConfig(discovery=discovery))
     try:
-        peers = await _wait_for_peers(runtime, namespace, wait, discovery.backend == "static")
+        pool = await runtime.peer_pool(namespace)
+        peers = await _wait_for_peers(runtime, pool, wait, discovery.backend == "static")
         now = time.time()
         rows: list[dict[str, Any]] = []
         seen: set[tuple[Any, ...]] = set()
         for conn in sorted(peers, key=lambda c: c.address):
-            for row in _rows_of(conn, namespace, now):
+            for row in _rows_of(conn, pool.hints.get(conn.address), namespace, now):
                 # One instance reachable at two addresses is listed once.
                 key = (row["instance_id"] or row["address"], row["namespace"], row["component"])
                 if key not in seen:

@@ -5,6 +5,8 @@ Endpoints (all in ``--namespace``, component ``--component``):
   journal whether its context was stopped or killed.
 - ``journal``: yields the journal entries for ``context_id`` (what ``count`` observed).
 - ``relay`` (role middle): calls ``<namespace>.<target>.count`` passing its own context on.
+- ``lease`` (with ``--lease-endpoint``): yields ``{"lease_id", "valid"}`` of the runtime's
+  primary lease, then revokes it if the request says ``{"revoke": true}``.
 
 Prints ``READY <address> <instance_id hex>`` on stdout once serving, then serves until SIGTERM.
 """
@@ -56,7 +58,13 @@ def make_handlers(runtime: DistributedRuntime, args: argparse.Namespace):
         async for item in stream:
             yield item.data()
 
-    return {"count": count, "journal": journal, "relay": relay}
+    async def lease(request: dict):
+        primary = runtime.primary_lease()
+        yield {"lease_id": runtime.lease_id(), "valid": primary.is_valid()}
+        if request.get("revoke"):
+            primary.revoke("revoked by a caller")
+
+    return {"count": count, "journal": journal, "relay": relay, "lease": lease}
 
 
 async def main() -> None:
@@ -65,6 +73,7 @@ async def main() -> None:
     parser.add_argument("--component", default="backend")
     parser.add_argument("--role", choices=["server", "middle"], default="server")
     parser.add_argument("--target", default="backend", help="component the middle relays to")
+    parser.add_argument("--lease-endpoint", action="store_true", help="also serve `lease`")
     add_runtime_args(parser)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
@@ -76,6 +85,8 @@ async def main() -> None:
     handlers = make_handlers(runtime, args)
     component = runtime.namespace(args.namespace).component(args.component)
     names = ["relay"] if args.role == "middle" else ["count", "journal"]
+    if args.lease_endpoint:
+        names.append("lease")
     for name in names:
         await component.endpoint(name).start_serving(handlers[name])
     print(f"READY {runtime.address} {runtime.instance_id:x}", flush=True)
