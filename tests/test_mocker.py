@@ -416,7 +416,7 @@ def test_flags_have_dynamos_names_and_defaults() -> None:
         64, 16384, 256, 8192, 1.0, 1, True, 0, 0, 0, False)
     args = parser.parse_args(["--no-enable-prefix-caching", "--speedup-ratio", "5",
                               "--no-kv-events", "--data-parallel-size", "2", "--mocker-seed", "9"])
-    cfg = MockerEngine.from_args(args).config
+    cfg = MockerEngine.from_namespace(args).config
     assert (cfg.enable_prefix_caching, cfg.speedup_ratio, cfg.enable_kv_events,
             cfg.data_parallel_size, cfg.seed) == (False, 5.0, False, 2, 9)
 
@@ -430,9 +430,9 @@ def _model_dir(root: Path) -> Path:
     return model
 
 
-async def test_from_args_reads_the_model_directory(tmp_path: Path) -> None:
+async def test_from_namespace_reads_the_model_directory(tmp_path: Path) -> None:
     model = _model_dir(tmp_path)
-    engine = MockerEngine.from_args(argparse.Namespace(model_path=str(model)))
+    engine = MockerEngine.from_namespace(argparse.Namespace(model_path=str(model)))
     assert isinstance(engine, MockerEngine)
     cfg = engine.config
     assert (cfg.model_name, cfg.vocab_size, cfg.context_length, cfg.eos_token_ids) == (
@@ -447,7 +447,7 @@ async def test_from_args_reads_the_model_directory(tmp_path: Path) -> None:
     finally:
         await engine.cleanup()
 
-    named = MockerEngine.from_args(argparse.Namespace(
+    named = MockerEngine.from_namespace(argparse.Namespace(
         model_path=str(model), model_name="served", host="127.0.0.1",
         no_kv_events=True, speedup_ratio=FAST,
     ))
@@ -469,11 +469,11 @@ def test_the_workers_parser_takes_the_mocker_flags(tmp_path: Path) -> None:
     parser = build_parser(MockerEngine)
     args = parser.parse_args(["--model-path", str(model), "--mdns-interfaces", "127.0.0.1",
                               "--block-size", "16", "--no-enable-prefix-caching"])
-    cfg = MockerEngine.from_args(args).config
+    cfg = MockerEngine.from_namespace(args).config
     assert (cfg.block_size, cfg.enable_prefix_caching, cfg.vocab_size) == (16, False, 1234)
     # No --host: the KV sockets bind and advertise where the worker's request plane does.
     assert (cfg.bind_host, cfg.advertised_host()) == ("127.0.0.1", "127.0.0.1")
-    wildcard = MockerEngine.from_args(
+    wildcard = MockerEngine.from_namespace(
         parser.parse_args(["--model-path", str(model), "--host", "0.0.0.0"])
     )
     assert wildcard.config.bind_host == "*"

@@ -2,14 +2,18 @@
 
 Lifecycle (numbered as Dynamo's backend-common numbers it):
 
-1. ``Engine.from_args(argv)`` / the constructor: parse the engine's own flags; no heavy work.
+1. Construction: ``Engine(...)`` from code, or ``from_namespace(args)`` from the worker's parsed
+   flags (engines also offer ``from_args(argv) -> (engine, WorkerConfig)``, see
+   ``dynamo_zmq.worker.from_args``); no heavy work.
 2. ``await start(worker_id) -> EngineConfig``: load the model, bind KV-event sockets. Called once.
 3. ``generate(request, ctx)``: any number, concurrently; each yields ``LLMEngineOutput`` chunks
    and ends with exactly one terminal chunk (``finish_reason`` set). ``ctx.is_stopped()`` asks
    it to finish early with ``finish_reason="cancelled"``.
 4. ``await abort(ctx)``: optional; the worker calls it when a request is stopped or killed, so
    the engine frees the sequence at once. Default: nothing.
-5. ``await drain()``: optional; called after the worker stopped admitting work, before cleanup.
+5. ``await drain()``: optional; on shutdown, after the worker unregistered, waited the grace
+   period and stopped admitting new requests, while in-flight requests still run (so they can
+   be handed off or finished). The worker then waits for them, within its graceful timeout.
    ``load()`` (optional, any time after ``start``): what each data-parallel rank holds now; the
    worker publishes it for routers (see ``dynamo_zmq.load``).
 6. ``await cleanup()``: release everything. Idempotent, safe before ``start`` and never
@@ -199,7 +203,7 @@ class LLMEngine(abc.ABC):
         """Add this engine's own command-line flags."""
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> LLMEngine:
+    def from_namespace(cls, args: argparse.Namespace) -> LLMEngine:
         """Build the engine from parsed flags (the worker's and the engine's own). Bad flags or
         model files raise ``errors.InvalidArgument``: the worker prints its message, exits 2."""
         return cls()
@@ -218,7 +222,8 @@ class LLMEngine(abc.ABC):
         """Free the request of ``ctx`` now (stop or kill reached the worker)."""
 
     async def drain(self) -> None:  # noqa: B027 (optional hook)
-        """Finish or hand off in-flight work; the worker admits nothing new."""
+        """Finish or hand off in-flight work; the worker admits nothing new, and in-flight
+        requests are still running when this is called."""
 
     def load(self) -> list[EngineLoad] | None:
         """Optional: what each data-parallel rank holds now, one ``EngineLoad`` per rank (an

@@ -8,6 +8,9 @@
 Every flag has a ``DYN_*`` environment variable (``--model-path`` -> ``DYN_MODEL_PATH``).
 Engines are found by name in the ``dynamo_zmq.engines`` entry-point group, or as
 ``MODULE:CLASS``. Once serving, the worker prints ``READY <address> <instance id hex>``.
+
+The same from code: ``engine, config = from_args(argv)`` (or ``MockerEngine.from_args(argv)``),
+then ``run(engine, config)``.
 """
 
 from __future__ import annotations
@@ -18,14 +21,23 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, overload
 
 from .. import errors
 from ..llm import ENGINES, MAX_LOAD_INTERVAL, LLMEngine, load_plugin, plugin_names
-from ..runtime import add_runtime_args, check_name, run_main, setup_logging
-from ._worker import Worker
+from ..runtime import add_runtime_args, setup_logging
+from ._config import DISAGGREGATION_MODES, WorkerConfig
+from ._run import run
 
-__all__ = ["build_parser", "load_engine_class", "main", "parse_args"]
+__all__ = [
+    "build_parser",
+    "from_args",
+    "load_engine_class",
+    "main",
+    "parse_args",
+]
+
+E = TypeVar("E", bound=LLMEngine)
 
 
 def _env(name: str, default: Any = None) -> Any:
@@ -55,6 +67,7 @@ def load_engine_class(spec: str) -> type[LLMEngine]:
 def build_parser(
     engine_cls: type[LLMEngine] | None = None, add_help: bool = True
 ) -> argparse.ArgumentParser:
+    """The worker's flags, and ``engine_cls``'s own when given."""
     parser = argparse.ArgumentParser(
         prog="python -m dynamo_zmq.worker",
         description="Serve an LLM engine on the dynamo-zmq request plane.",
@@ -74,7 +87,7 @@ def build_parser(
     parser.add_argument("--component", default=_env("COMPONENT", "backend"), help="[DYN_COMPONENT]")
     parser.add_argument("--endpoint", default=_env("ENDPOINT", "generate"), help="[DYN_ENDPOINT]")
     parser.add_argument(
-        "--disaggregation-mode", choices=["agg", "prefill", "decode"],
+        "--disaggregation-mode", choices=DISAGGREGATION_MODES,
         default=_env("DISAGGREGATION_MODE", "agg"), help="[DYN_DISAGGREGATION_MODE]",
     )
     parser.add_argument(
@@ -114,31 +127,71 @@ def build_parser(
     return parser
 
 
-def parse_args(argv: Sequence[str] | None = None) -> tuple[type[LLMEngine], argparse.Namespace]:
-    """Two passes: find ``--engine``, then parse with that engine's own flags added."""
-    # --help waits for the engine's flags
-    pre, _ = build_parser(add_help=False).parse_known_args(argv)
-    engine_cls = load_engine_class(pre.engine)
-    args = build_parser(engine_cls).parse_args(argv)
-    for what in ("namespace", "component", "endpoint"):
-        check_name(getattr(args, what), what)
+def parse_args(
+    argv: Sequence[str] | None = None, engine: type[LLMEngine] | None = None
+) -> tuple[type[LLMEngine], argparse.Namespace]:
+    """The engine class and the parsed flags: the engine from ``--engine`` (or ``engine``),
+    then its own flags added.
+
+    Raises:
+        InvalidArgument: an unknown engine, or a missing model directory.
+    """
+    if engine is None:  # --help waits for the engine's flags
+        pre, _ = build_parser(add_help=False).parse_known_args(argv)
+        engine_cls = load_engine_class(pre.engine)
+    else:
+        engine_cls = engine
+    parser = build_parser(engine_cls)
+    if engine is not None:
+        parser.set_defaults(engine=engine.name or f"{engine.__module__}:{engine.__qualname__}")
+    args = parser.parse_args(argv)
+    if engine is not None and args.engine != parser.get_default("engine"):
+        if load_engine_class(args.engine) is not engine:
+            raise errors.InvalidArgument(
+                f"--engine {args.engine} given to {engine.__name__}.from_args"
+            )
     if args.model_path is not None and not Path(args.model_path).is_dir():
         raise errors.InvalidArgument(f"--model-path {args.model_path!r} is not a directory")
-    if not 0 <= args.load_interval <= MAX_LOAD_INTERVAL:
-        raise errors.InvalidArgument(
-            f"--load-interval must be 0 (never) or up to {MAX_LOAD_INTERVAL:g} s, "
-            f"got {args.load_interval:g}"
-        )
     return engine_cls, args
 
 
+@overload
+def from_args(
+    argv: Sequence[str] | None = None, engine: None = None
+) -> tuple[LLMEngine, WorkerConfig]: ...
+
+
+@overload
+def from_args(argv: Sequence[str] | None, engine: type[E]) -> tuple[E, WorkerConfig]: ...
+
+
+def from_args(
+    argv: Sequence[str] | None = None, engine: type[LLMEngine] | None = None
+) -> tuple[LLMEngine, WorkerConfig]:
+    """An engine (not started) and the worker's settings from command-line flags
+    (``sys.argv[1:]`` when ``argv`` is None), for ``run(engine, config)``. With ``engine`` the
+    class is fixed (``--engine`` may be left out); each engine's own ``from_args`` calls this.
+
+    Raises:
+        InvalidArgument: bad settings (``python -m dynamo_zmq.worker`` prints it, exits 2).
+        SystemExit: a flag argparse cannot parse (it prints the usage first).
+    """
+    engine_cls, args = parse_args(argv, engine)
+    config = WorkerConfig.from_namespace(args)
+    built = engine_cls.from_namespace(args)
+    if not isinstance(built, engine_cls):
+        raise errors.InvalidArgument(
+            f"{engine_cls.__name__}.from_namespace returned a {type(built).__name__}"
+        )
+    return built, config
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m dynamo_zmq.worker``: ``from_args`` then ``run``; returns the exit status."""
     setup_logging()
     try:
-        engine_cls, args = parse_args(argv)
-        engine = engine_cls.from_args(args)
+        engine, config = from_args(argv)
     except errors.DynamoError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2
-    return run_main(Worker(engine, args).run())
-
+    return run(engine, config)

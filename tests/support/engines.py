@@ -1,9 +1,12 @@
-"""A small third-party-style engine loaded with ``--engine tests.support.engines:EchoEngine``."""
+"""Small third-party-style engines, loaded with ``--engine tests.support.engines:NAME``:
+``EchoEngine``, and test engines built on it that record their lifecycle, for the worker's
+lifecycle tests."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 
 from dynamo_zmq.context import Context
 from dynamo_zmq.llm import EngineConfig, LLMEngine, LLMEngineOutput, PreprocessedRequest, Usage
@@ -29,9 +32,14 @@ class EchoEngine(LLMEngine):
         parser.add_argument("--echo-data-parallel-size", type=int, default=1)
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> EchoEngine:
-        return cls(args.echo_delay, args.echo_kv_events_endpoint, args.echo_kv_replay_endpoint,
-                   args.echo_data_parallel_size)
+    def from_namespace(cls, args: argparse.Namespace) -> EchoEngine:
+        engine = cls(args.echo_delay, args.echo_kv_events_endpoint, args.echo_kv_replay_endpoint,
+                     args.echo_data_parallel_size)
+        engine.configure(args)
+        return engine
+
+    def configure(self, args: argparse.Namespace) -> None:
+        """Test engines below read their own flags here."""
 
     async def start(self, worker_id: int) -> EngineConfig:
         return EngineConfig(model_name="echo", context_length=4096, kv_block_size=16,
@@ -59,3 +67,39 @@ class EchoEngine(LLMEngine):
 
     async def cleanup(self) -> None:
         pass
+
+
+# -- test engines (the worker's lifecycle) ----------------------------------------------------
+
+lifecycle_log = logging.getLogger("tests.lifecycle")
+
+
+class LifecycleTestEngine(EchoEngine):
+    """Test engine: logs ``LIFECYCLE <event>`` lines (to the worker's stderr, in order with the
+    worker's own log) for start, each request's end, drain (with the requests in flight then)
+    and cleanup."""
+
+    name = "lifecycle"
+
+    def configure(self, args: argparse.Namespace) -> None:
+        self.inflight = 0
+
+    async def start(self, worker_id: int) -> EngineConfig:
+        lifecycle_log.info("LIFECYCLE start")
+        return await super().start(worker_id)
+
+    async def generate(self, request: PreprocessedRequest, ctx: Context):
+        self.inflight += 1
+        try:
+            async for out in super().generate(request, ctx):
+                yield out
+        finally:
+            self.inflight -= 1
+            if not ctx.id().startswith("health-"):
+                lifecycle_log.info("LIFECYCLE end inflight=%d", self.inflight)
+
+    async def drain(self) -> None:
+        lifecycle_log.info("LIFECYCLE drain inflight=%d", self.inflight)
+
+    async def cleanup(self) -> None:
+        lifecycle_log.info("LIFECYCLE cleanup inflight=%d", self.inflight)
