@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 import engines.mocker
+from dynamo_zmq import errors
 from dynamo_zmq.context import Context
 from dynamo_zmq.llm import (
     FinishReason,
@@ -393,6 +394,29 @@ async def test_cleanup_is_idempotent_safe_before_start_and_ends_open_streams() -
     await engine.cleanup()
     with pytest.raises(RuntimeError):
         await engine.start(1)
+
+
+async def test_a_crashed_rank_fails_its_streams_with_engine_shutdown() -> None:
+    """A rank whose scheduler task dies (here: its KV-event publishing fails) is a crash: its
+    streams, and requests after it, raise EngineShutdown; the engine reports itself dead."""
+    from tests.support.engines import CrashingMockerTestEngine
+
+    engine = CrashingMockerTestEngine(
+        MockerConfig(speedup_ratio=FAST, host="127.0.0.1", block_size=4), crash_at=3
+    )
+    await engine.start(1)
+    try:
+        assert engine.dead_reason() is None
+        got: list[LLMEngineOutput] = []
+        with pytest.raises(errors.EngineShutdown, match="mocker rank 0 crashed"):
+            async for chunk in engine.generate(request(30, max_tokens=100), Context()):
+                got.append(chunk)
+        assert got and not any(c.is_terminal for c in got)
+        assert "mocker rank 0 crashed" in (engine.dead_reason() or "")
+        with pytest.raises(errors.EngineShutdown):
+            await collect(engine, request(5))
+    finally:
+        await engine.cleanup()
 
 
 async def test_passes_the_engine_conformance_kit() -> None:

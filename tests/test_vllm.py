@@ -391,3 +391,37 @@ async def test_workers_default_and_native_match_vllm(
         results[mode] = got
         proc.stop()
     assert results["default"] == results["native"]
+
+
+def _engine_core(worker_pid: int):
+    """vLLM's engine-core process under a worker."""
+    import psutil
+
+    children = psutil.Process(worker_pid).children(recursive=True)
+    cores = [c for c in children
+             if "EngineCore" in c.name() or "EngineCore" in " ".join(c.cmdline())]
+    assert len(cores) == 1, [(c.name(), c.cmdline()) for c in children]
+    return cores[0]
+
+
+async def test_a_dead_engine_core_fails_requests_with_engine_shutdown(
+    spawn, namespace, make_runtime, tiny_model
+):
+    """vLLM's engine core dying (EngineDeadError) mid-request reaches the caller as
+    EngineShutdown (retryable), and so does every request after it."""
+    proc = vllm_worker(spawn, namespace, tiny_model)
+    client = await make_runtime(static=(proc.address,)).endpoint(
+        f"{namespace}.backend.generate").client()
+    await client.wait_for_instances(timeout=15)
+    streams = [await client.generate(worker_request([1, 2, 3], MAX_MODEL_LEN - 8,
+                                                    ignore_eos=True)) for _ in range(2)]
+    for stream in streams:
+        await stream.__anext__()
+    _engine_core(proc.pid).kill()
+    for stream in streams:
+        with pytest.raises(errors.EngineShutdown, match="engine core"):
+            async for _ in stream:
+                pass
+    with pytest.raises(errors.EngineShutdown):
+        async for _ in await client.generate(worker_request([4, 5], 4)):
+            pass

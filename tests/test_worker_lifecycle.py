@@ -1,12 +1,20 @@
-"""The worker's lifecycle as the backend-common document specifies it, on real worker processes:
-the shutdown order (unregister -> grace period -> ``engine.drain()`` with requests still in
-flight -> cleanup), and a second signal that stops waiting."""
+"""The worker's lifecycle and error taxonomy as the backend-common document specifies them, on
+real worker processes: the shutdown order (unregister -> grace period -> ``engine.drain()`` with
+requests still in flight -> cleanup), an engine that fails to start (``EngineShutdown``, exit 1,
+one line), and an engine that crashes mid-request (``EngineShutdown`` to the caller: retryable,
+HTTP 503), for the mocker and for any engine that declares itself dead."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
+import subprocess
+import sys
 from pathlib import Path
+
+import openai
+import pytest
 
 from dynamo_zmq import errors
 from tests.support.procs import Proc
@@ -96,6 +104,33 @@ async def test_a_second_signal_stops_waiting_for_in_flight_requests(
     assert events[-1] == "worker stopped", events
 
 
+def _start_failure(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=60)
+
+
+def test_an_engine_that_fails_to_start_exits_1_with_one_engine_shutdown_line(
+    tiny_model, taken_port
+):
+    res = _start_failure(*worker_args("ns", tiny_model, f"{ENGINES}:FailingStartTestEngine",
+                                      "--discovery", "static"))
+    assert res.returncode == 1, res.stderr
+    (line,) = [ln for ln in res.stderr.splitlines() if "ERROR" in ln]
+    assert line.endswith(
+        "worker failed to start: EngineShutdown: the failing-start engine failed to start: "
+        "RuntimeError: no accelerator found (test engine)"
+    ), res.stderr
+    assert "Traceback" not in res.stderr and "InvalidArgument" not in res.stderr
+
+    # The mocker failing to bind its KV-event socket is the engine failing to start, too.
+    res = _start_failure(*worker_args("ns", tiny_model, "mocker", "--discovery", "static",
+                                      "--kv-events-port", str(taken_port)))
+    assert res.returncode == 1, res.stderr
+    (line,) = [ln for ln in res.stderr.splitlines() if "ERROR" in ln]
+    assert "EngineShutdown: the mocker engine failed to start: cannot bind" in line
+    assert f"127.0.0.1:{taken_port}: Address already in use" in line
+    assert "Traceback" not in res.stderr
+
+
 async def _tokens_then_error(stream) -> tuple[int, BaseException | None]:
     tokens = 0
     try:
@@ -104,3 +139,65 @@ async def _tokens_then_error(stream) -> tuple[int, BaseException | None]:
     except errors.DynamoError as exc:
         return tokens, exc
     return tokens, None
+
+
+async def test_an_engine_that_declares_itself_dead_fails_requests_with_engine_shutdown(
+    namespace, spawn, make_runtime, tiny_model
+):
+    proc = spawn(*worker_args(namespace, tiny_model, f"{ENGINES}:CrashingTestEngine",
+                              "--crash-after", "5", "--bug-token", "666",
+                              "--echo-delay", "0.01"))
+    client = await make_runtime(static=(proc.address,)).endpoint(
+        f"{namespace}.backend.generate").client()
+    await client.wait_for_instances(timeout=15)
+    # An ordinary bug while the engine is alive stays what it is (not retryable).
+    _, exc = await _tokens_then_error(await client.generate(request([666, 1], max_tokens=4)))
+    assert isinstance(exc, errors.Unknown) and "a bug in the test engine" in exc.message
+    # The engine dies mid-request: the caller gets EngineShutdown, retryable.
+    tokens, exc = await _tokens_then_error(await client.generate(request([7] * 3, 50)))
+    assert tokens == 5
+    assert isinstance(exc, errors.EngineShutdown) and exc.retryable, exc
+    assert "the test engine's core process is gone" in exc.message
+    # ... and so does every request after it.
+    _, exc = await _tokens_then_error(await client.generate(request([8], max_tokens=3)))
+    assert isinstance(exc, errors.EngineShutdown), exc
+
+
+async def test_a_mocker_whose_scheduler_dies_fails_requests_with_engine_shutdown(
+    namespace, spawn, make_runtime, tiny_model
+):
+    proc = spawn(*worker_args(namespace, tiny_model, f"{ENGINES}:CrashingMockerTestEngine",
+                              "--crash-at-publish", "4", "--block-size", "4",
+                              "--speedup-ratio", "100"))
+    client = await make_runtime(static=(proc.address,)).endpoint(
+        f"{namespace}.backend.generate").client()
+    await client.wait_for_instances(timeout=15)
+    tokens, exc = await _tokens_then_error(
+        await client.generate(request(list(range(1, 31)), max_tokens=200))
+    )
+    assert 0 < tokens < 200
+    assert isinstance(exc, errors.EngineShutdown) and exc.retryable, exc
+    assert re.search(r"mocker rank 0 crashed: OSError\(.simulated failure", exc.message), exc
+    tokens, exc = await _tokens_then_error(await client.generate(request([5, 6], 10)))
+    assert tokens == 0 and isinstance(exc, errors.EngineShutdown), exc
+
+
+async def test_a_crashed_engine_is_a_503_through_the_frontend(namespace, spawn, tiny_model):
+    from tests.test_frontend import frontend, wait_models
+
+    spawn(*worker_args(namespace, tiny_model, f"{ENGINES}:CrashingMockerTestEngine",
+                       "--crash-at-publish", "3", "--block-size", "4", "--speedup-ratio", "100",
+                       "--model-name", "tiny"))
+    _, url = frontend(spawn, namespace)
+    await wait_models(url, {"tiny"})
+    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client:
+        with pytest.raises(openai.APIStatusError) as caught:
+            await client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "Tell me a long story"}],
+                max_tokens=200,
+            )
+        assert caught.value.status_code == 503, caught.value
+        assert caught.value.body["code"] == "engine_shutdown", caught.value.body
+        with pytest.raises(openai.APIStatusError) as caught:  # and every request after it
+            await client.completions.create(model="tiny", prompt="Once upon", max_tokens=5)
+        assert caught.value.status_code == 503, caught.value

@@ -6,6 +6,8 @@ Lifecycle (numbered as Dynamo's backend-common numbers it):
    flags (engines also offer ``from_args(argv) -> (engine, WorkerConfig)``, see
    ``dynamo_zmq.worker.from_args``); no heavy work.
 2. ``await start(worker_id) -> EngineConfig``: load the model, bind KV-event sockets. Called once.
+   Any exception means the engine failed to start: the worker reports it as one
+   ``EngineShutdown`` line and exits 1.
 3. ``generate(request, ctx)``: any number, concurrently; each yields ``LLMEngineOutput`` chunks
    and ends with exactly one terminal chunk (``finish_reason`` set). ``ctx.is_stopped()`` asks
    it to finish early with ``finish_reason="cancelled"``.
@@ -18,6 +20,15 @@ Lifecycle (numbered as Dynamo's backend-common numbers it):
    worker publishes it for routers (see ``dynamo_zmq.load``).
 6. ``await cleanup()``: release everything. Idempotent, safe before ``start`` and never
    concurrent with it.
+
+Errors (Dynamo's taxonomy, ``dynamo_zmq.errors``): a request the engine cannot run is an error
+terminal chunk or ``InvalidArgument``; a request the engine cannot run *because the engine
+crashed* must reach the caller as ``EngineShutdown`` (retryable: another worker may serve it;
+HTTP 503). An engine reports a crash either by raising ``EngineShutdown`` from ``generate``
+(the typed form, preferred) or by declaring itself dead (``dead_reason()`` returns why): from
+then on the worker turns any exception or error terminal of ``generate`` into
+``EngineShutdown``. What a crash is, per engine: the mocker's scheduler task of a rank dying;
+vLLM's ``EngineDeadError`` (its engine-core process gone).
 
 ``PreprocessedRequest`` and ``LLMEngineOutput`` are msgspec Structs that cross the wire as plain
 MessagePack maps (new fields go last, with defaults).
@@ -224,6 +235,12 @@ class LLMEngine(abc.ABC):
     async def drain(self) -> None:  # noqa: B027 (optional hook)
         """Finish or hand off in-flight work; the worker admits nothing new, and in-flight
         requests are still running when this is called."""
+
+    def dead_reason(self) -> str | None:
+        """Optional: None while the engine can serve; once it crashed, why (the worker then
+        reports failures of ``generate`` as ``EngineShutdown``). Cheap; called only when a
+        request fails."""
+        return None
 
     def load(self) -> list[EngineLoad] | None:
         """Optional: what each data-parallel rank holds now, one ``EngineLoad`` per rank (an

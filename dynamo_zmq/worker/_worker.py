@@ -1,7 +1,8 @@
 """``Worker``: owns one engine and serves it on the request plane.
 
 Start: ``engine.start`` -> model card and ``ModelAdvert`` -> metrics and status server -> load
-publisher -> ``model_files`` and generate endpoints -> health canary -> ``READY``.
+publisher -> ``model_files`` and generate endpoints -> health canary -> ``READY``. An engine that
+fails to start is reported as ``EngineShutdown`` (one line) and the process exits 1.
 
 Shutdown (SIGTERM/SIGINT), the backend-common document's order: unregister -> grace period ->
 stop admitting (EngineShutdown) -> ``engine.drain()`` while in-flight requests still run -> wait
@@ -86,7 +87,8 @@ class Worker:
         try:
             await self._start()
         except Exception as exc:
-            log.error("worker failed to start: %s", exc,
+            err = errors.from_exception(exc)
+            log.error("worker failed to start: %s: %s", err.kind, err.message,
                       exc_info=not isinstance(exc, errors.DynamoError))
             await self._close()
             return 1
@@ -126,11 +128,25 @@ class Worker:
             self._force.set()
         self.runtime.shutdown()
 
+    async def _start_engine(self) -> EngineConfig:
+        """``engine.start``; any failure is the engine's: ``EngineShutdown``."""
+        try:
+            return await self.engine.start(self.runtime.instance_id)
+        except errors.EngineShutdown:
+            raise
+        except Exception as exc:
+            log.debug("engine start failed", exc_info=exc)
+            what = self.engine.name or type(self.engine).__name__
+            reason = exc.message if isinstance(exc, errors.DynamoError) else (
+                f"{type(exc).__name__}: {exc}"
+            )
+            raise errors.EngineShutdown(f"the {what} engine failed to start: {reason}") from exc
+
     async def _start(self) -> None:
         args = self.settings
         if args.model_path is None:
             raise errors.InvalidArgument("--model-path (DYN_MODEL_PATH) is required")
-        self.config = config = await self.engine.start(self.runtime.instance_id)
+        self.config = config = await self._start_engine()
         if not config.model_name:
             raise errors.InvalidArgument("engine reported an empty model name")
         name = args.model_name or config.served_model_name or config.model_name
@@ -251,6 +267,8 @@ class Worker:
                     last = now
                 if out.finish_reason == FinishReason.ERROR:
                     m.engine_errors.inc()
+                    if (reason := self.engine.dead_reason()) is not None:
+                        raise errors.EngineShutdown(f"the engine died: {reason}")
                 yield out
                 if proc is not None and out.is_terminal:
                     return  # the engine's stream is not read further (closed below)
@@ -258,8 +276,12 @@ class Worker:
                 m.engine_errors.inc()
                 yield proc.missing_terminal()
         except Exception as exc:
-            self.metrics.errors.labels(self.metrics.model, errors.from_exception(exc).kind).inc()
-            raise
+            died = self._engine_death(exc)
+            kind = (died or errors.from_exception(exc)).kind
+            self.metrics.errors.labels(self.metrics.model, kind).inc()
+            if died is None:
+                raise
+            raise died from exc
         finally:
             m.output_tokens.inc(tokens)
             remove()
@@ -271,6 +293,14 @@ class Worker:
                     await aclose()
                 except Exception:
                     log.exception("closing the engine stream of request %s failed", ctx.id())
+
+    def _engine_death(self, exc: Exception) -> errors.EngineShutdown | None:
+        """``EngineShutdown`` for a ``generate`` that failed untyped (a plain exception or
+        ``Unknown``) after the engine declared itself dead; None: ``exc`` goes out as it is."""
+        if isinstance(exc, errors.DynamoError) and not isinstance(exc, errors.Unknown):
+            return None
+        reason = self.engine.dead_reason()
+        return None if reason is None else errors.EngineShutdown(f"the engine died: {reason}")
 
     async def _model_files(self, request: dict[str, Any]) -> AsyncIterator[bytes]:
         """Stream one file the model card lists: ``{"name": "tokenizer.json"}``."""

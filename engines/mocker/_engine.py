@@ -9,10 +9,12 @@ from collections.abc import AsyncIterator
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
+from dynamo_zmq import errors
 from dynamo_zmq.context import Context
 from dynamo_zmq.llm import (
     EngineConfig,
     EngineLoad,
+    FinishReason,
     LLMEngine,
     LLMEngineOutput,
     PreprocessedRequest,
@@ -152,9 +154,12 @@ class MockerEngine(LLMEngine):
                     finally:
                         seq.waiter = None
                 chunk = seq.outbox.popleft()
-                yield chunk
                 if chunk.finish_reason is not None:
+                    if chunk.finish_reason == FinishReason.ERROR and sched.crashed is not None:
+                        raise errors.EngineShutdown(sched.crashed)
+                    yield chunk
                     return
+                yield chunk
         finally:
             remove_listener()
             live = self._live.get(key)
@@ -220,6 +225,10 @@ class MockerEngine(LLMEngine):
     async def drain(self) -> None:
         """Wait until every rank is idle (the in-flight requests finish here)."""
         await asyncio.gather(*(r.drain() for r in self._ranks))
+
+    def dead_reason(self) -> str | None:
+        """Why the engine is dead: the first rank whose scheduler task crashed (None: alive)."""
+        return next((r.crashed for r in self._ranks if r.crashed is not None), None)
 
     def load(self) -> list[EngineLoad]:
         """Per rank: blocks held by running sequences, the rank's blocks, running and waiting

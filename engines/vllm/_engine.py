@@ -128,7 +128,7 @@ class VllmEngine(LLMEngine):
             )
         except Exception as exc:
             self._state = "new"
-            raise errors.InvalidArgument(f"vLLM failed to start: {exc}") from exc
+            raise errors.EngineShutdown(f"vLLM failed to start: {exc}") from exc
         if self._state == "closed":  # cleanup ran while vLLM was loading
             await asyncio.to_thread(llm.shutdown, self.options.shutdown_timeout)
             raise RuntimeError("VllmEngine was cleaned up while starting")
@@ -228,6 +228,13 @@ class VllmEngine(LLMEngine):
     async def drain(self) -> None:
         """Nothing to hand off: in-flight requests finish in vLLM (the worker waits for them)."""
 
+    def dead_reason(self) -> str | None:
+        """Why vLLM is dead (its engine core errored or its output task ended), or None."""
+        llm = self._llm
+        if llm is not None and llm.errored:
+            return "vLLM's engine core is dead (EngineDeadError)"
+        return None
+
     async def cleanup(self) -> None:
         """Abort what is left and shut vLLM down. Idempotent; safe before ``start``."""
         self._state = "closed"
@@ -306,6 +313,7 @@ class VllmEngine(LLMEngine):
             return
         from vllm.exceptions import VLLMValidationError
         from vllm.inputs import TokensPrompt
+        from vllm.v1.engine.exceptions import EngineDeadError
 
         detokenize = self.options.native_processing or request.output.detokenize
         params = sampling_params(request, self.options.native_processing)
@@ -330,6 +338,8 @@ class VllmEngine(LLMEngine):
                     break
                 except (VLLMValidationError, ValueError, TypeError) as exc:
                     raise errors.InvalidArgument(f"vLLM rejected the request: {exc}") from exc
+                except EngineDeadError as exc:  # the engine core process is gone
+                    raise errors.EngineShutdown(f"vLLM's engine core died: {exc}") from exc
                 chunk, completion = to_output(out, prompt_tokens, completion, detokenize)
                 if chunk is None:
                     continue

@@ -1,6 +1,6 @@
 """Small third-party-style engines, loaded with ``--engine tests.support.engines:NAME``:
-``EchoEngine``, and test engines built on it that record their lifecycle, for the worker's
-lifecycle tests."""
+``EchoEngine``, and test engines built on it (and on the mocker) that record their lifecycle,
+fail to start or crash mid-request, for the worker's lifecycle and error tests."""
 
 from __future__ import annotations
 
@@ -10,6 +10,9 @@ import logging
 
 from dynamo_zmq.context import Context
 from dynamo_zmq.llm import EngineConfig, LLMEngine, LLMEngineOutput, PreprocessedRequest, Usage
+from engines.mocker import MockerConfig, MockerEngine
+from engines.mocker._config import config_from_args
+from engines.mocker._kv_events import KvEvent
 
 
 class EchoEngine(LLMEngine):
@@ -69,7 +72,7 @@ class EchoEngine(LLMEngine):
         pass
 
 
-# -- test engines (the worker's lifecycle) ----------------------------------------------------
+# -- test engines (the worker's lifecycle and error taxonomy) ---------------------------------
 
 lifecycle_log = logging.getLogger("tests.lifecycle")
 
@@ -103,3 +106,76 @@ class LifecycleTestEngine(EchoEngine):
 
     async def cleanup(self) -> None:
         lifecycle_log.info("LIFECYCLE cleanup inflight=%d", self.inflight)
+
+
+class FailingStartTestEngine(EchoEngine):
+    """Test engine whose ``start`` fails as a real one does when its device is missing."""
+
+    name = "failing-start"
+
+    async def start(self, worker_id: int) -> EngineConfig:
+        raise RuntimeError("no accelerator found (test engine)")
+
+
+class CrashingTestEngine(EchoEngine):
+    """Test engine that crashes mid-request: after ``--crash-after`` tokens it declares itself
+    dead (``dead_reason``) and ``generate`` raises a plain exception. A prompt holding
+    ``--bug-token`` raises while the engine stays alive (an ordinary bug, not a crash)."""
+
+    name = "crashing"
+
+    def configure(self, args: argparse.Namespace) -> None:
+        self.crash_after: int | None = args.crash_after
+        self.bug_token: int | None = args.bug_token
+        self.dead: str | None = None
+
+    @classmethod
+    def add_args(cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+        super().add_args(parser)
+        parser.add_argument("--crash-after", type=int, default=None)
+        parser.add_argument("--bug-token", type=int, default=None)
+
+    async def generate(self, request: PreprocessedRequest, ctx: Context):
+        if self.bug_token is not None and self.bug_token in request.token_ids:
+            raise ValueError("a bug in the test engine")
+        sent = 0
+        async for out in super().generate(request, ctx):
+            if self.dead is not None or (
+                self.crash_after is not None and sent >= self.crash_after
+                and not ctx.id().startswith("health-")
+            ):
+                self.dead = "the test engine's core process is gone"
+                raise ConnectionResetError("engine core connection lost")
+            sent += len(out.token_ids)
+            yield out
+
+    def dead_reason(self) -> str | None:
+        return self.dead
+
+
+class CrashingMockerTestEngine(MockerEngine):
+    """Test engine: the real mocker whose KV-event publishing fails at the
+    ``--crash-at-publish``-th batch, which kills the rank's scheduler task (a mocker crash)."""
+
+    name = "crashing-mocker"
+
+    def __init__(self, config: MockerConfig, crash_at: int) -> None:
+        super().__init__(config)
+        self.crash_at = crash_at
+        self.published = 0
+
+    @classmethod
+    def add_args(cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+        super().add_args(parser)
+        parser.add_argument("--crash-at-publish", type=int, default=1)
+
+    @classmethod
+    def from_namespace(cls, args: argparse.Namespace) -> CrashingMockerTestEngine:
+        return cls(config_from_args(args), args.crash_at_publish)
+
+    def _publish(self, events: list[KvEvent], dp_rank: int) -> None:
+        self.published += 1
+        if self.published >= self.crash_at:
+            raise OSError("simulated failure of the KV-event socket")
+        super()._publish(events, dp_rank)
+
