@@ -393,6 +393,18 @@ async def test_workers_default_and_native_match_vllm(
     assert results["default"] == results["native"]
 
 
+async def test_native_processing_flags_map_onto_vllms_own(tiny_model):
+    """The native-processing document's flag and its vllm-named alias (and the older
+    ``--native-processing``) turn on vLLM's own processing; another engine's alias is refused."""
+    base = ["--model-path", str(tiny_model)]
+    for flag in ("--native-framework-processing", "--vllm-processing", "--native-processing"):
+        engine, _ = VllmEngine.from_args([*base, flag])
+        assert engine.options.native_processing is True, flag
+    assert VllmEngine.from_args(base)[0].options.native_processing is False
+    with pytest.raises(errors.InvalidArgument, match="--trtllm-processing asks the trtllm"):
+        VllmEngine.from_args([*base, "--trtllm-processing"])
+
+
 def _engine_core(worker_pid: int):
     """vLLM's engine-core process under a worker."""
     import psutil

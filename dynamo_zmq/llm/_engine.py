@@ -208,6 +208,9 @@ class LLMEngine(abc.ABC):
     #: Name used by ``--engine NAME`` (engines also register under the
     #: ``dynamo_zmq.engines`` entry-point group).
     name: ClassVar[str] = ""
+    #: Whether the engine can do its own pre- and post-processing (tokenizer, chat template,
+    #: detokenizer, stop strings): ``--native-framework-processing`` is refused otherwise.
+    supports_native_processing: ClassVar[bool] = False
 
     @classmethod  # noqa: B027 (optional hook)
     def add_args(cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:

@@ -67,6 +67,7 @@ class VllmEngine(LLMEngine):
     """
 
     name = "vllm"
+    supports_native_processing = True
 
     def __init__(self, engine_args: Any = None, options: VllmOptions | None = None) -> None:
         self.engine_args = engine_args if engine_args is not None else {}

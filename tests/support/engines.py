@@ -179,3 +179,17 @@ class CrashingMockerTestEngine(MockerEngine):
             raise OSError("simulated failure of the KV-event socket")
         super()._publish(events, dp_rank)
 
+
+class NativeEchoTestEngine(EchoEngine):
+    """Test engine that supports native processing: it reports the flag in its config."""
+
+    name = "native-echo"
+    supports_native_processing = True
+
+    def configure(self, args: argparse.Namespace) -> None:
+        self.native_processing = bool(args.native_processing)
+
+    async def start(self, worker_id: int) -> EngineConfig:
+        config = await super().start(worker_id)
+        config.extra["native_processing"] = self.native_processing
+        return config
