@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 import engines.mocker
+from dynamo_zmq import errors
 from dynamo_zmq.context import Context
 from dynamo_zmq.llm import (
     FinishReason,
@@ -395,6 +396,29 @@ async def test_cleanup_is_idempotent_safe_before_start_and_ends_open_streams() -
         await engine.start(1)
 
 
+async def test_a_crashed_rank_fails_its_streams_with_engine_shutdown() -> None:
+    """A rank whose scheduler task dies (here: its KV-event publishing fails) is a crash: its
+    streams, and requests after it, raise EngineShutdown; the engine reports itself dead."""
+    from tests.support.engines import CrashingMockerTestEngine
+
+    engine = CrashingMockerTestEngine(
+        MockerConfig(speedup_ratio=FAST, host="127.0.0.1", block_size=4), crash_at=3
+    )
+    await engine.start(1)
+    try:
+        assert engine.dead_reason() is None
+        got: list[LLMEngineOutput] = []
+        with pytest.raises(errors.EngineShutdown, match="mocker rank 0 crashed"):
+            async for chunk in engine.generate(request(30, max_tokens=100), Context()):
+                got.append(chunk)
+        assert got and not any(c.is_terminal for c in got)
+        assert "mocker rank 0 crashed" in (engine.dead_reason() or "")
+        with pytest.raises(errors.EngineShutdown):
+            await collect(engine, request(5))
+    finally:
+        await engine.cleanup()
+
+
 async def test_passes_the_engine_conformance_kit() -> None:
     report = await run_conformance(
         lambda: MockerEngine(MockerConfig(speedup_ratio=FAST, host="127.0.0.1"))
@@ -416,7 +440,7 @@ def test_flags_have_dynamos_names_and_defaults() -> None:
         64, 16384, 256, 8192, 1.0, 1, True, 0, 0, 0, False)
     args = parser.parse_args(["--no-enable-prefix-caching", "--speedup-ratio", "5",
                               "--no-kv-events", "--data-parallel-size", "2", "--mocker-seed", "9"])
-    cfg = MockerEngine.from_args(args).config
+    cfg = MockerEngine.from_namespace(args).config
     assert (cfg.enable_prefix_caching, cfg.speedup_ratio, cfg.enable_kv_events,
             cfg.data_parallel_size, cfg.seed) == (False, 5.0, False, 2, 9)
 
@@ -430,9 +454,9 @@ def _model_dir(root: Path) -> Path:
     return model
 
 
-async def test_from_args_reads_the_model_directory(tmp_path: Path) -> None:
+async def test_from_namespace_reads_the_model_directory(tmp_path: Path) -> None:
     model = _model_dir(tmp_path)
-    engine = MockerEngine.from_args(argparse.Namespace(model_path=str(model)))
+    engine = MockerEngine.from_namespace(argparse.Namespace(model_path=str(model)))
     assert isinstance(engine, MockerEngine)
     cfg = engine.config
     assert (cfg.model_name, cfg.vocab_size, cfg.context_length, cfg.eos_token_ids) == (
@@ -447,7 +471,7 @@ async def test_from_args_reads_the_model_directory(tmp_path: Path) -> None:
     finally:
         await engine.cleanup()
 
-    named = MockerEngine.from_args(argparse.Namespace(
+    named = MockerEngine.from_namespace(argparse.Namespace(
         model_path=str(model), model_name="served", host="127.0.0.1",
         no_kv_events=True, speedup_ratio=FAST,
     ))
@@ -469,11 +493,11 @@ def test_the_workers_parser_takes_the_mocker_flags(tmp_path: Path) -> None:
     parser = build_parser(MockerEngine)
     args = parser.parse_args(["--model-path", str(model), "--mdns-interfaces", "127.0.0.1",
                               "--block-size", "16", "--no-enable-prefix-caching"])
-    cfg = MockerEngine.from_args(args).config
+    cfg = MockerEngine.from_namespace(args).config
     assert (cfg.block_size, cfg.enable_prefix_caching, cfg.vocab_size) == (16, False, 1234)
     # No --host: the KV sockets bind and advertise where the worker's request plane does.
     assert (cfg.bind_host, cfg.advertised_host()) == ("127.0.0.1", "127.0.0.1")
-    wildcard = MockerEngine.from_args(
+    wildcard = MockerEngine.from_namespace(
         parser.parse_args(["--model-path", str(model), "--host", "0.0.0.0"])
     )
     assert wildcard.config.bind_host == "*"

@@ -391,3 +391,49 @@ async def test_workers_default_and_native_match_vllm(
         results[mode] = got
         proc.stop()
     assert results["default"] == results["native"]
+
+
+async def test_native_processing_flags_map_onto_vllms_own(tiny_model):
+    """The native-processing document's flag and its vllm-named alias (and the older
+    ``--native-processing``) turn on vLLM's own processing; another engine's alias is refused."""
+    base = ["--model-path", str(tiny_model)]
+    for flag in ("--native-framework-processing", "--vllm-processing", "--native-processing"):
+        engine, _ = VllmEngine.from_args([*base, flag])
+        assert engine.options.native_processing is True, flag
+    assert VllmEngine.from_args(base)[0].options.native_processing is False
+    with pytest.raises(errors.InvalidArgument, match="--trtllm-processing asks the trtllm"):
+        VllmEngine.from_args([*base, "--trtllm-processing"])
+
+
+def _engine_core(worker_pid: int):
+    """vLLM's engine-core process under a worker."""
+    import psutil
+
+    children = psutil.Process(worker_pid).children(recursive=True)
+    cores = [c for c in children
+             if "EngineCore" in c.name() or "EngineCore" in " ".join(c.cmdline())]
+    assert len(cores) == 1, [(c.name(), c.cmdline()) for c in children]
+    return cores[0]
+
+
+async def test_a_dead_engine_core_fails_requests_with_engine_shutdown(
+    spawn, namespace, make_runtime, tiny_model
+):
+    """vLLM's engine core dying (EngineDeadError) mid-request reaches the caller as
+    EngineShutdown (retryable), and so does every request after it."""
+    proc = vllm_worker(spawn, namespace, tiny_model)
+    client = await make_runtime(static=(proc.address,)).endpoint(
+        f"{namespace}.backend.generate").client()
+    await client.wait_for_instances(timeout=15)
+    streams = [await client.generate(worker_request([1, 2, 3], MAX_MODEL_LEN - 8,
+                                                    ignore_eos=True)) for _ in range(2)]
+    for stream in streams:
+        await stream.__anext__()
+    _engine_core(proc.pid).kill()
+    for stream in streams:
+        with pytest.raises(errors.EngineShutdown, match="engine core"):
+            async for _ in stream:
+                pass
+    with pytest.raises(errors.EngineShutdown):
+        async for _ in await client.generate(worker_request([4, 5], 4)):
+            pass

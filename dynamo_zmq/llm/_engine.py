@@ -2,18 +2,33 @@
 
 Lifecycle (numbered as Dynamo's backend-common numbers it):
 
-1. ``Engine.from_args(argv)`` / the constructor: parse the engine's own flags; no heavy work.
+1. Construction: ``Engine(...)`` from code, or ``from_namespace(args)`` from the worker's parsed
+   flags (engines also offer ``from_args(argv) -> (engine, WorkerConfig)``, see
+   ``dynamo_zmq.worker.from_args``); no heavy work.
 2. ``await start(worker_id) -> EngineConfig``: load the model, bind KV-event sockets. Called once.
+   Any exception means the engine failed to start: the worker reports it as one
+   ``EngineShutdown`` line and exits 1.
 3. ``generate(request, ctx)``: any number, concurrently; each yields ``LLMEngineOutput`` chunks
    and ends with exactly one terminal chunk (``finish_reason`` set). ``ctx.is_stopped()`` asks
    it to finish early with ``finish_reason="cancelled"``.
 4. ``await abort(ctx)``: optional; the worker calls it when a request is stopped or killed, so
    the engine frees the sequence at once. Default: nothing.
-5. ``await drain()``: optional; called after the worker stopped admitting work, before cleanup.
+5. ``await drain()``: optional; on shutdown, after the worker unregistered, waited the grace
+   period and stopped admitting new requests, while in-flight requests still run (so they can
+   be handed off or finished). The worker then waits for them, within its graceful timeout.
    ``load()`` (optional, any time after ``start``): what each data-parallel rank holds now; the
    worker publishes it for routers (see ``dynamo_zmq.load``).
 6. ``await cleanup()``: release everything. Idempotent, safe before ``start`` and never
    concurrent with it.
+
+Errors (Dynamo's taxonomy, ``dynamo_zmq.errors``): a request the engine cannot run is an error
+terminal chunk or ``InvalidArgument``; a request the engine cannot run *because the engine
+crashed* must reach the caller as ``EngineShutdown`` (retryable: another worker may serve it;
+HTTP 503). An engine reports a crash either by raising ``EngineShutdown`` from ``generate``
+(the typed form, preferred) or by declaring itself dead (``dead_reason()`` returns why): from
+then on the worker turns any exception or error terminal of ``generate`` into
+``EngineShutdown``. What a crash is, per engine: the mocker's scheduler task of a rank dying;
+vLLM's ``EngineDeadError`` (its engine-core process gone).
 
 ``PreprocessedRequest`` and ``LLMEngineOutput`` are msgspec Structs that cross the wire as plain
 MessagePack maps (new fields go last, with defaults).
@@ -193,13 +208,16 @@ class LLMEngine(abc.ABC):
     #: Name used by ``--engine NAME`` (engines also register under the
     #: ``dynamo_zmq.engines`` entry-point group).
     name: ClassVar[str] = ""
+    #: Whether the engine can do its own pre- and post-processing (tokenizer, chat template,
+    #: detokenizer, stop strings): ``--native-framework-processing`` is refused otherwise.
+    supports_native_processing: ClassVar[bool] = False
 
     @classmethod  # noqa: B027 (optional hook)
     def add_args(cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
         """Add this engine's own command-line flags."""
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> LLMEngine:
+    def from_namespace(cls, args: argparse.Namespace) -> LLMEngine:
         """Build the engine from parsed flags (the worker's and the engine's own). Bad flags or
         model files raise ``errors.InvalidArgument``: the worker prints its message, exits 2."""
         return cls()
@@ -218,7 +236,14 @@ class LLMEngine(abc.ABC):
         """Free the request of ``ctx`` now (stop or kill reached the worker)."""
 
     async def drain(self) -> None:  # noqa: B027 (optional hook)
-        """Finish or hand off in-flight work; the worker admits nothing new."""
+        """Finish or hand off in-flight work; the worker admits nothing new, and in-flight
+        requests are still running when this is called."""
+
+    def dead_reason(self) -> str | None:
+        """Optional: None while the engine can serve; once it crashed, why (the worker then
+        reports failures of ``generate`` as ``EngineShutdown``). Cheap; called only when a
+        request fails."""
+        return None
 
     def load(self) -> list[EngineLoad] | None:
         """Optional: what each data-parallel rank holds now, one ``EngineLoad`` per rank (an

@@ -296,15 +296,33 @@ class DistributedRuntime:
 
         Returns False if requests were still running when ``timeout`` expired.
         """
+        await self.stop_admitting()
+        return await self.wait_idle(timeout)
+
+    async def stop_admitting(self) -> None:
+        """The first half of ``drain``: withdraw the adverts and tell connected clients to route
+        elsewhere, wait the grace period, then refuse new requests (``EngineShutdown``).
+        In-flight requests keep running."""
         await self._withdraw_all()
         if self._server is None:
-            return True
+            return
         self._server.set_draining()
         await asyncio.sleep(self.config.grace_period)
         self._server.refuse_new()
+
+    async def wait_idle(self, timeout: float | None = None) -> bool:
+        """The second half of ``drain``: wait until no request is in flight, at most ``timeout``
+        seconds (default: the graceful timeout). Returns False if some still run."""
+        if self._server is None:
+            return True
         return await self._server.wait_idle(
             self.config.graceful_timeout if timeout is None else timeout
         )
+
+    @property
+    def inflight(self) -> int:
+        """Requests this process is serving now."""
+        return 0 if self._server is None else self._server.inflight
 
     async def close(self) -> None:
         """Withdraw adverts, close the server, peers and discovery (idempotent)."""

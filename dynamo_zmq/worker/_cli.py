@@ -1,13 +1,17 @@
 """``python -m dynamo_zmq.worker``: serve one engine on the request plane.
 
-    python -m dynamo_zmq.worker --engine mocker --model-path DIR [--model-name NAME]
+    python -m dynamo_zmq.worker --engine mocker --model-path DIR|ORG/NAME [--model-name NAME]
         [--namespace dynamo] [--component backend] [--endpoint generate]
         [--host H] [--port P] [--discovery mdns|static] [--disaggregation-mode agg|prefill|decode]
-        [--metrics-port P] [--load-interval 0.1] [--load-port P] [engine flags...]
+        [--metrics-port P] [--load-interval 0.1] [--load-port P]
+        [--native-framework-processing] [engine flags...]
 
 Every flag has a ``DYN_*`` environment variable (``--model-path`` -> ``DYN_MODEL_PATH``).
 Engines are found by name in the ``dynamo_zmq.engines`` entry-point group, or as
 ``MODULE:CLASS``. Once serving, the worker prints ``READY <address> <instance id hex>``.
+
+The same from code: ``engine, config = from_args(argv)`` (or ``MockerEngine.from_args(argv)``),
+then ``run(engine, config)``.
 """
 
 from __future__ import annotations
@@ -17,15 +21,37 @@ import importlib
 import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, overload
 
 from .. import errors
 from ..llm import ENGINES, MAX_LOAD_INTERVAL, LLMEngine, load_plugin, plugin_names
-from ..runtime import add_runtime_args, check_name, run_main, setup_logging
-from ._worker import Worker
+from ..runtime import add_runtime_args, setup_logging
+from ._config import DISAGGREGATION_MODES, WorkerConfig
+from ._model_path import resolve_model_path
+from ._run import run
 
-__all__ = ["build_parser", "load_engine_class", "main", "parse_args"]
+__all__ = [
+    "NATIVE_PROCESSING_FLAGS",
+    "build_parser",
+    "from_args",
+    "load_engine_class",
+    "main",
+    "parse_args",
+]
+
+E = TypeVar("E", bound=LLMEngine)
+
+#: The native-processing document's flag and its engine-named aliases (plus our older
+#: ``--native-processing``): the engine does its own pre- and post-processing.
+NATIVE_PROCESSING_FLAGS = (
+    "--native-framework-processing",
+    "--vllm-processing",
+    "--sglang-processing",
+    "--trtllm-processing",
+    "--native-processing",
+)
+#: Engines a ``--NAME-processing`` alias names.
+_NAMED_ENGINES = ("vllm", "sglang", "trtllm")
 
 
 def _env(name: str, default: Any = None) -> Any:
@@ -52,9 +78,25 @@ def load_engine_class(spec: str) -> type[LLMEngine]:
     return cls
 
 
+class _NativeProcessing(argparse.Action):
+    """Sets ``native_processing`` and remembers which spelling was given, since an
+    engine-named alias must name the engine that runs."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+        values: Any, option_string: str | None = None,
+    ) -> None:
+        setattr(namespace, self.dest, True)
+        namespace.native_processing_flag = option_string
+
+
 def build_parser(
     engine_cls: type[LLMEngine] | None = None, add_help: bool = True
 ) -> argparse.ArgumentParser:
+    """The worker's flags, and ``engine_cls``'s own when given."""
     parser = argparse.ArgumentParser(
         prog="python -m dynamo_zmq.worker",
         description="Serve an LLM engine on the dynamo-zmq request plane.",
@@ -65,7 +107,9 @@ def build_parser(
         help="engine name or MODULE:CLASS [DYN_ENGINE]",
     )
     parser.add_argument(
-        "--model-path", default=_env("MODEL_PATH"), help="model directory [DYN_MODEL_PATH]"
+        "--model-path", default=_env("MODEL_PATH"),
+        help="model directory, or a Hugging Face model id (ORG/NAME) already in the local "
+             "Hugging Face cache (HF_HUB_CACHE; nothing is downloaded) [DYN_MODEL_PATH]",
     )
     parser.add_argument(
         "--model-name", default=_env("MODEL_NAME"), help="served model name [DYN_MODEL_NAME]"
@@ -74,7 +118,7 @@ def build_parser(
     parser.add_argument("--component", default=_env("COMPONENT", "backend"), help="[DYN_COMPONENT]")
     parser.add_argument("--endpoint", default=_env("ENDPOINT", "generate"), help="[DYN_ENDPOINT]")
     parser.add_argument(
-        "--disaggregation-mode", choices=["agg", "prefill", "decode"],
+        "--disaggregation-mode", choices=DISAGGREGATION_MODES,
         default=_env("DISAGGREGATION_MODE", "agg"), help="[DYN_DISAGGREGATION_MODE]",
     )
     parser.add_argument(
@@ -107,6 +151,14 @@ def build_parser(
         "--debug-streams", action="store_true", default=_env("DEBUG_STREAMS", "") == "1",
         help="validate every engine stream (one terminal, last) [DYN_DEBUG_STREAMS=1]",
     )
+    parser.add_argument(
+        *NATIVE_PROCESSING_FLAGS, dest="native_processing", action=_NativeProcessing,
+        default=_env("NATIVE_FRAMEWORK_PROCESSING", "") == "1",
+        help="the engine's own processing: the frontend tokenizes with the model's own "
+             "tokenizer and chat template, the engine detokenizes and applies stop strings "
+             "(engines that support it: vllm; an engine-named alias must name the engine) "
+             "[DYN_NATIVE_FRAMEWORK_PROCESSING=1]",
+    )
     add_runtime_args(parser)
     if engine_cls is not None:
         group = parser.add_argument_group(f"{engine_cls.name or engine_cls.__name__} engine")
@@ -114,31 +166,90 @@ def build_parser(
     return parser
 
 
-def parse_args(argv: Sequence[str] | None = None) -> tuple[type[LLMEngine], argparse.Namespace]:
-    """Two passes: find ``--engine``, then parse with that engine's own flags added."""
-    # --help waits for the engine's flags
-    pre, _ = build_parser(add_help=False).parse_known_args(argv)
-    engine_cls = load_engine_class(pre.engine)
-    args = build_parser(engine_cls).parse_args(argv)
-    for what in ("namespace", "component", "endpoint"):
-        check_name(getattr(args, what), what)
-    if args.model_path is not None and not Path(args.model_path).is_dir():
-        raise errors.InvalidArgument(f"--model-path {args.model_path!r} is not a directory")
-    if not 0 <= args.load_interval <= MAX_LOAD_INTERVAL:
-        raise errors.InvalidArgument(
-            f"--load-interval must be 0 (never) or up to {MAX_LOAD_INTERVAL:g} s, "
-            f"got {args.load_interval:g}"
-        )
+def parse_args(
+    argv: Sequence[str] | None = None, engine: type[LLMEngine] | None = None
+) -> tuple[type[LLMEngine], argparse.Namespace]:
+    """The engine class and the parsed flags: the engine from ``--engine`` (or ``engine``),
+    then its own flags added. ``--model-path`` is resolved to a directory (a hub id: its cached
+    snapshot, the id becoming the default ``--model-name``).
+
+    Raises:
+        InvalidArgument: an unknown engine, a missing model, or a flag the engine refuses.
+    """
+    if engine is None:  # --help waits for the engine's flags
+        pre, _ = build_parser(add_help=False).parse_known_args(argv)
+        engine_cls = load_engine_class(pre.engine)
+    else:
+        engine_cls = engine
+    parser = build_parser(engine_cls)
+    if engine is not None:
+        parser.set_defaults(engine=engine.name or f"{engine.__module__}:{engine.__qualname__}")
+    args = parser.parse_args(argv)
+    if engine is not None and args.engine != parser.get_default("engine"):
+        if load_engine_class(args.engine) is not engine:
+            raise errors.InvalidArgument(
+                f"--engine {args.engine} given to {engine.__name__}.from_args"
+            )
+    _check_native_processing(engine_cls, args)
+    if args.model_path is not None:
+        args.model_path, hub_id = resolve_model_path(args.model_path)
+        if hub_id is not None and not args.model_name:
+            args.model_name = hub_id
     return engine_cls, args
 
 
+def _check_native_processing(engine_cls: type[LLMEngine], args: argparse.Namespace) -> None:
+    if not args.native_processing:
+        return
+    flag = getattr(args, "native_processing_flag", None) or "DYN_NATIVE_FRAMEWORK_PROCESSING"
+    running = engine_cls.name or engine_cls.__name__
+    named = flag.removeprefix("--").removesuffix("-processing")
+    if named in _NAMED_ENGINES and named != running:
+        raise errors.InvalidArgument(
+            f"{flag} asks the {named} engine for its native processing, but this worker runs "
+            f"{running} (use --native-framework-processing)"
+        )
+    if not engine_cls.supports_native_processing:
+        raise errors.InvalidArgument(f"{flag}: the {running} engine has no native processing")
+
+
+@overload
+def from_args(
+    argv: Sequence[str] | None = None, engine: None = None
+) -> tuple[LLMEngine, WorkerConfig]: ...
+
+
+@overload
+def from_args(argv: Sequence[str] | None, engine: type[E]) -> tuple[E, WorkerConfig]: ...
+
+
+def from_args(
+    argv: Sequence[str] | None = None, engine: type[LLMEngine] | None = None
+) -> tuple[LLMEngine, WorkerConfig]:
+    """An engine (not started) and the worker's settings from command-line flags
+    (``sys.argv[1:]`` when ``argv`` is None), for ``run(engine, config)``. With ``engine`` the
+    class is fixed (``--engine`` may be left out); each engine's own ``from_args`` calls this.
+
+    Raises:
+        InvalidArgument: bad settings (``python -m dynamo_zmq.worker`` prints it, exits 2).
+        SystemExit: a flag argparse cannot parse (it prints the usage first).
+    """
+    engine_cls, args = parse_args(argv, engine)
+    config = WorkerConfig.from_namespace(args)
+    built = engine_cls.from_namespace(args)
+    if not isinstance(built, engine_cls):
+        raise errors.InvalidArgument(
+            f"{engine_cls.__name__}.from_namespace returned a {type(built).__name__}"
+        )
+    return built, config
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m dynamo_zmq.worker``: ``from_args`` then ``run``; returns the exit status."""
     setup_logging()
     try:
-        engine_cls, args = parse_args(argv)
-        engine = engine_cls.from_args(args)
+        engine, config = from_args(argv)
     except errors.DynamoError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2
-    return run_main(Worker(engine, args).run())
-
+    return run(engine, config)

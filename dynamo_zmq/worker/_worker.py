@@ -1,16 +1,17 @@
 """``Worker``: owns one engine and serves it on the request plane.
 
 Start: ``engine.start`` -> model card and ``ModelAdvert`` -> metrics and status server -> load
-publisher -> ``model_files`` and generate endpoints -> health canary -> ``READY``.
+publisher -> ``model_files`` and generate endpoints -> health canary -> ``READY``. An engine that
+fails to start is reported as ``EngineShutdown`` (one line) and the process exits 1.
 
-Shutdown (SIGTERM/SIGINT): unregister -> grace period -> stop admitting (EngineShutdown) ->
-drain in-flight requests -> engine.drain() -> engine.cleanup() -> close sockets -> exit 0.
-A second signal skips the waiting.
+Shutdown (SIGTERM/SIGINT), the backend-common document's order: unregister -> grace period ->
+stop admitting (EngineShutdown) -> ``engine.drain()`` while in-flight requests still run -> wait
+for them (within the graceful timeout) -> ``engine.cleanup()`` -> close sockets -> exit 0. A
+second signal skips the waiting.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
@@ -39,7 +40,8 @@ from ..llm import (
     validate_stream,
 )
 from ..resources import cancel_and_wait
-from ..runtime import DistributedRuntime, RuntimeConfig, StatusServer
+from ..runtime import DistributedRuntime, StatusServer
+from ._config import WorkerConfig
 from ._health import Health
 from ._load_publisher import LoadPublisher
 from ._metrics import ModelMetrics, WorkerMetrics
@@ -55,19 +57,13 @@ class Worker:
 
     Args:
         engine: the engine (not started yet).
-        args: the parsed flags (``dynamo_zmq.worker.build_parser``).
+        settings: the worker's settings (``WorkerConfig``, e.g. from ``from_args``).
     """
 
-    def __init__(self, engine: LLMEngine, args: argparse.Namespace) -> None:
+    def __init__(self, engine: LLMEngine, settings: WorkerConfig) -> None:
         self.engine = engine
-        self.args = args
-        rc = RuntimeConfig.from_args(args)
-        self.runtime = DistributedRuntime(
-            config=RuntimeConfig(
-                discovery=rc.discovery, host=rc.host, port=rc.port,
-                graceful_timeout=args.graceful_timeout, grace_period=args.grace_period,
-            )
-        )
+        self.settings = settings
+        self.runtime = DistributedRuntime(config=settings.runtime)
         self._res = self.runtime.resources.child("worker")
         self.config: EngineConfig | None = None
         self.card: ModelCard | None = None
@@ -91,38 +87,69 @@ class Worker:
         try:
             await self._start()
         except Exception as exc:
-            log.error("worker failed to start: %s", exc,
+            err = errors.from_exception(exc)
+            log.error("worker failed to start: %s: %s", err.kind, err.message,
                       exc_info=not isinstance(exc, errors.DynamoError))
             await self._close()
             return 1
         print(f"READY {self.runtime.address} {self.runtime.instance_id:x}", flush=True)
         await self.runtime.wait_shutdown()
-        log.info("shutting down: unregister, grace period, drain")
-        drain = self._res.spawn(self.runtime.drain(), "worker-drain")
+        shutdown = self._res.spawn(self._shut_down(), "worker-shutdown")
         force = self._res.spawn(self._force.wait(), "worker-force")
-        await asyncio.wait({drain, force}, return_when=asyncio.FIRST_COMPLETED)
-        if not drain.done():
-            log.warning("second signal: not waiting for in-flight requests")
-        await cancel_and_wait((drain, force))
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self.engine.drain(), 1.0 if self._force.is_set() else None)
+        await asyncio.wait({shutdown, force}, return_when=asyncio.FIRST_COMPLETED)
+        if not shutdown.done():
+            log.warning("second signal: not waiting for the engine or in-flight requests")
+        await cancel_and_wait((shutdown, force))
         await self._close()
         log.info("worker stopped")
         return 0
+
+    async def _shut_down(self) -> None:
+        """Unregister, grace period, stop admitting; then ``engine.drain()`` with the in-flight
+        requests still running, and wait for them, both within the graceful timeout."""
+        log.info("shutting down: unregistering, grace period %gs",
+                 self.runtime.config.grace_period)
+        await self.runtime.stop_admitting()
+        log.info("grace period over: refusing new requests; engine drain with %d in flight",
+                 self.runtime.inflight)
+        try:
+            await asyncio.wait_for(self._drain(), self.runtime.config.graceful_timeout)
+        except asyncio.TimeoutError:
+            log.warning("graceful timeout: %d requests still in flight are cut off",
+                        self.runtime.inflight)
+
+    async def _drain(self) -> None:
+        await self.engine.drain()
+        await self.runtime.wait_idle(None)
+        log.info("engine drained, no request in flight")
 
     def _on_signal(self) -> None:
         if self.runtime.is_shutdown():
             self._force.set()
         self.runtime.shutdown()
 
+    async def _start_engine(self) -> EngineConfig:
+        """``engine.start``; any failure is the engine's: ``EngineShutdown``."""
+        try:
+            return await self.engine.start(self.runtime.instance_id)
+        except errors.EngineShutdown:
+            raise
+        except Exception as exc:
+            log.debug("engine start failed", exc_info=exc)
+            what = self.engine.name or type(self.engine).__name__
+            reason = exc.message if isinstance(exc, errors.DynamoError) else (
+                f"{type(exc).__name__}: {exc}"
+            )
+            raise errors.EngineShutdown(f"the {what} engine failed to start: {reason}") from exc
+
     async def _start(self) -> None:
-        args = self.args
-        self.config = config = await self.engine.start(self.runtime.instance_id)
+        args = self.settings
+        if args.model_path is None:
+            raise errors.InvalidArgument("--model-path (DYN_MODEL_PATH) is required")
+        self.config = config = await self._start_engine()
         if not config.model_name:
             raise errors.InvalidArgument("engine reported an empty model name")
         name = args.model_name or config.served_model_name or config.model_name
-        if args.model_path is None:
-            raise errors.InvalidArgument("--model-path (DYN_MODEL_PATH) is required")
         self.card = build_card(
             args.model_path, name, context_length=config.context_length,
             kv_block_size=config.kv_block_size, role=args.disaggregation_mode,
@@ -155,7 +182,7 @@ class Worker:
     async def _start_load_publisher(self) -> str | None:
         """Bind the load PUB socket if the engine reports load; returns the endpoint to
         advertise (None: nothing is published)."""
-        interval = self.args.load_interval
+        interval = self.settings.load_interval
         if not interval or interval <= 0:
             return None
         try:
@@ -167,7 +194,7 @@ class Worker:
         rc = self.runtime.config
         self.load_publisher = LoadPublisher(
             self.engine.load, self.runtime.instance_id,
-            f"tcp://{rc.bind_host}:{self.args.load_port}", interval, resources=self._res,
+            f"tcp://{rc.bind_host}:{self.settings.load_port}", interval, resources=self._res,
         )
         await self.load_publisher.start()
         endpoint = f"tcp://{rc.advertised_hosts()[0]}:{self.load_publisher.port}"
@@ -212,7 +239,7 @@ class Worker:
 
         remove = ctx.add_listener(lambda killed: abort(cancelled=True))
         stream = self.engine.generate(request, engine_ctx)
-        if self.args.debug_streams:
+        if self.settings.debug_streams:
             stream = validate_stream(stream)
         # Post-processing runs here, chunk by chunk, rather than as one more generator layer
         # around the engine's (``llm.postprocess`` is the same loop, for use on its own).
@@ -240,6 +267,8 @@ class Worker:
                     last = now
                 if out.finish_reason == FinishReason.ERROR:
                     m.engine_errors.inc()
+                    if (reason := self.engine.dead_reason()) is not None:
+                        raise errors.EngineShutdown(f"the engine died: {reason}")
                 yield out
                 if proc is not None and out.is_terminal:
                     return  # the engine's stream is not read further (closed below)
@@ -247,8 +276,12 @@ class Worker:
                 m.engine_errors.inc()
                 yield proc.missing_terminal()
         except Exception as exc:
-            self.metrics.errors.labels(self.metrics.model, errors.from_exception(exc).kind).inc()
-            raise
+            died = self._engine_death(exc)
+            kind = (died or errors.from_exception(exc)).kind
+            self.metrics.errors.labels(self.metrics.model, kind).inc()
+            if died is None:
+                raise
+            raise died from exc
         finally:
             m.output_tokens.inc(tokens)
             remove()
@@ -261,14 +294,23 @@ class Worker:
                 except Exception:
                     log.exception("closing the engine stream of request %s failed", ctx.id())
 
+    def _engine_death(self, exc: Exception) -> errors.EngineShutdown | None:
+        """``EngineShutdown`` for a ``generate`` that failed untyped (a plain exception or
+        ``Unknown``) after the engine declared itself dead; None: ``exc`` goes out as it is."""
+        if isinstance(exc, errors.DynamoError) and not isinstance(exc, errors.Unknown):
+            return None
+        reason = self.engine.dead_reason()
+        return None if reason is None else errors.EngineShutdown(f"the engine died: {reason}")
+
     async def _model_files(self, request: dict[str, Any]) -> AsyncIterator[bytes]:
         """Stream one file the model card lists: ``{"name": "tokenizer.json"}``."""
-        assert self.card is not None
+        model_dir = self.settings.model_path
+        assert self.card is not None and model_dir is not None
         name = request.get("name") if isinstance(request, dict) else None
         if not isinstance(name, str):
             raise errors.InvalidArgument('model_files expects {"name": FILE}')
         try:
-            data = await asyncio.to_thread(read_card_file, self.args.model_path, self.card, name)
+            data = await asyncio.to_thread(read_card_file, model_dir, self.card, name)
         except ValueError as exc:
             raise errors.InvalidArgument(str(exc)) from exc
         for offset in range(0, len(data), CHUNK):

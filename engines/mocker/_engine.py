@@ -6,11 +6,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 from collections.abc import AsyncIterator
+from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING
 
+from dynamo_zmq import errors
 from dynamo_zmq.context import Context
 from dynamo_zmq.llm import (
     EngineConfig,
     EngineLoad,
+    FinishReason,
     LLMEngine,
     LLMEngineOutput,
     PreprocessedRequest,
@@ -24,6 +28,9 @@ from ._kv_events import KvEvent
 from ._publisher import TOPIC, KvEventPublisher
 from ._scheduler import RankScheduler
 from ._sequence import SeqStatus, Sequence
+
+if TYPE_CHECKING:
+    from dynamo_zmq.worker import WorkerConfig
 
 __all__ = ["MockerEngine"]
 
@@ -52,8 +59,16 @@ class MockerEngine(LLMEngine):
         add_mocker_args(parser)
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> MockerEngine:
+    def from_namespace(cls, args: argparse.Namespace) -> MockerEngine:
         return cls(config_from_args(args))
+
+    @classmethod
+    def from_args(cls, argv: Seq[str] | None = None) -> tuple[MockerEngine, WorkerConfig]:
+        """A mocker and the worker's settings from command-line flags (``sys.argv[1:]`` when
+        None), as ``python -m dynamo_zmq.worker --engine mocker`` reads them."""
+        from dynamo_zmq.worker import from_args
+
+        return from_args(argv, engine=cls)
 
     @property
     def ranks(self) -> tuple[RankScheduler, ...]:
@@ -139,9 +154,12 @@ class MockerEngine(LLMEngine):
                     finally:
                         seq.waiter = None
                 chunk = seq.outbox.popleft()
-                yield chunk
                 if chunk.finish_reason is not None:
+                    if chunk.finish_reason == FinishReason.ERROR and sched.crashed is not None:
+                        raise errors.EngineShutdown(sched.crashed)
+                    yield chunk
                     return
+                yield chunk
         finally:
             remove_listener()
             live = self._live.get(key)
@@ -205,8 +223,12 @@ class MockerEngine(LLMEngine):
             sched.cancel(seq)
 
     async def drain(self) -> None:
-        """Wait until every rank is idle."""
+        """Wait until every rank is idle (the in-flight requests finish here)."""
         await asyncio.gather(*(r.drain() for r in self._ranks))
+
+    def dead_reason(self) -> str | None:
+        """Why the engine is dead: the first rank whose scheduler task crashed (None: alive)."""
+        return next((r.crashed for r in self._ranks if r.crashed is not None), None)
 
     def load(self) -> list[EngineLoad]:
         """Per rank: blocks held by running sequences, the rank's blocks, running and waiting

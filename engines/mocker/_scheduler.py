@@ -86,6 +86,8 @@ class RankScheduler:
         self._res = Resources(f"mocker-rank-{rank}")
         self._started = False
         self._failure: str | None = None
+        #: Why the step loop died (None while it runs or after a clean close).
+        self.crashed: str | None = None
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -169,7 +171,7 @@ class RankScheduler:
                 self._flush_events()
         except Exception as exc:
             log.exception("mocker rank %d failed", self.rank)
-            self._failure = f"mocker rank {self.rank} failed: {exc!r}"
+            self._failure = self.crashed = f"mocker rank {self.rank} crashed: {exc!r}"
             self._fail_all(self._failure)
 
     def schedule(self) -> StepPlan:

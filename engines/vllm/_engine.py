@@ -16,10 +16,9 @@ import dataclasses
 import itertools
 import logging
 import os
-import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dynamo_zmq import errors
 from dynamo_zmq.context import Context
@@ -35,6 +34,7 @@ from dynamo_zmq.llm import (
 )
 from dynamo_zmq.resources import Resources, cancel_and_wait
 
+from ._endpoints import advertise, free_port, offset, vllm_version
 from ._options import (
     VllmOptions,
     add_vllm_args,
@@ -44,6 +44,9 @@ from ._options import (
 )
 from ._sampling import sampling_params, to_output
 from ._stats import RankStats, make_stat_logger
+
+if TYPE_CHECKING:
+    from dynamo_zmq.worker import WorkerConfig
 
 __all__ = ["KV_TOPIC", "VllmEngine"]
 
@@ -64,6 +67,7 @@ class VllmEngine(LLMEngine):
     """
 
     name = "vllm"
+    supports_native_processing = True
 
     def __init__(self, engine_args: Any = None, options: VllmOptions | None = None) -> None:
         self.engine_args = engine_args if engine_args is not None else {}
@@ -86,8 +90,16 @@ class VllmEngine(LLMEngine):
         add_vllm_args(parser)
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> VllmEngine:
+    def from_namespace(cls, args: argparse.Namespace) -> VllmEngine:
         return cls(engine_args_from_args(args), options_from_args(args))
+
+    @classmethod
+    def from_args(cls, argv: Sequence[str] | None = None) -> tuple[VllmEngine, WorkerConfig]:
+        """A vLLM engine and the worker's settings from command-line flags (``sys.argv[1:]``
+        when None), as ``python -m dynamo_zmq.worker --engine vllm`` reads them."""
+        from dynamo_zmq.worker import from_args
+
+        return from_args(argv, engine=cls)
 
     @property
     def llm(self) -> Any:
@@ -117,7 +129,7 @@ class VllmEngine(LLMEngine):
             )
         except Exception as exc:
             self._state = "new"
-            raise errors.InvalidArgument(f"vLLM failed to start: {exc}") from exc
+            raise errors.EngineShutdown(f"vLLM failed to start: {exc}") from exc
         if self._state == "closed":  # cleanup ran while vLLM was loading
             await asyncio.to_thread(llm.shutdown, self.options.shutdown_timeout)
             raise RuntimeError("VllmEngine was cleaned up while starting")
@@ -152,8 +164,8 @@ class VllmEngine(LLMEngine):
             kw["enable_prefix_caching"] = True
         opts = self.options
         if opts.kv_events and kw.get("kv_events_config") is None:
-            events = opts.kv_events_port or _free_port()
-            replay = opts.kv_replay_port or _free_port(exclude=events)
+            events = opts.kv_events_port or free_port()
+            replay = opts.kv_replay_port or free_port(exclude=events)
             # vLLM binds only endpoints with a wildcard ("*"); it connects to any other.
             kw["kv_events_config"] = KVEventsConfig(
                 enable_kv_cache_events=True, publisher="zmq",
@@ -182,11 +194,11 @@ class VllmEngine(LLMEngine):
         kv = cfg.kv_events_config
         if kv is not None and kv.enable_kv_cache_events and kv.publisher == "zmq":
             host = self.options.advertised_host()
-            events = _advertise(kv.endpoint, host)
-            replay = _advertise(kv.replay_endpoint, host) if kv.replay_endpoint else None
+            events = advertise(kv.endpoint, host)
+            replay = advertise(kv.replay_endpoint, host) if kv.replay_endpoint else None
             # vLLM offsets the ports of data-parallel rank r by r.
             endpoints = (
-                [_offset(events, r) for r in range(par.data_parallel_size)] if events else []
+                [offset(events, r) for r in range(par.data_parallel_size)] if events else []
             )
         return EngineConfig(
             model_name=model_id,
@@ -202,7 +214,7 @@ class VllmEngine(LLMEngine):
             kv_replay_endpoint=replay,
             extra={
                 "engine": "vllm",
-                "vllm_version": _vllm_version(),
+                "vllm_version": vllm_version(),
                 "native_processing": self.options.native_processing,
                 # The frontend's tokenizer for native processing: a dynamo_zmq.tokenizers plugin.
                 "native_tokenizer": "vllm",
@@ -215,7 +227,14 @@ class VllmEngine(LLMEngine):
         )
 
     async def drain(self) -> None:
-        """Nothing to hand off: the worker already waited for in-flight requests."""
+        """Nothing to hand off: in-flight requests finish in vLLM (the worker waits for them)."""
+
+    def dead_reason(self) -> str | None:
+        """Why vLLM is dead (its engine core errored or its output task ended), or None."""
+        llm = self._llm
+        if llm is not None and llm.errored:
+            return "vLLM's engine core is dead (EngineDeadError)"
+        return None
 
     async def cleanup(self) -> None:
         """Abort what is left and shut vLLM down. Idempotent; safe before ``start``."""
@@ -295,6 +314,7 @@ class VllmEngine(LLMEngine):
             return
         from vllm.exceptions import VLLMValidationError
         from vllm.inputs import TokensPrompt
+        from vllm.v1.engine.exceptions import EngineDeadError
 
         detokenize = self.options.native_processing or request.output.detokenize
         params = sampling_params(request, self.options.native_processing)
@@ -319,6 +339,8 @@ class VllmEngine(LLMEngine):
                     break
                 except (VLLMValidationError, ValueError, TypeError) as exc:
                     raise errors.InvalidArgument(f"vLLM rejected the request: {exc}") from exc
+                except EngineDeadError as exc:  # the engine core process is gone
+                    raise errors.EngineShutdown(f"vLLM's engine core died: {exc}") from exc
                 chunk, completion = to_output(out, prompt_tokens, completion, detokenize)
                 if chunk is None:
                     continue
@@ -362,39 +384,3 @@ class VllmEngine(LLMEngine):
     def _spawn_abort(self, llm: Any, rids: list[str]) -> None:
         if not self._res.closed:  # once closed, cleanup aborts whatever is left
             self._res.spawn(llm.abort(rids), f"vllm-abort-{rids[0]}")
-
-
-def _free_port(exclude: int = 0) -> int:
-    while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("", 0))
-            port = int(sock.getsockname()[1])
-        if port != exclude:
-            return port
-
-
-def _advertise(endpoint: str | None, host: str) -> str | None:
-    """``tcp://*:PORT`` -> ``tcp://HOST:PORT`` (other endpoints are kept as they are)."""
-    if not endpoint:
-        return None
-    scheme, _, rest = endpoint.partition("://")
-    addr, _, port = rest.rpartition(":")
-    if scheme == "tcp" and addr in ("*", "0.0.0.0", "[::]", "::"):
-        return f"tcp://{host}:{port}"
-    return endpoint
-
-
-def _offset(endpoint: str, rank: int) -> str:
-    if rank == 0 or not endpoint.startswith("tcp://"):
-        return endpoint
-    base, _, port = endpoint.rpartition(":")
-    return f"{base}:{int(port) + rank}"
-
-
-def _vllm_version() -> str:
-    try:
-        from vllm import __version__
-    except ImportError:  # pragma: no cover
-        return "unknown"
-    return str(__version__)
-

@@ -1,7 +1,8 @@
 """The adapter's own settings and flags, and how vLLM's engine flags join the worker's parser.
 
 The worker owns ``--model-path`` (vLLM's ``--model`` defaults to it), ``--model-name`` (vLLM's
-``--served-model-name`` defaults to it), ``--host``/``--port`` and discovery. vLLM's
+``--served-model-name`` defaults to it), ``--host``/``--port``, discovery and
+``--native-framework-processing`` (alias ``--vllm-processing``). vLLM's
 ``AsyncEngineArgs`` flags are added next to them unchanged; a vLLM flag whose name the worker
 already uses is left out (today only ``-h/--help``), and none of vLLM's destinations clash
 with the worker's.
@@ -39,8 +40,9 @@ _UNSET_DEFAULTS = ("model", "enforce_eager")
 class VllmOptions:
     """What the adapter itself decides; vLLM's own settings are ``AsyncEngineArgs``."""
 
-    #: Ask vLLM for text and give it the stop strings (``--native-processing``); the worker's
-    #: post-processing then passes the engine's text through.
+    #: Ask vLLM for text and give it the stop strings (``--native-framework-processing``, alias
+    #: ``--vllm-processing``); the worker's post-processing then passes the engine's text
+    #: through, and frontends tokenize with the model's own tokenizer.
     native_processing: bool = False
     #: Publish vLLM's KV events on ZMQ (``--no-kv-events`` turns them off).
     kv_events: bool = True
@@ -93,9 +95,8 @@ def import_vllm() -> Any:
 def add_vllm_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """Add the adapter's flags, then vLLM's engine flags (when vLLM is installed)."""
     add = parser.add_argument
-    add("--native-processing", "--vllm-processing", dest="native_processing", action="store_true",
-        default=False, help="vLLM detokenizes and applies stop strings itself (the worker passes "
-        "its text through); the frontend must then tokenize with the model's own tokenizer")
+    # --native-framework-processing (alias --vllm-processing) is a worker flag: see
+    # dynamo_zmq.worker; it reaches options_from_args as ``native_processing``.
     add("--kv-events-port", type=int, default=0, help="KV-event PUB port (0 = a free one)")
     add("--kv-replay-port", type=int, default=0,
         help="KV-event replay ROUTER port (0 = a free one)")

@@ -1,12 +1,18 @@
-"""A small third-party-style engine loaded with ``--engine tests.support.engines:EchoEngine``."""
+"""Small third-party-style engines, loaded with ``--engine tests.support.engines:NAME``:
+``EchoEngine``, and test engines built on it (and on the mocker) that record their lifecycle,
+fail to start or crash mid-request, for the worker's lifecycle and error tests."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 
 from dynamo_zmq.context import Context
 from dynamo_zmq.llm import EngineConfig, LLMEngine, LLMEngineOutput, PreprocessedRequest, Usage
+from engines.mocker import MockerConfig, MockerEngine
+from engines.mocker._config import config_from_args
+from engines.mocker._kv_events import KvEvent
 
 
 class EchoEngine(LLMEngine):
@@ -29,9 +35,14 @@ class EchoEngine(LLMEngine):
         parser.add_argument("--echo-data-parallel-size", type=int, default=1)
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> EchoEngine:
-        return cls(args.echo_delay, args.echo_kv_events_endpoint, args.echo_kv_replay_endpoint,
-                   args.echo_data_parallel_size)
+    def from_namespace(cls, args: argparse.Namespace) -> EchoEngine:
+        engine = cls(args.echo_delay, args.echo_kv_events_endpoint, args.echo_kv_replay_endpoint,
+                     args.echo_data_parallel_size)
+        engine.configure(args)
+        return engine
+
+    def configure(self, args: argparse.Namespace) -> None:
+        """Test engines below read their own flags here."""
 
     async def start(self, worker_id: int) -> EngineConfig:
         return EngineConfig(model_name="echo", context_length=4096, kv_block_size=16,
@@ -59,3 +70,126 @@ class EchoEngine(LLMEngine):
 
     async def cleanup(self) -> None:
         pass
+
+
+# -- test engines (the worker's lifecycle and error taxonomy) ---------------------------------
+
+lifecycle_log = logging.getLogger("tests.lifecycle")
+
+
+class LifecycleTestEngine(EchoEngine):
+    """Test engine: logs ``LIFECYCLE <event>`` lines (to the worker's stderr, in order with the
+    worker's own log) for start, each request's end, drain (with the requests in flight then)
+    and cleanup."""
+
+    name = "lifecycle"
+
+    def configure(self, args: argparse.Namespace) -> None:
+        self.inflight = 0
+
+    async def start(self, worker_id: int) -> EngineConfig:
+        lifecycle_log.info("LIFECYCLE start")
+        return await super().start(worker_id)
+
+    async def generate(self, request: PreprocessedRequest, ctx: Context):
+        self.inflight += 1
+        try:
+            async for out in super().generate(request, ctx):
+                yield out
+        finally:
+            self.inflight -= 1
+            if not ctx.id().startswith("health-"):
+                lifecycle_log.info("LIFECYCLE end inflight=%d", self.inflight)
+
+    async def drain(self) -> None:
+        lifecycle_log.info("LIFECYCLE drain inflight=%d", self.inflight)
+
+    async def cleanup(self) -> None:
+        lifecycle_log.info("LIFECYCLE cleanup inflight=%d", self.inflight)
+
+
+class FailingStartTestEngine(EchoEngine):
+    """Test engine whose ``start`` fails as a real one does when its device is missing."""
+
+    name = "failing-start"
+
+    async def start(self, worker_id: int) -> EngineConfig:
+        raise RuntimeError("no accelerator found (test engine)")
+
+
+class CrashingTestEngine(EchoEngine):
+    """Test engine that crashes mid-request: after ``--crash-after`` tokens it declares itself
+    dead (``dead_reason``) and ``generate`` raises a plain exception. A prompt holding
+    ``--bug-token`` raises while the engine stays alive (an ordinary bug, not a crash)."""
+
+    name = "crashing"
+
+    def configure(self, args: argparse.Namespace) -> None:
+        self.crash_after: int | None = args.crash_after
+        self.bug_token: int | None = args.bug_token
+        self.dead: str | None = None
+
+    @classmethod
+    def add_args(cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+        super().add_args(parser)
+        parser.add_argument("--crash-after", type=int, default=None)
+        parser.add_argument("--bug-token", type=int, default=None)
+
+    async def generate(self, request: PreprocessedRequest, ctx: Context):
+        if self.bug_token is not None and self.bug_token in request.token_ids:
+            raise ValueError("a bug in the test engine")
+        sent = 0
+        async for out in super().generate(request, ctx):
+            if self.dead is not None or (
+                self.crash_after is not None and sent >= self.crash_after
+                and not ctx.id().startswith("health-")
+            ):
+                self.dead = "the test engine's core process is gone"
+                raise ConnectionResetError("engine core connection lost")
+            sent += len(out.token_ids)
+            yield out
+
+    def dead_reason(self) -> str | None:
+        return self.dead
+
+
+class CrashingMockerTestEngine(MockerEngine):
+    """Test engine: the real mocker whose KV-event publishing fails at the
+    ``--crash-at-publish``-th batch, which kills the rank's scheduler task (a mocker crash)."""
+
+    name = "crashing-mocker"
+
+    def __init__(self, config: MockerConfig, crash_at: int) -> None:
+        super().__init__(config)
+        self.crash_at = crash_at
+        self.published = 0
+
+    @classmethod
+    def add_args(cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+        super().add_args(parser)
+        parser.add_argument("--crash-at-publish", type=int, default=1)
+
+    @classmethod
+    def from_namespace(cls, args: argparse.Namespace) -> CrashingMockerTestEngine:
+        return cls(config_from_args(args), args.crash_at_publish)
+
+    def _publish(self, events: list[KvEvent], dp_rank: int) -> None:
+        self.published += 1
+        if self.published >= self.crash_at:
+            raise OSError("simulated failure of the KV-event socket")
+        super()._publish(events, dp_rank)
+
+
+class NativeEchoTestEngine(EchoEngine):
+    """Test engine that supports native processing: it reports the flag in its config."""
+
+    name = "native-echo"
+    supports_native_processing = True
+
+    def configure(self, args: argparse.Namespace) -> None:
+        self.native_processing = bool(args.native_processing)
+
+    async def start(self, worker_id: int) -> EngineConfig:
+        config = await super().start(worker_id)
+        config.extra["native_processing"] = self.native_processing
+        return config

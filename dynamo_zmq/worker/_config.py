@@ -1,0 +1,88 @@
+"""``WorkerConfig``: the worker's settings as one typed object (Dynamo's ``WorkerConfig``), so a
+worker can be configured from code as well as from flags (``from_namespace``)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+
+from ..errors import InvalidArgument
+from ..llm import MAX_LOAD_INTERVAL
+from ..runtime import RuntimeConfig, check_name
+
+__all__ = ["DISAGGREGATION_MODES", "WorkerConfig"]
+
+DISAGGREGATION_MODES = ("agg", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything a ``Worker`` needs besides its engine. Each field is a flag of
+    ``python -m dynamo_zmq.worker`` (``--model-path`` -> ``model_path``); the request plane's
+    (``--host``, ``--port``, discovery, ``--grace-period``, ``--graceful-timeout``) are in
+    ``runtime``.
+
+    Raises:
+        InvalidArgument: a bad name, mode or number.
+    """
+
+    #: The model directory (tokenizer files for the model card); required to serve.
+    model_path: str | None = None
+    #: Served model name (default: what the engine reports).
+    model_name: str | None = None
+    namespace: str = "dynamo"
+    component: str = "backend"
+    endpoint: str = "generate"
+    disaggregation_mode: str = "agg"
+    #: Port of ``/metrics``, ``/health`` and ``/live`` (0 = any; None = not served).
+    metrics_port: int | None = None
+    #: Idle seconds before a one-token health canary.
+    health_check_interval: float = 10.0
+    #: Seconds between load reports for KV routers (0 = never).
+    load_interval: float = 0.1
+    load_port: int = 0
+    #: Validate every engine stream (one terminal, last).
+    debug_streams: bool = False
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+
+    def __post_init__(self) -> None:
+        for what in ("namespace", "component", "endpoint"):
+            check_name(getattr(self, what), what)
+        if self.disaggregation_mode not in DISAGGREGATION_MODES:
+            raise InvalidArgument(
+                f"disaggregation mode must be one of {', '.join(DISAGGREGATION_MODES)}, "
+                f"got {self.disaggregation_mode!r}"
+            )
+        if not 0 <= self.load_interval <= MAX_LOAD_INTERVAL:
+            raise InvalidArgument(
+                f"--load-interval must be 0 (never) or up to {MAX_LOAD_INTERVAL:g} s, "
+                f"got {self.load_interval:g}"
+            )
+        for name in ("metrics_port", "load_port"):
+            port = getattr(self, name)
+            if port is not None and not 0 <= port <= 65535:
+                raise InvalidArgument(f"{name} {port} out of range")
+
+    @classmethod
+    def from_namespace(cls, args: argparse.Namespace) -> WorkerConfig:
+        """The settings in the worker's parsed flags (``dynamo_zmq.worker.build_parser``)."""
+        runtime = dataclasses.replace(
+            RuntimeConfig.from_args(args),
+            grace_period=float(args.grace_period),
+            graceful_timeout=float(args.graceful_timeout),
+        )
+        return cls(
+            model_path=None if args.model_path is None else str(args.model_path),
+            model_name=args.model_name or None,
+            namespace=args.namespace,
+            component=args.component,
+            endpoint=args.endpoint,
+            disaggregation_mode=args.disaggregation_mode,
+            metrics_port=None if args.metrics_port is None else int(args.metrics_port),
+            health_check_interval=float(args.health_check_interval),
+            load_interval=float(args.load_interval),
+            load_port=int(args.load_port),
+            debug_streams=bool(args.debug_streams),
+            runtime=runtime,
+        )

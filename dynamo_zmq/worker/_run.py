@@ -1,0 +1,27 @@
+"""``run(engine, config)``: the one entry point that serves an engine (Dynamo's
+``dynamo_backend_common::run``), and ``run_async`` for a caller that owns its event loop."""
+
+from __future__ import annotations
+
+from ..llm import LLMEngine
+from ..runtime import run_main, setup_logging
+from ._config import WorkerConfig
+from ._worker import Worker
+
+__all__ = ["run", "run_async"]
+
+
+def run(engine: LLMEngine, config: WorkerConfig) -> int:
+    """Start ``engine`` (not started yet), serve it until SIGTERM/SIGINT, shut down in order;
+    blocks, and returns the exit status (0, or 1 when the start failed).
+
+        engine, config = MockerEngine.from_args(["--model-path", "/models/llama"])
+        sys.exit(run(engine, config))
+    """
+    setup_logging()
+    return run_main(run_async(engine, config))
+
+
+async def run_async(engine: LLMEngine, config: WorkerConfig) -> int:
+    """``run`` on the running event loop (it installs the SIGTERM/SIGINT handlers there)."""
+    return await Worker(engine, config).run()
