@@ -44,6 +44,7 @@ from dynamo_zmq.llm import (
 from dynamo_zmq.testing import run_conformance, validate_stream
 from engines.vllm import VllmEngine, VllmOptions
 from tests.conftest import runtime_factory
+from tests.support.metrics import sample
 
 #: vLLM on this CPU: a small KV cache, multiprocessing off for the uni executor.
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -383,8 +384,8 @@ async def test_workers_default_and_native_match_vllm(
         deadline = time.monotonic() + 10
         while True:
             body = await asyncio.to_thread(fetch, f"http://127.0.0.1:{port}/metrics")
-            if ('dynamo_worker_cancellations_total{model="tiny"} 1.0' in body
-                    and 'dynamo_worker_inflight_requests{model="tiny"} 0.0' in body):
+            if (sample(body, "dynamo_component_cancellation_total", model="tiny") == 1
+                    and sample(body, "dynamo_component_inflight_requests", model="tiny") == 0):
                 break
             assert time.monotonic() < deadline, body[-2000:]
             await asyncio.sleep(0.2)

@@ -12,6 +12,8 @@ Lifecycle (numbered as Dynamo's backend-common numbers it):
 5. ``await drain()``: optional; called after the worker stopped admitting work, before cleanup.
    ``load()`` (optional, any time after ``start``): what each data-parallel rank holds now; the
    worker publishes it for routers (see ``dynamo_zmq.load``).
+   ``metrics_collector()`` (optional): the engine's own Prometheus metrics, served on the
+   worker's ``/metrics``.
 6. ``await cleanup()``: release everything. Idempotent, safe before ``start`` and never
    concurrent with it.
 
@@ -232,6 +234,12 @@ class LLMEngine(abc.ABC):
         """Optional live numbers for metrics and routing, e.g. ``kv_active_blocks``,
         ``kv_total_blocks``, ``num_running``, ``num_waiting``."""
         return {}
+
+    def metrics_collector(self) -> Any:
+        """Optional: a prometheus_client collector (an object with ``collect()``) of the engine's
+        own metrics, which the worker serves on its ``/metrics`` beside its own. None (the
+        default): none."""
+        return None
 
     @abc.abstractmethod
     async def cleanup(self) -> None:

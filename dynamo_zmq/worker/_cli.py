@@ -3,7 +3,7 @@
     python -m dynamo_zmq.worker --engine mocker --model-path DIR [--model-name NAME]
         [--namespace dynamo] [--component backend] [--endpoint generate]
         [--host H] [--port P] [--discovery mdns|static] [--disaggregation-mode agg|prefill|decode]
-        [--metrics-port P] [--load-interval 0.1] [--load-port P] [engine flags...]
+        [--system-port P] [--load-interval 0.1] [--load-port P] [engine flags...]
 
 Every flag has a ``DYN_*`` environment variable (``--model-path`` -> ``DYN_MODEL_PATH``).
 Engines are found by name in the ``dynamo_zmq.engines`` entry-point group, or as
@@ -21,8 +21,14 @@ from pathlib import Path
 from typing import Any
 
 from .. import errors
-from ..llm import ENGINES, MAX_LOAD_INTERVAL, LLMEngine, load_plugin, plugin_names
-from ..runtime import add_runtime_args, check_name, run_main, setup_logging
+from ..llm import (
+    ENGINES,
+    MAX_LOAD_INTERVAL,
+    LLMEngine,
+    load_plugin,
+    plugin_names,
+)
+from ..runtime import add_runtime_args, check_name, run_main, setup_logging, system_port_from_env
 from ._worker import Worker
 
 __all__ = ["build_parser", "load_engine_class", "main", "parse_args"]
@@ -78,8 +84,10 @@ def build_parser(
         default=_env("DISAGGREGATION_MODE", "agg"), help="[DYN_DISAGGREGATION_MODE]",
     )
     parser.add_argument(
-        "--metrics-port", type=int, default=_env("METRICS_PORT"),
-        help="serve /metrics, /health, /live on this port (0 = any) [DYN_METRICS_PORT]",
+        "--system-port", "--metrics-port", dest="system_port", type=int,
+        default=system_port_from_env(),
+        help="serve /metrics, /health, /live on this port (0 = any, negative = off) "
+             "[DYN_SYSTEM_PORT; DYN_SYSTEM_ENABLED=true alone: 8081, =false: off]",
     )
     parser.add_argument(
         "--health-check-interval", type=float, default=_env("HEALTH_CHECK_INTERVAL", "10.0"),
@@ -124,6 +132,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[type[LLMEngine], argp
         check_name(getattr(args, what), what)
     if args.model_path is not None and not Path(args.model_path).is_dir():
         raise errors.InvalidArgument(f"--model-path {args.model_path!r} is not a directory")
+    if args.system_port is not None and args.system_port < 0:
+        args.system_port = None  # Dynamo's -1: no system server
     if not 0 <= args.load_interval <= MAX_LOAD_INTERVAL:
         raise errors.InvalidArgument(
             f"--load-interval must be 0 (never) or up to {MAX_LOAD_INTERVAL:g} s, "

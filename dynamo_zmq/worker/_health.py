@@ -64,7 +64,7 @@ class Health:
         if ok != self.healthy:
             log.log(logging.INFO if ok else logging.WARNING, "health canary: %s", detail)
         self.healthy, self.detail = ok, detail
-        self._metrics.healthy.labels(self._metrics.model).set(1 if ok else 0)
+        self._metrics.healthy.set(1 if ok else 0)
 
     async def _last_output(
         self, request: PreprocessedRequest, ctx: Context
@@ -85,9 +85,4 @@ class Health:
                 self._last_activity = time.monotonic()
 
     def refresh_stats(self) -> None:
-        stats = self._engine.stats()
-        active, total = stats.get("kv_active_blocks"), stats.get("kv_total_blocks")
-        if active is not None:
-            self._metrics.kv_active.labels(self._metrics.model).set(active)
-            if total:
-                self._metrics.kv_usage.labels(self._metrics.model).set(active / total)
+        self._metrics.refresh(self._engine.stats())

@@ -1,7 +1,7 @@
 """``Worker``: owns one engine and serves it on the request plane.
 
-Start: ``engine.start`` -> model card and ``ModelAdvert`` -> metrics and status server -> load
-publisher -> ``model_files`` and generate endpoints -> health canary -> ``READY``.
+Start: ``engine.start`` -> model card and ``ModelAdvert`` -> metrics and system status server ->
+load publisher -> ``model_files`` and generate endpoints -> health canary -> ``READY``.
 
 Shutdown (SIGTERM/SIGINT): unregister -> grace period -> stop admitting (EngineShutdown) ->
 drain in-flight requests -> engine.drain() -> engine.cleanup() -> close sockets -> exit 0.
@@ -132,13 +132,16 @@ class Worker:
             self.tokenizer = await asyncio.to_thread(Tokenizer.from_file, str(tokenizer_file))
         else:
             log.info("no tokenizer.json in %s: no detokenization or stop strings", args.model_path)
-        self.metrics = metrics = WorkerMetrics(name)
+        self.metrics = metrics = WorkerMetrics(name, args.namespace, args.component, args.endpoint)
         self._model_metrics = metrics.for_model()
+        engine_metrics = self.engine.metrics_collector()
+        if engine_metrics is not None:
+            metrics.register_engine(engine_metrics)
         self.health = Health(self.engine, metrics, args.health_check_interval)
-        if args.metrics_port is not None:
+        if args.system_port is not None:
             rc = self.runtime.config
             self.status = StatusServer(
-                rc.bind_host if rc.host else "0.0.0.0", int(args.metrics_port), metrics.render,
+                rc.bind_host if rc.host else "0.0.0.0", int(args.system_port), metrics.render,
                 self._health,
             )
             self.status.start()
@@ -247,10 +250,11 @@ class Worker:
                 m.engine_errors.inc()
                 yield proc.missing_terminal()
         except Exception as exc:
-            self.metrics.errors.labels(self.metrics.model, errors.from_exception(exc).kind).inc()
+            self.metrics.error(errors.from_exception(exc).kind).inc()
             raise
         finally:
             m.output_tokens.inc(tokens)
+            m.duration.observe(time.monotonic() - start)
             remove()
             m.inflight.dec()
             self.health.request_ended()

@@ -16,7 +16,6 @@ import dataclasses
 import itertools
 import logging
 import os
-import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -42,8 +41,9 @@ from ._options import (
     import_vllm,
     options_from_args,
 )
+from ._ports import advertise_endpoint, free_port, offset_endpoint
 from ._sampling import sampling_params, to_output
-from ._stats import RankStats, make_stat_logger
+from ._stats import RankStats, make_stat_logger, vllm_metrics
 
 __all__ = ["KV_TOPIC", "VllmEngine"]
 
@@ -152,8 +152,8 @@ class VllmEngine(LLMEngine):
             kw["enable_prefix_caching"] = True
         opts = self.options
         if opts.kv_events and kw.get("kv_events_config") is None:
-            events = opts.kv_events_port or _free_port()
-            replay = opts.kv_replay_port or _free_port(exclude=events)
+            events = opts.kv_events_port or free_port()
+            replay = opts.kv_replay_port or free_port(exclude=events)
             # vLLM binds only endpoints with a wildcard ("*"); it connects to any other.
             kw["kv_events_config"] = KVEventsConfig(
                 enable_kv_cache_events=True, publisher="zmq",
@@ -182,12 +182,11 @@ class VllmEngine(LLMEngine):
         kv = cfg.kv_events_config
         if kv is not None and kv.enable_kv_cache_events and kv.publisher == "zmq":
             host = self.options.advertised_host()
-            events = _advertise(kv.endpoint, host)
-            replay = _advertise(kv.replay_endpoint, host) if kv.replay_endpoint else None
+            events = advertise_endpoint(kv.endpoint, host)
+            replay = advertise_endpoint(kv.replay_endpoint, host) if kv.replay_endpoint else None
             # vLLM offsets the ports of data-parallel rank r by r.
-            endpoints = (
-                [_offset(events, r) for r in range(par.data_parallel_size)] if events else []
-            )
+            ranks = range(par.data_parallel_size)
+            endpoints = [offset_endpoint(events, r) for r in ranks] if events else []
         return EngineConfig(
             model_name=model_id,
             served_model_name=served,
@@ -216,6 +215,10 @@ class VllmEngine(LLMEngine):
 
     async def drain(self) -> None:
         """Nothing to hand off: the worker already waited for in-flight requests."""
+
+    def metrics_collector(self) -> Any:
+        """vLLM's own Prometheus metrics (``vllm:*``, from its stat loggers)."""
+        return vllm_metrics()
 
     async def cleanup(self) -> None:
         """Abort what is left and shut vLLM down. Idempotent; safe before ``start``."""
@@ -362,33 +365,6 @@ class VllmEngine(LLMEngine):
     def _spawn_abort(self, llm: Any, rids: list[str]) -> None:
         if not self._res.closed:  # once closed, cleanup aborts whatever is left
             self._res.spawn(llm.abort(rids), f"vllm-abort-{rids[0]}")
-
-
-def _free_port(exclude: int = 0) -> int:
-    while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("", 0))
-            port = int(sock.getsockname()[1])
-        if port != exclude:
-            return port
-
-
-def _advertise(endpoint: str | None, host: str) -> str | None:
-    """``tcp://*:PORT`` -> ``tcp://HOST:PORT`` (other endpoints are kept as they are)."""
-    if not endpoint:
-        return None
-    scheme, _, rest = endpoint.partition("://")
-    addr, _, port = rest.rpartition(":")
-    if scheme == "tcp" and addr in ("*", "0.0.0.0", "[::]", "::"):
-        return f"tcp://{host}:{port}"
-    return endpoint
-
-
-def _offset(endpoint: str, rank: int) -> str:
-    if rank == 0 or not endpoint.startswith("tcp://"):
-        return endpoint
-    base, _, port = endpoint.rpartition(":")
-    return f"{base}:{int(port) + rank}"
 
 
 def _vllm_version() -> str:
