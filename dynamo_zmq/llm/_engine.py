@@ -12,6 +12,8 @@ Lifecycle (numbered as Dynamo's backend-common numbers it):
 5. ``await drain()``: optional; called after the worker stopped admitting work, before cleanup.
    ``load()`` (optional, any time after ``start``): what each data-parallel rank holds now; the
    worker publishes it for routers (see ``dynamo_zmq.load``).
+   ``await clear_kv_blocks()`` (optional, any time after ``start``): drop the prefix cache
+   (the worker's ``clear_kv_blocks`` endpoint); default: ``errors.Unsupported``.
    ``metrics_collector()`` (optional): the engine's own Prometheus metrics, served on the
    worker's ``/metrics``.
 6. ``await cleanup()``: release everything. Idempotent, safe before ``start`` and never
@@ -30,6 +32,7 @@ from typing import Annotated, Any, ClassVar
 
 import msgspec
 
+from .. import errors
 from ..context import Context
 
 __all__ = [
@@ -234,6 +237,18 @@ class LLMEngine(abc.ABC):
         """Optional live numbers for metrics and routing, e.g. ``kv_active_blocks``,
         ``kv_total_blocks``, ``num_running``, ``num_waiting``."""
         return {}
+
+    async def clear_kv_blocks(self) -> None:
+        """Optional: drop every cached KV block that no running request holds, and publish the
+        matching KV events (``BlockRemoved`` / ``AllBlocksCleared``) so routers forget them.
+        Dynamo's ``clear_kv_blocks`` endpoint calls it.
+
+        Raises:
+            Unsupported: the engine cannot (the default).
+            DynamoError: the engine refused or failed (e.g. vLLM with requests running).
+        """
+        raise errors.Unsupported(f"the {self.name or type(self).__name__} engine cannot clear "
+                                 "its KV blocks")
 
     def metrics_collector(self) -> Any:
         """Optional: a prometheus_client collector (an object with ``collect()``) of the engine's

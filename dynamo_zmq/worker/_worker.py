@@ -1,7 +1,8 @@
 """``Worker``: owns one engine and serves it on the request plane.
 
 Start: ``engine.start`` -> model card and ``ModelAdvert`` -> metrics and system status server ->
-load publisher -> ``model_files`` and generate endpoints -> health canary -> ``READY``.
+load publisher -> ``model_files``, ``clear_kv_blocks`` and generate endpoints -> health canary
+-> ``READY``.
 
 Shutdown (SIGTERM/SIGINT): unregister -> grace period -> stop admitting (EngineShutdown) ->
 drain in-flight requests -> engine.drain() -> engine.cleanup() -> close sockets -> exit 0.
@@ -149,6 +150,7 @@ class Worker:
         advert = ModelAdvert(self.card, config, await self._start_load_publisher())
         component = self.runtime.namespace(args.namespace).component(args.component)
         await component.endpoint("model_files").start_serving(self._model_files)
+        await component.endpoint("clear_kv_blocks").start_serving(self._clear_kv_blocks)
         await component.endpoint(args.endpoint).start_serving(
             self._generate, metadata=advert.to_metadata(), request_type=PreprocessedRequest
         )
@@ -277,6 +279,13 @@ class Worker:
             raise errors.InvalidArgument(str(exc)) from exc
         for offset in range(0, len(data), CHUNK):
             yield data[offset : offset + CHUNK]
+
+    async def _clear_kv_blocks(self, request: Any) -> AsyncIterator[dict[str, Any]]:
+        """Dynamo's ``clear_kv_blocks`` endpoint: the engine drops its prefix cache (and tells
+        routers, through its KV events). An engine without the hook answers ``Unsupported``."""
+        await self.engine.clear_kv_blocks()
+        log.info("KV blocks cleared on request")
+        yield {"status": "success", "message": "KV cache cleared"}
 
     def _health(self) -> tuple[bool, dict[str, Any]]:
         if self.health is None:

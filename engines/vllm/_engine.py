@@ -216,6 +216,17 @@ class VllmEngine(LLMEngine):
     async def drain(self) -> None:
         """Nothing to hand off: the worker already waited for in-flight requests."""
 
+    async def clear_kv_blocks(self) -> None:
+        """vLLM's ``reset_prefix_cache`` (which publishes ``AllBlocksCleared``).
+
+        Raises:
+            Unknown: vLLM refused (it does while requests hold blocks) or is not running.
+        """
+        if self._llm is None:
+            raise errors.Unknown("the vLLM engine is not running")
+        if await self._llm.reset_prefix_cache() is False:
+            raise errors.Unknown("vLLM did not reset its prefix cache (requests are running?)")
+
     def metrics_collector(self) -> Any:
         """vLLM's own Prometheus metrics (``vllm:*``, from its stat loggers)."""
         return vllm_metrics()
