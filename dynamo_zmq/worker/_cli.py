@@ -3,7 +3,8 @@
     python -m dynamo_zmq.worker --engine mocker --model-path DIR [--model-name NAME]
         [--namespace dynamo] [--component backend] [--endpoint generate]
         [--host H] [--port P] [--discovery mdns|static] [--disaggregation-mode agg|prefill|decode]
-        [--system-port P] [--load-interval 0.1] [--load-port P] [engine flags...]
+        [--system-port P] [--health-check-payload JSON] [--load-interval 0.1] [--load-port P]
+        [engine flags...]
 
 Every flag has a ``DYN_*`` environment variable (``--model-path`` -> ``DYN_MODEL_PATH``).
 Engines are found by name in the ``dynamo_zmq.engines`` entry-point group, or as
@@ -20,11 +21,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from .. import errors
 from ..llm import (
     ENGINES,
     MAX_LOAD_INTERVAL,
     LLMEngine,
+    PreprocessedRequest,
     load_plugin,
     plugin_names,
 )
@@ -91,7 +95,12 @@ def build_parser(
     )
     parser.add_argument(
         "--health-check-interval", type=float, default=_env("HEALTH_CHECK_INTERVAL", "10.0"),
-        help="run a 1-token canary after this many idle seconds [DYN_HEALTH_CHECK_INTERVAL]",
+        help="run the health canary after this many idle seconds [DYN_HEALTH_CHECK_INTERVAL]",
+    )
+    parser.add_argument(
+        "--health-check-payload", default=_env("HEALTH_CHECK_PAYLOAD"),
+        help="the canary request, a PreprocessedRequest as JSON (default: one token) "
+             "[DYN_HEALTH_CHECK_PAYLOAD]",
     )
     parser.add_argument(
         "--grace-period", type=float, default=_env("GRACE_PERIOD", "0.5"),
@@ -134,12 +143,29 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[type[LLMEngine], argp
         raise errors.InvalidArgument(f"--model-path {args.model_path!r} is not a directory")
     if args.system_port is not None and args.system_port < 0:
         args.system_port = None  # Dynamo's -1: no system server
+    args.health_check_payload = parse_health_check_payload(args.health_check_payload)
     if not 0 <= args.load_interval <= MAX_LOAD_INTERVAL:
         raise errors.InvalidArgument(
             f"--load-interval must be 0 (never) or up to {MAX_LOAD_INTERVAL:g} s, "
             f"got {args.load_interval:g}"
         )
     return engine_cls, args
+
+
+def parse_health_check_payload(text: str | None) -> PreprocessedRequest | None:
+    """The canary request from its JSON (``--health-check-payload``); None: the default.
+
+    Raises:
+        InvalidArgument: not JSON, or not a ``PreprocessedRequest``.
+    """
+    if text is None or isinstance(text, PreprocessedRequest):
+        return text
+    try:
+        return msgspec.json.decode(text, type=PreprocessedRequest)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise errors.InvalidArgument(
+            f"--health-check-payload is not a PreprocessedRequest as JSON: {exc}"
+        ) from exc
 
 
 def main(argv: Sequence[str] | None = None) -> int:

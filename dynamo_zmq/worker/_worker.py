@@ -2,7 +2,7 @@
 
 Start: ``engine.start`` -> model card and ``ModelAdvert`` -> metrics and system status server ->
 load publisher -> ``model_files``, ``clear_kv_blocks`` and generate endpoints -> health canary
--> ``READY``.
+-> ``READY``. While the canary fails, the generate endpoint is withdrawn from routing.
 
 Shutdown (SIGTERM/SIGINT): unregister -> grace period -> stop admitting (EngineShutdown) ->
 drain in-flight requests -> engine.drain() -> engine.cleanup() -> close sockets -> exit 0.
@@ -138,7 +138,12 @@ class Worker:
         engine_metrics = self.engine.metrics_collector()
         if engine_metrics is not None:
             metrics.register_engine(engine_metrics)
-        self.health = Health(self.engine, metrics, args.health_check_interval)
+        component = self.runtime.namespace(args.namespace).component(args.component)
+        generate = component.endpoint(args.endpoint)
+        self.health = Health(
+            self.engine, metrics, args.health_check_interval, args.health_check_payload,
+            on_change=lambda ok: self.runtime.set_endpoint_health(generate.path, ok),
+        )
         if args.system_port is not None:
             rc = self.runtime.config
             self.status = StatusServer(
@@ -148,10 +153,9 @@ class Worker:
             self.status.start()
             log.info("metrics and health on port %d", self.status.port)
         advert = ModelAdvert(self.card, config, await self._start_load_publisher())
-        component = self.runtime.namespace(args.namespace).component(args.component)
         await component.endpoint("model_files").start_serving(self._model_files)
         await component.endpoint("clear_kv_blocks").start_serving(self._clear_kv_blocks)
-        await component.endpoint(args.endpoint).start_serving(
+        await generate.start_serving(
             self._generate, metadata=advert.to_metadata(), request_type=PreprocessedRequest
         )
         await self.health.canary()

@@ -1,12 +1,24 @@
-"""A small third-party-style engine loaded with ``--engine tests.support.engines:EchoEngine``."""
+"""Engines for tests, loaded with ``--engine tests.support.engines:CLASS``: a small
+third-party-style engine (``EchoEngine``) and a mocker whose health a test breaks from outside
+(``FlakyMocker``)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+from pathlib import Path
 
 from dynamo_zmq.context import Context
-from dynamo_zmq.llm import EngineConfig, LLMEngine, LLMEngineOutput, PreprocessedRequest, Usage
+from dynamo_zmq.llm import (
+    EngineConfig,
+    LLMEngine,
+    LLMEngineOutput,
+    PreprocessedRequest,
+    Usage,
+    error_output,
+)
+from engines.mocker import MockerEngine
+from engines.mocker._config import MockerConfig, config_from_args
 
 
 class EchoEngine(LLMEngine):
@@ -59,3 +71,31 @@ class EchoEngine(LLMEngine):
 
     async def cleanup(self) -> None:
         pass
+
+
+class FlakyMocker(MockerEngine):
+    """TEST ONLY: the mocker, broken from outside while ``--flaky-file PATH`` exists: every
+    request (the health canary's too) then ends with ``finish_reason="error"``; removing the
+    file repairs it."""
+
+    name = "flaky-mocker"
+
+    def __init__(self, config: MockerConfig, flaky_file: str) -> None:
+        super().__init__(config)
+        self.flaky_file = Path(flaky_file)
+
+    @classmethod
+    def add_args(cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+        super().add_args(parser)
+        parser.add_argument("--flaky-file", required=True, help="broken while this file exists")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> FlakyMocker:
+        return cls(config_from_args(args), args.flaky_file)
+
+    async def generate(self, request: PreprocessedRequest, ctx: Context):
+        if self.flaky_file.exists():
+            yield error_output("broken by the test switch", Usage(len(request.token_ids)))
+            return
+        async for out in super().generate(request, ctx):
+            yield out
