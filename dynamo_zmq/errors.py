@@ -12,6 +12,7 @@ The wire carries ``(kind, message)``; ``from_wire`` rebuilds the same class on t
     ├── Cancelled                    the caller stopped or killed the request
     ├── EngineShutdown               the worker is draining and admits nothing new (retryable)
     ├── StreamIncomplete             a stream ended without its terminal or with a sequence gap
+    ├── Unsupported                  the engine or endpoint does not offer the operation
     └── Unknown                      anything else, including a handler's unexpected exception
 """
 
@@ -28,6 +29,7 @@ __all__ = [
     "ResponseTimeout",
     "StreamIncomplete",
     "Unknown",
+    "Unsupported",
     "from_exception",
     "from_wire",
 ]
@@ -101,6 +103,13 @@ class StreamIncomplete(DynamoError):
     retryable = True
 
 
+class Unsupported(DynamoError):
+    """The engine (or endpoint) does not offer the operation asked for, e.g. an engine without
+    ``clear_kv_blocks``. Not retryable: another instance of the same engine says the same."""
+
+    kind = "Unsupported"
+
+
 class Unknown(DynamoError):
     """An error with no more specific kind (for example an exception in a handler)."""
 
@@ -118,6 +127,7 @@ _BY_KIND: dict[str, type[DynamoError]] = {
         Cancelled,
         EngineShutdown,
         StreamIncomplete,
+        Unsupported,
         Unknown,
     )
 }

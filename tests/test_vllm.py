@@ -44,6 +44,7 @@ from dynamo_zmq.llm import (
 from dynamo_zmq.testing import run_conformance, validate_stream
 from engines.vllm import VllmEngine, VllmOptions
 from tests.conftest import runtime_factory
+from tests.support.metrics import sample
 
 #: vLLM on this CPU: a small KV cache, multiprocessing off for the uni executor.
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -383,8 +384,8 @@ async def test_workers_default_and_native_match_vllm(
         deadline = time.monotonic() + 10
         while True:
             body = await asyncio.to_thread(fetch, f"http://127.0.0.1:{port}/metrics")
-            if ('dynamo_worker_cancellations_total{model="tiny"} 1.0' in body
-                    and 'dynamo_worker_inflight_requests{model="tiny"} 0.0' in body):
+            if (sample(body, "dynamo_component_cancellation_total", model="tiny") == 1
+                    and sample(body, "dynamo_component_inflight_requests", model="tiny") == 0):
                 break
             assert time.monotonic() < deadline, body[-2000:]
             await asyncio.sleep(0.2)
@@ -437,3 +438,31 @@ async def test_a_dead_engine_core_fails_requests_with_engine_shutdown(
     with pytest.raises(errors.EngineShutdown):
         async for _ in await client.generate(worker_request([4, 5], 4)):
             pass
+
+
+async def test_vllm_worker_serves_vllms_metrics_and_clears_its_cache(
+    spawn, namespace, make_runtime, tiny_model
+):
+    """One worker's /metrics holds Dynamo's component metrics and vLLM's own (``vllm:*``), and
+    its clear_kv_blocks endpoint resets vLLM's prefix cache."""
+    proc = vllm_worker(spawn, namespace, tiny_model)
+    runtime = make_runtime(static=(proc.address,))
+    client = await runtime.endpoint(f"{namespace}.backend.generate").client()
+    await client.wait_for_instances(timeout=15)
+    (ids, _, reason), = await run_requests(client, [worker_request([1, 4, 4] * 30, 4,
+                                                                    ignore_eos=True)])
+    assert len(ids) == 4 and reason == "length"
+    port = metrics_port(proc)
+    deadline = time.monotonic() + 15
+    while True:
+        body = await asyncio.to_thread(fetch, f"http://127.0.0.1:{port}/metrics")
+        if (sample(body, "vllm:request_success_total") or 0) >= 1:
+            break
+        assert time.monotonic() < deadline, body[-3000:]
+        await asyncio.sleep(0.2)
+    assert sample(body, "dynamo_component_requests_total", model="tiny") == 1
+    assert "python_gc_objects_collected_total" not in body  # only vLLM's families are added
+    clear = await runtime.endpoint(f"{namespace}.backend.clear_kv_blocks").client()
+    await clear.wait_for_instances(timeout=15)
+    answers = [r.data() async for r in await clear.direct({}, proc.instance_id)]
+    assert answers == [{"status": "success", "message": "KV cache cleared"}]

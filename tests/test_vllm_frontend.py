@@ -32,6 +32,7 @@ import pytest_asyncio
 
 from engines.vllm import VllmEngine
 from engines.vllm.native import NativeTokenizer
+from tests.support.metrics import sample
 from tests.support.procs import Proc
 from tests.test_vllm import ENGINE_ARGS, VLLM_ENV, WORKER_FLAGS, WORKER_START, fetch
 
@@ -178,7 +179,7 @@ async def test_client_disconnect_aborts_the_vllm_request(stack, client):
     mport = int(next(line.split()[-1] for line in worker.logs().splitlines()
                      if "metrics and health on port" in line))
     before = await asyncio.to_thread(fetch, f"http://127.0.0.1:{mport}/metrics")
-    cancelled = _counter(before, 'dynamo_worker_cancellations_total{model="tiny"}')
+    cancelled = sample(before, "dynamo_component_cancellation_total", model="tiny") or 0
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
     body = json.dumps({"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 400, "stream": True,
                        "ignore_eos": True})
@@ -191,8 +192,8 @@ async def test_client_disconnect_aborts_the_vllm_request(stack, client):
     deadline = time.monotonic() + 15
     while True:
         metrics = await asyncio.to_thread(fetch, f"http://127.0.0.1:{mport}/metrics")
-        if (_counter(metrics, 'dynamo_worker_cancellations_total{model="tiny"}') == cancelled + 1
-                and 'dynamo_worker_inflight_requests{model="tiny"} 0.0' in metrics):
+        if (sample(metrics, "dynamo_component_cancellation_total", model="tiny") == cancelled + 1
+                and sample(metrics, "dynamo_component_inflight_requests", model="tiny") == 0):
             break
         assert time.monotonic() < deadline, "the worker never saw the cancellation"
         await asyncio.sleep(0.2)

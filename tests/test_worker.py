@@ -17,6 +17,7 @@ import pytest
 from dynamo_zmq import errors
 from dynamo_zmq.llm import ModelCard
 from dynamo_zmq.runtime import Context
+from tests.support.metrics import sample
 from tests.support.waiting import until
 
 
@@ -102,8 +103,8 @@ async def test_health_and_metrics(namespace, spawn, make_runtime, tiny_model):
     assert status == 200 and json.loads(body)["status"] == "healthy"
     status, body = await asyncio.to_thread(get, "/metrics")
     assert status == 200
-    assert 'dynamo_worker_requests_total{model=' in body
-    assert "dynamo_worker_time_to_first_token_seconds_bucket" in body
+    assert sample(body, "dynamo_component_requests_total", dynamo_namespace=namespace) == 1
+    assert "dynamo_component_time_to_first_token_seconds_bucket" in body
     assert (await asyncio.to_thread(get, "/live"))[0] == 200
 
 
@@ -137,7 +138,7 @@ async def test_third_party_engine_by_module_and_cancellation(
             f"http://127.0.0.1:{port}/metrics", timeout=5
         ).read().decode()
     )
-    assert 'dynamo_worker_cancellations_total{model="echo"} 1.0' in body
+    assert sample(body, "dynamo_component_cancellation_total", model="echo") == 1
 
 
 def test_bad_engine_and_missing_model_fail_clearly(tmp_path, tiny_model):

@@ -10,6 +10,8 @@ import urllib.request
 import pytest
 from tokenizers import Tokenizer
 
+from tests.support.metrics import sample
+
 #: Multi-byte characters split across byte-level tokens, and a stop string of several tokens.
 TEXT = "Hello world, the engine streams é 日本 🙂 tokens. STOP here and more after"
 STOP = "STOP here"
@@ -107,12 +109,8 @@ async def test_stop_string_across_tokens_ends_the_stream_early(
             f"http://127.0.0.1:{port}/metrics", timeout=5
         ).read().decode()
     )
-    cancelled = [
-        line for line in body.splitlines()
-        if line.startswith("dynamo_worker_cancellations_total{")
-    ]
-    assert all(float(line.split()[-1]) == 0 for line in cancelled)
-    assert 'dynamo_worker_requests_total{model="echo"}' in body
+    assert sample(body, "dynamo_component_cancellation_total", model="echo") == 0
+    assert sample(body, "dynamo_component_requests_total", model="echo")
 
 
 async def test_include_stop_str_in_output(namespace, spawn, make_runtime, tiny_model, ids):

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API as a raw ASGI application (no framework on the hot path).
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming and not),
-``GET /v1/models``, ``/health``, ``/live``, ``/metrics``. Each generation request is parsed and
+``GET /v1/models``, ``/health``, ``/live``, ``/metrics``, and Dynamo's ``POST /clear_kv_blocks``
+(``_clear_kv.py``). Each generation request is parsed and
 preprocessed here (chat template, tokens, sampling and stop options), routed to a worker, and
 its output deltas are formatted as OpenAI SSE chunks. A client that disconnects kills the
 request's context, which reaches the worker and aborts the engine's sequence.
@@ -32,6 +33,7 @@ from ._asgi import (
     reply,
     watch_disconnect,
 )
+from ._clear_kv import clear_kv_blocks, parse_clear_request
 from ._generation import Generation
 from .errors import HttpError
 from .metrics import FrontendMetrics
@@ -47,7 +49,10 @@ log = logging.getLogger(__name__)
 WORKER_HEADER = b"x-worker-instance-id"
 #: Response header: the instance (and data-parallel rank, when chosen) that served the request.
 SERVED_BY_HEADER = b"x-dynamo-worker"
-_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/live", "/metrics")
+_ROUTES = (
+    "/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/live", "/metrics",
+    "/clear_kv_blocks",
+)
 _METRICS_TYPE = [(b"content-type", b"text/plain; version=0.0.4")]
 
 
@@ -104,6 +109,8 @@ class FrontendApp:
                 await self._health(send, path)
             elif path == "/metrics" and method == "GET":
                 await reply(send, 200, self.metrics.render(), _METRICS_TYPE)
+            elif path == "/clear_kv_blocks" and method == "POST":
+                await self._clear_kv_blocks(receive, send)
             elif path in _ROUTES:
                 message = f"{method} is not allowed on {path}"
                 await error(send, HttpError(405, "invalid_request_error", message))
@@ -131,6 +138,16 @@ class FrontendApp:
             "models": {m.name: [f"{i:x}" for i in m.router.instance_ids()] for m in live},
         }
         await reply(send, 200 if live else 503, msgspec.json.encode(body))
+
+    async def _clear_kv_blocks(self, receive: Receive, send: Send) -> None:
+        assert self.manager is not None
+        try:
+            model = parse_clear_request(await read_body(receive))
+            body = await clear_kv_blocks(self.manager, model)
+        except HttpError as exc:
+            await error(send, exc)
+            return
+        await reply(send, 200, msgspec.json.encode(body))
 
     # -- generation ------------------------------------------------------------------------
 

@@ -18,6 +18,10 @@ Lifecycle (numbered as Dynamo's backend-common numbers it):
    be handed off or finished). The worker then waits for them, within its graceful timeout.
    ``load()`` (optional, any time after ``start``): what each data-parallel rank holds now; the
    worker publishes it for routers (see ``dynamo_zmq.load``).
+   ``await clear_kv_blocks()`` (optional, any time after ``start``): drop the prefix cache
+   (the worker's ``clear_kv_blocks`` endpoint); default: ``errors.Unsupported``.
+   ``metrics_collector()`` (optional): the engine's own Prometheus metrics, served on the
+   worker's ``/metrics``.
 6. ``await cleanup()``: release everything. Idempotent, safe before ``start`` and never
    concurrent with it.
 
@@ -43,6 +47,7 @@ from typing import Annotated, Any, ClassVar
 
 import msgspec
 
+from .. import errors
 from ..context import Context
 
 __all__ = [
@@ -257,6 +262,24 @@ class LLMEngine(abc.ABC):
         """Optional live numbers for metrics and routing, e.g. ``kv_active_blocks``,
         ``kv_total_blocks``, ``num_running``, ``num_waiting``."""
         return {}
+
+    async def clear_kv_blocks(self) -> None:
+        """Optional: drop every cached KV block that no running request holds, and publish the
+        matching KV events (``BlockRemoved`` / ``AllBlocksCleared``) so routers forget them.
+        Dynamo's ``clear_kv_blocks`` endpoint calls it.
+
+        Raises:
+            Unsupported: the engine cannot (the default).
+            DynamoError: the engine refused or failed (e.g. vLLM with requests running).
+        """
+        raise errors.Unsupported(f"the {self.name or type(self).__name__} engine cannot clear "
+                                 "its KV blocks")
+
+    def metrics_collector(self) -> Any:
+        """Optional: a prometheus_client collector (an object with ``collect()``) of the engine's
+        own metrics, which the worker serves on its ``/metrics`` beside its own. None (the
+        default): none."""
+        return None
 
     @abc.abstractmethod
     async def cleanup(self) -> None:

@@ -29,6 +29,7 @@ from ._retry import MAX_ATTEMPTS as MAX_ATTEMPTS
 from ._retry import failover as failover
 from ._runtime import DistributedRuntime as DistributedRuntime
 from ._status_server import StatusServer as StatusServer
+from ._status_server import system_port_from_env as system_port_from_env
 
 __all__ = [
     "MAX_ATTEMPTS",
@@ -51,4 +52,5 @@ __all__ = [
     "failover",
     "run_main",
     "setup_logging",
+    "system_port_from_env",
 ]

@@ -3,6 +3,8 @@
 DYN_HOST    address to bind the request plane on (--host); default 0.0.0.0, or the first pinned
             mDNS interface when DYN_MDNS_INTERFACES is set
 DYN_PORT    port to bind (--port); 0 picks a free one
+DYN_HEALTH_CHECK_ENABLED, DYN_CANARY_WAIT_TIME, DYN_HEALTH_CHECK_REQUEST_TIMEOUT
+            health canaries of endpoints served with a ``health_check_payload``
 plus the discovery variables of ``dynamo_zmq.discovery`` (DYN_DISCOVERY, ...).
 """
 
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 
 from ..discovery import DiscoveryConfig, add_discovery_args
 from ..errors import InvalidArgument
+from ._canary import CanaryConfig
 
 __all__ = ["RuntimeConfig", "add_runtime_args"]
 
@@ -32,6 +35,8 @@ class RuntimeConfig:
     #: Seconds between withdrawing (clients stop routing here) and refusing new requests, so
     #: requests already on the wire are still served.
     grace_period: float = 0.5
+    #: Health canaries of endpoints served with a ``health_check_payload``.
+    canary: CanaryConfig = field(default_factory=CanaryConfig)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -46,6 +51,7 @@ class RuntimeConfig:
             discovery=DiscoveryConfig.from_env(environ),
             host=environ.get("DYN_HOST") or None,
             port=int(port),
+            canary=CanaryConfig.from_env(environ),
         )
 
     @classmethod
@@ -54,6 +60,7 @@ class RuntimeConfig:
             discovery=DiscoveryConfig.from_args(args),
             host=getattr(args, "host", None) or None,
             port=int(getattr(args, "port", 0) or 0),
+            canary=CanaryConfig.from_env(),
         )
 
     @property

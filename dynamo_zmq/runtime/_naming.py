@@ -35,6 +35,10 @@ class EndpointHost(Protocol):
         namespace)."""
         ...
 
+    def watch_health(self, path: str, handler: Handler, payload: object) -> Handler:
+        """Run a health canary sending ``payload`` to ``handler``; the handler to serve."""
+        ...
+
     async def peer_pool(self, namespace: str | None) -> PeerPool:
         """The connections to the processes of ``namespace`` (discovery started)."""
         ...
@@ -88,6 +92,7 @@ class Endpoint:
         self.path = f"{self.namespace}.{self.component_name}.{name}"
         self._handler: Callable[..., Any] | None = None
         self._request_type: type | None = None
+        self._health_check_payload: Any = None
 
     def __repr__(self) -> str:
         return f"Endpoint({self.path})"
@@ -108,16 +113,24 @@ class Endpoint:
         handler: Callable[..., Any],
         metadata: dict[str, Any] | None = None,
         request_type: type | None = None,
+        health_check_payload: Any = None,
     ) -> None:
         """Register ``handler`` and advertise it; returns at once (see ``serve_endpoint``).
 
         With ``request_type`` (a msgspec Struct), requests are decoded and validated straight
-        into that type; a request that does not fit fails with InvalidArgument.
+        into that type; a request that does not fit fails with InvalidArgument. With a
+        ``health_check_payload``, the handler itself is the endpoint's health canary: sent that
+        payload whenever the endpoint is idle, it must answer, or the endpoint leaves routing
+        until it does again (``runtime/_canary.py``).
         """
         self._handler = handler
         self._request_type = request_type
+        self._health_check_payload = health_check_payload
         info = EndpointInfo(self.namespace, self.component_name, self.name, metadata or {})
-        await self.runtime.add_endpoint(info, adapt_handler(handler, request_type))
+        served = adapt_handler(handler, request_type)
+        if health_check_payload is not None:
+            served = self.runtime.watch_health(self.path, served, health_check_payload)
+        await self.runtime.add_endpoint(info, served)
 
     async def serve_endpoint(
         self,
@@ -131,12 +144,13 @@ class Endpoint:
 
         ``handler(request)`` or ``handler(request, context)`` is an async generator; what it
         yields streams back to the caller. With ``graceful_shutdown`` the call returns only after
-        in-flight requests finished (bounded by the runtime's graceful timeout).
+        in-flight requests finished (bounded by the runtime's graceful timeout). A
+        ``health_check_payload`` makes the handler its own health canary (``start_serving``).
         """
         meta = dict(metadata or {})
         if health_check_payload is not None:
             meta["health_check_payload"] = health_check_payload
-        await self.start_serving(handler, meta)
+        await self.start_serving(handler, meta, health_check_payload=health_check_payload)
         await self.runtime.wait_shutdown()
         if graceful_shutdown:
             await self.runtime.drain()
@@ -149,7 +163,10 @@ class Endpoint:
     async def register_endpoint_instance(self) -> None:
         if self._handler is None:
             raise errors.InvalidArgument(f"{self.path} has no handler to register")
-        await self.start_serving(self._handler, request_type=self._request_type)
+        await self.start_serving(
+            self._handler, request_type=self._request_type,
+            health_check_payload=self._health_check_payload,
+        )
 
     async def client(
         self,

@@ -37,10 +37,11 @@ from typing import Any
 
 from .. import errors
 from ..discovery import Advert, Discovery, make_discovery
-from ..resources import Resources
+from ..resources import Resources, cancel_and_wait
 from ..transport import Handler as TransportHandler
 from ..transport import PeerConnection, Server
 from ..wire import PROTOCOL_VERSION, Description, EndpointInfo
+from ._canary import EndpointCanary
 from ._config import RuntimeConfig
 from ._lease import Lease
 from ._naming import Endpoint, Namespace, check_name
@@ -95,6 +96,10 @@ class DistributedRuntime:
         self._server: Server | None = None
         self._handlers: dict[str, TransportHandler] = {}
         self._endpoint_info: dict[str, EndpointInfo] = {}
+        #: Endpoints whose health check failed: still served, but not listed in the description
+        #: (so no caller routes new work to them) until the check passes again.
+        self._unhealthy: dict[str, EndpointInfo] = {}
+        self._canaries: dict[str, asyncio.Task[None]] = {}
         self._advertised: dict[str, Advert] = {}
         self._peers: PeerPool | None = None
         self._shutdown = asyncio.Event()
@@ -174,23 +179,64 @@ class DistributedRuntime:
             )
         server = await self._ensure_server()
         self._handlers[info.path] = handler
+        self._unhealthy.pop(info.path, None)
         self._endpoint_info[info.path] = info
         server.bump_rev()
         await self._advertise(info.namespace)
 
     async def remove_endpoint(self, path: str) -> None:
         """Stop serving ``path``; withdraw the advert when it was the last of its namespace."""
-        info = self._endpoint_info.pop(path, None)
+        info = self._endpoint_info.pop(path, None) or self._unhealthy.pop(path, None)
         self._handlers.pop(path, None)
+        canary = self._canaries.pop(path, None)
+        if canary is not None:
+            await cancel_and_wait((canary,))
         if info is None or self._server is None:
             return
         self._server.bump_rev()
-        if any(e.namespace == info.namespace for e in self._endpoint_info.values()):
+        if any(e.namespace == info.namespace for e in self._served()):
             await self._advertise(info.namespace)
         else:
             advert = self._advertised.pop(info.namespace, None)
             if advert is not None:
                 await self._discovery.withdraw(advert)
+
+    def set_endpoint_health(self, path: str, healthy: bool) -> None:
+        """Whether callers may route new work to endpoint ``path`` (its health check's verdict).
+
+        An unhealthy endpoint is still served (requests already on their way are answered) but
+        is left out of the description, so every caller's client, under mDNS or static
+        discovery alike, stops choosing this instance for it at the next NOTICE or PONG; a
+        healthy verdict lists it again. No-op for a path not served here.
+        """
+        if healthy and path in self._unhealthy:
+            self._endpoint_info[path] = self._unhealthy.pop(path)
+        elif not healthy and path in self._endpoint_info:
+            self._unhealthy[path] = self._endpoint_info.pop(path)
+        else:
+            return
+        log.log(logging.INFO if healthy else logging.WARNING, "endpoint %s is %s", path,
+                "healthy again: routable" if healthy else "unhealthy: withdrawn from routing")
+        if self._server is not None:
+            self._server.bump_rev()
+
+    def watch_health(
+        self, path: str, handler: TransportHandler, payload: object
+    ) -> TransportHandler:
+        """Check endpoint ``path``'s health with ``payload`` sent to its own ``handler`` when it
+        is idle (``runtime/_canary.py``); returns the handler to serve. Without canaries
+        (``DYN_HEALTH_CHECK_ENABLED=false``) returns ``handler`` as it is."""
+        old = self._canaries.pop(path, None)
+        if old is not None:
+            old.cancel()  # the endpoint is served again: its new handler gets the canary
+        if not self.config.canary.enabled:
+            return handler
+        canary = EndpointCanary(self, path, handler, payload, self.config.canary)
+        self._canaries[path] = self.resources.spawn(canary.run(), f"canary-{path}")
+        return canary.watch()
+
+    def _served(self) -> list[EndpointInfo]:
+        return [*self._endpoint_info.values(), *self._unhealthy.values()]
 
     async def _advertise(self, namespace: str) -> None:
         assert self._server is not None
@@ -198,7 +244,7 @@ class DistributedRuntime:
             return  # registrations die with the lease
         port = self._server.address.rsplit(":", 1)[1]
         components = tuple(
-            sorted({e.component for e in self._endpoint_info.values() if e.namespace == namespace})
+            sorted({e.component for e in self._served() if e.namespace == namespace})
         )
         advert = Advert(
             namespace=namespace,

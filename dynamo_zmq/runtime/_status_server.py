@@ -1,17 +1,48 @@
-"""A small HTTP status server for a process: ``/metrics``, ``/health`` and ``/live``."""
+"""A small HTTP status server for a process: ``/metrics``, ``/health`` and ``/live``, on
+Dynamo's *system port*.
+
+Dynamo's convention: ``DYN_SYSTEM_PORT=N`` serves them on port N (a negative port: off), and
+``DYN_SYSTEM_ENABLED=true`` without a port serves them on 8081; ``DYN_SYSTEM_ENABLED=false``
+turns the server off. ``DYN_METRICS_PORT`` (this project's older name) is read when
+``DYN_SYSTEM_PORT`` is not set.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ..errors import InvalidArgument
 
-__all__ = ["StatusServer"]
+__all__ = ["DEFAULT_SYSTEM_PORT", "StatusServer", "system_port_from_env"]
+
+#: Dynamo's system port when ``DYN_SYSTEM_ENABLED=true`` names none.
+DEFAULT_SYSTEM_PORT = 8081
+
+
+def system_port_from_env(environ: Mapping[str, str] = os.environ) -> int | None:
+    """The system port Dynamo's variables ask for; None: no system server.
+
+    Raises:
+        InvalidArgument: a port variable that is not an integer.
+    """
+    enabled = environ.get("DYN_SYSTEM_ENABLED", "").strip().lower()
+    if enabled in ("0", "false", "no", "off"):
+        return None
+    for name in ("DYN_SYSTEM_PORT", "DYN_METRICS_PORT"):
+        raw = environ.get(name, "").strip()
+        if raw:
+            try:
+                port = int(raw)
+            except ValueError:
+                raise InvalidArgument(f"{name} must be a port number, got {raw!r}") from None
+            return port if port >= 0 else None
+    return DEFAULT_SYSTEM_PORT if enabled in ("1", "true", "yes", "on") else None
 
 
 class StatusServer:

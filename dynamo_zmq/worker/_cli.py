@@ -3,7 +3,7 @@
     python -m dynamo_zmq.worker --engine mocker --model-path DIR|ORG/NAME [--model-name NAME]
         [--namespace dynamo] [--component backend] [--endpoint generate]
         [--host H] [--port P] [--discovery mdns|static] [--disaggregation-mode agg|prefill|decode]
-        [--metrics-port P] [--load-interval 0.1] [--load-port P]
+        [--system-port P] [--health-check-payload JSON] [--load-interval 0.1] [--load-port P]
         [--native-framework-processing] [engine flags...]
 
 Every flag has a ``DYN_*`` environment variable (``--model-path`` -> ``DYN_MODEL_PATH``).
@@ -23,9 +23,18 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TypeVar, overload
 
+import msgspec
+
 from .. import errors
-from ..llm import ENGINES, MAX_LOAD_INTERVAL, LLMEngine, load_plugin, plugin_names
-from ..runtime import add_runtime_args, setup_logging
+from ..llm import (
+    ENGINES,
+    MAX_LOAD_INTERVAL,
+    LLMEngine,
+    PreprocessedRequest,
+    load_plugin,
+    plugin_names,
+)
+from ..runtime import add_runtime_args, setup_logging, system_port_from_env
 from ._config import DISAGGREGATION_MODES, WorkerConfig
 from ._model_path import resolve_model_path
 from ._run import run
@@ -122,12 +131,19 @@ def build_parser(
         default=_env("DISAGGREGATION_MODE", "agg"), help="[DYN_DISAGGREGATION_MODE]",
     )
     parser.add_argument(
-        "--metrics-port", type=int, default=_env("METRICS_PORT"),
-        help="serve /metrics, /health, /live on this port (0 = any) [DYN_METRICS_PORT]",
+        "--system-port", "--metrics-port", dest="system_port", type=int,
+        default=system_port_from_env(),
+        help="serve /metrics, /health, /live on this port (0 = any, negative = off) "
+             "[DYN_SYSTEM_PORT; DYN_SYSTEM_ENABLED=true alone: 8081, =false: off]",
     )
     parser.add_argument(
         "--health-check-interval", type=float, default=_env("HEALTH_CHECK_INTERVAL", "10.0"),
-        help="run a 1-token canary after this many idle seconds [DYN_HEALTH_CHECK_INTERVAL]",
+        help="run the health canary after this many idle seconds [DYN_HEALTH_CHECK_INTERVAL]",
+    )
+    parser.add_argument(
+        "--health-check-payload", default=_env("HEALTH_CHECK_PAYLOAD"),
+        help="the canary request, a PreprocessedRequest as JSON (default: one token) "
+             "[DYN_HEALTH_CHECK_PAYLOAD]",
     )
     parser.add_argument(
         "--grace-period", type=float, default=_env("GRACE_PERIOD", "0.5"),
@@ -191,11 +207,30 @@ def parse_args(
                 f"--engine {args.engine} given to {engine.__name__}.from_args"
             )
     _check_native_processing(engine_cls, args)
+    if args.system_port is not None and args.system_port < 0:
+        args.system_port = None  # Dynamo's -1: no system server
+    args.health_check_payload = parse_health_check_payload(args.health_check_payload)
     if args.model_path is not None:
         args.model_path, hub_id = resolve_model_path(args.model_path)
         if hub_id is not None and not args.model_name:
             args.model_name = hub_id
     return engine_cls, args
+
+
+def parse_health_check_payload(text: str | None) -> PreprocessedRequest | None:
+    """The canary request from its JSON (``--health-check-payload``); None: the default.
+
+    Raises:
+        InvalidArgument: not JSON, or not a ``PreprocessedRequest``.
+    """
+    if text is None or isinstance(text, PreprocessedRequest):
+        return text
+    try:
+        return msgspec.json.decode(text, type=PreprocessedRequest)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise errors.InvalidArgument(
+            f"--health-check-payload is not a PreprocessedRequest as JSON: {exc}"
+        ) from exc
 
 
 def _check_native_processing(engine_cls: type[LLMEngine], args: argparse.Namespace) -> None:

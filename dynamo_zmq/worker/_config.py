@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ..errors import InvalidArgument
-from ..llm import MAX_LOAD_INTERVAL
+from ..llm import MAX_LOAD_INTERVAL, PreprocessedRequest
 from ..runtime import RuntimeConfig, check_name
 
 __all__ = ["DISAGGREGATION_MODES", "WorkerConfig"]
@@ -35,10 +35,13 @@ class WorkerConfig:
     component: str = "backend"
     endpoint: str = "generate"
     disaggregation_mode: str = "agg"
-    #: Port of ``/metrics``, ``/health`` and ``/live`` (0 = any; None = not served).
-    metrics_port: int | None = None
-    #: Idle seconds before a one-token health canary.
+    #: Dynamo's system port: ``/metrics``, ``/health`` and ``/live`` (0 = any; None = not
+    #: served).
+    system_port: int | None = None
+    #: Idle seconds before the health canary runs again.
     health_check_interval: float = 10.0
+    #: The canary request (None: one token); while it fails the worker leaves routing.
+    health_check_payload: PreprocessedRequest | None = None
     #: Seconds between load reports for KV routers (0 = never).
     load_interval: float = 0.1
     load_port: int = 0
@@ -59,7 +62,7 @@ class WorkerConfig:
                 f"--load-interval must be 0 (never) or up to {MAX_LOAD_INTERVAL:g} s, "
                 f"got {self.load_interval:g}"
             )
-        for name in ("metrics_port", "load_port"):
+        for name in ("system_port", "load_port"):
             port = getattr(self, name)
             if port is not None and not 0 <= port <= 65535:
                 raise InvalidArgument(f"{name} {port} out of range")
@@ -79,8 +82,9 @@ class WorkerConfig:
             component=args.component,
             endpoint=args.endpoint,
             disaggregation_mode=args.disaggregation_mode,
-            metrics_port=None if args.metrics_port is None else int(args.metrics_port),
+            system_port=None if args.system_port is None else int(args.system_port),
             health_check_interval=float(args.health_check_interval),
+            health_check_payload=args.health_check_payload,
             load_interval=float(args.load_interval),
             load_port=int(args.load_port),
             debug_streams=bool(args.debug_streams),

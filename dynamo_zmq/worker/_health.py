@@ -1,18 +1,21 @@
-"""The worker's health: a one-token canary on the engine, run at start and after idle spells,
-and the engine's live numbers copied into the metrics."""
+"""The worker's health: a canary request on the engine (by default one token; the worker's
+``--health-check-payload``), run at start and after idle spells, and the engine's live numbers
+copied into the metrics. Each change of the canary's verdict goes to ``on_change``: the worker
+withdraws its generate endpoint from routing while the canary fails."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ..context import Context
 from ..llm import FinishReason, LLMEngine, LLMEngineOutput, PreprocessedRequest, StopConditions
 from ._metrics import WorkerMetrics
 
-__all__ = ["CANARY_TIMEOUT", "Health"]
+__all__ = ["CANARY_TIMEOUT", "Health", "default_payload"]
 
 log = logging.getLogger("dynamo_zmq.worker")
 
@@ -27,12 +30,24 @@ class Health:
         engine: the started engine.
         metrics: the worker's metrics (``healthy``, KV gauges).
         interval: run the canary after this many idle seconds.
+        payload: the request the canary sends (default: one token, ``default_payload``).
+        on_change: called with each new verdict (and the first), e.g. to leave routing.
     """
 
-    def __init__(self, engine: LLMEngine, metrics: WorkerMetrics, interval: float) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        metrics: WorkerMetrics,
+        interval: float,
+        payload: PreprocessedRequest | None = None,
+        on_change: Callable[[bool], None] | None = None,
+    ) -> None:
         self._engine = engine
         self._metrics = metrics
         self._interval = interval
+        self._payload = payload
+        self._on_change = on_change
+        self._reported: bool | None = None
         self.healthy = False
         self.detail: dict[str, Any] = {"status": "starting"}
         self.inflight = 0
@@ -46,10 +61,9 @@ class Health:
         self._last_activity = time.monotonic()
 
     async def canary(self) -> None:
-        """Generate one token on the engine directly; the result sets ``healthy``."""
-        request = PreprocessedRequest(
-            token_ids=[1], stop=StopConditions(max_tokens=1, ignore_eos=True)
-        )
+        """Send the canary request to the engine directly; the result sets ``healthy``: it
+        passes when the engine ends it with ``length`` or ``stop``."""
+        request = default_payload() if self._payload is None else self._payload
         ctx = Context(f"health-{time.monotonic_ns()}")
         started = time.monotonic()
         detail: dict[str, Any]
@@ -64,7 +78,11 @@ class Health:
         if ok != self.healthy:
             log.log(logging.INFO if ok else logging.WARNING, "health canary: %s", detail)
         self.healthy, self.detail = ok, detail
-        self._metrics.healthy.labels(self._metrics.model).set(1 if ok else 0)
+        self._metrics.healthy.set(1 if ok else 0)
+        if ok != self._reported:
+            self._reported = ok
+            if self._on_change is not None:
+                self._on_change(ok)
 
     async def _last_output(
         self, request: PreprocessedRequest, ctx: Context
@@ -85,9 +103,9 @@ class Health:
                 self._last_activity = time.monotonic()
 
     def refresh_stats(self) -> None:
-        stats = self._engine.stats()
-        active, total = stats.get("kv_active_blocks"), stats.get("kv_total_blocks")
-        if active is not None:
-            self._metrics.kv_active.labels(self._metrics.model).set(active)
-            if total:
-                self._metrics.kv_usage.labels(self._metrics.model).set(active / total)
+        self._metrics.refresh(self._engine.stats())
+
+
+def default_payload() -> PreprocessedRequest:
+    """The canary request unless the worker names another: one token after token id 1."""
+    return PreprocessedRequest(token_ids=[1], stop=StopConditions(max_tokens=1, ignore_eos=True))

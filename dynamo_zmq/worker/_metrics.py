@@ -1,7 +1,27 @@
-"""The worker's Prometheus metrics (served by its ``StatusServer``)."""
+"""The worker's Prometheus metrics, under Dynamo's component names (served on the system port).
+
+Dynamo's work-handler metrics, labelled ``dynamo_namespace``, ``dynamo_component``,
+``dynamo_endpoint`` (and ``model``):
+
+    dynamo_component_requests_total              counter    requests received
+    dynamo_component_inflight_requests           gauge      requests being served
+    dynamo_component_request_duration_seconds    histogram  request start to its last output
+    dynamo_component_errors_total{error_type}    counter    failed requests, by error kind
+    dynamo_component_cancellation_total          counter    requests the caller stopped or killed
+    dynamo_component_kvstats_active_blocks       gauge      KV blocks held by running requests
+    dynamo_component_kvstats_total_blocks        gauge      KV blocks in all
+    dynamo_component_kvstats_gpu_cache_usage_percent  gauge  active / total (0.0-1.0)
+    dynamo_component_uptime_seconds              gauge      seconds since the worker started
+
+and this project's own, under the same prefix and labels: ``time_to_first_token_seconds``,
+``inter_token_latency_seconds``, ``output_tokens_total`` and ``healthy`` (1 while the health
+canary passes). An engine's own metrics (``LLMEngine.metrics_collector``, e.g. vLLM's ``vllm:*``)
+are served beside them.
+"""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,68 +30,116 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 __all__ = ["ModelMetrics", "WorkerMetrics"]
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_P = "dynamo_component_"
+_LABELS = ("dynamo_namespace", "dynamo_component", "dynamo_endpoint", "model")
 
 
 class WorkerMetrics:
-    """The worker's counters, gauges and histograms, in their own registry."""
+    """The worker's counters, gauges and histograms, in their own registry.
 
-    def __init__(self, model: str) -> None:
-        self.registry = CollectorRegistry()
-        labels = ["model"]
-        r = self.registry
-        self.requests = Counter("dynamo_worker_requests", "Requests received", labels, registry=r)
+    Args:
+        model: the served model name (``model`` label).
+        namespace, component, endpoint: where the worker serves (Dynamo's labels).
+    """
+
+    def __init__(
+        self,
+        model: str,
+        namespace: str = "dynamo",
+        component: str = "backend",
+        endpoint: str = "generate",
+    ) -> None:
+        self.registry = r = CollectorRegistry()
+        self.model = model
+        self.labels = (namespace, component, endpoint, model)
+        names = _LABELS
+        self.requests = Counter(f"{_P}requests_total", "Requests received", names, registry=r)
         self.inflight = Gauge(
-            "dynamo_worker_inflight_requests", "Requests in flight", labels, registry=r
+            f"{_P}inflight_requests", "Requests being served", names, registry=r
+        )
+        self.duration = Histogram(
+            f"{_P}request_duration_seconds", "Time from a request's start to its last output",
+            names, buckets=_DURATION_BUCKETS, registry=r,
         )
         self.errors = Counter(
-            "dynamo_worker_errors", "Requests failed, by error kind", [*labels, "kind"], registry=r
+            f"{_P}errors_total", "Requests failed, by error type", [*names, "error_type"],
+            registry=r,
         )
         self.cancellations = Counter(
-            "dynamo_worker_cancellations", "Requests stopped or killed", labels, registry=r
+            f"{_P}cancellation_total", "Requests the caller stopped or killed", names, registry=r
         )
         self.ttft = Histogram(
-            "dynamo_worker_time_to_first_token_seconds", "Time to first token", labels,
+            f"{_P}time_to_first_token_seconds", "Time to first token", names,
             buckets=_LATENCY_BUCKETS, registry=r,
         )
         self.itl = Histogram(
-            "dynamo_worker_inter_token_latency_seconds", "Time between chunks", labels,
+            f"{_P}inter_token_latency_seconds", "Time between chunks", names,
             buckets=_LATENCY_BUCKETS, registry=r,
         )
         self.output_tokens = Counter(
-            "dynamo_worker_output_tokens", "Tokens generated", labels, registry=r
+            f"{_P}output_tokens_total", "Tokens generated", names, registry=r
         )
-        self.kv_usage = Gauge(
-            "dynamo_worker_kv_usage_ratio", "Active KV blocks / total", labels, registry=r
+        gauge = _gauges(r, names, self.labels)
+        self.kv_active = gauge("kvstats_active_blocks", "KV blocks held by running requests")
+        self.kv_total = gauge("kvstats_total_blocks", "KV blocks in all")
+        self.kv_usage = gauge(
+            "kvstats_gpu_cache_usage_percent", "Active KV blocks / total (0.0-1.0)"
         )
-        self.kv_active = Gauge(
-            "dynamo_worker_kv_active_blocks", "Active KV blocks", labels, registry=r
+        self.healthy = gauge("healthy", "1 while the health canary passes")
+        started = time.monotonic()
+        gauge("uptime_seconds", "Seconds since the worker started").set_function(
+            lambda: time.monotonic() - started
         )
-        self.healthy = Gauge(
-            "dynamo_worker_healthy", "1 when the health canary passes", labels, registry=r
-        )
-        self.model = model
+
+    def register_engine(self, collector: Any) -> None:
+        """Serve an engine's own metrics (a prometheus_client collector) beside these."""
+        self.registry.register(collector)
+
+    def refresh(self, stats: dict[str, float]) -> None:
+        """Copy the engine's live numbers (``LLMEngine.stats``) into the KV gauges."""
+        active, total = stats.get("kv_active_blocks"), stats.get("kv_total_blocks")
+        if active is not None:
+            self.kv_active.set(active)
+            if total:
+                self.kv_total.set(total)
+                self.kv_usage.set(active / total)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
     def for_model(self) -> ModelMetrics:
-        """The per-model children, resolved once (``labels()`` costs microseconds per call)."""
-        m = self.model
+        """The children of the served endpoint, resolved once (``labels()`` costs microseconds
+        per call)."""
+        v = self.labels
         return ModelMetrics(
-            requests=self.requests.labels(m),
-            inflight=self.inflight.labels(m),
-            cancellations=self.cancellations.labels(m),
-            ttft=self.ttft.labels(m),
-            itl=self.itl.labels(m),
-            output_tokens=self.output_tokens.labels(m),
-            engine_errors=self.errors.labels(m, "EngineError"),
+            requests=self.requests.labels(*v),
+            inflight=self.inflight.labels(*v),
+            duration=self.duration.labels(*v),
+            cancellations=self.cancellations.labels(*v),
+            ttft=self.ttft.labels(*v),
+            itl=self.itl.labels(*v),
+            output_tokens=self.output_tokens.labels(*v),
+            engine_errors=self.errors.labels(*v, "EngineError"),
         )
+
+    def error(self, kind: str) -> Any:
+        """The error counter of one error kind."""
+        return self.errors.labels(*self.labels, kind)
+
+
+def _gauges(registry: CollectorRegistry, names: tuple[str, ...], values: tuple[str, ...]) -> Any:
+    def make(name: str, doc: str) -> Any:
+        return Gauge(f"{_P}{name}", doc, names, registry=registry).labels(*values)
+
+    return make
 
 
 @dataclass(frozen=True)
 class ModelMetrics:
     requests: Any
     inflight: Any
+    duration: Any
     cancellations: Any
     ttft: Any
     itl: Any

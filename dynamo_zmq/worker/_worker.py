@@ -1,8 +1,9 @@
 """``Worker``: owns one engine and serves it on the request plane.
 
-Start: ``engine.start`` -> model card and ``ModelAdvert`` -> metrics and status server -> load
-publisher -> ``model_files`` and generate endpoints -> health canary -> ``READY``. An engine that
-fails to start is reported as ``EngineShutdown`` (one line) and the process exits 1.
+Start: ``engine.start`` -> model card and ``ModelAdvert`` -> metrics and system status server ->
+load publisher -> ``model_files``, ``clear_kv_blocks`` and generate endpoints -> health canary
+-> ``READY``. While the canary fails, the generate endpoint is withdrawn from routing. An engine
+that fails to start is reported as ``EngineShutdown`` (one line) and the process exits 1.
 
 Shutdown (SIGTERM/SIGINT), the backend-common document's order: unregister -> grace period ->
 stop admitting (EngineShutdown) -> ``engine.drain()`` while in-flight requests still run -> wait
@@ -159,21 +160,29 @@ class Worker:
             self.tokenizer = await asyncio.to_thread(Tokenizer.from_file, str(tokenizer_file))
         else:
             log.info("no tokenizer.json in %s: no detokenization or stop strings", args.model_path)
-        self.metrics = metrics = WorkerMetrics(name)
+        self.metrics = metrics = WorkerMetrics(name, args.namespace, args.component, args.endpoint)
         self._model_metrics = metrics.for_model()
-        self.health = Health(self.engine, metrics, args.health_check_interval)
-        if args.metrics_port is not None:
+        engine_metrics = self.engine.metrics_collector()
+        if engine_metrics is not None:
+            metrics.register_engine(engine_metrics)
+        component = self.runtime.namespace(args.namespace).component(args.component)
+        generate = component.endpoint(args.endpoint)
+        self.health = Health(
+            self.engine, metrics, args.health_check_interval, args.health_check_payload,
+            on_change=lambda ok: self.runtime.set_endpoint_health(generate.path, ok),
+        )
+        if args.system_port is not None:
             rc = self.runtime.config
             self.status = StatusServer(
-                rc.bind_host if rc.host else "0.0.0.0", int(args.metrics_port), metrics.render,
+                rc.bind_host if rc.host else "0.0.0.0", int(args.system_port), metrics.render,
                 self._health,
             )
             self.status.start()
             log.info("metrics and health on port %d", self.status.port)
         advert = ModelAdvert(self.card, config, await self._start_load_publisher())
-        component = self.runtime.namespace(args.namespace).component(args.component)
         await component.endpoint("model_files").start_serving(self._model_files)
-        await component.endpoint(args.endpoint).start_serving(
+        await component.endpoint("clear_kv_blocks").start_serving(self._clear_kv_blocks)
+        await generate.start_serving(
             self._generate, metadata=advert.to_metadata(), request_type=PreprocessedRequest
         )
         await self.health.canary()
@@ -278,12 +287,13 @@ class Worker:
         except Exception as exc:
             died = self._engine_death(exc)
             kind = (died or errors.from_exception(exc)).kind
-            self.metrics.errors.labels(self.metrics.model, kind).inc()
+            self.metrics.error(kind).inc()
             if died is None:
                 raise
             raise died from exc
         finally:
             m.output_tokens.inc(tokens)
+            m.duration.observe(time.monotonic() - start)
             remove()
             m.inflight.dec()
             self.health.request_ended()
@@ -315,6 +325,13 @@ class Worker:
             raise errors.InvalidArgument(str(exc)) from exc
         for offset in range(0, len(data), CHUNK):
             yield data[offset : offset + CHUNK]
+
+    async def _clear_kv_blocks(self, request: Any) -> AsyncIterator[dict[str, Any]]:
+        """Dynamo's ``clear_kv_blocks`` endpoint: the engine drops its prefix cache (and tells
+        routers, through its KV events). An engine without the hook answers ``Unsupported``."""
+        await self.engine.clear_kv_blocks()
+        log.info("KV blocks cleared on request")
+        yield {"status": "success", "message": "KV cache cleared"}
 
     def _health(self) -> tuple[bool, dict[str, Any]]:
         if self.health is None:

@@ -179,6 +179,24 @@ class BlockManager:
             self._events.append(AllBlocksCleared())
         return True
 
+    def clear_cached(self) -> int:
+        """Forget every cached (unreferenced) block; returns how many. With no block active this
+        is ``reset_prefix_cache`` (one ``AllBlocksCleared``); otherwise each dropped block gets
+        its ``BlockRemoved`` and the blocks in use keep their hashes."""
+        dropped = len(self._cached)
+        if not self.num_active:
+            self.reset_prefix_cache()
+            return dropped
+        for block in self._cached:
+            h = self._hash[block]
+            assert h is not None
+            self._hash[block] = None
+            del self._by_hash[h]
+            self._record_removed(h)
+            self._free.append(block)
+        self._cached.clear()
+        return dropped
+
     def _record_removed(self, h: int) -> None:
         last = self._events[-1] if self._events else None
         if isinstance(last, BlockRemoved):

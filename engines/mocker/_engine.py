@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
@@ -33,6 +34,8 @@ if TYPE_CHECKING:
     from dynamo_zmq.worker import WorkerConfig
 
 __all__ = ["MockerEngine"]
+
+log = logging.getLogger("engines.mocker")
 
 
 class MockerEngine(LLMEngine):
@@ -253,6 +256,12 @@ class MockerEngine(LLMEngine):
     def reset_prefix_cache(self) -> bool:
         """Drop every rank's cached blocks (``AllBlocksCleared``); False if any rank is busy."""
         return all([r.reset_prefix_cache() for r in self._ranks])
+
+    async def clear_kv_blocks(self) -> None:
+        """Drop every rank's cached blocks that no running sequence holds, publishing the
+        ``BlockRemoved`` / ``AllBlocksCleared`` events that make routers forget them."""
+        dropped = sum(r.clear_kv_blocks() for r in self._ranks)
+        log.info("cleared %d cached KV blocks", dropped)
 
     async def cleanup(self) -> None:
         """Stop the schedulers (unfinished streams end with an error) and close the sockets.

@@ -143,6 +143,12 @@ class RankScheduler:
         self._flush_events()
         return ok
 
+    def clear_kv_blocks(self) -> int:
+        """Drop every cached block no sequence holds (published at once); returns how many."""
+        dropped = self.blocks.clear_cached()
+        self._flush_events()
+        return dropped
+
     # -- the step loop ----------------------------------------------------------------------
 
     async def _run(self) -> None:

@@ -43,7 +43,7 @@ from ._options import (
     options_from_args,
 )
 from ._sampling import sampling_params, to_output
-from ._stats import RankStats, make_stat_logger
+from ._stats import RankStats, make_stat_logger, vllm_metrics
 
 if TYPE_CHECKING:
     from dynamo_zmq.worker import WorkerConfig
@@ -235,6 +235,21 @@ class VllmEngine(LLMEngine):
         if llm is not None and llm.errored:
             return "vLLM's engine core is dead (EngineDeadError)"
         return None
+
+    async def clear_kv_blocks(self) -> None:
+        """vLLM's ``reset_prefix_cache`` (which publishes ``AllBlocksCleared``).
+
+        Raises:
+            Unknown: vLLM refused (it does while requests hold blocks) or is not running.
+        """
+        if self._llm is None:
+            raise errors.Unknown("the vLLM engine is not running")
+        if await self._llm.reset_prefix_cache() is False:
+            raise errors.Unknown("vLLM did not reset its prefix cache (requests are running?)")
+
+    def metrics_collector(self) -> Any:
+        """vLLM's own Prometheus metrics (``vllm:*``, from its stat loggers)."""
+        return vllm_metrics()
 
     async def cleanup(self) -> None:
         """Abort what is left and shut vLLM down. Idempotent; safe before ``start``."""

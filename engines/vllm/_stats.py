@@ -1,12 +1,39 @@
-"""A vLLM stat logger that keeps the last scheduler numbers of each engine (data-parallel rank),
-for ``VllmEngine.stats()`` and ``VllmEngine.load()``."""
+"""vLLM's numbers: a stat logger that keeps the last scheduler numbers of each engine
+(data-parallel rank), for ``VllmEngine.stats()`` and ``VllmEngine.load()``, and vLLM's own
+Prometheus metrics for the worker's ``/metrics``."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["RankStats", "make_stat_logger"]
+__all__ = ["RankStats", "make_stat_logger", "vllm_metrics"]
+
+#: Prefix of vLLM's metric names.
+VLLM_PREFIX = "vllm:"
+
+
+class _VllmMetrics:
+    """A collector of the ``vllm:*`` families of prometheus_client's default registry, where
+    vLLM's ``PrometheusStatLogger`` registers them (vLLM adds it to every ``AsyncLLM`` that
+    logs stats). The process's other default metrics (``python_*``, ``process_*``) are left
+    out."""
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client import REGISTRY
+
+        for family in REGISTRY.collect():
+            if family.name.startswith(VLLM_PREFIX):
+                yield family
+
+    def describe(self) -> list[Any]:
+        return []  # names unknown until vLLM registers them; nothing to check at registration
+
+
+def vllm_metrics() -> Any:
+    """vLLM's own metrics, as a collector to register with the worker's registry."""
+    return _VllmMetrics()
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,9 @@ Endpoints (all in ``--namespace``, component ``--component``):
 - ``lease`` (with ``--lease-endpoint``): yields ``{"lease_id", "valid"}`` of the runtime's
   primary lease, then revokes it if the request says ``{"revoke": true}``.
 
+With ``--canary-file PATH`` (TEST ONLY), ``count`` is served with a ``health_check_payload`` and
+fails while PATH exists: a test breaks and repairs its health from outside.
+
 Prints ``READY <address> <instance_id hex>`` on stdout once serving, then serves until SIGTERM.
 """
 
@@ -18,14 +21,21 @@ import asyncio
 import logging
 import signal
 import sys
+from pathlib import Path
 
 from dynamo_zmq.runtime import Context, DistributedRuntime, RuntimeConfig, add_runtime_args
 
 JOURNAL: dict[str, list[str]] = {}
 
 
+def _exists(path: str) -> bool:
+    return Path(path).exists()
+
+
 def make_handlers(runtime: DistributedRuntime, args: argparse.Namespace):
     async def count(request: dict, context: Context):
+        if args.canary_file and _exists(args.canary_file):
+            raise RuntimeError("broken by the test switch")
         n = int(request.get("n", 10))
         delay = float(request.get("delay", 0.0))
         payload = "x" * int(request.get("pad", 0))
@@ -74,6 +84,7 @@ async def main() -> None:
     parser.add_argument("--role", choices=["server", "middle"], default="server")
     parser.add_argument("--target", default="backend", help="component the middle relays to")
     parser.add_argument("--lease-endpoint", action="store_true", help="also serve `lease`")
+    parser.add_argument("--canary-file", help="TEST ONLY: count fails while this file exists")
     add_runtime_args(parser)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
@@ -88,7 +99,8 @@ async def main() -> None:
     if args.lease_endpoint:
         names.append("lease")
     for name in names:
-        await component.endpoint(name).start_serving(handlers[name])
+        payload = {"n": 1} if name == "count" and args.canary_file else None
+        await component.endpoint(name).start_serving(handlers[name], health_check_payload=payload)
     print(f"READY {runtime.address} {runtime.instance_id:x}", flush=True)
     await runtime.wait_shutdown()
     await runtime.drain(timeout=10)

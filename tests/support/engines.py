@@ -1,15 +1,24 @@
 """Small third-party-style engines, loaded with ``--engine tests.support.engines:NAME``:
 ``EchoEngine``, and test engines built on it (and on the mocker) that record their lifecycle,
-fail to start or crash mid-request, for the worker's lifecycle and error tests."""
+fail to start or crash mid-request, for the worker's lifecycle and error tests, and a mocker
+whose health a test breaks from outside (``FlakyMocker``)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
+from pathlib import Path
 
 from dynamo_zmq.context import Context
-from dynamo_zmq.llm import EngineConfig, LLMEngine, LLMEngineOutput, PreprocessedRequest, Usage
+from dynamo_zmq.llm import (
+    EngineConfig,
+    LLMEngine,
+    LLMEngineOutput,
+    PreprocessedRequest,
+    Usage,
+    error_output,
+)
 from engines.mocker import MockerConfig, MockerEngine
 from engines.mocker._config import config_from_args
 from engines.mocker._kv_events import KvEvent
@@ -193,3 +202,31 @@ class NativeEchoTestEngine(EchoEngine):
         config = await super().start(worker_id)
         config.extra["native_processing"] = self.native_processing
         return config
+
+
+class FlakyMocker(MockerEngine):
+    """TEST ONLY: the mocker, broken from outside while ``--flaky-file PATH`` exists: every
+    request (the health canary's too) then ends with ``finish_reason="error"``; removing the
+    file repairs it."""
+
+    name = "flaky-mocker"
+
+    def __init__(self, config: MockerConfig, flaky_file: str) -> None:
+        super().__init__(config)
+        self.flaky_file = Path(flaky_file)
+
+    @classmethod
+    def add_args(cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+        super().add_args(parser)
+        parser.add_argument("--flaky-file", required=True, help="broken while this file exists")
+
+    @classmethod
+    def from_namespace(cls, args: argparse.Namespace) -> FlakyMocker:
+        return cls(config_from_args(args), args.flaky_file)
+
+    async def generate(self, request: PreprocessedRequest, ctx: Context):
+        if self.flaky_file.exists():
+            yield error_output("broken by the test switch", Usage(len(request.token_ids)))
+            return
+        async for out in super().generate(request, ctx):
+            yield out
