@@ -15,7 +15,7 @@ from . import errors as http_errors
 from ._asgi import JSON, SSE, ClientGone, Send, error, reply, send_message
 from .errors import HttpError
 from .metrics import FrontendMetrics
-from .responses import DONE, ChatFormatter, CompletionFormatter, sse_error
+from .responses import DONE, ChatFormatter, CompletionFormatter, openai_finish_reason, sse_error
 
 __all__ = ["Generation"]
 
@@ -123,7 +123,8 @@ class Generation:
             parts.append(sse_error(http_errors.engine_error(out.error or "engine error").to_json()))
             status = "error"
         else:
-            parts.append(self.fmt.finish_chunk(_openai_reason(out.finish_reason)))
+            reason = openai_finish_reason(out.finish_reason or FinishReason.STOP)
+            parts.append(self.fmt.finish_chunk(reason, out.stop_reason))
             if include_usage:
                 parts.append(
                     self.fmt.usage_chunk(self.prompt_tokens, self.tokens, self.cached_tokens)
@@ -138,11 +139,12 @@ class Generation:
         """Gather the outputs into one JSON response; returns the status for the metrics."""
         texts: list[str] = []
         finish_reason: str | None = None
+        stop_reason: int | str | None = None
         try:
             async for out in stream:
                 texts.append(self._account(out))
                 if out.finish_reason is not None:
-                    finish_reason = out.finish_reason
+                    finish_reason, stop_reason = out.finish_reason, out.stop_reason
                     if out.finish_reason == FinishReason.ERROR:
                         raise http_errors.engine_error(out.error or "engine error")
                     break
@@ -159,12 +161,8 @@ class Generation:
             return "error"
         self._finish()
         body = self.fmt.full(
-            "".join(texts), _openai_reason(finish_reason), self.prompt_tokens, self.tokens,
-            self.cached_tokens,
+            "".join(texts), openai_finish_reason(finish_reason), self.prompt_tokens, self.tokens,
+            self.cached_tokens, stop_reason=stop_reason,
         )
         await reply(send, 200, body, JSON + self.headers)
         return "success"
-
-
-def _openai_reason(reason: str | None) -> str:
-    return "length" if reason == FinishReason.LENGTH else "stop"

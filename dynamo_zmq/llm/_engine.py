@@ -50,11 +50,24 @@ __all__ = [
 
 
 class FinishReason:
+    """Why a stream ended (``LLMEngineOutput.finish_reason``).
+
+    An engine's terminal uses one of ``ALL`` (the backend-common contract): ``stop`` for an
+    end-of-sequence token, a stop token or a stop string alike. The worker's post-processing
+    (the request-flow document's decoder) then tells them apart, as Dynamo's ``FinishReason``
+    does: ``EOS`` when the model's end-of-sequence token ended the sequence, ``stop`` with
+    ``stop_reason`` naming the stop string or stop token id that matched. docs/operations.md,
+    "Finish reasons", has the table of what each becomes in OpenAI responses.
+    """
+
     STOP = "stop"
     LENGTH = "length"
     CANCELLED = "cancelled"
     ERROR = "error"
+    #: The end-of-sequence token ended the sequence (set by the worker, not by engines).
+    EOS = "eos"
 
+    #: What an engine's terminal may carry (``EOS`` is the worker's).
     ALL = frozenset({STOP, LENGTH, CANCELLED, ERROR})
 
 
@@ -130,6 +143,9 @@ class LLMEngineOutput(msgspec.Struct, **_WIRE):
     #: Error message when ``finish_reason == "error"``.
     error: str | None = None
     log_probs: list[float] | None = None
+    #: With ``finish_reason == "stop"``: the stop string (str) or stop token id (int) that
+    #: ended the stream, as vLLM reports it; None for an end-of-sequence token or unknown.
+    stop_reason: int | str | None = None
 
     @property
     def is_terminal(self) -> bool:
