@@ -125,6 +125,10 @@ class PreprocessedRequest(msgspec.Struct, **_WIRE):
     #: Slot for disaggregated prefill/decode parameters (opaque to the worker).
     disaggregated_params: dict[str, Any] | None = None
     annotations: list[str] = msgspec.field(default_factory=list)
+    #: Checksum of the model card the request was preprocessed with (the request-flow
+    #: document's ``BackendInput.mdcsum``); a worker serving another card refuses it. None: not
+    #: checked (callers of the runtime API that build requests themselves).
+    mdcsum: str | None = None
 
 
 class Usage(msgspec.Struct, **_WIRE):
