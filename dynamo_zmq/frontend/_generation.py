@@ -13,6 +13,7 @@ from .. import errors
 from ..llm import FinishReason, LLMEngineOutput, OutputStream
 from . import errors as http_errors
 from ._asgi import JSON, SSE, ClientGone, Send, error, reply, send_message
+from ._deadline import Deadline
 from .errors import HttpError
 from .metrics import FrontendMetrics
 from .responses import DONE, ChatFormatter, CompletionFormatter, openai_finish_reason, sse_error
@@ -32,6 +33,8 @@ class Generation:
         prompt_tokens: the prompt's length (usage).
         started: when the request arrived (``time.monotonic()``), for time to first token.
         headers: extra response headers (``x-dynamo-worker``).
+        deadline: the request's whole-request deadline, if it has one: a stream it cut short
+            ends with 504 (or an SSE error event), not as a client that went away.
     """
 
     def __init__(
@@ -42,8 +45,10 @@ class Generation:
         prompt_tokens: int,
         started: float,
         headers: list[tuple[bytes, bytes]],
+        deadline: Deadline | None = None,
     ) -> None:
         self.metrics = metrics
+        self.deadline = deadline
         self.model = model
         self.fmt = fmt
         self.prompt_tokens = prompt_tokens
@@ -91,7 +96,7 @@ class Generation:
             try:
                 batch = await stream.next_batch()
             except errors.Cancelled:
-                raise ClientGone from None
+                err = self._timed_out()
             except errors.DynamoError as exc:
                 err = http_errors.from_dynamo(exc)
             else:
@@ -149,7 +154,8 @@ class Generation:
                         raise http_errors.engine_error(out.error or "engine error")
                     break
         except errors.Cancelled:
-            raise ClientGone from None
+            await error(send, self._timed_out())
+            return "error"
         except errors.DynamoError as exc:
             await error(send, http_errors.from_dynamo(exc))
             return "error"
@@ -166,3 +172,10 @@ class Generation:
         )
         await reply(send, 200, body, JSON + self.headers)
         return "success"
+
+    def _timed_out(self) -> HttpError:
+        """The error for a stream that ended ``Cancelled``: the deadline's 504 if it was the
+        deadline; otherwise the client went away (``ClientGone``: nothing to send)."""
+        if self.deadline is None or not self.deadline.expired:
+            raise ClientGone from None
+        return self.deadline.error()
