@@ -175,6 +175,7 @@ class KvRouter:
         *,
         instance_id: int | None = None,
         idle_timeout: float | None = None,
+        timeout: float | None = None,
     ) -> OutputStream:
         """Route and send ``request``; its outputs stream back, decoded.
 
@@ -186,12 +187,13 @@ class KvRouter:
         """
         hashes = self._hashes(request.token_ids)
         placement = _Placement(self.loads)
-        first = await self._send(request, hashes, frozenset(), placement, context, idle_timeout)
+        timeouts = (timeout, idle_timeout)
+        first = await self._send(request, hashes, frozenset(), placement, context, timeouts)
         ctx = first.context  # not ``first``: the hook must not keep the stream alive
 
         async def reopen(tried: frozenset[int]) -> ResponseStream[LLMEngineOutput] | None:
             try:
-                return await self._send(request, hashes, tried, placement, ctx, idle_timeout)
+                return await self._send(request, hashes, tried, placement, ctx, timeouts)
             except errors.CannotConnect:
                 return None
 
@@ -240,16 +242,17 @@ class KvRouter:
         tried: frozenset[int],
         placement: _Placement,
         context: Context | None,
-        idle_timeout: float | None,
+        timeouts: tuple[float | None, float | None],
     ) -> ResponseStream[LLMEngineOutput]:
-        """Route and send one attempt, moving on from workers that cannot be reached."""
+        """Route and send one attempt, moving on from workers that cannot be reached
+        (``timeouts``: the request's deadline and idle timeout)."""
         exclude = set(tried)
         while True:
             decision, route = self._route(request, hashes, exclude)
             try:
                 stream = await self.client.open(
                     encode_item(request), _decode_output, decision.worker_id, context=context,
-                    idle_timeout=idle_timeout,
+                    timeout=timeouts[0], idle_timeout=timeouts[1],
                 )
             except errors.CannotConnect:
                 self.loads.release(route)

@@ -249,7 +249,8 @@ def test_eos_text_stays_out_unless_asked(tokenizer):
     ids = encode(tokenizer, "hi")
     chunks = [LLMEngineOutput(ids), LLMEngineOutput([EOS], finish_reason="stop", usage=Usage(1, 3))]
     out = run(PostProcessor(request(ids, skip_special_tokens=False), tokenizer), chunks)
-    assert text_of(out) == "hi" and out[-1].token_ids == [EOS] and out[-1].finish_reason == "stop"
+    # (the end-of-sequence token ends it as EoS, the request-flow document's FinishReason)
+    assert text_of(out) == "hi" and out[-1].token_ids == [EOS] and out[-1].finish_reason == "eos"
     kept = run(PostProcessor(request(ids, skip_special_tokens=False,
                                      include_stop_str_in_output=True), tokenizer), chunks)
     assert text_of(kept) == "hi</s>"
@@ -265,7 +266,7 @@ def test_engine_errors_pass_through_with_the_held_text(tokenizer):
 
 def test_finish_reason_aliases_map_to_the_wire_ones(tokenizer):
     proc = PostProcessor(request([]), tokenizer)
-    assert proc.process(LLMEngineOutput(finish_reason="eos")).finish_reason == "stop"
+    assert proc.process(LLMEngineOutput(finish_reason="eos")).finish_reason == "eos"
     proc = PostProcessor(request([]), tokenizer)
     assert proc.process(LLMEngineOutput(finish_reason="max_tokens")).finish_reason == "length"
 

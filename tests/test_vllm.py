@@ -189,6 +189,19 @@ async def test_stop_strings_by_the_worker_and_natively(engine, tokenizer):
     assert "".join(c.text or "" for c in chunks) == expect and chunks[-1].finish_reason == "stop"
 
 
+async def test_vllm_names_the_stop_token_it_stopped_on(engine, tokenizer):
+    """vLLM's ``stop_reason`` travels in the terminal chunk; the worker's post-processing keeps
+    it for a stop token the request named."""
+    tokens = prompts(tokenizer)[0]
+    ids, _, _ = await direct(engine, tokens, 24)
+    stop_token = ids[2]
+    req = greedy(tokens, 24, stop_token_ids=[stop_token])
+    chunks = await collect(engine.generate(req, Context()))
+    assert chunks[-1].finish_reason == "stop" and chunks[-1].stop_reason == stop_token
+    processed = await collect(postprocess(engine.generate(req, Context()), req, tokenizer))
+    assert (processed[-1].finish_reason, processed[-1].stop_reason) == ("stop", stop_token)
+
+
 async def test_cancel_mid_stream_aborts_in_vllm(engine):
     req = PreprocessedRequest(
         token_ids=[1, 2, 3, 4], stop=StopConditions(max_tokens=400, ignore_eos=True)

@@ -3,6 +3,7 @@
     python -m dynamo_zmq.frontend [--http-host 127.0.0.1] [--http-port 8000]
         [--router-mode round-robin|random|direct|kv|approx] [--namespace dynamo]
         [--discovery mdns|static] [--static-workers tcp://h:p,...] [--request-timeout S]
+        [--idle-timeout S]
         [router plugin flags, e.g. --kv-overlap-score-weight 1.0 --router-temperature 0.0]
 
 Every flag has a ``DYN_*`` variable (``--http-port`` -> ``DYN_HTTP_PORT``). Prints
@@ -64,8 +65,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--namespace", default=env("DYN_NAMESPACE", "dynamo"), help="[DYN_NAMESPACE]"
     )
     parser.add_argument(
-        "--request-timeout", type=float, default=env("DYN_REQUEST_TIMEOUT", "300"),
-        help="seconds to wait for a worker's next output before 504 [DYN_REQUEST_TIMEOUT]",
+        "--request-timeout", type=float, default=env("DYN_REQUEST_TIMEOUT"),
+        help="seconds a whole request may take, then 504 and the worker's context is stopped "
+             "(default: no deadline; a request's x-dynamo-request-timeout header may ask for "
+             "less) [DYN_REQUEST_TIMEOUT]",
+    )
+    parser.add_argument(
+        "--idle-timeout", type=float, default=env("DYN_IDLE_TIMEOUT", "300"),
+        help="seconds to wait for a worker's next output before 504 [DYN_IDLE_TIMEOUT]",
     )
     parser.add_argument("--model-cache", default=env("DYN_MODEL_CACHE"),
                         help="where fetched tokenizer files are kept [DYN_MODEL_CACHE]")
@@ -108,7 +115,9 @@ async def serve(args: argparse.Namespace, plugin: RouterPlugin | None) -> int:
             await app.manager.close()
         await runtime.close()
 
-    app = FrontendApp(start, stop, request_timeout=args.request_timeout)
+    app = FrontendApp(
+        start, stop, request_timeout=args.request_timeout, idle_timeout=args.idle_timeout
+    )
     config = uvicorn.Config(
         app, host=args.http_host, port=args.http_port, loop="none", http="httptools",
         lifespan="on", log_level="warning", access_log=False, timeout_graceful_shutdown=5,
@@ -151,7 +160,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_name(args.namespace, "namespace")
         if not 0 <= args.http_port <= 65535:
             raise errors.InvalidArgument(f"--http-port must be 0-65535, got {args.http_port}")
-        check_number("--request-timeout", args.request_timeout, positive=True)
+        if args.request_timeout is not None:
+            check_number("--request-timeout", args.request_timeout, positive=True)
+        check_number("--idle-timeout", args.idle_timeout, positive=True)
     except errors.DynamoError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2

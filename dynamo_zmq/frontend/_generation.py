@@ -13,9 +13,10 @@ from .. import errors
 from ..llm import FinishReason, LLMEngineOutput, OutputStream
 from . import errors as http_errors
 from ._asgi import JSON, SSE, ClientGone, Send, error, reply, send_message
+from ._deadline import Deadline
 from .errors import HttpError
 from .metrics import FrontendMetrics
-from .responses import DONE, ChatFormatter, CompletionFormatter, sse_error
+from .responses import DONE, ChatFormatter, CompletionFormatter, openai_finish_reason, sse_error
 
 __all__ = ["Generation"]
 
@@ -32,6 +33,8 @@ class Generation:
         prompt_tokens: the prompt's length (usage).
         started: when the request arrived (``time.monotonic()``), for time to first token.
         headers: extra response headers (``x-dynamo-worker``).
+        deadline: the request's whole-request deadline, if it has one: a stream it cut short
+            ends with 504 (or an SSE error event), not as a client that went away.
     """
 
     def __init__(
@@ -42,8 +45,10 @@ class Generation:
         prompt_tokens: int,
         started: float,
         headers: list[tuple[bytes, bytes]],
+        deadline: Deadline | None = None,
     ) -> None:
         self.metrics = metrics
+        self.deadline = deadline
         self.model = model
         self.fmt = fmt
         self.prompt_tokens = prompt_tokens
@@ -91,7 +96,7 @@ class Generation:
             try:
                 batch = await stream.next_batch()
             except errors.Cancelled:
-                raise ClientGone from None
+                err = self._timed_out()
             except errors.DynamoError as exc:
                 err = http_errors.from_dynamo(exc)
             else:
@@ -123,7 +128,8 @@ class Generation:
             parts.append(sse_error(http_errors.engine_error(out.error or "engine error").to_json()))
             status = "error"
         else:
-            parts.append(self.fmt.finish_chunk(_openai_reason(out.finish_reason)))
+            reason = openai_finish_reason(out.finish_reason or FinishReason.STOP)
+            parts.append(self.fmt.finish_chunk(reason, out.stop_reason))
             if include_usage:
                 parts.append(
                     self.fmt.usage_chunk(self.prompt_tokens, self.tokens, self.cached_tokens)
@@ -138,16 +144,18 @@ class Generation:
         """Gather the outputs into one JSON response; returns the status for the metrics."""
         texts: list[str] = []
         finish_reason: str | None = None
+        stop_reason: int | str | None = None
         try:
             async for out in stream:
                 texts.append(self._account(out))
                 if out.finish_reason is not None:
-                    finish_reason = out.finish_reason
+                    finish_reason, stop_reason = out.finish_reason, out.stop_reason
                     if out.finish_reason == FinishReason.ERROR:
                         raise http_errors.engine_error(out.error or "engine error")
                     break
         except errors.Cancelled:
-            raise ClientGone from None
+            await error(send, self._timed_out())
+            return "error"
         except errors.DynamoError as exc:
             await error(send, http_errors.from_dynamo(exc))
             return "error"
@@ -159,12 +167,15 @@ class Generation:
             return "error"
         self._finish()
         body = self.fmt.full(
-            "".join(texts), _openai_reason(finish_reason), self.prompt_tokens, self.tokens,
-            self.cached_tokens,
+            "".join(texts), openai_finish_reason(finish_reason), self.prompt_tokens, self.tokens,
+            self.cached_tokens, stop_reason=stop_reason,
         )
         await reply(send, 200, body, JSON + self.headers)
         return "success"
 
-
-def _openai_reason(reason: str | None) -> str:
-    return "length" if reason == FinishReason.LENGTH else "stop"
+    def _timed_out(self) -> HttpError:
+        """The error for a stream that ended ``Cancelled``: the deadline's 504 if it was the
+        deadline; otherwise the client went away (``ClientGone``: nothing to send)."""
+        if self.deadline is None or not self.deadline.expired:
+            raise ClientGone from None
+        return self.deadline.error()

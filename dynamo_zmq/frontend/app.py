@@ -5,7 +5,9 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming and n
 (``_clear_kv.py``). Each generation request is parsed and
 preprocessed here (chat template, tokens, sampling and stop options), routed to a worker, and
 its output deltas are formatted as OpenAI SSE chunks. A client that disconnects kills the
-request's context, which reaches the worker and aborts the engine's sequence.
+request's context, which reaches the worker and aborts the engine's sequence; so does the
+request's deadline (``--request-timeout`` or the ``x-dynamo-request-timeout`` header), and the
+client then gets 504.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from ._asgi import (
     watch_disconnect,
 )
 from ._clear_kv import clear_kv_blocks, parse_clear_request
+from ._deadline import Deadline, request_timeout
 from ._generation import Generation
 from .errors import HttpError
 from .metrics import FrontendMetrics
@@ -57,17 +60,26 @@ _METRICS_TYPE = [(b"content-type", b"text/plain; version=0.0.4")]
 
 
 class FrontendApp:
-    """ASGI app. ``on_startup``/``on_shutdown`` run in the server's event loop (lifespan)."""
+    """ASGI app. ``on_startup``/``on_shutdown`` run in the server's event loop (lifespan).
+
+    Args:
+        manager_factory: builds the model table (at startup).
+        on_shutdown: releases what the factory built.
+        request_timeout: seconds a whole request may take (504 after; None: no deadline).
+        idle_timeout: seconds to wait for a worker's next output (504 after; None: forever).
+    """
 
     def __init__(
         self,
         manager_factory: Callable[[], Awaitable[ModelManager]],
         on_shutdown: Callable[[], Awaitable[None]],
         request_timeout: float | None = None,
+        idle_timeout: float | None = None,
     ) -> None:
         self._manager_factory = manager_factory
         self._on_shutdown = on_shutdown
         self.timeout = request_timeout
+        self.idle_timeout = idle_timeout
         self.manager: ModelManager | None = None
         self.metrics = FrontendMetrics()
 
@@ -156,6 +168,7 @@ class FrontendApp:
         try:
             body = await read_body(receive)
             target = self._target(scope)
+            timeout = request_timeout(scope, self.timeout)
             req: ChatCompletionRequest | CompletionRequest
             if endpoint == "chat":
                 req = chat = parse_chat(body)
@@ -175,7 +188,9 @@ class FrontendApp:
         fmt = ChatFormatter(entry.name) if endpoint == "chat" else CompletionFormatter(entry.name)
         include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
         streaming = bool(req.stream)
-        await self._run(receive, send, entry, pre, target, fmt, streaming, include_usage, endpoint)
+        await self._run(
+            receive, send, entry, pre, target, fmt, streaming, include_usage, endpoint, timeout
+        )
 
     def _entry(self, model: str) -> ModelEntry:
         assert self.manager is not None
@@ -213,6 +228,7 @@ class FrontendApp:
         streaming: bool,
         include_usage: bool,
         endpoint: str,
+        timeout: float | None,
     ) -> None:
         m, model = self.metrics, entry.name
         m.inflight.labels(model).inc()
@@ -220,20 +236,27 @@ class FrontendApp:
         ctx = Context(fmt.id)
         watcher = asyncio.create_task(watch_disconnect(receive, ctx), name=f"disconnect-{fmt.id}")
         started = time.monotonic()
+        deadline = None if timeout is None else Deadline(ctx, timeout)
         status = "error"
         try:
             try:
+                # The deadline also travels as the runtime's per-request timeout (the worker
+                # enforces it too); a router plugin that predates it is not handed one.
+                extra = {} if timeout is None else {"timeout": timeout}
                 stream = await entry.router.generate(
-                    pre, ctx, instance_id=target, idle_timeout=self.timeout
+                    pre, ctx, instance_id=target, idle_timeout=self.idle_timeout, **extra
                 )
             except errors.DynamoError as exc:
-                await error(send, http_errors.from_dynamo(exc))
+                if deadline is not None and deadline.expired:
+                    await error(send, deadline.error())
+                else:
+                    await error(send, http_errors.from_dynamo(exc))
                 return
             served_by = f"{stream.instance_id:x}"
             if pre.routing.dp_rank is not None:
                 served_by += f"/{pre.routing.dp_rank}"
             headers = [(SERVED_BY_HEADER, served_by.encode())]
-            gen = Generation(m, model, fmt, len(pre.token_ids), started, headers)
+            gen = Generation(m, model, fmt, len(pre.token_ids), started, headers, deadline)
             if streaming:
                 status = await gen.stream_sse(stream, send, include_usage)
             else:
@@ -242,8 +265,13 @@ class FrontendApp:
             ctx.kill()
             status = "disconnected"
         finally:
+            if deadline is not None:
+                deadline.cancel()
             await cancel_and_wait((watcher,))
-            if status == "disconnected" or (ctx.is_killed() and status != "success"):
+            timed_out = deadline is not None and deadline.expired
+            if status == "disconnected" or (
+                ctx.is_killed() and status != "success" and not timed_out
+            ):
                 m.disconnected.labels(model).inc()
                 status = "disconnected"
             m.requests.labels(model, endpoint, "stream" if streaming else "unary", status).inc()

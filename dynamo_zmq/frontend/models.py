@@ -6,6 +6,14 @@ checked against the card, cached on disk by checksum, and a ``Preprocessor`` and
 ``ModelRouter`` (the frontend's routing mode) are built. A model is listed while at least one
 live instance serves it; a model seen before whose instances all died is still *known*, so
 requests for it get 503 (no live worker) rather than 404.
+
+One card per model name: workers that serve one name with different cards (another tokenizer,
+chat template or context length: another checksum) are never mixed. The frontend keeps the
+**first card it saw** for the name, builds its preprocessor from it, and routes only to the
+instances advertising that card; each other card gets one warning. The first card stays while
+any live instance serves it (a newcomer with another card cannot take a model over, and
+requests never flip between tokenizers); once none does, the card of a live instance replaces
+it (a rolling upgrade). Workers refuse requests preprocessed for another card (``mdcsum``).
 """
 
 from __future__ import annotations
@@ -90,6 +98,8 @@ class ModelManager:
         self.cache_dir = Path(cache_dir or default_cache)
         self.models: dict[str, ModelEntry] = {}
         self._loading: set[str] = set()
+        #: (model, checksum) of the other cards already warned about.
+        self._warned: set[tuple[str, str]] = set()
         self._res = runtime.resources.child("models")
         self.changed = asyncio.Event()
 
@@ -118,18 +128,37 @@ class ModelManager:
             await self.runtime.wait_peers_changed(timeout=1.0)
 
     async def _refresh(self) -> None:
+        by_name: dict[str, list[ServedModel]] = {}
         for served in served_models(await self.runtime.peers(self.namespace), self.namespace):
-            card = served.advert.model_card
-            known = self.models.get(card.name)
-            if (known is None or known.card.checksum != card.checksum) and (
-                card.name not in self._loading
-            ):
-                self._loading.add(card.name)
-                self._res.spawn(self._load(served), f"load-model-{card.name}")
+            by_name.setdefault(served.advert.name, []).append(served)
+        for name, instances in by_name.items():
+            known = self.models.get(name)
+            if known is not None and any(s.advert.checksum == known.card.checksum
+                                         for s in instances):
+                self._warn_other_cards(known, instances)
+            elif name not in self._loading:  # a new model, or its card is served no more
+                self._loading.add(name)
+                self._res.spawn(self._load(instances[0]), f"load-model-{name}")
         for entry in self.models.values():
             entry.instance_ids = entry.router.instance_ids()
         self.changed.set()
         self.changed = asyncio.Event()
+
+    def _warn_other_cards(self, entry: ModelEntry, instances: list[ServedModel]) -> None:
+        """Warn once per card about instances serving ``entry``'s name with another card."""
+        for served in instances:
+            checksum = served.advert.checksum
+            if checksum == entry.card.checksum or (entry.name, checksum) in self._warned:
+                continue
+            self._warned.add((entry.name, checksum))
+            log.warning(
+                "model %r: instance %x serves it with another model card (checksum %s: other "
+                "tokenizer, template or context length) than the card this frontend "
+                "preprocesses with (checksum %s, the first seen); requests for %r go only to "
+                "the instances with that card. Serve one model directory per model name.",
+                entry.name, served.instance_id, checksum[:12], entry.card.checksum[:12],
+                entry.name,
+            )
 
     async def _load(self, served: ServedModel) -> None:
         card, advert = served.advert.model_card, served.advert
@@ -147,6 +176,11 @@ class ModelManager:
             )
             if old is not None:
                 await _close_router(old.router)
+                if old.card.checksum != card.checksum:
+                    log.warning("model %r: now served with card %s (no live instance serves "
+                                "card %s any more)", card.name, card.checksum[:12],
+                                old.card.checksum[:12])
+                    self._warned = {w for w in self._warned if w[0] != card.name}
             log.info("model %r available (checksum %s)", card.name, card.checksum[:12])
             self.changed.set()
         except Exception as exc:
@@ -157,13 +191,14 @@ class ModelManager:
 
     async def _router(self, served: ServedModel) -> ModelRouter:
         """The model's router in the frontend's mode, over a client of the instances serving
-        the model on its endpoint."""
+        the model with this card on its endpoint."""
         path, name = served.endpoint.path, served.advert.name
         endpoint = self.runtime.endpoint(path)
+        select = serves(name, path, served.advert.checksum)  # only the card preprocessed for
         if self._plugin is None:
-            client = await endpoint.client(BUILTIN_MODES[self.mode], select=serves(name, path))
+            client = await endpoint.client(BUILTIN_MODES[self.mode], select=select)
             return ClientRouter(client)
-        client = await endpoint.client(select=serves(name, path))
+        client = await endpoint.client(select=select)
         target = RoutingTarget(self.runtime, client, served.advert, self._registry)
         return await self._plugin.router(target)
 

@@ -6,6 +6,8 @@ and compiles the chat template once, in the environment ``_chat_template.py`` bu
 Face ``transformers`` does. Chat prompts are tokenized without special tokens (the template
 carries them); text completion prompts with them (the tokenizer's post-processor). It owns the
 translation of the request's sampling, stop and length options, and the context-length checks.
+Each request carries the checksum of the card it was built from (``mdcsum``), so a worker
+serving another card refuses it.
 """
 
 from __future__ import annotations
@@ -345,5 +347,6 @@ class Preprocessor:
                 detokenize=self.native is not None,
             ),
             eos_token_ids=list(self.eos_token_ids),
+            mdcsum=self.card.checksum,
         )
 

@@ -2,6 +2,12 @@
 
 Chunks are built from pre-encoded byte templates; only the text of each delta is JSON-encoded
 per token (msgspec), which keeps the per-chunk cost at a few microseconds.
+
+Finish reasons become OpenAI's as Dynamo's OpenAI layer maps its ``FinishReason``
+(``OPENAI_FINISH_REASONS``): ``eos``, ``stop`` and ``cancelled`` -> ``"stop"``, ``length`` ->
+``"length"``; ``error`` is no finish reason but an error (the frontend sends an OpenAI error
+object instead). The finish chunk and the aggregated choice also carry vLLM's ``stop_reason``:
+the stop string or stop token id that matched, null otherwise.
 """
 
 from __future__ import annotations
@@ -11,11 +17,35 @@ import uuid
 
 import msgspec
 
-__all__ = ["DONE", "ChatFormatter", "CompletionFormatter", "sse_error"]
+from ..llm import FinishReason
+
+__all__ = [
+    "DONE",
+    "OPENAI_FINISH_REASONS",
+    "ChatFormatter",
+    "CompletionFormatter",
+    "openai_finish_reason",
+    "sse_error",
+]
 
 DONE = b"data: [DONE]\n\n"
 
 _json = msgspec.json.encode
+
+#: Our finish reason -> OpenAI's ``finish_reason`` (Dynamo's ``FinishReason`` -> async-openai
+#: conversion). ``error`` is absent: it is answered as an error, not as a finish.
+OPENAI_FINISH_REASONS = {
+    FinishReason.EOS: "stop",
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.CANCELLED: "stop",
+}
+
+
+def openai_finish_reason(reason: str) -> str:
+    """OpenAI's ``finish_reason`` for a terminal output's (``"stop"`` for one it does not
+    know, as Dynamo reads an unknown reason as a stop)."""
+    return OPENAI_FINISH_REASONS.get(reason, "stop")
 
 
 def _usage(prompt: int, completion: int, cached: int | None = None) -> dict[str, object]:
@@ -71,14 +101,21 @@ class ChatFormatter(_Formatter):
             + b'},"logprobs":null,"finish_reason":null}]}\n\n'
         )
 
-    def finish_chunk(self, finish_reason: str) -> bytes:
+    def finish_chunk(self, finish_reason: str, stop_reason: int | str | None = None) -> bytes:
         return (
             self._head + b'{"index":0,"delta":{},"logprobs":null,"finish_reason":'
-            + _json(finish_reason) + b"}]}\n\n"
+            + _json(finish_reason) + b',"stop_reason":' + _json(stop_reason) + b"}]}\n\n"
         )
 
     def full(
-        self, text: str, finish_reason: str, prompt: int, completion: int, cached: int | None = None
+        self,
+        text: str,
+        finish_reason: str,
+        prompt: int,
+        completion: int,
+        cached: int | None = None,
+        *,
+        stop_reason: int | str | None = None,
     ) -> bytes:
         return _json(
             {
@@ -92,6 +129,7 @@ class ChatFormatter(_Formatter):
                         "message": {"role": "assistant", "content": text},
                         "logprobs": None,
                         "finish_reason": finish_reason,
+                        "stop_reason": stop_reason,
                     }
                 ],
                 "usage": _usage(prompt, completion, cached),
@@ -114,14 +152,21 @@ class CompletionFormatter(_Formatter):
             + b',"logprobs":null,"finish_reason":null}]}\n\n'
         )
 
-    def finish_chunk(self, finish_reason: str) -> bytes:
+    def finish_chunk(self, finish_reason: str, stop_reason: int | str | None = None) -> bytes:
         return (
             self._head + b'{"index":0,"text":"","logprobs":null,"finish_reason":'
-            + _json(finish_reason) + b"}]}\n\n"
+            + _json(finish_reason) + b',"stop_reason":' + _json(stop_reason) + b"}]}\n\n"
         )
 
     def full(
-        self, text: str, finish_reason: str, prompt: int, completion: int, cached: int | None = None
+        self,
+        text: str,
+        finish_reason: str,
+        prompt: int,
+        completion: int,
+        cached: int | None = None,
+        *,
+        stop_reason: int | str | None = None,
     ) -> bytes:
         return _json(
             {
@@ -130,7 +175,13 @@ class CompletionFormatter(_Formatter):
                 "created": self.created,
                 "model": self.model,
                 "choices": [
-                    {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+                    {
+                        "index": 0,
+                        "text": text,
+                        "logprobs": None,
+                        "finish_reason": finish_reason,
+                        "stop_reason": stop_reason,
+                    }
                 ],
                 "usage": _usage(prompt, completion, cached),
             }

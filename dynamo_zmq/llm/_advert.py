@@ -156,12 +156,19 @@ def served_models(conns: Iterable[PeerConnection], namespace: str) -> list[Serve
     return found
 
 
-def serves(model: str, path: str) -> Callable[[PeerConnection], bool]:
+def serves(
+    model: str, path: str, checksum: str | None = None
+) -> Callable[[PeerConnection], bool]:
     """Whether an instance serves ``model`` on endpoint ``path`` (instances of one endpoint
-    may serve different models): a ``Client``'s ``select``."""
+    may serve different models), with the card ``checksum`` when one is given (instances of one
+    model name may serve different cards): a ``Client``'s ``select``."""
 
     def select(conn: PeerConnection) -> bool:
         advert = advert_of(conn, path)
-        return advert is not None and advert.name == model
+        return (
+            advert is not None
+            and advert.name == model
+            and (checksum is None or advert.checksum == checksum)
+        )
 
     return select

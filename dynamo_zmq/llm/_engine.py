@@ -70,11 +70,24 @@ __all__ = [
 
 
 class FinishReason:
+    """Why a stream ended (``LLMEngineOutput.finish_reason``).
+
+    An engine's terminal uses one of ``ALL`` (the backend-common contract): ``stop`` for an
+    end-of-sequence token, a stop token or a stop string alike. The worker's post-processing
+    (the request-flow document's decoder) then tells them apart, as Dynamo's ``FinishReason``
+    does: ``EOS`` when the model's end-of-sequence token ended the sequence, ``stop`` with
+    ``stop_reason`` naming the stop string or stop token id that matched. docs/operations.md,
+    "Finish reasons", has the table of what each becomes in OpenAI responses.
+    """
+
     STOP = "stop"
     LENGTH = "length"
     CANCELLED = "cancelled"
     ERROR = "error"
+    #: The end-of-sequence token ended the sequence (set by the worker, not by engines).
+    EOS = "eos"
 
+    #: What an engine's terminal may carry (``EOS`` is the worker's).
     ALL = frozenset({STOP, LENGTH, CANCELLED, ERROR})
 
 
@@ -132,6 +145,10 @@ class PreprocessedRequest(msgspec.Struct, **_WIRE):
     #: Slot for disaggregated prefill/decode parameters (opaque to the worker).
     disaggregated_params: dict[str, Any] | None = None
     annotations: list[str] = msgspec.field(default_factory=list)
+    #: Checksum of the model card the request was preprocessed with (the request-flow
+    #: document's ``BackendInput.mdcsum``); a worker serving another card refuses it. None: not
+    #: checked (callers of the runtime API that build requests themselves).
+    mdcsum: str | None = None
 
 
 class Usage(msgspec.Struct, **_WIRE):
@@ -150,6 +167,9 @@ class LLMEngineOutput(msgspec.Struct, **_WIRE):
     #: Error message when ``finish_reason == "error"``.
     error: str | None = None
     log_probs: list[float] | None = None
+    #: With ``finish_reason == "stop"``: the stop string (str) or stop token id (int) that
+    #: ended the stream, as vLLM reports it; None for an end-of-sequence token or unknown.
+    stop_reason: int | str | None = None
 
     @property
     def is_terminal(self) -> bool:

@@ -10,8 +10,10 @@ alone:
   only what could still become a stop string.
 - ``postprocess(stream, request, tokenizer, stop_engine)``: wraps an engine stream; each engine
   chunk becomes one chunk with ``token_ids`` and a ``text`` delta, and the stream ends with
-  exactly one terminal. A stop string ends it early with ``finish_reason="stop"``, then the
-  worker's ``stop_engine()`` frees the engine sequence.
+  exactly one terminal. A stop string ends it early with ``finish_reason="stop"`` and
+  ``stop_reason`` the string, then the worker's ``stop_engine()`` frees the engine sequence.
+  An engine's ``stop`` ending on a stop token becomes ``stop`` with ``stop_reason`` its id, and
+  one ending on an end-of-sequence token becomes ``eos`` (the request-flow document's EoS).
 """
 
 from __future__ import annotations
@@ -32,9 +34,8 @@ __all__ = ["IncrementalDetokenizer", "PostProcessor", "StopStringMatcher", "post
 REPLACEMENT = "\ufffd"
 #: Prompt tokens the detokenizer sees before the first generated one (leading spaces, merges).
 PROMPT_CONTEXT = 8
-#: Finish reasons some engines use, mapped to the four the wire knows.
+#: Finish reasons some engines use, mapped to ours.
 _FINISH_ALIASES = {
-    "eos": FinishReason.STOP,
     "stop_token": FinishReason.STOP,
     "max_tokens": FinishReason.LENGTH,
     "abort": FinishReason.CANCELLED,
@@ -181,6 +182,9 @@ class PostProcessor:
             frozenset() if stop.include_stop_str_in_output
             else frozenset(request.eos_token_ids) | frozenset(stop.stop_token_ids)
         )
+        # Read at the terminal only, to tell an end-of-sequence token from a stop token.
+        self._stop_token_ids = stop.stop_token_ids
+        self._eos_token_ids = request.eos_token_ids
         self._prompt_tokens = len(request.token_ids)
         self.completion_tokens = 0
         #: True once a stop string ended the stream.
@@ -223,11 +227,29 @@ class PostProcessor:
                 return self._stopped(out, ids, parts)
         parts.append(self._matcher.flush())
         reason = out.finish_reason or FinishReason.ERROR
+        reason = _FINISH_ALIASES.get(reason, reason)
+        stop_reason = out.stop_reason
+        if reason == FinishReason.STOP and not isinstance(stop_reason, str):
+            # the token that stopped it: the one the engine names, else the chunk's last
+            last = stop_reason if stop_reason is not None else (ids[-1] if ids else None)
+            if last is not None:
+                reason, stop_reason = self._stopped_by_token(last, stop_reason)
         usage = out.usage or Usage(self._prompt_tokens, self.completion_tokens)
         return LLMEngineOutput(
-            ids, text="".join(parts), finish_reason=_FINISH_ALIASES.get(reason, reason),
-            usage=usage, error=out.error, log_probs=out.log_probs,
+            ids, text="".join(parts), finish_reason=reason, usage=usage, error=out.error,
+            log_probs=out.log_probs, stop_reason=stop_reason,
         )
+
+    def _stopped_by_token(self, token: int, said: int | None) -> tuple[str, int | None]:
+        """The finish of an engine's ``stop`` on ``token``: a stop token the request named
+        (``stop`` with that id), else an end-of-sequence token (``eos``; engines such as our
+        vLLM adapter get the model's end-of-sequence ids as stop tokens, so vLLM may name one),
+        else ``stop`` with what the engine ``said``."""
+        if token in self._stop_token_ids:
+            return FinishReason.STOP, token
+        if token in self._eos_token_ids:
+            return FinishReason.EOS, None
+        return FinishReason.STOP, said
 
     def missing_terminal(self) -> LLMEngineOutput:
         """The terminal for an engine stream that ended without one: an error, after the text
@@ -252,6 +274,7 @@ class PostProcessor:
         return LLMEngineOutput(
             ids, text="".join(parts), finish_reason=FinishReason.STOP,
             usage=Usage(self._prompt_tokens, self.completion_tokens), log_probs=log_probs,
+            stop_reason=self._matcher.matched,
         )
 
 

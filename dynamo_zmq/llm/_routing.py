@@ -59,6 +59,7 @@ class ModelRouter(Protocol):
         *,
         instance_id: int | None = None,
         idle_timeout: float | None = None,
+        timeout: float | None = None,
     ) -> OutputStream:
         """Send ``request``; its outputs stream back.
 
@@ -68,6 +69,9 @@ class ModelRouter(Protocol):
             instance_id: the instance chosen outside the router (``direct`` mode needs it;
                 other modes do not read it).
             idle_timeout: seconds to wait for each next output (ResponseTimeout after).
+            timeout: the runtime's per-request deadline, in seconds, which the worker enforces
+                (ResponseTimeout after). The frontend passes it only when a request has a
+                deadline, so a router that predates it keeps working without one.
 
         Raises:
             CannotConnect: no live instance (or not the one named).
@@ -97,6 +101,7 @@ class ClientRouter:
         *,
         instance_id: int | None = None,
         idle_timeout: float | None = None,
+        timeout: float | None = None,
     ) -> OutputStream:
         if self.client.mode == RouterMode.Direct and instance_id is None:
             raise errors.InvalidArgument("direct routing needs the instance to send to")
@@ -104,7 +109,7 @@ class ClientRouter:
             instance_id = None
         return await self.client.stream(
             request, LLMEngineOutput, context=context, instance_id=instance_id,
-            idle_timeout=idle_timeout,
+            timeout=timeout, idle_timeout=idle_timeout,
         )
 
     async def close(self) -> None:

@@ -54,7 +54,8 @@ log = logging.getLogger("dynamo_zmq.worker")
 
 class Worker:
     """Owns one engine and serves it: registration, admission, cancellation, post-processing
-    (text and stop strings, see ``postprocess``), health, metrics, load reports.
+    (text and stop strings, see ``postprocess``), health, metrics, load reports. A request
+    preprocessed for another model card (its ``mdcsum``) is refused with InvalidArgument.
 
     Args:
         engine: the engine (not started yet).
@@ -224,7 +225,12 @@ class Worker:
         self, request: PreprocessedRequest, ctx: Context
     ) -> AsyncIterator[LLMEngineOutput]:
         assert self.metrics is not None and self._model_metrics is not None
-        assert self.health is not None
+        assert self.health is not None and self.card is not None
+        if request.mdcsum and request.mdcsum != self.card.checksum:
+            raise errors.InvalidArgument(
+                f"request preprocessed for model card {request.mdcsum}, but this worker serves "
+                f"{self.card.name!r} with card {self.card.checksum}"
+            )
         m = self._model_metrics
         m.requests.inc()
         m.inflight.inc()

@@ -99,9 +99,14 @@ def to_output(
     cached = getattr(out, "num_cached_tokens", None)
     usage = Usage(prompt_tokens, completion_tokens, cached if isinstance(cached, int) else None)
     error = "vLLM ended the request with an error" if reason == FinishReason.ERROR else None
+    # vLLM names the stop string or stop token id that ended a "stop" (None: end of sequence).
+    stop_reason = getattr(comp, "stop_reason", None)
+    if isinstance(stop_reason, bool) or not isinstance(stop_reason, (int, str)):
+        stop_reason = None
     return (
         LLMEngineOutput(
-            ids, text=text, finish_reason=reason, usage=usage, error=error, log_probs=log_probs
+            ids, text=text, finish_reason=reason, usage=usage, error=error, log_probs=log_probs,
+            stop_reason=stop_reason,
         ),
         completion_tokens,
     )

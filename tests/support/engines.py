@@ -25,14 +25,18 @@ from engines.mocker._kv_events import KvEvent
 
 
 class EchoEngine(LLMEngine):
-    """Streams the prompt's tokens back, one per chunk, ``--echo-delay`` seconds apart."""
+    """Streams the prompt's tokens back, one per chunk, ``--echo-delay`` seconds apart, and ends
+    with ``--echo-finish`` (``length`` by default; ``stop`` carries the last token in the
+    terminal chunk, as engines report the token that stopped them). The worker's health canary
+    always gets ``length``: an engine that fails every canary would leave routing."""
 
     name = "echo"
 
     def __init__(self, delay: float = 0.0, events: str | None = None, replay: str | None = None,
-                 dp_size: int = 1) -> None:
+                 dp_size: int = 1, finish: str = "length") -> None:
         self.delay = delay
         self.events, self.replay, self.dp_size = events, replay, dp_size
+        self.finish = finish
         self.aborted: list[str] = []
 
     @classmethod
@@ -42,11 +46,13 @@ class EchoEngine(LLMEngine):
         parser.add_argument("--echo-kv-events-endpoint", default=None)
         parser.add_argument("--echo-kv-replay-endpoint", default=None)
         parser.add_argument("--echo-data-parallel-size", type=int, default=1)
+        parser.add_argument("--echo-finish", default="length",
+                            choices=["length", "stop", "cancelled", "error"])
 
     @classmethod
     def from_namespace(cls, args: argparse.Namespace) -> EchoEngine:
         engine = cls(args.echo_delay, args.echo_kv_events_endpoint, args.echo_kv_replay_endpoint,
-                     args.echo_data_parallel_size)
+                     args.echo_data_parallel_size, args.echo_finish)
         engine.configure(args)
         return engine
 
@@ -61,6 +67,10 @@ class EchoEngine(LLMEngine):
     async def generate(self, request: PreprocessedRequest, ctx: Context):
         limit = request.stop.max_tokens or len(request.token_ids)
         tokens = (request.token_ids * (limit // max(1, len(request.token_ids)) + 1))[:limit]
+        last: list[int] = []
+        finish = "length" if ctx.id().startswith("health-") else self.finish
+        if finish == "stop":
+            tokens, last = tokens[:-1], tokens[-1:]
         for i, tok in enumerate(tokens):
             if ctx.is_stopped():
                 yield LLMEngineOutput(
@@ -71,7 +81,9 @@ class EchoEngine(LLMEngine):
             if self.delay:
                 await asyncio.sleep(self.delay)
         yield LLMEngineOutput(
-            finish_reason="length", usage=Usage(len(request.token_ids), len(tokens))
+            last, finish_reason=finish,
+            usage=Usage(len(request.token_ids), len(tokens) + len(last)),
+            error="the echo engine fails on purpose" if finish == "error" else None,
         )
 
     async def abort(self, ctx: Context) -> None:
