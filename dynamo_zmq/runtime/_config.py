@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from ..discovery import DiscoveryConfig, add_discovery_args
 from ..errors import InvalidArgument
+from ..transport.server import KILL_GRACE
 
 __all__ = ["RuntimeConfig", "add_runtime_args"]
 
@@ -32,10 +33,15 @@ class RuntimeConfig:
     #: Seconds between withdrawing (clients stop routing here) and refusing new requests, so
     #: requests already on the wire are still served.
     grace_period: float = 0.5
+    #: Seconds a handler whose request was killed (or whose caller dropped its stream) has to
+    #: see ``is_stopped()`` / ``is_killed()`` and return before it is cancelled where it waits.
+    kill_grace: float = KILL_GRACE
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise InvalidArgument(f"port {self.port} out of range")
+        if not self.kill_grace >= 0:
+            raise InvalidArgument(f"kill_grace must be >= 0 seconds, got {self.kill_grace}")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> RuntimeConfig:
