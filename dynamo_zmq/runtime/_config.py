@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from ..discovery import DiscoveryConfig, add_discovery_args
 from ..errors import InvalidArgument
+from ..transport.server import KILL_GRACE
 from ._canary import CanaryConfig
 
 __all__ = ["RuntimeConfig", "add_runtime_args"]
@@ -37,10 +38,15 @@ class RuntimeConfig:
     grace_period: float = 0.5
     #: Health canaries of endpoints served with a ``health_check_payload``.
     canary: CanaryConfig = field(default_factory=CanaryConfig)
+    #: Seconds a handler whose request was killed (or whose caller dropped its stream) has to
+    #: see ``is_stopped()`` / ``is_killed()`` and return before it is cancelled where it waits.
+    kill_grace: float = KILL_GRACE
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise InvalidArgument(f"port {self.port} out of range")
+        if not self.kill_grace >= 0:
+            raise InvalidArgument(f"kill_grace must be >= 0 seconds, got {self.kill_grace}")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> RuntimeConfig:

@@ -137,6 +137,7 @@ class DistributedRuntime:
                 server = Server(
                     self.resources, bind, self.instance_id, self._handlers.get, self.describe
                 )
+                server.kill_grace = self.config.kill_grace
                 await server.start()
                 self._server = server
                 log.info("instance %x serving on %s", self.instance_id, server.address)

@@ -40,6 +40,7 @@ class OpenStream:
         "finishing",
         "gone",
         "identity",
+        "interrupted",
         "request_id",
         "room",
         "scheduled",
@@ -68,6 +69,9 @@ class OpenStream:
         self.timed_out = False
         self.finishing = False
         self.gone = False
+        #: The server cancelled the handler's task (kill grace over, deadline, shutdown): a
+        #: CancelledError it ends with is not its own.
+        self.interrupted = False
         #: Set when an item could not be encoded: the stream ends with this error.
         self.failure: errors.DynamoError | None = None
         #: The END or ERROR waiting to go out after ``buf`` (set when the handler is done).
@@ -117,7 +121,9 @@ class Outbox:
         on the common path, once per frame).
 
         A STOP lets the producer run once more so it can see ``is_stopped()`` and finish; one
-        that keeps producing into a full buffer after that is killed.
+        that keeps producing into a full buffer after that is killed. A killed stream (the
+        server zeroes its credit) drops what its producer yields: False, and ``wait_room``
+        only yields to the loop, so the producer runs on and can notice the kill.
         """
         if st.buf and not st.scheduled:
             self.schedule(st)
@@ -127,9 +133,14 @@ class Outbox:
             # An empty buffer was just sent: its next item must schedule the next flush.
             st.room = room if pending else 1
             return True
-        if st.ctx.is_stopped():
+        ctx = st.ctx
+        if ctx.is_killed():
+            st.buf.clear()
+            st.room = 1
+            return False
+        if ctx.is_stopped():
             if pending > MAX_BATCH:
-                st.ctx.kill()
+                ctx.kill()
             st.room = 1
             return True
         return False
@@ -137,6 +148,9 @@ class Outbox:
     async def wait_room(self, st: OpenStream) -> None:
         """Wait until ``make_room`` succeeds (the buffer was sent, or credit came)."""
         while not self.make_room(st):
+            if st.ctx.is_killed():  # abandoned: nothing to wait for (see make_room)
+                await asyncio.sleep(0)
+                return
             st.wake.clear()
             await st.wake.wait()
 

@@ -37,6 +37,7 @@ from ..wire import (
     Request,
     encode,
 )
+from ._ending import cancelled_terminal, on_deadline, on_kill
 from ._outbox import OpenStream, Outbox
 from ._sockets import AsyncSocket, SendResult, make_socket
 
@@ -54,6 +55,10 @@ CLIENT_TIMEOUT = 3.0
 MAX_REQUEST_BYTES = 64 << 20
 #: Seconds ``close`` gives cancelled streams to send their terminals.
 CLOSE_GRACE = 2.0
+#: Seconds a handler whose request was killed (its caller killed it, dropped its stream, or is
+#: gone) has to notice (``is_stopped()`` / ``is_killed()`` between awaits, or its waiters) and
+#: return before its task is cancelled. What it yields meanwhile is dropped.
+KILL_GRACE = 1.0
 
 _FromClient = Request | Control | Credit | Ping | Describe
 """What a client sends; each frame kind decodes to one of these types (STOP and KILL to
@@ -97,6 +102,7 @@ class Server:
         self.draining = False  # clients are told to route new work elsewhere
         self.refusing = False  # new requests are rejected with EngineShutdown
         self.max_request_bytes = MAX_REQUEST_BYTES
+        self.kill_grace = KILL_GRACE
         self.address = ""
         self._sock: AsyncSocket | None = None
         self._streams: dict[tuple[bytes, int], OpenStream] = {}
@@ -151,9 +157,12 @@ class Server:
         """Cancel open streams (their clients see EngineShutdown; their terminals get up to
         ``CLOSE_GRACE`` seconds to go out), stop the loops, then close the socket."""
         streams = list(self._streams.values())
-        tasks = [st.task for st in streams if st.task is not None and not st.task.done()]
-        for task in tasks:
-            task.cancel()
+        tasks = []
+        for st in streams:
+            if st.task is not None and not st.task.done():
+                st.interrupted = True
+                st.task.cancel()
+                tasks.append(st.task)
         if tasks:
             await asyncio.wait(tasks, timeout=CLOSE_GRACE)
         for st in streams:  # a terminal still waiting for a full peer queue is abandoned
@@ -200,7 +209,7 @@ class Server:
             self._send_nowait(identity, Kind.PONG, encode(pong))
         elif isinstance(msg, Credit):
             st = self._streams.get((identity, msg.request_id))
-            if st is not None and msg.items > 0:
+            if st is not None and msg.items > 0 and not st.ctx.is_killed():
                 st.credit += msg.items
                 st.wake.set()
         elif isinstance(msg, Control):  # STOP or KILL
@@ -259,9 +268,10 @@ class Server:
         )
         # Also when the task is cancelled before it ever ran (its body's finally never runs).
         st.task.add_done_callback(lambda _t: self._forget(st))
-        st.ctx.add_listener(lambda killed: _on_kill(st) if killed else st.wake.set())
+        grace = self.kill_grace
+        st.ctx.add_listener(lambda killed: on_kill(st, grace) if killed else st.wake.set())
         if req.timeout is not None and 0 < req.timeout < 1e9:
-            timer = asyncio.get_running_loop().call_later(req.timeout, _on_deadline, st)
+            timer = asyncio.get_running_loop().call_later(req.timeout, on_deadline, st)
             st.task.add_done_callback(lambda _t: timer.cancel())
 
     # -- streaming -------------------------------------------------------------------------
@@ -278,19 +288,10 @@ class Server:
                 # The first item since a send, a full frame, or no credit:
                 if st.room <= 0 and not outbox.make_room(st):
                     await outbox.wait_room(st)
-            # (A KILL cancels this task wherever it waits, so no check per item is needed.)
-            terminal = End(st.request_id, 0)
+            # An abandoned stream never ends as complete, however its handler returned.
+            terminal = cancelled_terminal(st) if st.ctx.is_killed() else End(st.request_id, 0)
         except asyncio.CancelledError:
-            exc: errors.DynamoError
-            if st.failure is not None:
-                exc = st.failure
-            elif st.timed_out:
-                exc = errors.ResponseTimeout("request deadline exceeded")
-            elif st.ctx.is_killed():
-                exc = errors.Cancelled("request killed")
-            else:
-                exc = errors.EngineShutdown("server closed")
-            terminal = Error(st.request_id, 0, exc.kind, exc.message)
+            terminal = cancelled_terminal(st)
         except Exception as exc:
             err = errors.from_exception(exc)
             if isinstance(err, errors.Unknown):
@@ -309,7 +310,7 @@ class Server:
         """One of ``st``'s items could not be encoded: a bug in the handler, like raising."""
         log.error("handler for request %d yielded an item that cannot be encoded: %s",
                   st.request_id, st.failure)
-        st.ctx.kill()  # ends the handler; its terminal is the failure
+        st.ctx.kill()  # ends the handler at once; its terminal is the failure
 
     def _is_open(self, st: OpenStream) -> bool:
         return (st.identity, st.request_id) in self._streams
@@ -356,18 +357,6 @@ class Server:
         for identity, seen in list(self._last_seen.items()):
             if seen < cutoff:
                 self._client_gone(identity)
-
-
-def _on_kill(st: OpenStream) -> None:
-    st.wake.set()
-    if st.task is not None and not st.task.done() and not st.finishing:
-        st.task.cancel()
-
-
-def _on_deadline(st: OpenStream) -> None:
-    if st.task is not None and not st.task.done():
-        st.timed_out = True
-        st.ctx.kill()
 
 
 def _wire_text(text: object) -> str:

@@ -43,8 +43,8 @@ def make_handlers(runtime: DistributedRuntime, args: argparse.Namespace):
         note.append("started")
         try:
             for i in range(n):
-                if context.is_stopped():
-                    note.append("stopped")
+                if context.is_stopped():  # a kill lets the handler look before cancelling it
+                    note.append("killed" if context.is_killed() else "stopped")
                     return
                 item = {"i": i, "instance": runtime.instance_id}
                 if payload:
