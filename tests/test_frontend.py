@@ -9,14 +9,13 @@ import re
 import signal
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 
 import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.support.http import get, post
 from tests.support.metrics import sample
 from tests.support.procs import Proc
 
@@ -37,23 +36,6 @@ def frontend(spawn, namespace) -> tuple[Proc, str]:
     )
     proc.wait_ready()
     return proc, proc.address
-
-
-def get(url: str) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(url, timeout=10) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
-
-
-def post(url: str, body: bytes) -> tuple[int, bytes]:
-    req = urllib.request.Request(url, body, {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
 
 
 async def wait_models(url: str, names: set[str], timeout: float = 30.0) -> None:

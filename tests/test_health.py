@@ -9,13 +9,12 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import urllib.error
-import urllib.request
 
 import openai
 import pytest
 
 from tests.conftest import app_args
+from tests.support.http import get
 from tests.support.procs import Proc
 from tests.support.waiting import until
 
@@ -57,14 +56,6 @@ async def test_runtime_api_endpoint_canary_leaves_and_rejoins_routing(
 
 
 # -- a worker's canary, seen by a round-robin frontend and a KV-routing frontend ---------------
-
-
-def get(url: str) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(url, timeout=10) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
 
 
 def worker(spawn, namespace, model, engine: str, *extra: str) -> Proc:

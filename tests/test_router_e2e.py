@@ -18,6 +18,7 @@ import urllib.request
 import pytest
 
 from dynamo_zmq import errors
+from tests.support.http import get
 from tests.support.procs import Proc
 
 BLOCK = 16
@@ -29,14 +30,6 @@ def worker(spawn, namespace, model_dir) -> Proc:
                  "--model-name", "tiny", "--namespace", namespace, "--host", "127.0.0.1",
                  "--block-size", str(BLOCK), "--data-parallel-size", "2",
                  "--num-gpu-blocks-override", "256", "--speedup-ratio", "1000", ready=False)
-
-
-def get(url: str) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(url, timeout=10) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
 
 
 def complete(url: str, tokens: list[int], max_tokens: int = 4) -> tuple[str, dict]:
