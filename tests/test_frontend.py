@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.support.http import get, post
+from tests.support.http_calls import get, post
 from tests.support.metrics import sample
 from tests.support.procs import Proc
 

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from tests.conftest import app_args
-from tests.support.http import get
+from tests.support.http_calls import get
 from tests.support.procs import Proc
 from tests.support.waiting import until
 

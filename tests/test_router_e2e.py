@@ -18,7 +18,7 @@ import urllib.request
 import pytest
 
 from dynamo_zmq import errors
-from tests.support.http import get
+from tests.support.http_calls import get
 from tests.support.procs import Proc
 
 BLOCK = 16
