@@ -1,0 +1,138 @@
+"""Graceful hand-over on SIGTERM (issue 14, item 4), on real mocker workers: requests that finish
+within ``--graceful-timeout`` complete; those still running then end with a retryable
+``EngineShutdown`` ("handed over") after their outputs, never ``cancelled`` and never a socket
+that just closes; requests sent once the worker is leaving are served by another worker.
+
+The mocker runs slowly (``--speedup-ratio 0.1``: about 60 ms a token), so a 300-token request
+outlives any graceful timeout here and a 5-token one finishes well within it.
+
+Until request migration lands, a handed-over stream reaches an HTTP client as an SSE error event
+of the 503 kind (``service_unavailable_error``, code ``engine_shutdown``); with migration the
+frontend resumes it on another worker and the client sees one complete stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+from dynamo_zmq import errors
+from tests.support.churn import (
+    frontend,
+    openai_client,
+    stream_completion,
+    wait_live,
+    worker,
+)
+from tests.support.waiting import until
+
+LONG = 300
+MEDIUM = 100
+SHORT = 5
+
+
+def request(max_tokens: int) -> dict:
+    return {"token_ids": [1, 2, 3, 4], "stop": {"max_tokens": max_tokens}}
+
+
+async def drain(stream) -> tuple[list[dict], BaseException | None]:
+    """Every output of ``stream`` and the error it ended with (None: it completed)."""
+    got: list[dict] = []
+    try:
+        async for item in stream:
+            got.append(item.data())
+    except errors.DynamoError as exc:
+        return got, exc
+    return got, None
+
+
+def assert_handed_over(got: list[dict], exc: BaseException | None) -> None:
+    """Outputs first, then a retryable EngineShutdown that says it was handed over; no output
+    is a terminal (no ``cancelled``, no ``error`` finish)."""
+    assert got, "the hand-over came after outputs"
+    assert all(o.get("finish_reason") is None for o in got), got[-3:]
+    assert isinstance(exc, errors.EngineShutdown) and exc.retryable, repr(exc)
+    assert "shutting down" in exc.message and "handed over" in exc.message, exc.message
+
+
+async def test_sigterm_finishes_what_it_can_and_hands_over_the_rest(
+    namespace, spawn, make_runtime, tiny_model
+):
+    proc = worker(spawn, namespace, tiny_model, "--grace-period", "0.2",
+                  "--graceful-timeout", "2")
+    client = await make_runtime().endpoint(f"{namespace}.backend.generate").client()
+    assert await until(client, lambda: client.instance_ids() == [proc.instance_id], timeout=15)
+    short = [await client.generate(request(SHORT)) for _ in range(3)]
+    long = [await client.generate(request(LONG)) for _ in range(3)]
+    heads = [await s.__anext__() for s in long]  # running in the engine
+    readers = [asyncio.create_task(drain(s)) for s in (*short, *long)]
+
+    proc.signal(signal.SIGTERM)
+    results = await asyncio.wait_for(asyncio.gather(*readers), 30)
+    for got, exc in results[:3]:  # finished within the graceful timeout
+        assert exc is None and got[-1]["finish_reason"] == "length", (got[-1:], exc)
+        assert sum(len(o.get("token_ids", [])) for o in got) == SHORT
+    for head, (got, exc) in zip(heads, results[3:], strict=True):
+        assert_handed_over([head.data(), *got], exc)
+        assert sum(len(o.get("token_ids", [])) for o in [head.data(), *got]) < LONG
+    assert await asyncio.to_thread(proc.wait, 30) == 0
+    log = proc.logs()
+    assert "handed over 3 requests" in log, log
+
+
+async def test_a_second_signal_hands_over_at_once(namespace, spawn, make_runtime, tiny_model):
+    """A second SIGTERM skips the waiting, but in-flight requests are still handed over."""
+    proc = worker(spawn, namespace, tiny_model, "--grace-period", "0.2",
+                  "--graceful-timeout", "60")
+    client = await make_runtime().endpoint(f"{namespace}.backend.generate").client()
+    assert await until(client, lambda: client.instance_ids() == [proc.instance_id], timeout=15)
+    stream = await client.generate(request(LONG))
+    head = await stream.__anext__()
+    reading = asyncio.create_task(drain(stream))
+    proc.signal(signal.SIGTERM)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 15
+    while "grace period over" not in proc.logs():
+        assert loop.time() < deadline, proc.logs()
+        await asyncio.sleep(0.05)
+    proc.signal(signal.SIGTERM)
+    got, exc = await asyncio.wait_for(reading, 20)  # long before the 60 s graceful timeout
+    assert_handed_over([head.data(), *got], exc)
+    assert await asyncio.to_thread(proc.wait, 20) == 0
+
+
+async def test_through_a_frontend_new_requests_go_elsewhere_and_leftovers_are_handed_over(
+    namespace, spawn, tiny_model
+):
+    leaving = worker(spawn, namespace, tiny_model, "--grace-period", "0.3",
+                     "--graceful-timeout", "2")
+    staying = worker(spawn, namespace, tiny_model)
+    url = frontend(spawn, namespace).address
+    ids = {f"{leaving.instance_id:x}", f"{staying.instance_id:x}"}
+    await wait_live(url, lambda live: live == ids)
+    async with openai_client(url) as client:
+        # Round-robin over two workers: half of them land on the leaving one.
+        started = [asyncio.Event() for _ in range(4)]
+        inflight = [asyncio.create_task(stream_completion(client, MEDIUM, ev)) for ev in started]
+        await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in started)), 20)
+
+        leaving.signal(signal.SIGTERM)
+        after = await asyncio.wait_for(
+            asyncio.gather(*(stream_completion(client, SHORT) for _ in range(6))), 30)
+        for out in after:  # sent right after SIGTERM: served, by the other worker
+            assert out.ok and out.finish == "length", out
+            assert out.served_by == f"{staying.instance_id:x}", out
+        outcomes = await asyncio.wait_for(asyncio.gather(*inflight), 40)
+    assert await asyncio.to_thread(leaving.wait, 30) == 0
+
+    handed = [o for o in outcomes if o.served_by == f"{leaving.instance_id:x}"]
+    assert len(handed) == 2, outcomes
+    for out in handed:
+        # Until migration: the stream's text, then an SSE error event of the 503 kind.
+        assert out.text and out.finish is None and out.error is not None, out
+        assert out.error["type"] == "service_unavailable_error", out
+        assert out.error["code"] == "engine_shutdown", out
+        assert "handed over" in out.error["message"], out
+    for out in outcomes:
+        if out not in handed:
+            assert out.ok and out.finish == "length", out
