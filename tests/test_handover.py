@@ -20,6 +20,7 @@ from dynamo_zmq import errors
 from tests.support.churn import (
     frontend,
     openai_client,
+    read_stream,
     stream_completion,
     wait_live,
     worker,
@@ -33,17 +34,6 @@ SHORT = 5
 
 def request(max_tokens: int) -> dict:
     return {"token_ids": [1, 2, 3, 4], "stop": {"max_tokens": max_tokens}}
-
-
-async def drain(stream) -> tuple[list[dict], BaseException | None]:
-    """Every output of ``stream`` and the error it ended with (None: it completed)."""
-    got: list[dict] = []
-    try:
-        async for item in stream:
-            got.append(item.data())
-    except errors.DynamoError as exc:
-        return got, exc
-    return got, None
 
 
 def assert_handed_over(got: list[dict], exc: BaseException | None) -> None:
@@ -65,7 +55,7 @@ async def test_sigterm_finishes_what_it_can_and_hands_over_the_rest(
     short = [await client.generate(request(SHORT)) for _ in range(3)]
     long = [await client.generate(request(LONG)) for _ in range(3)]
     heads = [await s.__anext__() for s in long]  # running in the engine
-    readers = [asyncio.create_task(drain(s)) for s in (*short, *long)]
+    readers = [asyncio.create_task(read_stream(s)) for s in (*short, *long)]
 
     proc.signal(signal.SIGTERM)
     results = await asyncio.wait_for(asyncio.gather(*readers), 30)
@@ -88,7 +78,7 @@ async def test_a_second_signal_hands_over_at_once(namespace, spawn, make_runtime
     assert await until(client, lambda: client.instance_ids() == [proc.instance_id], timeout=15)
     stream = await client.generate(request(LONG))
     head = await stream.__anext__()
-    reading = asyncio.create_task(drain(stream))
+    reading = asyncio.create_task(read_stream(stream))
     proc.signal(signal.SIGTERM)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 15

@@ -225,10 +225,20 @@ class PeerConnection:
             send = self._sock.send([kind, encode(msg)], timeout=self._liveness_timeout)
             self._res.spawn(send, f"control-{self.address}")
 
-    def _fail_streams(self, error: errors.DynamoError) -> None:
+    def _fail_streams(self, error: errors.DynamoError, kill: bool = False) -> None:
+        """End every open stream with ``error``; ``kill``: also tell the peer to drop them."""
         streams, self._streams = self._streams, {}
         for st in streams.values():
             st.terminate(error)
+        if kill and streams and self._sock is not None and not self._sock.closed:
+            # The peer may only be stalled (a frozen process, a stuck event loop): if it comes
+            # back on this connection, these KILLs reach it first, so it stops generating for
+            # streams nobody reads. Best effort: a full queue drops them (a peer whose
+            # connection is replaced reaps the old one's streams itself).
+            for request_id in streams:
+                frame = [Kind.KILL, encode(Control(request_id))]
+                if self._sock.try_send(frame) != SendResult.SENT:
+                    break
 
     # -- background loops ------------------------------------------------------------------
 
@@ -353,7 +363,7 @@ class PeerConnection:
             return
         if self.state is not PeerState.DOWN:
             log.info("peer %s down: %s", self, reason)
-        self._fail_streams(errors.Disconnected(f"instance at {self.address} {reason}"))
+        self._fail_streams(errors.Disconnected(f"instance at {self.address} {reason}"), kill=True)
         if self.state is not PeerState.DOWN:
             self.state = PeerState.DOWN
             self._changed()

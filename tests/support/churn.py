@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import openai
 
+from dynamo_zmq import errors
 from tests.support.http_calls import get
 from tests.support.metrics import sample
 from tests.support.procs import Proc
@@ -109,3 +110,15 @@ async def stream_completion(client: openai.AsyncOpenAI, max_tokens: int,
         out.error = exc.body if isinstance(exc.body, dict) else {"message": str(exc.body)}
     out.seconds = time.monotonic() - t0
     return out
+
+
+async def read_stream(stream: object) -> tuple[list[dict], BaseException | None]:
+    """Every output of a runtime ``Client`` stream (``Response.data()``) and the typed error it
+    ended with (None: it completed)."""
+    got: list[dict] = []
+    try:
+        async for item in stream:  # type: ignore[attr-defined]
+            got.append(item.data())
+    except errors.DynamoError as exc:
+        return got, exc
+    return got, None
