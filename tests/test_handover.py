@@ -126,3 +126,30 @@ async def test_through_a_frontend_new_requests_go_elsewhere_and_leftovers_are_ha
     for out in outcomes:
         if out not in handed:
             assert out.ok and out.finish == "length", out
+
+
+async def test_the_engine_aborts_handed_over_requests_before_it_closes(
+    namespace, spawn, make_runtime, tiny_model
+):
+    """The hand-over tells the engine to abort each request (its context is killed), and the
+    requests are over before ``engine.cleanup()``; nothing waits for the socket to close."""
+    proc = spawn("-m", "dynamo_zmq.worker", "--engine", "tests.support.engines:LifecycleTestEngine",
+                 "--model-path", str(tiny_model), "--namespace", namespace, "--host", "127.0.0.1",
+                 "--echo-delay", "0.05", "--grace-period", "0.2", "--graceful-timeout", "1")
+    client = await make_runtime().endpoint(f"{namespace}.backend.generate").client()
+    assert await until(client, lambda: client.instance_ids() == [proc.instance_id], timeout=15)
+    streams = [await client.generate(request(LONG)) for _ in range(2)]
+    heads = [await s.__anext__() for s in streams]
+    readers = [asyncio.create_task(read_stream(s)) for s in streams]
+    proc.signal(signal.SIGTERM)
+    for head, (got, exc) in zip(heads, await asyncio.wait_for(asyncio.gather(*readers), 20),
+                                strict=True):
+        assert_handed_over([head.data(), *got], exc)
+    assert await asyncio.to_thread(proc.wait, 30) == 0
+    events = [line.split("LIFECYCLE ", 1)[1] for line in proc.logs().splitlines()
+              if "LIFECYCLE " in line]
+    assert events.count("drain inflight=2") == 1, events
+    aborts = [i for i, e in enumerate(events) if e.startswith("abort")]
+    ends = [i for i, e in enumerate(events) if e.startswith("end")]
+    assert len(aborts) == 2 and len(ends) == 2, events
+    assert events[-1] == "cleanup inflight=0", events  # after both requests ended

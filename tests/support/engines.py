@@ -101,8 +101,8 @@ lifecycle_log = logging.getLogger("tests.lifecycle")
 
 class LifecycleTestEngine(EchoEngine):
     """Test engine: logs ``LIFECYCLE <event>`` lines (to the worker's stderr, in order with the
-    worker's own log) for start, each request's end, drain (with the requests in flight then)
-    and cleanup."""
+    worker's own log) for start, each request's end, drain and abort (with the requests in
+    flight then) and cleanup."""
 
     name = "lifecycle"
 
@@ -125,6 +125,10 @@ class LifecycleTestEngine(EchoEngine):
 
     async def drain(self) -> None:
         lifecycle_log.info("LIFECYCLE drain inflight=%d", self.inflight)
+
+    async def abort(self, ctx: Context) -> None:
+        lifecycle_log.info("LIFECYCLE abort inflight=%d", self.inflight)
+        await super().abort(ctx)
 
     async def cleanup(self) -> None:
         lifecycle_log.info("LIFECYCLE cleanup inflight=%d", self.inflight)
