@@ -28,7 +28,7 @@ from tests.support.churn import (
 from tests.support.waiting import until
 
 LONG = 300
-MEDIUM = 100
+MEDIUM = 150
 SHORT = 5
 
 
