@@ -16,7 +16,11 @@ from __future__ import annotations
 import asyncio
 import signal
 
+import pytest
+
 from dynamo_zmq import errors
+from dynamo_zmq.transport import plain_items
+from dynamo_zmq.wire import encode_item
 from tests.support.churn import (
     frontend,
     openai_client,
@@ -153,3 +157,38 @@ async def test_the_engine_aborts_handed_over_requests_before_it_closes(
     ends = [i for i, e in enumerate(events) if e.startswith("end")]
     assert len(aborts) == 2 and len(ends) == 2, events
     assert events[-1] == "cleanup inflight=0", events  # after both requests ended
+
+
+async def test_the_runtime_hands_over_open_streams_and_refuses_new_ones(make_runtime):
+    """``DistributedRuntime.hand_over``: each open stream ends with the retryable
+    ``EngineShutdown(reason)`` right after the items it sent, its handler sees the kill, and a
+    request sent afterwards is refused with ``EngineShutdown`` before any item."""
+    server = make_runtime(static=())
+    killed: list[bool] = []
+
+    async def count(request, context):
+        try:
+            for i in range(10_000):
+                yield i
+                await asyncio.sleep(0.01)
+        finally:
+            killed.append(context.is_killed())
+
+    await server.endpoint("ns.c.count").start_serving(count)
+    client = await make_runtime(static=(server.address,)).endpoint("ns.c.count").client()
+    await client.wait_for_instances(timeout=10)
+    streams = [await client.generate({}, annotated=False) for _ in range(3)]
+    for s in streams:
+        assert await s.__anext__() == 0
+    assert await server.hand_over("going elsewhere") == 3
+    for s in streams:
+        with pytest.raises(errors.EngineShutdown, match="going elsewhere"):
+            async for _ in s:
+                pass
+    assert killed == [True, True, True] and server.inflight == 0
+    assert client.instance_ids() == []  # draining: callers route elsewhere
+    conn = next(iter(client._pool.peers.values()))  # a caller that sends to it anyway
+    late = await conn.open_stream("ns.c.count", encode_item({}), decode=plain_items)
+    with pytest.raises(errors.EngineShutdown, match="shutting down"):
+        async for _ in late:
+            pass
