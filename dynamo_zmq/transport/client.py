@@ -226,18 +226,15 @@ class PeerConnection:
             self._res.spawn(send, f"control-{self.address}")
 
     def _fail_streams(self, error: errors.DynamoError, kill: bool = False) -> None:
-        """End every open stream with ``error``; ``kill``: also tell the peer to drop them."""
+        """End every open stream with ``error``; ``kill``: also send KILL for each (best effort,
+        never waiting), so a peer that was only stalled drops them when it reads again."""
         streams, self._streams = self._streams, {}
         for st in streams.values():
             st.terminate(error)
-        if kill and streams and self._sock is not None and not self._sock.closed:
-            # The peer may only be stalled (a frozen process, a stuck event loop): if it comes
-            # back on this connection, these KILLs reach it first, so it stops generating for
-            # streams nobody reads. Best effort: a full queue drops them (a peer whose
-            # connection is replaced reaps the old one's streams itself).
+        sock = self._sock
+        if kill and sock is not None and not sock.closed:
             for request_id in streams:
-                frame = [Kind.KILL, encode(Control(request_id))]
-                if self._sock.try_send(frame) != SendResult.SENT:
+                if sock.try_send([Kind.KILL, encode(Control(request_id))]) != SendResult.SENT:
                     break
 
     # -- background loops ------------------------------------------------------------------
