@@ -53,6 +53,8 @@ log = logging.getLogger(__name__)
 
 #: Seconds between renewals of the runtime's registrations (its lease keep-alive).
 LEASE_KEEPALIVE = 0.5
+#: Seconds ``hand_over`` waits for the handed-over requests' terminals to go out.
+HAND_OVER_FLUSH = 2.0
 
 
 class DistributedRuntime:
@@ -365,6 +367,19 @@ class DistributedRuntime:
         return await self._server.wait_idle(
             self.config.graceful_timeout if timeout is None else timeout
         )
+
+    async def hand_over(self, reason: str, timeout: float = HAND_OVER_FLUSH) -> int:
+        """End every request still in flight with a retryable ``EngineShutdown(reason)`` after
+        the outputs it already sent (its caller moves it to another instance), refuse new
+        ones, and wait up to ``timeout`` seconds for those terminals to go out. Returns how
+        many requests were handed over."""
+        if self._server is None:
+            return 0
+        handed = self._server.hand_over(reason)
+        if not await self._server.wait_idle(timeout):
+            log.warning("%d requests still open %gs after the hand-over",
+                        self._server.inflight, timeout)
+        return handed
 
     @property
     def inflight(self) -> int:

@@ -225,10 +225,17 @@ class PeerConnection:
             send = self._sock.send([kind, encode(msg)], timeout=self._liveness_timeout)
             self._res.spawn(send, f"control-{self.address}")
 
-    def _fail_streams(self, error: errors.DynamoError) -> None:
+    def _fail_streams(self, error: errors.DynamoError, kill: bool = False) -> None:
+        """End every open stream with ``error``; ``kill``: also send KILL for each (best effort,
+        never waiting), so a peer that was only stalled drops them when it reads again."""
         streams, self._streams = self._streams, {}
         for st in streams.values():
             st.terminate(error)
+        sock = self._sock
+        if kill and sock is not None and not sock.closed:
+            for request_id in streams:
+                if sock.try_send([Kind.KILL, encode(Control(request_id))]) != SendResult.SENT:
+                    break
 
     # -- background loops ------------------------------------------------------------------
 
@@ -353,7 +360,7 @@ class PeerConnection:
             return
         if self.state is not PeerState.DOWN:
             log.info("peer %s down: %s", self, reason)
-        self._fail_streams(errors.Disconnected(f"instance at {self.address} {reason}"))
+        self._fail_streams(errors.Disconnected(f"instance at {self.address} {reason}"), kill=True)
         if self.state is not PeerState.DOWN:
             self.state = PeerState.DOWN
             self._changed()

@@ -145,6 +145,22 @@ class Server:
         self.set_draining()
         self.refusing = True
 
+    def hand_over(self, reason: str) -> int:
+        """End every running stream now with a retryable ``EngineShutdown(reason)``, after the
+        items it already yielded, so its caller sends it elsewhere; refuses new requests. Each
+        handler's context is killed (the engine aborts the request) and its task cancelled.
+        Streams whose handler already returned end as they were going to. Returns how many
+        were handed over; ``wait_idle`` tells when their terminals are out."""
+        self.refuse_new()
+        handed = 0
+        for st in list(self._streams.values()):
+            if st.finishing or st.ctx.is_killed() or st.failure is not None:
+                continue
+            st.failure = errors.EngineShutdown(reason)  # the terminal (see Outbox.finish)
+            st.ctx.kill()  # a failure set: on_kill cancels the handler at once
+            handed += 1
+        return handed
+
     async def wait_idle(self, timeout: float | None = None) -> bool:
         """Wait until no stream is open; returns False on timeout."""
         try:

@@ -7,8 +7,11 @@ that fails to start is reported as ``EngineShutdown`` (one line) and the process
 
 Shutdown (SIGTERM/SIGINT), the backend-common document's order: unregister -> grace period ->
 stop admitting (EngineShutdown) -> ``engine.drain()`` while in-flight requests still run -> wait
-for them (within the graceful timeout) -> ``engine.cleanup()`` -> close sockets -> exit 0. A
-second signal skips the waiting.
+for them (within the graceful timeout) -> hand over what still runs -> ``engine.cleanup()`` ->
+close sockets -> exit 0. A second signal skips the waiting, not the hand-over. Handing over ends
+each request still running with a retryable ``EngineShutdown`` after the outputs it already
+sent (the engine aborts it), so its caller moves it to another worker: never ``cancelled``,
+never a socket that just closes.
 """
 
 from __future__ import annotations
@@ -78,6 +81,7 @@ class Worker:
         self.load_publisher: LoadPublisher | None = None
         self._model_metrics: ModelMetrics | None = None
         self._force = asyncio.Event()
+        self._handing_over = False  # kills from now on are hand-overs, not cancellations
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -102,6 +106,7 @@ class Worker:
         if not shutdown.done():
             log.warning("second signal: not waiting for the engine or in-flight requests")
         await cancel_and_wait((shutdown, force))
+        await self._hand_over()
         await self._close()
         log.info("worker stopped")
         return 0
@@ -117,13 +122,27 @@ class Worker:
         try:
             await asyncio.wait_for(self._drain(), self.runtime.config.graceful_timeout)
         except asyncio.TimeoutError:
-            log.warning("graceful timeout: %d requests still in flight are cut off",
-                        self.runtime.inflight)
+            log.warning("graceful timeout (%gs) over with %d requests in flight",
+                        self.runtime.config.graceful_timeout, self.runtime.inflight)
 
     async def _drain(self) -> None:
         await self.engine.drain()
         await self.runtime.wait_idle(None)
         log.info("engine drained, no request in flight")
+
+    async def _hand_over(self) -> None:
+        """End the requests still running with a retryable ``EngineShutdown`` (after their
+        outputs; the engine aborts them) and wait for those terminals to go out, before the
+        engine and the sockets close."""
+        if not self.runtime.inflight:
+            return
+        self._handing_over = True
+        iid = self.runtime.instance_id
+        handed = await self.runtime.hand_over(
+            f"worker {iid:x} is shutting down: the request is handed over to another worker"
+        )
+        log.warning("handed over %d requests still in flight (EngineShutdown, retryable)",
+                    handed)
 
     def _on_signal(self) -> None:
         if self.runtime.is_shutdown():
@@ -252,7 +271,7 @@ class Worker:
             engine_ctx.stop()
             abort(cancelled=False)
 
-        remove = ctx.add_listener(lambda killed: abort(cancelled=True))
+        remove = ctx.add_listener(lambda killed: abort(cancelled=not self._handing_over))
         stream = self.engine.generate(request, engine_ctx)
         if self.settings.debug_streams:
             stream = validate_stream(stream)

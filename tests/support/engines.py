@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import time
 from pathlib import Path
 
 from dynamo_zmq.context import Context
@@ -100,8 +101,8 @@ lifecycle_log = logging.getLogger("tests.lifecycle")
 
 class LifecycleTestEngine(EchoEngine):
     """Test engine: logs ``LIFECYCLE <event>`` lines (to the worker's stderr, in order with the
-    worker's own log) for start, each request's end, drain (with the requests in flight then)
-    and cleanup."""
+    worker's own log) for start, each request's end, drain and abort (with the requests in
+    flight then) and cleanup."""
 
     name = "lifecycle"
 
@@ -124,6 +125,10 @@ class LifecycleTestEngine(EchoEngine):
 
     async def drain(self) -> None:
         lifecycle_log.info("LIFECYCLE drain inflight=%d", self.inflight)
+
+    async def abort(self, ctx: Context) -> None:
+        lifecycle_log.info("LIFECYCLE abort inflight=%d", self.inflight)
+        await super().abort(ctx)
 
     async def cleanup(self) -> None:
         lifecycle_log.info("LIFECYCLE cleanup inflight=%d", self.inflight)
@@ -242,3 +247,30 @@ class FlakyMocker(MockerEngine):
             return
         async for out in super().generate(request, ctx):
             yield out
+
+
+class StallingTestEngine(EchoEngine):
+    """``EchoEngine`` whose first request blocks the worker's event loop for ``--stall-for``
+    seconds after ``--stall-after`` tokens (a stuck loop: ZMQ's I/O thread still answers the
+    connection's heartbeats, but no ping is answered), once per process."""
+
+    def configure(self, args: argparse.Namespace) -> None:
+        self.stall_after: int = args.stall_after
+        self.stall_for: float = args.stall_for
+        self.stalled = False
+
+    @classmethod
+    def add_args(cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+        super().add_args(parser)
+        parser.add_argument("--stall-after", type=int, default=5)
+        parser.add_argument("--stall-for", type=float, default=4.0)
+
+    async def generate(self, request: PreprocessedRequest, ctx: Context):
+        sent = 0
+        async for out in super().generate(request, ctx):
+            yield out
+            sent += len(out.token_ids)
+            if self.stalled or sent < self.stall_after or ctx.id().startswith("health-"):
+                continue
+            self.stalled = True
+            time.sleep(self.stall_for)  # noqa: ASYNC251 (blocks the whole event loop on purpose)
