@@ -1,9 +1,9 @@
 """Print the raw mDNS records of dynamo-zmq services as one JSON line, then exit:
-``python -m tests.support.mdns_browse COUNT SECONDS``.
+``python -m tests.support.mdns_browse SECONDS [INSTANCE_HEX...]``.
 
-Browses on every interface (no pinning) until ``COUNT`` services have resolved or ``SECONDS``
-have passed, and prints ``[{"name", "addresses", "port", "ns", "iid"}, ...]``: every IPv4
-address each record carries, not just the one a client would dial.
+Browses on every interface (no pinning) until a record of every ``INSTANCE_HEX`` has resolved
+or ``SECONDS`` have passed, and prints ``[{"name", "addresses", "port", "ns", "iid"}, ...]``:
+every IPv4 address each record carries, not just the one a client would dial.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZerocon
 from dynamo_zmq.discovery import SERVICE_TYPE
 
 
-async def main(count: int, seconds: float) -> None:
+async def main(seconds: float, wanted: set[str]) -> None:
     aiozc = AsyncZeroconf(ip_version=IPVersion.V4Only)
     names: set[str] = set()
     found: dict[str, dict[str, object]] = {}
@@ -32,7 +32,7 @@ async def main(count: int, seconds: float) -> None:
     browser = AsyncServiceBrowser(aiozc.zeroconf, SERVICE_TYPE, handlers=[on_change])
     loop = asyncio.get_running_loop()
     deadline = loop.time() + seconds
-    while len(found) < count and loop.time() < deadline:
+    while not wanted <= {r["iid"] for r in found.values()} and loop.time() < deadline:
         for name in sorted(names - set(found)):
             info = AsyncServiceInfo(SERVICE_TYPE, name)
             if await info.async_request(aiozc.zeroconf, 1000):
@@ -51,4 +51,4 @@ async def main(count: int, seconds: float) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(int(sys.argv[1]), float(sys.argv[2])))
+    asyncio.run(main(float(sys.argv[1]), set(sys.argv[2:])))
