@@ -29,6 +29,7 @@ from tests.support.cluster import (
     mocker_worker,
     wait_until,
 )
+from tests.support.metrics import sample
 
 #: The issue's bound for a cut or frozen host to leave routing.
 LEAVE_WITHIN = 2.0
@@ -112,6 +113,30 @@ def test_records_carry_the_hosts_own_address(deployment: Deployment) -> None:
             assert ip in dep.cluster.subnet, record
 
 
+def test_kv_events_and_load_reach_a_router_on_another_host(deployment: Deployment) -> None:
+    """A KV-routing frontend on A subscribes to each worker's KV-event replay and load sockets
+    at the addresses the workers advertised: they must be reachable from A."""
+    dep = deployment
+    a = dep.host("a")
+    kv = frontend(a, "--http-port", "8001", "--router-mode", "kv")
+    try:
+        client = a.openai_client(8001)
+        assert wait_until(lambda: bool(client.models.list().data), 30)
+        served = {complete(client, dep.model) for _ in range(4)}
+        assert served <= {dep.iid("b"), dep.iid("c")}
+        http = a.http(8001)
+
+        def followed() -> bool:
+            page = http.get("/metrics").text
+            replays = sample(page, "dynamo_router_kv_event_replays_total", result="ok")
+            loads = sample(page, "dynamo_router_load_reports_total")
+            return replays == 2 and (loads or 0) >= 2
+
+        assert wait_until(followed, 15, step=0.2), http.get("/metrics").text[-3000:]
+    finally:
+        kv.stop()
+
+
 def _faults(dep: Deployment) -> dict[str, tuple[Callable[[Host], None], Callable[[Host], None]]]:
     c = dep.cluster
     return {"cut": (c.cut, c.heal), "freeze": (c.freeze, c.thaw)}
@@ -127,17 +152,20 @@ def test_a_lost_host_leaves_routing_and_comes_back(deployment: Deployment, fault
     try:
         t0 = time.monotonic()
         log: list[tuple[float, int | Exception]] = []
+        slowest = 0.0
         while (now := time.monotonic()) < t0 + LEAVE_WITHIN + OBSERVE_AFTER:
             try:
                 log.append((now - t0, complete(client, dep.model)))
             except Exception as exc:
                 log.append((now - t0, exc))
+            slowest = max(slowest, time.monotonic() - now)
         not_c = [(t, got) for t, got in log if got != c]
         late = [(t, got) for t, got in not_c if t >= LEAVE_WITHIN]
         assert not late, f"after {fault} of B, not served by C: {late} (log: {log})"
         assert any(t >= LEAVE_WITHIN for t, _ in log), f"no request after {LEAVE_WITHIN}s: {log}"
         left = max((t for t, _ in not_c), default=0.0)
-        print(f"{fault}: B left routing by {left:.2f}s ({len(log)} requests; not C: {not_c})")
+        print(f"{fault}: B left routing by {left:.2f}s ({len(log)} requests, slowest "
+              f"{slowest:.2f}s; not C: {not_c})")
     finally:
         end_fault(dep.host("b"))
     t1 = time.monotonic()

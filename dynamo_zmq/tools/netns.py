@@ -150,17 +150,26 @@ class Host:
             self._forwards[port] = proc
         return proc.address.removeprefix("unix:")
 
+    def http(self, port: int = 8000) -> Any:
+        """An HTTP client (openai's HTTP library: httpx, or httpx2 in newer releases) for
+        ``http://127.0.0.1:port`` of this host, through ``uds``: ``host.http().get("/health")``.
+        """
+        import openai
+
+        base = next(c for c in openai.DefaultHttpxClient.__mro__ if "openai" not in c.__module__)
+        lib: Any = importlib.import_module(base.__module__.split(".")[0])
+        transport = lib.HTTPTransport(uds=self.uds(port))
+        return openai.DefaultHttpxClient(transport=transport, base_url=f"http://{self.name}")
+
     def openai_client(self, port: int = 8000, **kwargs: Any) -> openai.OpenAI:
         """An ``openai.OpenAI`` client for the frontend on ``port`` of this host (through
         ``uds``); ``kwargs`` go to ``openai.OpenAI`` (default: no retries, 30 s timeout)."""
         import openai
 
-        # openai's own HTTP library (httpx, or httpx2 in newer releases) makes the transport.
-        base = next(c for c in openai.DefaultHttpxClient.__mro__ if "openai" not in c.__module__)
-        lib: Any = importlib.import_module(base.__module__.split(".")[0])
-        http = openai.DefaultHttpxClient(transport=lib.HTTPTransport(uds=self.uds(port)))
         opts: dict[str, Any] = {"api_key": "none", "max_retries": 0, "timeout": 30.0, **kwargs}
-        return openai.OpenAI(base_url=f"http://{self.name}/v1", http_client=http, **opts)
+        return openai.OpenAI(
+            base_url=f"http://{self.name}/v1", http_client=self.http(port), **opts
+        )
 
 
 class Cluster:
