@@ -9,6 +9,7 @@ each ``--workers`` host, all with no discovery flag, and prints how to reach eac
 Then it reads commands on stdin, one a line, until ``quit``, Ctrl-C or SIGTERM:
 
     cut HOST | heal HOST      take HOST's link down / up
+    silent-cut HOST           drop HOST's frames, link kept up (undo with heal)
     freeze HOST | thaw HOST   SIGSTOP / SIGCONT every process on HOST
     hosts                     list hosts, addresses and processes
     quit
@@ -21,14 +22,16 @@ model is built in a temporary directory.
 from __future__ import annotations
 
 import argparse
+import functools
 import shlex
 import signal
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from dynamo_zmq.tools.child_process import ChildProcess
-from dynamo_zmq.tools.netns import Cluster, cluster_supported
+from dynamo_zmq.tools.netns import Cluster, Host, cluster_supported
 from dynamo_zmq.tools.tiny_model import build_tiny_model
 
 
@@ -89,7 +92,8 @@ def main() -> int:
                       f"http://{name}/v1/models")
                 print(f"    or:  sudo ip netns exec {host.netns} curl "
                       "http://127.0.0.1:8000/v1/models")
-            print("commands: cut|heal|freeze|thaw HOST, hosts, quit (or Ctrl-C)", flush=True)
+            print("commands: cut|silent-cut|heal|freeze|thaw HOST, hosts, quit (or Ctrl-C)",
+                  flush=True)
             commands(cluster, procs)
         except KeyboardInterrupt:
             pass
@@ -99,8 +103,10 @@ def main() -> int:
 
 def commands(cluster: Cluster, procs: dict[str, list[tuple[str, ChildProcess]]]) -> None:
     """Run commands from stdin; at end of input, wait for Ctrl-C or SIGTERM."""
-    actions = {"cut": cluster.cut, "heal": cluster.heal,
-               "freeze": cluster.freeze, "thaw": cluster.thaw}
+    actions: dict[str, Callable[[Host], None]] = {
+        "cut": cluster.cut, "heal": cluster.heal, "freeze": cluster.freeze, "thaw": cluster.thaw,
+        "silent-cut": functools.partial(cluster.cut, silent=True),
+    }
     for line in sys.stdin:
         words = line.split()
         if not words:

@@ -8,6 +8,7 @@ that served) and leaves the cluster as it found it.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import json
 import sys
@@ -139,10 +140,14 @@ def test_kv_events_and_load_reach_a_router_on_another_host(deployment: Deploymen
 
 def _faults(dep: Deployment) -> dict[str, tuple[Callable[[Host], None], Callable[[Host], None]]]:
     c = dep.cluster
-    return {"cut": (c.cut, c.heal), "freeze": (c.freeze, c.thaw)}
+    return {
+        "cut": (c.cut, c.heal),
+        "silent-cut": (functools.partial(c.cut, silent=True), c.heal),
+        "freeze": (c.freeze, c.thaw),
+    }
 
 
-@pytest.mark.parametrize("fault", ["cut", "freeze"])
+@pytest.mark.parametrize("fault", ["cut", "silent-cut", "freeze"])
 def test_a_lost_host_leaves_routing_and_comes_back(deployment: Deployment, fault: str) -> None:
     dep = deployment
     assert dep.serves_both("a", 30)

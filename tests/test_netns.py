@@ -49,6 +49,10 @@ def test_hosts_reach_each_other_until_cut_or_frozen(make_cluster) -> None:
     assert not reaches(b, a.address)
     c.heal(a)
     assert reaches(b, a.address)
+    c.cut(a, silent=True)
+    assert not reaches(b, a.address)
+    c.heal(a)
+    assert reaches(b, a.address)
     c.freeze(a)
     assert server.pid in a.pids() and state(server.pid) == "T"
     assert not reaches(b, a.address)

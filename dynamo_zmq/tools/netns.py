@@ -8,12 +8,14 @@ own interfaces. The bridge floods multicast (snooping off), so mDNS works as on 
 
 Processes are started inside a host with ``ip netns exec`` and stopped by pid. ``cut``/``heal``
 take a host's bridge port down and up (the host's link loses carrier, as when a cable is
-pulled); ``freeze``/``thaw`` send SIGSTOP/SIGCONT to every process in the host's namespace.
+pulled), or with ``silent=True`` disable it (frames dropped, carrier kept); ``freeze``/``thaw``
+send SIGSTOP/SIGCONT to every process in the host's namespace.
 Children start with no ``DYN_*`` variable of this process: zero configuration, unless asked.
 
 ``Cluster`` is a context manager: leaving it (also on an error during setup) stops the
 processes it started, kills any process still left inside its namespaces (their children),
-and deletes exactly the namespaces it made, by name. Needs root and ``ip`` (iproute2).
+and deletes exactly the namespaces it made, by name. Needs root and iproute2 (``ip``,
+``bridge``).
 
     with Cluster(["a", "b"]) as cluster:
         worker = cluster["b"].python("-m", "dynamo_zmq.worker", "--engine", "mocker", ...)
@@ -61,8 +63,8 @@ def cluster_supported() -> str | None:
     """``None`` if this process can build a cluster, else why not."""
     if not sys.platform.startswith("linux"):
         return "network namespaces need Linux"
-    if shutil.which("ip") is None:
-        return "the ip command (iproute2) is not installed"
+    if shutil.which("ip") is None or shutil.which("bridge") is None:
+        return "the ip and bridge commands (iproute2) are not installed"
     if os.geteuid() != 0:
         return "network namespaces need root"
     return None
@@ -74,6 +76,12 @@ def ip(*args: str, check: bool = True) -> str:
     if check and done.returncode != 0:
         raise ClusterError(f"ip {' '.join(args)}: {done.stderr.strip()}")
     return done.stdout
+
+
+def _bridge(*args: str) -> None:
+    done = subprocess.run(["bridge", *args], capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        raise ClusterError(f"bridge {' '.join(args)}: {done.stderr.strip()}")
 
 
 class Host:
@@ -263,13 +271,23 @@ class Cluster:
             shutil.rmtree(self.tmp, ignore_errors=True)
             self.tmp = ""
 
-    def cut(self, host: Host) -> None:
-        """Take ``host``'s bridge port down: nothing reaches it or leaves it."""
-        ip("-n", self.bridge_netns, "link", "set", host.port, "down")
+    def cut(self, host: Host, *, silent: bool = False) -> None:
+        """Cut ``host`` off: nothing reaches it or leaves it.
+
+        By default its bridge port goes down, so its link loses carrier (a pulled cable).
+        ``silent=True`` disables the port instead: frames are dropped and the link stays up
+        (a dead switch upstream, a firewall dropping everything), so connection attempts hang
+        rather than fail.
+        """
+        if silent:
+            _bridge("-n", self.bridge_netns, "link", "set", "dev", host.port, "state", "0")
+        else:
+            ip("-n", self.bridge_netns, "link", "set", host.port, "down")
 
     def heal(self, host: Host) -> None:
-        """Bring ``host``'s bridge port back up."""
+        """Undo ``cut``: ``host``'s bridge port up and forwarding."""
         ip("-n", self.bridge_netns, "link", "set", host.port, "up")
+        _bridge("-n", self.bridge_netns, "link", "set", "dev", host.port, "state", "3")
 
     def freeze(self, host: Host) -> None:
         """SIGSTOP every process inside ``host``."""
