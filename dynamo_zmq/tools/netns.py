@@ -56,7 +56,7 @@ _HOST_NAME = re.compile(r"^[a-z][a-z0-9]{0,7}$")
 
 
 class ClusterError(RuntimeError):
-    """An ``ip`` command failed while building or changing the cluster."""
+    """An ``ip`` or ``bridge`` command failed while building or changing the cluster."""
 
 
 def cluster_supported() -> str | None:
