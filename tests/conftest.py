@@ -15,6 +15,7 @@ import pytest
 # mDNS in tests never leaves loopback, whatever a test forgets to pass.
 os.environ["DYN_MDNS_INTERFACES"] = "127.0.0.1"
 
+from tests.support.cluster import Cluster, cluster
 from tests.support.procs import Proc
 
 
@@ -46,6 +47,15 @@ def spawn() -> Iterator[Callable[..., Proc]]:
     yield start
     for proc in procs:
         proc.stop()
+
+
+@pytest.fixture
+def make_cluster() -> Iterator[Callable[..., Cluster]]:
+    """Build multi-host clusters: ``make_cluster("a", "b")`` (see tests/support/cluster.py);
+    each is torn down at teardown, processes by pid, namespaces by name. A module that shares
+    one cluster across its tests uses ``with cluster(...)`` in a module-scoped fixture."""
+    with contextlib.ExitStack() as stack:
+        yield lambda *hosts: stack.enter_context(cluster(*hosts))
 
 
 @contextlib.asynccontextmanager

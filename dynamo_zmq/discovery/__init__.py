@@ -12,6 +12,7 @@ from ._base import PeerRemoved as PeerRemoved
 from ._config import DiscoveryConfig as DiscoveryConfig
 from ._config import add_discovery_args as add_discovery_args
 from ._config import read_static_file as read_static_file
+from ._mdns_addresses import reachable_ipv4 as reachable_ipv4
 from .mdns import MdnsDiscovery as MdnsDiscovery
 from .static import StaticDiscovery as StaticDiscovery
 
@@ -28,6 +29,7 @@ __all__ = [
     "StaticDiscovery",
     "add_discovery_args",
     "make_discovery",
+    "reachable_ipv4",
     "read_static_file",
 ]
 

@@ -2,8 +2,9 @@
 
 One ``AsyncZeroconf`` per ``MdnsDiscovery`` owns the sockets. Each advert is one service named
 ``<namespace>-<instance id as 16 hex>``; its TXT carries only ``ns``, ``iid``, ``v`` and
-``comps``. Each ``watch()`` owns one browser, the resolve tasks it starts, and the queue it
-yields from. Zeroconf failures after ``start()`` are logged, never raised into the caller's
+``comps``. Each ``watch()`` is a ``_mdns_watch.Watch``: one browser, the resolve tasks it
+starts, a periodic query for peers whose announcements were missed, and the queue it yields
+from. Zeroconf failures after ``start()`` are logged, never raised into the caller's
 loop. Which IPv4 addresses are published and dialled is ``_mdns_addresses.py``'s; what the
 network says about our own services (conflicts, goodbyes we did not send) ``_mdns_guard.py``'s,
 and ``renew`` (the runtime's lease keep-alive) acts on it.
@@ -14,29 +15,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
-from zeroconf import InterfaceChoice, IPVersion, ServiceStateChange, Zeroconf
-from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
+from zeroconf import InterfaceChoice, IPVersion
+from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
 
 from ..errors import InvalidArgument
-from ..resources import cancel_and_wait
 from ._base import (
-    PROTOCOL_VERSION,
     SERVICE_TYPE,
     Advert,
     Discovery,
     DiscoveryEvent,
-    PeerAdded,
-    PeerRemoved,
 )
 from ._config import DiscoveryConfig
 from ._mdns_addresses import advert_endpoint as _advert_endpoint
 from ._mdns_addresses import local_ipv4 as _local_ipv4
-from ._mdns_addresses import local_networks as _local_networks
-from ._mdns_addresses import pick_ip as _pick_ip
+from ._mdns_addresses import pick_ip as _pick_ip  # noqa: F401 (tests import it from here)
 from ._mdns_guard import AdvertGuard
+from ._mdns_watch import Watch
 
 __all__ = ["MdnsDiscovery", "instance_name"]
 
@@ -49,7 +46,6 @@ _MAX_LABEL = 63
 _TTL = 120
 #: Budget for one TXT entry (the format allows 255 bytes per ``key=value``).
 _MAX_TXT_VALUE = 200
-_ADD_OR_UPDATE = (ServiceStateChange.Added, ServiceStateChange.Updated)
 
 
 def instance_name(namespace: str, instance_id: int) -> str:
@@ -84,7 +80,7 @@ class MdnsDiscovery(Discovery):
         self._adverts: dict[tuple[str, int], AsyncServiceInfo] = {}
         #: adverts whose registration failed: ``renew`` tries again.
         self._unregistered: dict[tuple[str, int], AsyncServiceInfo] = {}
-        self._watches: set[_Watch] = set()
+        self._watches: set[Watch] = set()
         #: zeroconf's pending announce broadcast per advert: cancelled on withdraw and close, so
         #: a late announcement cannot resurrect a withdrawn advert.
         self._announcing: dict[tuple[str, int], asyncio.Future[Any]] = {}
@@ -189,7 +185,10 @@ class MdnsDiscovery(Discovery):
                 return
             await self._start_locked()
             assert self._aiozc is not None
-            w = _Watch(self._aiozc.zeroconf, namespace, self._interfaces, self)
+            w = Watch(
+                self._aiozc.zeroconf, namespace, self._interfaces,
+                self._resolve_timeout, self._resolve_attempts,
+            )
             self._watches.add(w)
         try:
             w.start()
@@ -277,113 +276,6 @@ class MdnsDiscovery(Discovery):
             other_ttl=_TTL,
             parsed_addresses=ips,
         )
-
-
-class _Watch:
-    """One ``watch()``: a browser, the resolve tasks it starts, and the events it queues."""
-
-    def __init__(
-        self, zc: Zeroconf, namespace: str | None, pinned: Sequence[str], owner: MdnsDiscovery
-    ) -> None:
-        self.queue: asyncio.Queue[DiscoveryEvent | None] = asyncio.Queue()
-        self._zc = zc
-        self._namespace = namespace
-        self._networks = _local_networks(pinned)
-        self._timeout_ms = owner._resolve_timeout * 1000
-        self._attempts = max(1, owner._resolve_attempts)
-        self._browser: AsyncServiceBrowser | None = None
-        self._known: dict[str, PeerAdded] = {}
-        self._resolving: dict[str, asyncio.Task[None]] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._stopped = False
-
-    def start(self) -> None:
-        if not self._stopped:
-            self._browser = AsyncServiceBrowser(self._zc, SERVICE_TYPE, handlers=[self._on_change])
-
-    async def stop(self) -> None:
-        """Cancel the browser and resolve tasks and end the iterator. Idempotent."""
-        if self._stopped:
-            return
-        self._stopped = True
-        browser, self._browser = self._browser, None
-        if browser is not None:
-            try:
-                await browser.async_cancel()
-            except Exception:
-                log.exception("mDNS: error while cancelling a browser")
-        await cancel_and_wait(self._tasks)
-        self.queue.put_nowait(None)
-
-    def _on_change(
-        self, zeroconf: Zeroconf, service_type: str, name: str, state_change: ServiceStateChange
-    ) -> None:
-        if self._stopped:
-            return
-        try:
-            previous = self._resolving.pop(name, None)
-            if previous is not None:
-                previous.cancel()
-            if state_change in _ADD_OR_UPDATE:
-                task = asyncio.get_running_loop().create_task(
-                    self._resolve(name), name=f"mdns-resolve {name}"
-                )
-                self._resolving[name] = task
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
-            elif (old := self._known.pop(name, None)) is not None:
-                self.queue.put_nowait(PeerRemoved(old.address, old.instance_id))
-        except Exception:
-            log.exception("mDNS: error handling %s for %s", state_change, name)
-
-    async def _resolve(self, name: str) -> None:
-        try:
-            info = AsyncServiceInfo(SERVICE_TYPE, name)
-            for _ in range(self._attempts):
-                if await info.async_request(self._zc, self._timeout_ms):
-                    break
-            else:
-                log.debug("mDNS: %s did not resolve in %d attempts", name, self._attempts)
-                return
-            self._publish(name, self._event(info))
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("mDNS: error resolving %s", name)
-        finally:
-            if self._resolving.get(name) is asyncio.current_task():
-                del self._resolving[name]
-
-    def _event(self, info: AsyncServiceInfo) -> PeerAdded | None:
-        """The ``PeerAdded`` for a resolved service, or ``None`` if it is not for this watch."""
-        props = info.decoded_properties
-        ns = props.get("ns")
-        if ns is None or (self._namespace is not None and ns != self._namespace):
-            return None
-        if props.get("v") != str(PROTOCOL_VERSION):
-            log.debug("mDNS: skipping %s: protocol version %r", info.name, props.get("v"))
-            return None
-        try:
-            instance_id = int(props.get("iid") or "", 16)
-        except ValueError:
-            return None
-        ip = _pick_ip(info.parsed_addresses(IPVersion.V4Only), self._networks)
-        if ip is None or not info.port:
-            return None
-        comps = tuple(c for c in (props.get("comps") or "").split(",") if c)
-        return PeerAdded(f"tcp://{ip}:{info.port}", ns, instance_id, comps)
-
-    def _publish(self, name: str, event: PeerAdded | None) -> None:
-        old = self._known.get(name)
-        if event == old:
-            return
-        if old is not None and (event is None or event.address != old.address):
-            self.queue.put_nowait(PeerRemoved(old.address, old.instance_id))
-        if event is None:
-            self._known.pop(name, None)
-            return
-        self._known[name] = event
-        self.queue.put_nowait(event)
 
 
 def _join_limited(names: Iterable[str], limit: int) -> str:

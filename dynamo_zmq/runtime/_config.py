@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ..discovery import DiscoveryConfig, add_discovery_args
+from ..discovery import DiscoveryConfig, add_discovery_args, reachable_ipv4
 from ..errors import InvalidArgument
 from ..transport.server import KILL_GRACE
 from ._canary import CanaryConfig
@@ -78,13 +77,18 @@ class RuntimeConfig:
         return "0.0.0.0"
 
     def advertised_hosts(self) -> tuple[str, ...]:
-        """Addresses peers should connect to (the bind host, or this machine's if wildcard)."""
+        """Addresses peers should connect to: the bind host; for a wildcard bind the pinned mDNS
+        interfaces, else this machine's interface addresses (loopback only if it has no other).
+
+        Read from the interfaces, not from the host name: in a network namespace, or where
+        ``/etc/hosts`` maps the name to 127.0.x.x, the name says nothing another host can dial.
+        """
         host = self.bind_host
         if host not in ("0.0.0.0", "*"):
             return (host,)
         if self.discovery.mdns_interfaces:
             return tuple(self.discovery.mdns_interfaces)
-        return _local_ipv4() or ("127.0.0.1",)
+        return tuple(reachable_ipv4()) or ("127.0.0.1",)
 
 
 def add_runtime_args(parser: argparse.ArgumentParser) -> None:
@@ -98,15 +102,3 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     )
     add_discovery_args(parser)
 
-
-def _local_ipv4() -> tuple[str, ...]:
-    """Non-loopback IPv4 addresses of this host, best effort."""
-    found: list[str] = []
-    try:
-        for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET):
-            ip = str(info[4][0])
-            if not ip.startswith("127.") and ip not in found:
-                found.append(ip)
-    except OSError:
-        pass
-    return tuple(found)
