@@ -106,7 +106,7 @@ PARAMS = {"max_tokens": LONG, "extra_body": {"ignore_eos": True}}
 @pytest.fixture
 async def two_workers(namespace, spawn, tiny_model):
     workers = [mocker(spawn, namespace, tiny_model) for _ in range(2)]
-    fe, url = frontend(spawn, namespace)
+    _, url = frontend(spawn, namespace)
     await wait_instances(url, 2)
     async with client_for(url) as client:
         yield workers, url, client
@@ -127,7 +127,8 @@ async def test_a_stream_whose_worker_is_lost_continues_unchanged(two_workers, si
             for w in workers:
                 w.signal(signal.SIGKILL)
     assert text == ref.choices[0].message.content
-    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    finish = [c.choices[0].finish_reason for c in chunks
+              if c.choices and c.choices[0].finish_reason]
     assert finish == ["length"]
     usage = chunks[-1].usage
     assert usage.completion_tokens == LONG
@@ -270,7 +271,7 @@ async def test_kv_mode_migrates_where_the_extended_prompt_is_cached(namespace, s
         y = serving(workers, warm.headers["x-dynamo-worker"])
         assert y is not x, "the warming request should avoid the loaded worker"
         (z,) = [w for w in workers if w is not x and w is not y]
-        seen, finish, tokens = 0, [], 0
+        seen, finish = 0, []
         async for chunk in raw.parse():
             if chunk.choices[0].text:
                 seen += 1
