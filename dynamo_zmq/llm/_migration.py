@@ -28,7 +28,13 @@ from ..context import Context
 from ._engine import LLMEngineOutput, PreprocessedRequest, Resume, RoutingHints
 from ._routing import ModelRouter, OutputStream
 
-__all__ = ["DEFAULT_MIGRATION_LIMIT", "MIGRATION_WAIT", "MigratingStream", "resumable"]
+__all__ = [
+    "DEFAULT_MIGRATION_LIMIT",
+    "MIGRATION_WAIT",
+    "MigratingStream",
+    "continuation",
+    "resumable",
+]
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +66,30 @@ def resumable(request: PreprocessedRequest) -> str | None:
     if request.output.detokenize:
         return "its engine makes the text itself (native processing)"
     return None
+
+
+def continuation(
+    request: PreprocessedRequest, generated: list[int]
+) -> PreprocessedRequest | None:
+    """What to send to continue ``request`` (the caller's, not modified) after ``generated``:
+    its prompt extended by them, what is left of its token budget, and a ``Resume`` saying how
+    many prompt tokens are output already streamed. None: the budget is spent."""
+    g = len(generated)
+    stop = request.stop
+    max_tokens = stop.max_tokens
+    if max_tokens is not None:
+        max_tokens -= g
+        if max_tokens < 1:
+            return None
+    return msgspec.structs.replace(
+        request,
+        token_ids=[*request.token_ids, *generated],
+        stop=msgspec.structs.replace(
+            stop, max_tokens=max_tokens, min_tokens=max(0, stop.min_tokens - g)
+        ),
+        routing=RoutingHints(),
+        resume=Resume(generated=g, min_tokens=stop.min_tokens),
+    )
 
 
 class MigratingStream:
@@ -164,7 +194,7 @@ class MigratingStream:
                f"({exc.kind}: {exc.message})")
         if (reason := resumable(self._request)) is not None:
             raise errors.EngineShutdown(f"{why}; it cannot be resumed elsewhere: {reason}") from exc
-        request = self._continuation(generated)
+        request = continuation(self._request, generated)
         if request is None:
             raise errors.EngineShutdown(
                 f"{why}; its token budget is spent but its end was lost"
@@ -177,27 +207,6 @@ class MigratingStream:
         self._stream = stream
         if self._on_migrate is not None:
             self._on_migrate(exc.kind)
-
-    def _continuation(self, generated: list[int]) -> PreprocessedRequest | None:
-        """The request to send now: the original's prompt and the tokens generated, with what
-        is left of its budget (None: nothing is left)."""
-        original = self._request
-        g = len(generated)
-        stop = original.stop
-        max_tokens = stop.max_tokens
-        if max_tokens is not None:
-            max_tokens -= g
-            if max_tokens < 1:
-                return None
-        return msgspec.structs.replace(
-            original,
-            token_ids=[*original.token_ids, *generated],
-            stop=msgspec.structs.replace(
-                stop, max_tokens=max_tokens, min_tokens=max(0, stop.min_tokens - g)
-            ),
-            routing=RoutingHints(),
-            resume=Resume(generated=g, min_tokens=stop.min_tokens),
-        )
 
     async def _reopen(
         self, request: PreprocessedRequest, exc: errors.DynamoError
