@@ -22,7 +22,7 @@ import msgspec
 
 from .. import errors
 from ..context import Context
-from ..llm import DEFAULT_MIGRATION_LIMIT, MigratingStream, OutputStream, PreprocessedRequest
+from ..llm import DEFAULT_MIGRATION_LIMIT, Migration, PreprocessedRequest
 from ..resources import cancel_and_wait
 from . import errors as http_errors
 from ._asgi import (
@@ -69,7 +69,7 @@ class FrontendApp:
         request_timeout: seconds a whole request may take (504 after; None: no deadline).
         idle_timeout: seconds to wait for a worker's next output (504 after; None: forever).
         migration_limit: how many times a request may move to another worker mid-stream
-            (``MigratingStream``; 0: never); a model's workers may advertise their own.
+            (``llm.Migration``; 0: never); a model's workers may advertise their own.
     """
 
     def __init__(
@@ -222,25 +222,24 @@ class FrontendApp:
                 f"{WORKER_HEADER.decode()}: {value[:40]!r} is not a hex instance id"
             ) from None
 
-    def _migrating(
+    def _migration(
         self,
-        stream: OutputStream,
         entry: ModelEntry,
         pre: PreprocessedRequest,
         target: int | None,
         timeout: float | None,
-    ) -> OutputStream:
-        """``stream``, moving to another worker if the one serving it is lost mid-stream
-        (not in direct mode, which names its worker)."""
+    ) -> Migration | None:
+        """The request's migration to another worker if the one serving it is lost mid-stream
+        (None: off, or direct mode, which names its worker)."""
         limit = entry.migration_limit
         if limit is None:
             limit = self.migration_limit
         if limit <= 0 or target is not None:
-            return stream
+            return None
         counter, model = self.metrics.migrations, entry.name
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
-        return MigratingStream(
-            stream, entry.router, pre, limit, self.idle_timeout, deadline,
+        return Migration(
+            entry.router, pre, limit, self.idle_timeout, deadline,
             on_migrate=lambda kind: counter.labels(model, kind).inc(),
         )
 
@@ -279,12 +278,14 @@ class FrontendApp:
                 else:
                     await error(send, http_errors.from_dynamo(exc))
                 return
-            stream = self._migrating(stream, entry, pre, target, timeout)
             served_by = f"{stream.instance_id:x}"
             if pre.routing.dp_rank is not None:
                 served_by += f"/{pre.routing.dp_rank}"
             headers = [(SERVED_BY_HEADER, served_by.encode())]
-            gen = Generation(m, model, fmt, len(pre.token_ids), started, headers, deadline)
+            migration = self._migration(entry, pre, target, timeout)
+            gen = Generation(
+                m, model, fmt, len(pre.token_ids), started, headers, deadline, migration
+            )
             if streaming:
                 status = await gen.stream_sse(stream, send, include_usage)
             else:

@@ -44,7 +44,7 @@ from ._load import LoadReport as LoadReport
 from ._load import decode_report as decode_report
 from ._load import encode_report as encode_report
 from ._migration import DEFAULT_MIGRATION_LIMIT as DEFAULT_MIGRATION_LIMIT
-from ._migration import MigratingStream as MigratingStream
+from ._migration import Migration as Migration
 from ._migration import resumable as resumable
 from ._model_card import CARD_FILES as CARD_FILES
 from ._model_card import CHUNK as CHUNK
@@ -111,7 +111,7 @@ __all__ = [
     "LLMEngineOutput",
     "LoadDecodeError",
     "LoadReport",
-    "MigratingStream",
+    "Migration",
     "ModelAdvert",
     "ModelCard",
     "ModelRouter",

@@ -1,7 +1,8 @@
 """Request migration (Dynamo's ``--migration-limit``): a stream whose worker is lost after it
 sent outputs continues on another worker, and the caller sees one uninterrupted stream.
 
-``migrating`` wraps the stream a ``ModelRouter`` returned, so every routing mode gets it. When
+``Migration`` sits between the frontend's output loop and the stream a ``ModelRouter`` returned,
+so every routing mode gets it: the loop hands it each batch it reads (a reference), and when
 the stream fails with a retryable ``DynamoError`` after outputs arrived (the worker died or hung:
 ``Disconnected``; it shut down: ``EngineShutdown``; frames were lost: ``StreamIncomplete``),
 the request is sent again with its prompt extended by the tokens already generated, what is left
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -31,7 +32,7 @@ from ._routing import ModelRouter, OutputStream
 __all__ = [
     "DEFAULT_MIGRATION_LIMIT",
     "MIGRATION_WAIT",
-    "MigratingStream",
+    "Migration",
     "continuation",
     "resumable",
 ]
@@ -43,8 +44,6 @@ DEFAULT_MIGRATION_LIMIT = 3
 #: Seconds a migration waits for an instance it may go to (one restarting on the same port, or
 #: one not discovered yet) when none is live.
 MIGRATION_WAIT = 5.0
-
-_MAX_BATCH = 256
 
 
 def resumable(request: PreprocessedRequest) -> str | None:
@@ -92,25 +91,28 @@ def continuation(
     )
 
 
-class MigratingStream:
-    """An ``OutputStream`` that moves its request to another worker when the one serving it
-    is lost mid-stream (see the module docstring). It keeps a reference to each batch of
-    outputs it hands out and looks into them only when it migrates.
+class Migration:
+    """One request's migration state. Its caller reads the request's outputs from the stream
+    the router returned and appends each batch it gets to ``seen`` (a reference, no copy: the
+    only per-batch cost); when the stream fails, ``recover`` gives the stream to go on with.
 
     Args:
-        stream: the first attempt's stream (what the router returned).
         router: the model's router, to send the continuation.
         request: the request as the caller made it (never modified).
-        limit: migrations allowed (the first stream's failure is the first migration).
+        limit: migrations allowed.
         idle_timeout: as given to the router.
         deadline: the loop time the request's deadline passes at (None: no deadline); a
             continuation gets what is left of it as its timeout.
         on_migrate: called with the error kind of each migration (metrics).
     """
 
+    __slots__ = (
+        "_deadline", "_idle_timeout", "_limit", "_lost", "_on_migrate", "_request", "_router",
+        "migrations", "seen",
+    )
+
     def __init__(
         self,
-        stream: OutputStream,
         router: ModelRouter,
         request: PreprocessedRequest,
         limit: int,
@@ -118,79 +120,35 @@ class MigratingStream:
         deadline: float | None = None,
         on_migrate: Callable[[str], object] | None = None,
     ) -> None:
-        self._stream = stream
         self._router = router
         self._request = request
         self._limit = limit
         self._idle_timeout = idle_timeout
         self._deadline = deadline
         self._on_migrate = on_migrate
-        #: Every batch handed out, by reference (flattened only to migrate).
-        self._batches: list[list[LLMEngineOutput]] = []
-        self._pending: list[LLMEngineOutput] = []
+        #: Every batch of outputs handed to the client, by reference (flattened only to
+        #: migrate).
+        self.seen: list[list[LLMEngineOutput]] = []
         self._lost: set[int] = set()
         #: Migrations made so far.
         self.migrations = 0
 
-    @property
-    def context(self) -> Context:
-        return self._stream.context
+    async def recover(self, stream: OutputStream, exc: errors.DynamoError) -> OutputStream:
+        """The stream to continue ``stream``'s request on, after it failed with ``exc``.
 
-    @property
-    def instance_id(self) -> int:
-        return self._stream.instance_id
-
-    def __aiter__(self) -> AsyncIterator[LLMEngineOutput]:
-        return self._iterate()
-
-    async def _iterate(self) -> AsyncIterator[LLMEngineOutput]:
-        while True:
-            batch = await self.next_batch()
-            if not batch:
-                return
-            for out in batch:
-                yield out
-
-    async def __anext__(self) -> LLMEngineOutput:
-        if not self._pending:
-            self._pending = (await self.next_batch())[::-1]
-            if not self._pending:
-                raise StopAsyncIteration
-        return self._pending.pop()
-
-    async def next_batch(self, max_items: int = _MAX_BATCH) -> list[LLMEngineOutput]:
-        """Every output that has arrived (at least one; ``[]`` at the end), across workers."""
-        while True:
-            try:
-                batch = await self._stream.next_batch(max_items)
-            except errors.DynamoError as exc:
-                await self._migrate(exc)
-                continue
-            if batch:
-                self._batches.append(batch)
-            return batch
-
-    async def aclose(self) -> None:
-        await self._stream.aclose()
-
-    # -- migrating -------------------------------------------------------------------------
-
-    async def _migrate(self, exc: errors.DynamoError) -> None:
-        """Continue on another worker, or raise (``exc``, or why the request cannot go on)."""
-        ctx = self.context
-        if (
-            not exc.retryable
-            or not self._batches
-            or ctx.is_stopped()
-            or self.migrations >= self._limit
-        ):
+        Raises:
+            DynamoError: ``exc`` when the request is not to be migrated (see the module
+                docstring), or ``EngineShutdown`` saying why it cannot be resumed.
+        """
+        ctx = stream.context
+        seen = self.seen
+        if not exc.retryable or not seen or ctx.is_stopped() or self.migrations >= self._limit:
             raise exc
-        if self._batches[-1] and self._batches[-1][-1].finish_reason is not None:
+        if seen[-1] and seen[-1][-1].finish_reason is not None:
             raise exc  # its terminal was delivered: nothing to continue
-        generated = [t for batch in self._batches for out in batch for t in out.token_ids]
-        g = len(generated)
-        lost = self._stream.instance_id
-        why = (f"the worker serving it ({lost:x}) was lost after {g} tokens "
+        generated = [t for batch in seen for out in batch for t in out.token_ids]
+        lost = stream.instance_id
+        why = (f"the worker serving it ({lost:x}) was lost after {len(generated)} tokens "
                f"({exc.kind}: {exc.message})")
         if (reason := resumable(self._request)) is not None:
             raise errors.EngineShutdown(f"{why}; it cannot be resumed elsewhere: {reason}") from exc
@@ -203,18 +161,17 @@ class MigratingStream:
         self.migrations += 1
         log.info("request %s: %s; migrating (%d of at most %d)", ctx.id(), why,
                  self.migrations, self._limit)
-        stream = await self._reopen(request, exc)
-        self._stream = stream
+        new = await self._reopen(request, ctx, exc)
         if self._on_migrate is not None:
             self._on_migrate(exc.kind)
+        return new
 
     async def _reopen(
-        self, request: PreprocessedRequest, exc: errors.DynamoError
+        self, request: PreprocessedRequest, ctx: Context, exc: errors.DynamoError
     ) -> OutputStream:
         """Send the continuation, waiting up to ``MIGRATION_WAIT`` for an instance not lost."""
         loop = asyncio.get_running_loop()
         wait_until = loop.time() + MIGRATION_WAIT
-        ctx = self.context
         exclude = frozenset(self._lost)
         while True:
             extra: dict[str, Any] = {"exclude": exclude}
