@@ -42,8 +42,8 @@ log = logging.getLogger(__name__)
 #: Migrations a request may make by default (``--migration-limit``; 0 turns migration off).
 DEFAULT_MIGRATION_LIMIT = 3
 #: Seconds a migration waits for an instance it may go to (one restarting on the same port, or
-#: one not discovered yet) when none is live.
-MIGRATION_WAIT = 5.0
+#: one not discovered yet) when none is live (never beyond the request's deadline).
+MIGRATION_WAIT = 10.0
 
 
 def resumable(request: PreprocessedRequest) -> str | None:
