@@ -15,6 +15,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from dynamo_zmq import errors
 from tests.support.http_calls import get
 from tests.support.metrics import sample
 from tests.support.procs import Proc
@@ -362,3 +363,27 @@ async def test_engine_shutdown_mid_stream_migrates(namespace, spawn, tiny_model)
     page = await metrics_page(url)
     moved = sum(1 for w, _ in runs if w is ending)
     assert sample(page, "dynamo_frontend_migrations_total", reason="EngineShutdown") == moved
+
+
+async def test_a_worker_serves_a_continuation_with_the_original_usage(
+    namespace, spawn, make_runtime, tiny_model
+):
+    """On the wire: a continuation's usage counts its resumed tokens as output, and a
+    ``resume`` that claims more tokens than the prompt has, or fewer than none, is refused."""
+    proc = mocker(spawn, namespace, tiny_model)
+    client = await (
+        make_runtime(static=(proc.address,)).endpoint(f"{namespace}.backend.generate").client()
+    )
+    await client.wait_for_instances(timeout=15)
+
+    async def run(**fields) -> list[dict]:
+        req = {"token_ids": [5, 6, 7, 8, 9], "stop": {"max_tokens": 2}, **fields}
+        return [r.data() async for r in await client.generate(req)]
+
+    end = (await run(resume={"generated": 3}))[-1]
+    assert end["finish_reason"] == "length"
+    assert (end["usage"]["prompt_tokens"], end["usage"]["completion_tokens"]) == (2, 5)
+    assert end["usage"].get("cached_tokens", 0) <= 2
+    for bad in ({"generated": 6}, {"generated": -1}):
+        with pytest.raises(errors.InvalidArgument):
+            await run(resume=bad)

@@ -139,10 +139,10 @@ class Resume(msgspec.Struct, **_WIRE):
     tokens) and reports usage as for the original request."""
 
     #: Trailing prompt tokens that are output already streamed.
-    generated: int = 0
+    generated: Annotated[int, msgspec.Meta(ge=0)] = 0
     #: The original request's ``stop.min_tokens`` (the wire's is what is left of it, for the
     #: engine; stop strings apply after the original count).
-    min_tokens: int = 0
+    min_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class PreprocessedRequest(msgspec.Struct, **_WIRE):

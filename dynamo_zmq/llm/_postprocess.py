@@ -181,7 +181,8 @@ class PostProcessor:
             raise ValueError("a tokenizer is needed unless the engine detokenizes")
         resume = request.resume
         generated = resume.generated if resume is not None else 0
-        prompt = request.token_ids[: len(request.token_ids) - generated]
+        ids = request.token_ids
+        prompt = ids[: len(ids) - generated] if generated else ids
         self._detok = (
             None
             if request.output.detokenize or tokenizer is None
@@ -206,7 +207,7 @@ class PostProcessor:
         self._plain = self._detok is not None and not self._matcher.stops
         self._resumed = generated
         if generated:
-            self._replay(request.token_ids[len(prompt) :])
+            self._replay(ids[len(prompt) :])
 
     def _replay(self, ids: list[int]) -> None:
         """Bring the detokenizer and the stop-string matcher to where the lost worker left them

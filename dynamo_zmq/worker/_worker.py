@@ -234,6 +234,11 @@ class Worker:
                 f"request preprocessed for model card {request.mdcsum}, but this worker serves "
                 f"{self.card.name!r} with card {self.card.checksum}"
             )
+        if request.resume is not None and request.resume.generated > len(request.token_ids):
+            raise errors.InvalidArgument(
+                f"resume.generated ({request.resume.generated}) exceeds the prompt's "
+                f"{len(request.token_ids)} tokens"
+            )
         m = self._model_metrics
         m.requests.inc()
         m.inflight.inc()
