@@ -144,7 +144,7 @@ class Migration:
         seen = self.seen
         if not exc.retryable or not seen or ctx.is_stopped() or self.migrations >= self._limit:
             raise exc
-        if seen[-1] and seen[-1][-1].finish_reason is not None:
+        if seen[-1][-1].finish_reason is not None:
             raise exc  # its terminal was delivered: nothing to continue
         generated = [t for batch in seen for out in batch for t in out.token_ids]
         lost = stream.instance_id
@@ -158,10 +158,10 @@ class Migration:
                 f"{why}; its token budget is spent but its end was lost"
             ) from exc
         self._lost.add(lost)
-        self.migrations += 1
         log.info("request %s: %s; migrating (%d of at most %d)", ctx.id(), why,
-                 self.migrations, self._limit)
+                 self.migrations + 1, self._limit)
         new = await self._reopen(request, ctx, exc)
+        self.migrations += 1
         if self._on_migrate is not None:
             self._on_migrate(exc.kind)
         return new
