@@ -35,8 +35,8 @@ class Generation:
         headers: extra response headers (``x-dynamo-worker``).
         deadline: the request's whole-request deadline, if it has one: a stream it cut short
             ends with 504 (or an SSE error event), not as a client that went away.
-        migration: the request's migration (None: off): each batch read is handed to it, and
-            a stream that fails goes on from the stream it recovers, when it can.
+        migration: the request's migration (None: off): the token ids of each output read are
+            added to it, and a stream that fails goes on from the stream it recovers, if it can.
     """
 
     def __init__(
@@ -95,7 +95,7 @@ class Generation:
         start = {"type": "http.response.start", "status": 200, "headers": SSE + self.headers}
         await send_message(send, start)
         head = fmt.role_chunk()
-        seen = self.migration.seen if self.migration is not None else None
+        record = self.migration.generated.extend if self.migration is not None else None
         while True:
             err: HttpError | None = None
             try:
@@ -111,8 +111,6 @@ class Generation:
             else:
                 if not batch:
                     err = http_errors.engine_error(_NO_FINISH)
-                elif seen is not None:
-                    seen.append(batch)
             if err is not None:
                 body = head + sse_error(err.to_json()) + DONE
                 await send_message(send, {"type": "http.response.body", "body": body,
@@ -121,6 +119,8 @@ class Generation:
             parts = [head] if head else []
             head = b""
             for out in batch:
+                if record is not None:
+                    record(out.token_ids)
                 text = self._account(out)
                 if text:
                     parts.append(fmt.content_chunk(text))
@@ -157,7 +157,7 @@ class Generation:
         finish_reason: str | None = None
         stop_reason: int | str | None = None
         failure: str | None = None
-        seen = self.migration.seen if self.migration is not None else None
+        record = self.migration.generated.extend if self.migration is not None else None
         while finish_reason is None:
             try:
                 batch = await stream.next_batch()
@@ -173,9 +173,9 @@ class Generation:
                 continue
             if not batch:
                 break
-            if seen is not None:
-                seen.append(batch)
             for out in batch:
+                if record is not None:
+                    record(out.token_ids)
                 texts.append(self._account(out))
                 if out.finish_reason is not None:
                     finish_reason, stop_reason, failure = (

@@ -2,8 +2,8 @@
 sent outputs continues on another worker, and the caller sees one uninterrupted stream.
 
 ``Migration`` sits between the frontend's output loop and the stream a ``ModelRouter`` returned,
-so every routing mode gets it: the loop hands it each batch it reads (a reference), and when
-the stream fails with a retryable ``DynamoError`` after outputs arrived (the worker died or hung:
+so every routing mode gets it: the loop adds each output's token ids to it, and when the stream
+fails with a retryable ``DynamoError`` after outputs arrived (the worker died or hung:
 ``Disconnected``; it shut down: ``EngineShutdown``; frames were lost: ``StreamIncomplete``),
 the request is sent again with its prompt extended by the tokens already generated, what is left
 of its token budget and a ``Resume`` telling the new worker how many prompt tokens are output
@@ -26,7 +26,7 @@ import msgspec
 
 from .. import errors
 from ..context import Context
-from ._engine import LLMEngineOutput, PreprocessedRequest, Resume, RoutingHints
+from ._engine import PreprocessedRequest, Resume, RoutingHints
 from ._routing import ModelRouter, OutputStream
 
 __all__ = [
@@ -93,8 +93,9 @@ def continuation(
 
 class Migration:
     """One request's migration state. Its caller reads the request's outputs from the stream
-    the router returned and appends each batch it gets to ``seen`` (a reference, no copy: the
-    only per-batch cost); when the stream fails, ``recover`` gives the stream to go on with.
+    the router returned, adds each output's token ids to ``generated`` (one ``extend`` per
+    output: the only steady-state cost), and stops at the terminal output; when the stream
+    fails, ``recover`` gives the stream to go on with.
 
     Args:
         router: the model's router, to send the continuation.
@@ -108,7 +109,7 @@ class Migration:
 
     __slots__ = (
         "_deadline", "_idle_timeout", "_limit", "_lost", "_on_migrate", "_request", "_router",
-        "migrations", "seen",
+        "generated", "migrations",
     )
 
     def __init__(
@@ -126,9 +127,8 @@ class Migration:
         self._idle_timeout = idle_timeout
         self._deadline = deadline
         self._on_migrate = on_migrate
-        #: Every batch of outputs handed to the client, by reference (flattened only to
-        #: migrate).
-        self.seen: list[list[LLMEngineOutput]] = []
+        #: The token ids handed to the client so far, across workers.
+        self.generated: list[int] = []
         self._lost: set[int] = set()
         #: Migrations made so far.
         self.migrations = 0
@@ -141,18 +141,17 @@ class Migration:
                 docstring), or ``EngineShutdown`` saying why it cannot be resumed.
         """
         ctx = stream.context
-        seen = self.seen
-        if not exc.retryable or not seen or ctx.is_stopped() or self.migrations >= self._limit:
+        generated = self.generated
+        # Nothing generated yet: the runtime's failover had its turn (before the first output).
+        if (not exc.retryable or not generated or ctx.is_stopped()
+                or self.migrations >= self._limit):
             raise exc
-        if seen[-1][-1].finish_reason is not None:
-            raise exc  # its terminal was delivered: nothing to continue
-        generated = [t for batch in seen for out in batch for t in out.token_ids]
         lost = stream.instance_id
         why = (f"the worker serving it ({lost:x}) was lost after {len(generated)} tokens "
                f"({exc.kind}: {exc.message})")
         if (reason := resumable(self._request)) is not None:
             raise errors.EngineShutdown(f"{why}; it cannot be resumed elsewhere: {reason}") from exc
-        request = continuation(self._request, generated)
+        request = continuation(self._request, list(generated))
         if request is None:
             raise errors.EngineShutdown(
                 f"{why}; its token budget is spent but its end was lost"
