@@ -294,6 +294,7 @@ async def test_cached_prompt_tokens_are_reported(served):
     (["--request-timeout", "nan"], "--request-timeout must be a finite number > 0"),
     (["--request-timeout", "-1"], "--request-timeout must be a finite number > 0"),
     (["--static-file", "/nonexistent/peers.txt"], "cannot read static discovery file"),
+    (["--migration-limit", "-1"], "--migration-limit must be >= 0"),
 ])
 def test_bad_flags_are_usage_errors(flags, message):
     res = subprocess.run(

@@ -161,6 +161,28 @@ async def test_tokens_are_deterministic_per_seed_and_prompt(make_engine: MakeEng
     assert tokens_of(await collect(base_a, request(30, seed=11, max_tokens=40))) == first
 
 
+async def test_a_migrated_request_continues_as_it_would_have(make_engine: MakeEngine) -> None:
+    """A continuation (prompt + the tokens generated so far, ``resume``) gets exactly the
+    tokens the uninterrupted request would have had next, on another engine, with usage
+    counted from its extended prompt (the worker corrects it); min_tokens left as the rest."""
+    from dynamo_zmq.llm._migration import continuation
+
+    one, two = await make_engine(vocab_size=1000), await make_engine(vocab_size=1000)
+    original = request(30, seed=5, max_tokens=40, min_tokens=10, eos=[7])
+    whole = await collect(one, original)
+    tokens = tokens_of(whole)
+    for cut in (1, 9, 25):
+        resumed = continuation(original, tokens[:cut])
+        assert resumed is not None
+        rest = await collect(two, resumed)
+        assert tokens_of(rest) == tokens[cut:]
+        assert rest[-1].finish_reason == whole[-1].finish_reason
+        assert rest[-1].usage is not None
+        assert (rest[-1].usage.prompt_tokens, rest[-1].usage.completion_tokens) == (
+            30 + cut, len(tokens) - cut
+        )
+
+
 # -- batching -------------------------------------------------------------------------------
 
 

@@ -5,9 +5,10 @@ whole-request deadline plus a small margin. Real processes on loopback: a fronte
 and one fault each: SIGKILL, SIGSTOP/SIGCONT, a restart on the same port, a restart storm, a
 frontend restart, and no live worker at all.
 
-Until request migration lands, a stream whose worker fails after its first chunk ends with an
-SSE error event of the 503 kind (``disconnected``); a request that had no output yet is sent to
-another worker (failover) and completes.
+A stream whose worker fails after its first chunk is migrated to another worker (a request
+that had no output yet fails over) and completes with the text an undisturbed stream has (every
+request here has the same prompt, and the mocker's output is a function of it); with no worker
+left at all, it ends with a typed error.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ DEADLINE = 20.0
 MARGIN = 3.0
 #: Tokens that take a few seconds unhurt (about 60 ms each), well inside the deadline.
 TOKENS = 60
+#: Every stream runs to its ``max_tokens`` (the mocker may sample its end-of-sequence token).
+NO_EOS = {"ignore_eos": True}
 
 
 def hexid(proc) -> str:
@@ -62,7 +65,8 @@ def assert_all_ended(outcomes: list[Outcome]) -> Counter[str]:
 async def start_streams(client, n: int, tokens: int = TOKENS) -> list[asyncio.Task[Outcome]]:
     """``n`` streamed completions, returned once each has its first chunk."""
     started = [asyncio.Event() for _ in range(n)]
-    tasks = [asyncio.create_task(stream_completion(client, tokens, ev)) for ev in started]
+    tasks = [asyncio.create_task(stream_completion(client, tokens, ev, extra_body=NO_EOS))
+             for ev in started]
     await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in started)), 30)
     return tasks
 
@@ -80,7 +84,7 @@ async def cluster(spawn, namespace, model, n: int, *worker_flags: str):
     return workers, url
 
 
-async def test_sigkill_of_the_serving_worker_ends_its_streams_at_once(
+async def test_sigkill_of_the_serving_worker_moves_its_streams_at_once(
     namespace, spawn, tiny_model
 ):
     workers, url = await cluster(spawn, namespace, tiny_model, 3)
@@ -92,31 +96,25 @@ async def test_sigkill_of_the_serving_worker_ends_its_streams_at_once(
         tally = assert_all_ended(outcomes)
         on_victim = [o for o in outcomes if o.served_by == hexid(victim)]
         assert on_victim, outcomes
-        for out in on_victim:  # the kill is noticed at once, not at the deadline
-            assert out.error and out.error["code"] == "disconnected", out
-            assert out.text, out
-        assert tally["ok"] == len(outcomes) - len(on_victim), tally
+        # The kill is noticed at once and the victim's streams continue elsewhere, unchanged.
+        assert tally["ok"] == len(outcomes), tally
+        assert len({o.text for o in outcomes}) == 1, outcomes
         # New requests go to the survivors.
         again = await asyncio.gather(*(stream_completion(client, 3) for _ in range(4)))
         assert all(o.ok and o.served_by != hexid(victim) for o in again), again
 
 
-async def test_a_frozen_worker_fails_its_streams_and_drops_them_when_it_thaws(
+async def test_a_frozen_worker_hands_its_streams_on_and_drops_them_when_it_thaws(
     namespace, spawn, tiny_model
 ):
     workers, url = await cluster(spawn, namespace, tiny_model, 2)
     frozen = workers[0]
     async with openai_client(url) as client:
         # Long enough to still be running on the frozen worker long after it thaws.
-        tasks = await start_streams(client, 4, tokens=250)
+        tasks = await start_streams(client, 4, tokens=200)
         assert await worker_inflight(frozen) == 2
         frozen.signal(signal.SIGSTOP)
         try:
-            done, _ = await asyncio.wait(tasks, timeout=8)  # well before the deadline
-            stuck = [o for o in (t.result() for t in done) if o.served_by == hexid(frozen)]
-            assert len(stuck) == 2, [t.result() for t in done]
-            for out in stuck:
-                assert out.error and out.error["code"] == "disconnected", out
             await wait_live(url, lambda ids: ids == {hexid(workers[1])})
         finally:
             frozen.signal(signal.SIGCONT)
@@ -127,9 +125,12 @@ async def test_a_frozen_worker_fails_its_streams_and_drops_them_when_it_thaws(
             assert loop.time() < deadline, "the thawed worker still runs abandoned streams"
             await asyncio.sleep(0.1)
         await wait_live(url, lambda ids: ids == {hexid(w) for w in workers})
-        for task in tasks:
-            task.cancel()  # the other worker's long streams: not this test's business
-        await asyncio.gather(*tasks, return_exceptions=True)
+        outcomes = await asyncio.wait_for(asyncio.gather(*tasks), DEADLINE + MARGIN)
+    # The frozen worker's two streams moved to the other one and completed unchanged.
+    tally = assert_all_ended(outcomes)
+    assert [o.served_by for o in outcomes].count(hexid(frozen)) == 2, outcomes
+    assert tally["ok"] == len(outcomes), tally
+    assert len({o.text for o in outcomes}) == 1, outcomes
 
 
 async def test_a_stalled_worker_drops_the_streams_its_callers_gave_up(
@@ -160,7 +161,7 @@ async def test_a_stalled_worker_drops_the_streams_its_callers_gave_up(
         await asyncio.sleep(0.1)
 
 
-async def test_a_restart_on_the_same_port_ends_every_old_stream(namespace, spawn, tiny_model):
+async def test_a_restart_on_the_same_port_takes_every_old_stream_on(namespace, spawn, tiny_model):
     port = str(free_port())
     first = worker(spawn, namespace, tiny_model, "--port", port)
     url = frontend(spawn, namespace, "--request-timeout", str(DEADLINE)).address
@@ -171,7 +172,9 @@ async def test_a_restart_on_the_same_port_ends_every_old_stream(namespace, spawn
         second = worker(spawn, namespace, tiny_model, "--port", port)  # as soon as it can
         outcomes = await asyncio.wait_for(asyncio.gather(*tasks), DEADLINE + MARGIN)
         tally = assert_all_ended(outcomes)
-        assert tally["disconnected"] == 4, outcomes
+        # The old instance's streams end there and continue on the new one, unchanged.
+        assert tally["ok"] == 4, outcomes
+        assert len({o.text for o in outcomes}) == 1, outcomes
         await wait_live(url, lambda ids: ids == {hexid(second)})
         again = await asyncio.gather(*(stream_completion(client, 3) for _ in range(3)))
         assert all(o.ok and o.served_by == hexid(second) for o in again), again
@@ -179,7 +182,7 @@ async def test_a_restart_on_the_same_port_ends_every_old_stream(namespace, spawn
 
 async def test_a_restart_storm_loses_no_request_to_a_hang(namespace, spawn, tiny_model):
     """Five worker restarts in a row (SIGKILL or SIGTERM, alternately, each restarted on its
-    port) under a bounded load: every request ends in time; most complete."""
+    port) under a bounded load: every request ends in time and completes, unchanged."""
     ports = [str(free_port()) for _ in range(3)]
     workers = [worker(spawn, namespace, tiny_model, "--port", p, "--graceful-timeout", "1",
                       "--grace-period", "0.2") for p in ports]
@@ -218,7 +221,8 @@ async def test_a_restart_storm_loses_no_request_to_a_hang(namespace, spawn, tiny
     stop.set()
     await asyncio.wait_for(running, DEADLINE + 2 * MARGIN)
     tally = assert_all_ended(outcomes)
-    assert outcomes and tally["ok"] >= len(outcomes) // 2, tally
+    assert outcomes and tally["ok"] == len(outcomes), tally
+    assert len({o.text for o in outcomes}) == 1, outcomes
     await wait_live(url, lambda ids: ids == {hexid(w) for w in workers})
 
 

@@ -3,6 +3,7 @@ decisions (and releases when streams end, against a real worker), and the approx
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import math
 import random
@@ -13,6 +14,7 @@ from collections import Counter
 import pytest
 
 import router.__main__ as router_main
+from dynamo_zmq import errors
 from dynamo_zmq.llm import PreprocessedRequest, StopConditions
 from router.approx import ApproxIndexer
 from router.hashing import block_hashes
@@ -360,6 +362,44 @@ async def test_approximate_mode_routes_by_its_own_decisions(
     finally:
         await router.close()
 
+
+async def test_excluded_workers_are_not_routed_to_whatever_they_hold(
+    namespace, spawn, make_runtime, tiny_model
+):
+    """``exclude`` (a migrated request's lost workers) beats the overlap: the request goes to
+    the best worker outside it; with every worker excluded it fails with CannotConnect."""
+    procs = [spawn("-m", "dynamo_zmq.worker", "--engine", "mocker", "--model-path",
+                   str(tiny_model), "--model-name", "tiny", "--namespace", namespace, "--host",
+                   "127.0.0.1", "--discovery", "static", "--block-size", "16",
+                   "--speedup-ratio", "100", "--no-kv-events") for _ in range(2)]
+    rt = make_runtime(static=tuple(p.address for p in procs))
+    client = await rt.endpoint(f"{namespace}.backend.generate").client()
+    await until_instances(client, 2)
+    router = await KvRouter(client, 16, KvRouterConfig(use_kv_events=False), runtime=rt).start()
+    try:
+        prefix = list(range(100, 164))  # 4 blocks
+        s = await router.generate(_request([*prefix, 1], 2))
+        holder = s.instance_id
+        [_ async for _ in s]
+        s = await router.generate(_request([*prefix, 2], 2))
+        assert s.instance_id == holder  # the overlap decides
+        [_ async for _ in s]
+        s = await router.generate(_request([*prefix, 3], 2), exclude=frozenset({holder}))
+        assert s.instance_id != holder
+        assert [o.finish_reason async for o in s][-1] == "length"
+        with pytest.raises(errors.CannotConnect):
+            await router.generate(_request(prefix, 2),
+                                  exclude=frozenset(p.instance_id for p in procs))
+    finally:
+        await router.close()
+
+
+async def until_instances(client, count: int) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 15
+    while len(client.instance_ids()) < count:
+        assert loop.time() < deadline, "workers not live"
+        await asyncio.sleep(0.05)
 
 
 # -- kv-router flags ------------------------------------------------------------------------------

@@ -222,6 +222,30 @@ async def test_failover_before_the_first_response(make_runtime):
             pass
 
 
+async def test_excluded_instances_are_not_sent_to_nor_failed_over_to(make_runtime):
+    """``exclude`` (a migrated request's lost instances) holds for the first pick and for
+    failover; with nothing else live the call fails with CannotConnect."""
+    a, b, c = (make_runtime(static=()) for _ in range(3))
+
+    async def who(request):
+        yield request
+
+    for rt in (a, b, c):
+        await serve(rt, "ns.c.who", who)
+    client = await make_runtime(static=(a.address, b.address, c.address)).endpoint(
+        "ns.c.who"
+    ).client()
+    assert await until(client, lambda: len(client.instance_ids()) == 3)
+    b._server.refusing = True  # b fails every request before its first response: failover
+    for i in range(4):
+        stream = await client.stream(i, int, exclude=frozenset({a.instance_id}))
+        assert [x async for x in stream] == [i]
+        assert stream.instance_id == c.instance_id
+    with pytest.raises(errors.CannotConnect):
+        await client.stream(0, int, exclude=frozenset({a.instance_id, b.instance_id,
+                                                       c.instance_id}))
+
+
 async def test_direct_mode_client_needs_an_instance(make_runtime):
     server = make_runtime(static=())
 

@@ -72,6 +72,11 @@ def test_from_args_gives_the_engine_and_a_typed_worker_config(tiny_model):
         WorkerConfig(load_interval=10)
     with pytest.raises(errors.InvalidArgument, match="disaggregation mode"):
         WorkerConfig(disaggregation_mode="both")
+    with pytest.raises(errors.InvalidArgument, match="--migration-limit must be >= 0"):
+        WorkerConfig(migration_limit=-1)
+    _, config = from_args(["--model-path", str(tiny_model), "--migration-limit", "2"])
+    assert config.migration_limit == 2
+    assert from_args(["--model-path", str(tiny_model)])[1].migration_limit is None
 
 
 # -- native processing flags -------------------------------------------------------------------

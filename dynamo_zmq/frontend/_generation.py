@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 from .. import errors
-from ..llm import FinishReason, LLMEngineOutput, OutputStream
+from ..llm import FinishReason, LLMEngineOutput, Migration, OutputStream
 from . import errors as http_errors
 from ._asgi import JSON, SSE, ClientGone, Send, error, reply, send_message
 from ._deadline import Deadline
@@ -35,6 +35,8 @@ class Generation:
         headers: extra response headers (``x-dynamo-worker``).
         deadline: the request's whole-request deadline, if it has one: a stream it cut short
             ends with 504 (or an SSE error event), not as a client that went away.
+        migration: the request's migration (None: off): the token ids of each output read are
+            added to it, and a stream that fails goes on from the stream it recovers, if it can.
     """
 
     def __init__(
@@ -46,8 +48,10 @@ class Generation:
         started: float,
         headers: list[tuple[bytes, bytes]],
         deadline: Deadline | None = None,
+        migration: Migration | None = None,
     ) -> None:
         self.metrics = metrics
+        self.migration = migration
         self.deadline = deadline
         self.model = model
         self.fmt = fmt
@@ -91,6 +95,7 @@ class Generation:
         start = {"type": "http.response.start", "status": 200, "headers": SSE + self.headers}
         await send_message(send, start)
         head = fmt.role_chunk()
+        record = self.migration.generated.extend if self.migration is not None else None
         while True:
             err: HttpError | None = None
             try:
@@ -98,7 +103,11 @@ class Generation:
             except errors.Cancelled:
                 err = self._timed_out()
             except errors.DynamoError as exc:
-                err = http_errors.from_dynamo(exc)
+                recovered = await self._recover(stream, exc)
+                if not isinstance(recovered, HttpError):
+                    stream = recovered
+                    continue
+                err = recovered
             else:
                 if not batch:
                     err = http_errors.engine_error(_NO_FINISH)
@@ -110,6 +119,8 @@ class Generation:
             parts = [head] if head else []
             head = b""
             for out in batch:
+                if record is not None:
+                    record(out.token_ids)
                 text = self._account(out)
                 if text:
                     parts.append(fmt.content_chunk(text))
@@ -145,22 +156,34 @@ class Generation:
         texts: list[str] = []
         finish_reason: str | None = None
         stop_reason: int | str | None = None
-        try:
-            async for out in stream:
+        failure: str | None = None
+        record = self.migration.generated.extend if self.migration is not None else None
+        while finish_reason is None:
+            try:
+                batch = await stream.next_batch()
+            except errors.Cancelled:
+                await error(send, self._timed_out())
+                return "error"
+            except errors.DynamoError as exc:
+                recovered = await self._recover(stream, exc)
+                if isinstance(recovered, HttpError):
+                    await error(send, recovered)
+                    return "error"
+                stream = recovered
+                continue
+            if not batch:
+                break
+            for out in batch:
+                if record is not None:
+                    record(out.token_ids)
                 texts.append(self._account(out))
                 if out.finish_reason is not None:
-                    finish_reason, stop_reason = out.finish_reason, out.stop_reason
-                    if out.finish_reason == FinishReason.ERROR:
-                        raise http_errors.engine_error(out.error or "engine error")
+                    finish_reason, stop_reason, failure = (
+                        out.finish_reason, out.stop_reason, out.error
+                    )
                     break
-        except errors.Cancelled:
-            await error(send, self._timed_out())
-            return "error"
-        except errors.DynamoError as exc:
-            await error(send, http_errors.from_dynamo(exc))
-            return "error"
-        except HttpError as exc:
-            await error(send, exc)
+        if finish_reason == FinishReason.ERROR:
+            await error(send, http_errors.engine_error(failure or "engine error"))
             return "error"
         if finish_reason is None:
             await error(send, http_errors.engine_error(_NO_FINISH))
@@ -172,6 +195,20 @@ class Generation:
         )
         await reply(send, 200, body, JSON + self.headers)
         return "success"
+
+    async def _recover(
+        self, stream: OutputStream, exc: errors.DynamoError
+    ) -> OutputStream | HttpError:
+        """After ``stream`` failed with ``exc``: the stream its request goes on from (migrated
+        to another worker), or the error the client gets."""
+        if self.migration is not None:
+            try:
+                return await self.migration.recover(stream, exc)
+            except errors.Cancelled:
+                return self._timed_out()
+            except errors.DynamoError as final:
+                exc = final
+        return http_errors.from_dynamo(exc)
 
     def _timed_out(self) -> HttpError:
         """The error for a stream that ended ``Cancelled``: the deadline's 504 if it was the

@@ -42,6 +42,7 @@ from ..llm import (
     build_card,
     read_card_file,
     validate_stream,
+    with_resumed_usage,
 )
 from ..resources import cancel_and_wait
 from ..runtime import DistributedRuntime, StatusServer
@@ -199,7 +200,9 @@ class Worker:
             )
             self.status.start()
             log.info("metrics and health on port %d", self.status.port)
-        advert = ModelAdvert(self.card, config, await self._start_load_publisher())
+        advert = ModelAdvert(
+            self.card, config, await self._start_load_publisher(), args.migration_limit
+        )
         await component.endpoint("model_files").start_serving(self._model_files)
         await component.endpoint("clear_kv_blocks").start_serving(self._clear_kv_blocks)
         await generate.start_serving(
@@ -250,6 +253,11 @@ class Worker:
                 f"request preprocessed for model card {request.mdcsum}, but this worker serves "
                 f"{self.card.name!r} with card {self.card.checksum}"
             )
+        if request.resume is not None and request.resume.generated > len(request.token_ids):
+            raise errors.InvalidArgument(
+                f"resume.generated ({request.resume.generated}) exceeds the prompt's "
+                f"{len(request.token_ids)} tokens"
+            )
         m = self._model_metrics
         m.requests.inc()
         m.inflight.inc()
@@ -282,6 +290,8 @@ class Worker:
             if self.tokenizer is not None or request.output.detokenize
             else None
         )
+        if proc is None and request.resume is not None:  # a migrated request: usage as its own
+            stream = with_resumed_usage(stream, request.resume.generated)
         start = last = time.monotonic()
         tokens = 0
         try:

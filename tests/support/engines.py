@@ -1,7 +1,8 @@
 """Small third-party-style engines, loaded with ``--engine tests.support.engines:NAME``:
 ``EchoEngine``, and test engines built on it (and on the mocker) that record their lifecycle,
-fail to start or crash mid-request, for the worker's lifecycle and error tests, and a mocker
-whose health a test breaks from outside (``FlakyMocker``)."""
+fail to start, crash mid-request or stall the event loop, for the worker's lifecycle and error
+tests, a mocker whose health a test breaks from outside (``FlakyMocker``) and one whose requests
+end with ``EngineShutdown`` part-way (``ShuttingDownMocker``)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 from pathlib import Path
 
 from dynamo_zmq.context import Context
+from dynamo_zmq.errors import EngineShutdown
 from dynamo_zmq.llm import (
     EngineConfig,
     LLMEngine,
@@ -274,3 +276,32 @@ class StallingTestEngine(EchoEngine):
                 continue
             self.stalled = True
             time.sleep(self.stall_for)  # noqa: ASYNC251 (blocks the whole event loop on purpose)
+
+
+class ShuttingDownMocker(MockerEngine):
+    """TEST ONLY: the mocker, whose requests end with ``EngineShutdown`` (retryable: the
+    engine is going away) after ``--shutdown-after`` tokens, as a worker that cannot finish a
+    stream before it stops; a migrated request (``request.resume``) is served in full."""
+
+    name = "shutting-down-mocker"
+
+    def __init__(self, config: MockerConfig, after: int) -> None:
+        super().__init__(config)
+        self.after = after
+
+    @classmethod
+    def add_args(cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+        super().add_args(parser)
+        parser.add_argument("--shutdown-after", type=int, default=10)
+
+    @classmethod
+    def from_namespace(cls, args: argparse.Namespace) -> ShuttingDownMocker:
+        return cls(config_from_args(args), args.shutdown_after)
+
+    async def generate(self, request: PreprocessedRequest, ctx: Context):
+        sent = 0
+        async for out in super().generate(request, ctx):
+            if sent >= self.after and request.resume is None and not ctx.id().startswith("health-"):
+                raise EngineShutdown("the test engine is shutting down")
+            sent += len(out.token_ids)
+            yield out

@@ -1,0 +1,189 @@
+"""Request migration (Dynamo's ``--migration-limit``): a stream whose worker is lost after it
+sent outputs continues on another worker, and the caller sees one uninterrupted stream.
+
+``Migration`` sits between the frontend's output loop and the stream a ``ModelRouter`` returned,
+so every routing mode gets it: the loop adds each output's token ids to it, and when the stream
+fails with a retryable ``DynamoError`` after outputs arrived (the worker died or hung:
+``Disconnected``; it shut down: ``EngineShutdown``; frames were lost: ``StreamIncomplete``),
+the request is sent again with its prompt extended by the tokens already generated, what is left
+of its token budget and a ``Resume`` telling the new worker how many prompt tokens are output
+already streamed (its post-processing replays them, see ``PostProcessor``). The instances lost
+are excluded. Failures before the first output stay the runtime's failover's (``failover``).
+
+Never migrated: a stopped or killed request (its caller left, its deadline passed), a
+non-retryable error, an error terminal (``finish_reason="error"``, which is an output), and a
+request ``resumable`` says cannot be resumed (those end with ``EngineShutdown`` saying why).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from .. import errors
+from ..context import Context
+from ._engine import PreprocessedRequest, Resume, RoutingHints
+from ._routing import ModelRouter, OutputStream
+
+__all__ = [
+    "DEFAULT_MIGRATION_LIMIT",
+    "MIGRATION_WAIT",
+    "Migration",
+    "continuation",
+    "resumable",
+]
+
+log = logging.getLogger(__name__)
+
+#: Migrations a request may make by default (``--migration-limit``; 0 turns migration off).
+DEFAULT_MIGRATION_LIMIT = 3
+#: Seconds a migration waits for an instance it may go to (one restarting on the same port, or
+#: one not discovered yet) when none is live (never beyond the request's deadline).
+MIGRATION_WAIT = 10.0
+
+
+def resumable(request: PreprocessedRequest) -> str | None:
+    """Why ``request`` cannot continue on another worker from its generated tokens (None: it
+    can). The one place that says so; docs/operations.md lists the reasons.
+
+    - presence or frequency penalties count the generated tokens, which a resumed request's
+      engine would see as prompt (repetition penalty covers prompt and output alike: fine);
+    - ``n`` > 1: several sequences share the stream;
+    - native processing (``output.detokenize``): the engine makes the text, and what it held
+      back (a partial character) cannot be replayed on another worker.
+    """
+    sampling = request.sampling
+    if sampling.presence_penalty or sampling.frequency_penalty:
+        return ("presence/frequency penalties count generated tokens, which another worker "
+                "would see as prompt")
+    if sampling.n > 1:
+        return f"it asks for n={sampling.n} sequences"
+    if request.output.detokenize:
+        return "its engine makes the text itself (native processing)"
+    return None
+
+
+def continuation(
+    request: PreprocessedRequest, generated: list[int]
+) -> PreprocessedRequest | None:
+    """What to send to continue ``request`` (the caller's, not modified) after ``generated``:
+    its prompt extended by them, what is left of its token budget, and a ``Resume`` saying how
+    many prompt tokens are output already streamed. None: the budget is spent."""
+    g = len(generated)
+    stop = request.stop
+    max_tokens = stop.max_tokens
+    if max_tokens is not None:
+        max_tokens -= g
+        if max_tokens < 1:
+            return None
+    return msgspec.structs.replace(
+        request,
+        token_ids=[*request.token_ids, *generated],
+        stop=msgspec.structs.replace(
+            stop, max_tokens=max_tokens, min_tokens=max(0, stop.min_tokens - g)
+        ),
+        routing=RoutingHints(),
+        resume=Resume(generated=g, min_tokens=stop.min_tokens),
+    )
+
+
+class Migration:
+    """One request's migration state. Its caller reads the request's outputs from the stream
+    the router returned, adds each output's token ids to ``generated`` (one ``extend`` per
+    output: the only steady-state cost), and stops at the terminal output; when the stream
+    fails, ``recover`` gives the stream to go on with.
+
+    Args:
+        router: the model's router, to send the continuation.
+        request: the request as the caller made it (never modified).
+        limit: migrations allowed.
+        idle_timeout: as given to the router.
+        deadline: the loop time the request's deadline passes at (None: no deadline); a
+            continuation gets what is left of it as its timeout.
+        on_migrate: called with the error kind of each migration (metrics).
+    """
+
+    __slots__ = (
+        "_deadline", "_idle_timeout", "_limit", "_lost", "_on_migrate", "_request", "_router",
+        "generated", "migrations",
+    )
+
+    def __init__(
+        self,
+        router: ModelRouter,
+        request: PreprocessedRequest,
+        limit: int,
+        idle_timeout: float | None = None,
+        deadline: float | None = None,
+        on_migrate: Callable[[str], object] | None = None,
+    ) -> None:
+        self._router = router
+        self._request = request
+        self._limit = limit
+        self._idle_timeout = idle_timeout
+        self._deadline = deadline
+        self._on_migrate = on_migrate
+        #: The token ids handed to the client so far, across workers.
+        self.generated: list[int] = []
+        self._lost: set[int] = set()
+        #: Migrations made so far.
+        self.migrations = 0
+
+    async def recover(self, stream: OutputStream, exc: errors.DynamoError) -> OutputStream:
+        """The stream to continue ``stream``'s request on, after it failed with ``exc``.
+
+        Raises:
+            DynamoError: ``exc`` when the request is not to be migrated (see the module
+                docstring), or ``EngineShutdown`` saying why it cannot be resumed.
+        """
+        ctx = stream.context
+        generated = self.generated
+        # Nothing generated yet: the runtime's failover had its turn (before the first output).
+        if (not exc.retryable or not generated or ctx.is_stopped()
+                or self.migrations >= self._limit):
+            raise exc
+        lost = stream.instance_id
+        why = (f"the worker serving it ({lost:x}) was lost after {len(generated)} tokens "
+               f"({exc.kind}: {exc.message})")
+        if (reason := resumable(self._request)) is not None:
+            raise errors.EngineShutdown(f"{why}; it cannot be resumed elsewhere: {reason}") from exc
+        request = continuation(self._request, list(generated))
+        if request is None:
+            raise errors.EngineShutdown(
+                f"{why}; its token budget is spent but its end was lost"
+            ) from exc
+        self._lost.add(lost)
+        log.info("request %s: %s; migrating (%d of at most %d)", ctx.id(), why,
+                 self.migrations + 1, self._limit)
+        new = await self._reopen(request, ctx, exc)
+        self.migrations += 1
+        if self._on_migrate is not None:
+            self._on_migrate(exc.kind)
+        return new
+
+    async def _reopen(
+        self, request: PreprocessedRequest, ctx: Context, exc: errors.DynamoError
+    ) -> OutputStream:
+        """Send the continuation, waiting up to ``MIGRATION_WAIT`` for an instance not lost."""
+        loop = asyncio.get_running_loop()
+        wait_until = loop.time() + MIGRATION_WAIT
+        exclude = frozenset(self._lost)
+        while True:
+            extra: dict[str, Any] = {"exclude": exclude}
+            if self._deadline is not None:
+                left = self._deadline - loop.time()
+                if left <= 0:
+                    raise exc
+                extra["timeout"] = left
+            try:
+                return await self._router.generate(
+                    request, ctx, idle_timeout=self._idle_timeout, **extra
+                )
+            except errors.CannotConnect:
+                if ctx.is_stopped() or loop.time() >= wait_until:
+                    raise exc from None
+            await asyncio.sleep(0.1)  # a migration only: a bounded poll for a new instance
