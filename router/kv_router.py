@@ -176,11 +176,13 @@ class KvRouter:
         instance_id: int | None = None,
         idle_timeout: float | None = None,
         timeout: float | None = None,
+        exclude: frozenset[int] = frozenset(),
     ) -> OutputStream:
         """Route and send ``request``; its outputs stream back, decoded.
 
         Sets ``request.routing.dp_rank`` and ``request.routing.overlap_blocks`` (again on each
-        re-route). ``instance_id`` is not read: the router chooses.
+        re-route). ``instance_id`` is not read: the router chooses. ``exclude``: workers not to
+        send to, not even on a re-route (a migrated request's lost workers).
 
         Raises:
             CannotConnect: no live instance could take the request.
@@ -188,12 +190,16 @@ class KvRouter:
         hashes = self._hashes(request.token_ids)
         placement = _Placement(self.loads)
         timeouts = (timeout, idle_timeout)
-        first = await self._send(request, hashes, frozenset(), placement, context, timeouts)
+        first = await self._send(
+            request, hashes, exclude, placement, context, timeouts, exclude
+        )
         ctx = first.context  # not ``first``: the hook must not keep the stream alive
 
         async def reopen(tried: frozenset[int]) -> ResponseStream[LLMEngineOutput] | None:
             try:
-                return await self._send(request, hashes, tried, placement, ctx, timeouts)
+                return await self._send(
+                    request, hashes, tried, placement, ctx, timeouts, exclude
+                )
             except errors.CannotConnect:
                 return None
 
@@ -202,7 +208,7 @@ class KvRouter:
         # attempt's (worker, rank).
         first.set_on_item(placement.on_output)
         first.set_on_release(placement.release)
-        return failover(first, reopen)
+        return failover(first, reopen, exclude)
 
     async def close(self) -> None:
         """Stop following and close every subscriber (idempotent)."""
@@ -243,9 +249,11 @@ class KvRouter:
         placement: _Placement,
         context: Context | None,
         timeouts: tuple[float | None, float | None],
+        excluded: frozenset[int] = frozenset(),
     ) -> ResponseStream[LLMEngineOutput]:
         """Route and send one attempt, moving on from workers that cannot be reached
-        (``timeouts``: the request's deadline and idle timeout)."""
+        (``timeouts``: the request's deadline and idle timeout; ``excluded``: the workers the
+        caller ruled out, which are in ``tried`` but count as no attempt)."""
         exclude = set(tried)
         while True:
             decision, route = self._route(request, hashes, exclude)
@@ -257,7 +265,7 @@ class KvRouter:
             except errors.CannotConnect:
                 self.loads.release(route)
                 exclude.add(decision.worker_id)
-                if len(exclude) >= MAX_ATTEMPTS:
+                if len(exclude - excluded) >= MAX_ATTEMPTS:
                     raise
                 continue
             placement.hold(route)

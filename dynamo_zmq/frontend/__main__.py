@@ -3,7 +3,7 @@
     python -m dynamo_zmq.frontend [--http-host 127.0.0.1] [--http-port 8000]
         [--router-mode round-robin|random|direct|kv|approx] [--namespace dynamo]
         [--discovery mdns|static] [--static-workers tcp://h:p,...] [--request-timeout S]
-        [--idle-timeout S]
+        [--idle-timeout S] [--migration-limit N]
         [router plugin flags, e.g. --kv-overlap-score-weight 1.0 --router-temperature 0.0]
 
 Every flag has a ``DYN_*`` variable (``--http-port`` -> ``DYN_HTTP_PORT``). Prints
@@ -74,6 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--idle-timeout", type=float, default=env("DYN_IDLE_TIMEOUT", "300"),
         help="seconds to wait for a worker's next output before 504 [DYN_IDLE_TIMEOUT]",
     )
+    parser.add_argument(
+        "--migration-limit", type=int, default=env("DYN_MIGRATION_LIMIT", "3"),
+        help="how many times a request may move to another worker when the one serving it "
+             "dies, hangs or shuts down mid-stream (0 = never; a model's workers may advertise "
+             "their own with the worker's --migration-limit) [DYN_MIGRATION_LIMIT]",
+    )
     parser.add_argument("--model-cache", default=env("DYN_MODEL_CACHE"),
                         help="where fetched tokenizer files are kept [DYN_MODEL_CACHE]")
     add_discovery_args(parser)
@@ -116,7 +122,8 @@ async def serve(args: argparse.Namespace, plugin: RouterPlugin | None) -> int:
         await runtime.close()
 
     app = FrontendApp(
-        start, stop, request_timeout=args.request_timeout, idle_timeout=args.idle_timeout
+        start, stop, request_timeout=args.request_timeout, idle_timeout=args.idle_timeout,
+        migration_limit=args.migration_limit,
     )
     config = uvicorn.Config(
         app, host=args.http_host, port=args.http_port, loop="none", http="httptools",
@@ -163,6 +170,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.request_timeout is not None:
             check_number("--request-timeout", args.request_timeout, positive=True)
         check_number("--idle-timeout", args.idle_timeout, positive=True)
+        if args.migration_limit < 0:
+            raise errors.InvalidArgument(
+                f"--migration-limit must be >= 0, got {args.migration_limit}"
+            )
     except errors.DynamoError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2

@@ -16,12 +16,13 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import msgspec
 
 from .. import errors
 from ..context import Context
-from ..llm import PreprocessedRequest
+from ..llm import DEFAULT_MIGRATION_LIMIT, MigratingStream, OutputStream, PreprocessedRequest
 from ..resources import cancel_and_wait
 from . import errors as http_errors
 from ._asgi import (
@@ -67,6 +68,8 @@ class FrontendApp:
         on_shutdown: releases what the factory built.
         request_timeout: seconds a whole request may take (504 after; None: no deadline).
         idle_timeout: seconds to wait for a worker's next output (504 after; None: forever).
+        migration_limit: how many times a request may move to another worker mid-stream
+            (``MigratingStream``; 0: never); a model's workers may advertise their own.
     """
 
     def __init__(
@@ -75,11 +78,13 @@ class FrontendApp:
         on_shutdown: Callable[[], Awaitable[None]],
         request_timeout: float | None = None,
         idle_timeout: float | None = None,
+        migration_limit: int = DEFAULT_MIGRATION_LIMIT,
     ) -> None:
         self._manager_factory = manager_factory
         self._on_shutdown = on_shutdown
         self.timeout = request_timeout
         self.idle_timeout = idle_timeout
+        self.migration_limit = migration_limit
         self.manager: ModelManager | None = None
         self.metrics = FrontendMetrics()
 
@@ -217,6 +222,28 @@ class FrontendApp:
                 f"{WORKER_HEADER.decode()}: {value[:40]!r} is not a hex instance id"
             ) from None
 
+    def _migrating(
+        self,
+        stream: OutputStream,
+        entry: ModelEntry,
+        pre: PreprocessedRequest,
+        target: int | None,
+        timeout: float | None,
+    ) -> OutputStream:
+        """``stream``, moving to another worker if the one serving it is lost mid-stream
+        (not in direct mode, which names its worker)."""
+        limit = entry.migration_limit
+        if limit is None:
+            limit = self.migration_limit
+        if limit <= 0 or target is not None:
+            return stream
+        counter, model = self.metrics.migrations, entry.name
+        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        return MigratingStream(
+            stream, entry.router, pre, limit, self.idle_timeout, deadline,
+            on_migrate=lambda kind: counter.labels(model, kind).inc(),
+        )
+
     async def _run(
         self,
         receive: Receive,
@@ -242,7 +269,7 @@ class FrontendApp:
             try:
                 # The deadline also travels as the runtime's per-request timeout (the worker
                 # enforces it too); a router plugin that predates it is not handed one.
-                extra = {} if timeout is None else {"timeout": timeout}
+                extra: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
                 stream = await entry.router.generate(
                     pre, ctx, instance_id=target, idle_timeout=self.idle_timeout, **extra
                 )
@@ -252,6 +279,7 @@ class FrontendApp:
                 else:
                     await error(send, http_errors.from_dynamo(exc))
                 return
+            stream = self._migrating(stream, entry, pre, target, timeout)
             served_by = f"{stream.instance_id:x}"
             if pre.routing.dp_rank is not None:
                 served_by += f"/{pre.routing.dp_rank}"

@@ -46,6 +46,12 @@ class FrontendMetrics:
             "dynamo_frontend_disconnected_clients", "Clients that went away mid-request",
             ["model"], registry=r,
         )
+        self.migrations = Counter(
+            "dynamo_frontend_migrations",
+            "Requests moved to another worker mid-stream, by model and the error that lost the "
+            "first (Disconnected, EngineShutdown, StreamIncomplete)",
+            ["model", "reason"], registry=r,
+        )
 
         self._children: dict[str, tuple[Any, Any]] = {}
 

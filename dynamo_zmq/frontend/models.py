@@ -62,6 +62,8 @@ class ModelEntry:
     router: ModelRouter
     created: int
     instance_ids: list[int] = field(default_factory=list)
+    #: The model's migration limit as its workers advertise it (None: the frontend's).
+    migration_limit: int | None = None
 
 
 class ModelManager:
@@ -172,7 +174,8 @@ class ModelManager:
             router = await self._router(served)
             old = self.models.get(card.name)
             self.models[card.name] = ModelEntry(
-                card.name, card, preprocessor, router, int(time.time())
+                card.name, card, preprocessor, router, int(time.time()),
+                migration_limit=advert.migration_limit,
             )
             if old is not None:
                 await _close_router(old.router)

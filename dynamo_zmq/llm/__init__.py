@@ -18,6 +18,7 @@ from ._engine import LLMEngine as LLMEngine
 from ._engine import LLMEngineOutput as LLMEngineOutput
 from ._engine import OutputOptions as OutputOptions
 from ._engine import PreprocessedRequest as PreprocessedRequest
+from ._engine import Resume as Resume
 from ._engine import RoutingHints as RoutingHints
 from ._engine import SamplingOptions as SamplingOptions
 from ._engine import StopConditions as StopConditions
@@ -42,6 +43,9 @@ from ._load import LoadDecodeError as LoadDecodeError
 from ._load import LoadReport as LoadReport
 from ._load import decode_report as decode_report
 from ._load import encode_report as encode_report
+from ._migration import DEFAULT_MIGRATION_LIMIT as DEFAULT_MIGRATION_LIMIT
+from ._migration import MigratingStream as MigratingStream
+from ._migration import resumable as resumable
 from ._model_card import CARD_FILES as CARD_FILES
 from ._model_card import CHUNK as CHUNK
 from ._model_card import CardFile as CardFile
@@ -57,6 +61,8 @@ from ._postprocess import IncrementalDetokenizer as IncrementalDetokenizer
 from ._postprocess import PostProcessor as PostProcessor
 from ._postprocess import StopStringMatcher as StopStringMatcher
 from ._postprocess import postprocess as postprocess
+from ._postprocess import resumed_usage as resumed_usage
+from ._postprocess import with_resumed_usage as with_resumed_usage
 from ._routing import BUILTIN_MODES as BUILTIN_MODES
 from ._routing import ClientRouter as ClientRouter
 from ._routing import ModelRouter as ModelRouter
@@ -77,6 +83,7 @@ __all__ = [
     "BUILTIN_MODES",
     "CARD_FILES",
     "CHUNK",
+    "DEFAULT_MIGRATION_LIMIT",
     "ENGINES",
     "LOAD_TOPIC",
     "LOAD_VERSION",
@@ -104,6 +111,7 @@ __all__ = [
     "LLMEngineOutput",
     "LoadDecodeError",
     "LoadReport",
+    "MigratingStream",
     "ModelAdvert",
     "ModelCard",
     "ModelRouter",
@@ -115,6 +123,7 @@ __all__ = [
     "OutputStream",
     "PostProcessor",
     "PreprocessedRequest",
+    "Resume",
     "RouterPlugin",
     "RoutingHints",
     "RoutingTarget",
@@ -136,8 +145,11 @@ __all__ = [
     "plugin_names",
     "postprocess",
     "read_card_file",
+    "resumable",
+    "resumed_usage",
     "served_models",
     "serves",
     "stop_output",
     "validate_stream",
+    "with_resumed_usage",
 ]

@@ -32,12 +32,15 @@ CACHE_SIZE = 4096
 class ModelAdvert(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=False):
     """A model served on one endpoint of one worker: its card (name, checksum, files, context
     length, block size, disaggregation role), its engine's configuration (data-parallel size,
-    KV-event and replay endpoints), and where it publishes its load."""
+    KV-event and replay endpoints), where it publishes its load, and its migration limit."""
 
     model_card: ModelCard
     engine: EngineConfig
     #: The worker's load-report PUB socket (``dynamo_zmq.llm.LoadReport``), if it publishes.
     load_endpoint: str | None = None
+    #: Migrations a request of this model may make (the worker's ``--migration-limit``); it
+    #: overrides the frontend's own limit. None: the frontend's.
+    migration_limit: int | None = None
 
     @property
     def name(self) -> str:

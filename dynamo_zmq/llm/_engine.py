@@ -58,6 +58,7 @@ __all__ = [
     "LLMEngineOutput",
     "OutputOptions",
     "PreprocessedRequest",
+    "Resume",
     "RoutingHints",
     "SamplingOptions",
     "StopConditions",
@@ -130,6 +131,20 @@ class RoutingHints(msgspec.Struct, **_WIRE):
     overlap_blocks: int | None = None
 
 
+class Resume(msgspec.Struct, **_WIRE):
+    """A migrated request's continuation (``PreprocessedRequest.resume``): the last
+    ``generated`` prompt tokens are output the client already has, streamed by a worker that
+    was lost. The worker's post-processing replays them without emitting their text (what the
+    lost worker still held back, a partial stop string or character, comes out with the new
+    tokens) and reports usage as for the original request."""
+
+    #: Trailing prompt tokens that are output already streamed.
+    generated: int = 0
+    #: The original request's ``stop.min_tokens`` (the wire's is what is left of it, for the
+    #: engine; stop strings apply after the original count).
+    min_tokens: int = 0
+
+
 class PreprocessedRequest(msgspec.Struct, **_WIRE):
     """A tokenized request, as the frontend sends it to a worker."""
 
@@ -149,6 +164,10 @@ class PreprocessedRequest(msgspec.Struct, **_WIRE):
     #: document's ``BackendInput.mdcsum``); a worker serving another card refuses it. None: not
     #: checked (callers of the runtime API that build requests themselves).
     mdcsum: str | None = None
+    #: Set on a migrated request (the frontend's migration): how much of ``token_ids`` is
+    #: output already streamed. ``stop.max_tokens`` and ``stop.min_tokens`` are then what is
+    #: left of the original budget, counted from the extended prompt as usual.
+    resume: Resume | None = None
 
 
 class Usage(msgspec.Struct, **_WIRE):

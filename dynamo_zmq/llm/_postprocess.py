@@ -14,6 +14,11 @@ alone:
   ``stop_reason`` the string, then the worker's ``stop_engine()`` frees the engine sequence.
   An engine's ``stop`` ending on a stop token becomes ``stop`` with ``stop_reason`` its id, and
   one ending on an end-of-sequence token becomes ``eos`` (the request-flow document's EoS).
+
+A migrated request (``request.resume``) ends in prompt tokens that are output a lost worker
+already streamed: ``PostProcessor`` replays them through the detokenizer and the stop-string
+matcher without emitting their text, so the stream continues exactly where the client's text
+stops, and its usage counts them as output.
 """
 
 from __future__ import annotations
@@ -28,7 +33,14 @@ from ._engine import FinishReason, LLMEngineOutput, PreprocessedRequest, Usage
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
-__all__ = ["IncrementalDetokenizer", "PostProcessor", "StopStringMatcher", "postprocess"]
+__all__ = [
+    "IncrementalDetokenizer",
+    "PostProcessor",
+    "StopStringMatcher",
+    "postprocess",
+    "resumed_usage",
+    "with_resumed_usage",
+]
 
 #: What a lossy UTF-8 decode puts where a character is incomplete.
 REPLACEMENT = "\ufffd"
@@ -167,16 +179,17 @@ class PostProcessor:
     def __init__(self, request: PreprocessedRequest, tokenizer: Tokenizer | None) -> None:
         if tokenizer is None and not request.output.detokenize:
             raise ValueError("a tokenizer is needed unless the engine detokenizes")
+        resume = request.resume
+        generated = resume.generated if resume is not None else 0
+        prompt = request.token_ids[: len(request.token_ids) - generated]
         self._detok = (
             None
             if request.output.detokenize or tokenizer is None
-            else IncrementalDetokenizer(
-                tokenizer, request.token_ids, request.output.skip_special_tokens
-            )
+            else IncrementalDetokenizer(tokenizer, prompt, request.output.skip_special_tokens)
         )
         stop = request.stop
         self._matcher = StopStringMatcher(stop.stop, stop.include_stop_str_in_output)
-        self._min_tokens = stop.min_tokens
+        self._min_tokens = stop.min_tokens if resume is None else resume.min_tokens
         # EOS / stop-token text stays out of the output unless asked for (vLLM's rule).
         self._stop_ids = (
             frozenset() if stop.include_stop_str_in_output
@@ -185,12 +198,24 @@ class PostProcessor:
         # Read at the terminal only, to tell an end-of-sequence token from a stop token.
         self._stop_token_ids = stop.stop_token_ids
         self._eos_token_ids = request.eos_token_ids
-        self._prompt_tokens = len(request.token_ids)
+        self._prompt_tokens = len(prompt)
         self.completion_tokens = 0
         #: True once a stop string ended the stream.
         self.stopped_by_string = False
         # Most chunks are one token of a request without stop strings: detokenize, nothing else.
         self._plain = self._detok is not None and not self._matcher.stops
+        self._resumed = generated
+        if generated:
+            self._replay(request.token_ids[len(prompt) :])
+
+    def _replay(self, ids: list[int]) -> None:
+        """Bring the detokenizer and the stop-string matcher to where the lost worker left them
+        after ``ids`` (output the client already has): their text is not emitted again, and
+        what the lost worker still held back stays held."""
+        for token in ids:
+            self.completion_tokens += 1
+            if self._detok is not None:
+                self._match(self._detok.step(token))
 
     def process(self, out: LLMEngineOutput) -> LLMEngineOutput:
         """One engine chunk in, one chunk out; the result is terminal when the stream ends here
@@ -234,11 +259,18 @@ class PostProcessor:
             last = stop_reason if stop_reason is not None else (ids[-1] if ids else None)
             if last is not None:
                 reason, stop_reason = self._stopped_by_token(last, stop_reason)
-        usage = out.usage or Usage(self._prompt_tokens, self.completion_tokens)
+        usage = self._usage(out.usage)
         return LLMEngineOutput(
             ids, text="".join(parts), finish_reason=reason, usage=usage, error=out.error,
             log_probs=out.log_probs, stop_reason=stop_reason,
         )
+
+    def _usage(self, engine: Usage | None) -> Usage:
+        """The terminal's usage: the engine's if it gave one (corrected for a resumed request,
+        whose engine counts the replayed output as prompt), else the post-processor's count."""
+        if engine is None:
+            return Usage(self._prompt_tokens, self.completion_tokens)
+        return resumed_usage(engine, self._resumed)
 
     def _stopped_by_token(self, token: int, said: int | None) -> tuple[str, int | None]:
         """The finish of an engine's ``stop`` on ``token``: a stop token the request named
@@ -276,6 +308,28 @@ class PostProcessor:
             usage=Usage(self._prompt_tokens, self.completion_tokens), log_probs=log_probs,
             stop_reason=self._matcher.matched,
         )
+
+
+def resumed_usage(usage: Usage, generated: int) -> Usage:
+    """An engine's usage of a resumed request as the original request's: the ``generated``
+    trailing prompt tokens were output, and only the original prompt can have been cached."""
+    if not generated:
+        return usage
+    prompt = max(0, usage.prompt_tokens - generated)
+    cached = usage.cached_tokens
+    return Usage(prompt, usage.completion_tokens + generated,
+                 None if cached is None else min(cached, prompt))
+
+
+async def with_resumed_usage(
+    stream: AsyncIterator[LLMEngineOutput], generated: int
+) -> AsyncIterator[LLMEngineOutput]:
+    """An engine stream of a resumed request whose chunks pass through as they are (no
+    post-processing): only the terminal's usage is corrected (``resumed_usage``)."""
+    async for out in stream:
+        if out.usage is not None:
+            out.usage = resumed_usage(out.usage, generated)
+        yield out
 
 
 async def postprocess(

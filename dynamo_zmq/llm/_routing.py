@@ -60,6 +60,7 @@ class ModelRouter(Protocol):
         instance_id: int | None = None,
         idle_timeout: float | None = None,
         timeout: float | None = None,
+        exclude: frozenset[int] = frozenset(),
     ) -> OutputStream:
         """Send ``request``; its outputs stream back.
 
@@ -72,6 +73,8 @@ class ModelRouter(Protocol):
             timeout: the runtime's per-request deadline, in seconds, which the worker enforces
                 (ResponseTimeout after). The frontend passes it only when a request has a
                 deadline, so a router that predates it keeps working without one.
+            exclude: instances the request must not go to, not even by failover (those a
+                migrated request was lost on). The frontend passes it only when not empty.
 
         Raises:
             CannotConnect: no live instance (or not the one named).
@@ -102,6 +105,7 @@ class ClientRouter:
         instance_id: int | None = None,
         idle_timeout: float | None = None,
         timeout: float | None = None,
+        exclude: frozenset[int] = frozenset(),
     ) -> OutputStream:
         if self.client.mode == RouterMode.Direct and instance_id is None:
             raise errors.InvalidArgument("direct routing needs the instance to send to")
@@ -109,7 +113,7 @@ class ClientRouter:
             instance_id = None
         return await self.client.stream(
             request, LLMEngineOutput, context=context, instance_id=instance_id,
-            timeout=timeout, idle_timeout=idle_timeout,
+            timeout=timeout, idle_timeout=idle_timeout, exclude=exclude,
         )
 
     async def close(self) -> None:

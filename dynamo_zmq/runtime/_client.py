@@ -153,11 +153,14 @@ class Client:
         instance_id: int | None = None,
         timeout: float | None = None,
         idle_timeout: float | None = None,
+        exclude: frozenset[int] = frozenset(),
     ) -> ItemStream[T]:
         """Like ``generate``, with items decoded and validated into ``item_type`` (a response
-        that does not fit fails the stream with ``errors.Unknown``)."""
+        that does not fit fails the stream with ``errors.Unknown``). ``exclude``: instances
+        not to send to (nor fail over to), e.g. those a migrated request was lost on."""
         return await self._call(
-            request, typed_decoder(item_type), context, instance_id, timeout, idle_timeout
+            request, typed_decoder(item_type), context, instance_id, timeout, idle_timeout,
+            exclude,
         )
 
     async def open(
@@ -189,6 +192,7 @@ class Client:
         instance_id: int | str | None,
         timeout: float | None,
         idle_timeout: float | None,
+        exclude: frozenset[int] = frozenset(),
     ) -> ItemStream[T]:
         if instance_id is not None:
             pick, failover = self._only(instance_id), False
@@ -198,7 +202,7 @@ class Client:
             pick, failover = self._round_robin, True
         return await self._send(
             request, pick, decode, context, failover=failover, timeout=timeout,
-            idle_timeout=idle_timeout,
+            idle_timeout=idle_timeout, exclude=exclude,
         )
 
     async def _send(
@@ -210,9 +214,10 @@ class Client:
         failover: bool = True,
         timeout: float | None = None,
         idle_timeout: float | None = None,
+        exclude: frozenset[int] = frozenset(),
     ) -> ItemStream[T]:
         payload = encode_item(request)
-        first = await self._open(payload, pick, decode, context, frozenset(), timeout, idle_timeout)
+        first = await self._open(payload, pick, decode, context, exclude, timeout, idle_timeout)
         if not failover:
             return first
         ctx = first.context  # not ``first``: the hook must not keep the stream alive
@@ -223,7 +228,7 @@ class Client:
             except errors.CannotConnect:
                 return None
 
-        return _retry.failover(first, reopen)
+        return _retry.failover(first, reopen, exclude)
 
     async def _open(
         self,

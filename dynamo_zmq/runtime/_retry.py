@@ -24,18 +24,21 @@ MAX_ATTEMPTS = 3
 def failover(
     first: ResponseStream[T],
     open_elsewhere: Callable[[frozenset[int]], Awaitable[ResponseStream[T] | None]],
+    exclude: frozenset[int] = frozenset(),
 ) -> ResponseStream[T]:
     """Give ``first`` a ``reopen`` hook: on a retryable error before any item, send the request
     to an instance not tried yet (``open_elsewhere(tried)``; None if there is none), at most
     ``MAX_ATTEMPTS`` instances in all, never once the request's context is stopped. Returns
     ``first``, which continues on the new attempt; once an item has arrived errors reach the
-    caller as they are."""
-    tried = {first.instance_id}
+    caller as they are. ``exclude``: instances the request must not go to (they count as
+    tried, not as attempts)."""
+    tried = {first.instance_id, *exclude}
+    limit = MAX_ATTEMPTS + len(exclude - {first.instance_id})
 
     async def reopen(
         stream: ResponseStream[T], exc: errors.DynamoError
     ) -> ResponseStream[T] | None:
-        if not exc.retryable or len(tried) >= MAX_ATTEMPTS or stream.context.is_stopped():
+        if not exc.retryable or len(tried) >= limit or stream.context.is_stopped():
             return None
         log.info("request failed on instance %x before responding (%r): retrying",
                  stream.instance_id, exc)

@@ -164,6 +164,12 @@ def build_parser(
         help="port of the load PUB socket, 0 = any [DYN_LOAD_PORT]",
     )
     parser.add_argument(
+        "--migration-limit", type=int, default=_env("MIGRATION_LIMIT"),
+        help="how many times a request of this model may move to another worker when the one "
+             "serving it is lost mid-stream; frontends use it instead of their own "
+             "--migration-limit (default: the frontend's; 0 = never) [DYN_MIGRATION_LIMIT]",
+    )
+    parser.add_argument(
         "--debug-streams", action="store_true", default=_env("DEBUG_STREAMS", "") == "1",
         help="validate every engine stream (one terminal, last) [DYN_DEBUG_STREAMS=1]",
     )

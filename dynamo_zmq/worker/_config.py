@@ -47,6 +47,9 @@ class WorkerConfig:
     load_port: int = 0
     #: Validate every engine stream (one terminal, last).
     debug_streams: bool = False
+    #: Migrations a request of this model may make, advertised to frontends, whose own
+    #: ``--migration-limit`` it overrides (None: the frontend's; 0: never).
+    migration_limit: int | None = None
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
     def __post_init__(self) -> None:
@@ -62,6 +65,8 @@ class WorkerConfig:
                 f"--load-interval must be 0 (never) or up to {MAX_LOAD_INTERVAL:g} s, "
                 f"got {self.load_interval:g}"
             )
+        if self.migration_limit is not None and self.migration_limit < 0:
+            raise InvalidArgument(f"--migration-limit must be >= 0, got {self.migration_limit}")
         for name in ("system_port", "load_port"):
             port = getattr(self, name)
             if port is not None and not 0 <= port <= 65535:
@@ -88,5 +93,9 @@ class WorkerConfig:
             load_interval=float(args.load_interval),
             load_port=int(args.load_port),
             debug_streams=bool(args.debug_streams),
+            migration_limit=(
+                None if getattr(args, "migration_limit", None) is None
+                else int(args.migration_limit)
+            ),
             runtime=runtime,
         )

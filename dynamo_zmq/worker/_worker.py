@@ -39,6 +39,7 @@ from ..llm import (
     build_card,
     read_card_file,
     validate_stream,
+    with_resumed_usage,
 )
 from ..resources import cancel_and_wait
 from ..runtime import DistributedRuntime, StatusServer
@@ -180,7 +181,9 @@ class Worker:
             )
             self.status.start()
             log.info("metrics and health on port %d", self.status.port)
-        advert = ModelAdvert(self.card, config, await self._start_load_publisher())
+        advert = ModelAdvert(
+            self.card, config, await self._start_load_publisher(), args.migration_limit
+        )
         await component.endpoint("model_files").start_serving(self._model_files)
         await component.endpoint("clear_kv_blocks").start_serving(self._clear_kv_blocks)
         await generate.start_serving(
@@ -263,6 +266,8 @@ class Worker:
             if self.tokenizer is not None or request.output.detokenize
             else None
         )
+        if proc is None and request.resume is not None:  # a migrated request: usage as its own
+            stream = with_resumed_usage(stream, request.resume.generated)
         start = last = time.monotonic()
         tokens = 0
         try:

@@ -218,6 +218,7 @@ class MockerEngine(LLMEngine):
             eos_token_ids=(*request.eos_token_ids, *cfg.eos_token_ids),
             ignore_eos=stop.ignore_eos,
             request_id=request.request_id,
+            resumed=request.resume.generated if request.resume is not None else 0,
         )
 
     async def abort(self, ctx: Context) -> None:

@@ -38,7 +38,7 @@ class Sequence:
     def __init__(self, prompt: Seq[int], *, block_size: int, vocab_size: int, seed: int,
                  max_tokens: int, min_tokens: int = 0, stop_token_ids: Iterable[int] = (),
                  eos_token_ids: Iterable[int] = (), ignore_eos: bool = False,
-                 request_id: str = "") -> None:
+                 request_id: str = "", resumed: int = 0) -> None:
         self.request_id = request_id
         self.tokens: list[int] = list(prompt)
         self.num_prompt = len(self.tokens)
@@ -48,7 +48,12 @@ class Sequence:
         self.min_tokens = min_tokens
         self.stop_token_ids = frozenset(stop_token_ids)
         self.eos_token_ids = frozenset(() if ignore_eos else eos_token_ids)
-        self._rng = random.Random(sequence_seed(seed, self.tokens))
+        # A migrated request (its last ``resumed`` prompt tokens are output another worker
+        # sampled) continues the generator of the original prompt where that worker left it.
+        original = self.tokens[: len(self.tokens) - resumed] if resumed > 0 else self.tokens
+        self._rng = random.Random(sequence_seed(seed, original))
+        for _ in range(max(0, resumed)):
+            self._rng.randrange(vocab_size)
         self._hashes: list[int] = []
         self.status = SeqStatus.WAITING
         #: KV blocks held (prefix hits first), tokens whose KV is computed, blocks already hashed.
@@ -89,7 +94,8 @@ class Sequence:
         return hashes[:num_blocks]
 
     def sample(self) -> int:
-        """The next token: uniform over the vocabulary, deterministic per (seed, prompt)."""
+        """The next token: uniform over the vocabulary, deterministic per (seed, prompt), and
+        per (seed, original prompt) for a migrated request, which goes on as it would have."""
         return self._rng.randrange(self.vocab_size)
 
     def append(self, token: int) -> str | None:

@@ -1,0 +1,288 @@
+"""Request migration through real processes: a worker lost mid-stream (SIGKILL, SIGSTOP) and
+the client's stream continues on another, the same text as a fault-free run, usage and finish
+right; the limit; requests that cannot be resumed; kv mode's choice by the extended prompt."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+import signal
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.support.http_calls import get
+from tests.support.metrics import sample
+from tests.support.procs import Proc
+
+#: About 29 ms a token (the mocker's decode step at speedup 0.2): a stream of LONG tokens lasts
+#: a few seconds, so a worker can be lost in its middle.
+SLOW = ("--speedup-ratio", "0.2")
+LONG = 80
+MESSAGES = [{"role": "user", "content": "Tell me a long story about moving house"}]
+#: Chunks the client reads before the serving worker is lost.
+BEFORE = 10
+
+
+def mocker(spawn, namespace: str, model_dir: Path, *extra: str) -> Proc:
+    return spawn("-m", "dynamo_zmq.worker", "--engine", "mocker", "--model-path", str(model_dir),
+                 "--model-name", "tiny", "--namespace", namespace, "--host", "127.0.0.1",
+                 "--metrics-port", "0", *SLOW, *extra)
+
+
+def frontend(spawn, namespace: str, *flags: str) -> tuple[Proc, str]:
+    proc = spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
+                 *flags, ready=False)
+    return proc, proc.wait_ready().address
+
+
+def client_for(url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+async def metrics_page(url: str) -> str:
+    _, body = await asyncio.to_thread(get, f"{url}/metrics")
+    return body.decode()
+
+
+def metrics_url(proc: Proc) -> str:
+    port = int(next(line.split()[-1] for line in proc.logs().splitlines()
+                    if "metrics and health on port" in line))
+    return f"http://127.0.0.1:{port}"
+
+
+async def wait_instances(url: str, count: int, timeout: float = 30.0) -> None:
+    """Until the frontend routes model ``tiny`` to ``count`` instances."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        status, body = await asyncio.to_thread(get, f"{url}/health")
+        if status == 200 and len(json.loads(body)["models"].get("tiny", [])) == count:
+            return
+        assert loop.time() < deadline, f"not {count} instances: {body!r}"
+        await asyncio.sleep(0.1)
+
+
+def serving(workers: list[Proc], header: str) -> Proc:
+    iid = int(header.split("/")[0], 16)
+    return next(w for w in workers if w.instance_id == iid)
+
+
+async def migrations(url: str) -> float:
+    return sample(await metrics_page(url), "dynamo_frontend_migrations_total", model="tiny") or 0
+
+
+async def reference(client: openai.AsyncOpenAI, **params) -> openai.types.chat.ChatCompletion:
+    """The same request, fault-free."""
+    return await client.chat.completions.create(model="tiny", messages=MESSAGES, **params)
+
+
+async def stream_losing_worker(client, workers, sig, **params) -> tuple[str, list, Proc]:
+    """Stream a chat request; after ``BEFORE`` content chunks send ``sig`` to its worker.
+    Returns (text, chunks, the worker lost)."""
+    raw = await client.chat.completions.with_raw_response.create(
+        model="tiny", messages=MESSAGES, stream=True, stream_options={"include_usage": True},
+        **params,
+    )
+    victim = serving(workers, raw.headers["x-dynamo-worker"])
+    chunks = []
+    seen = 0
+    async for chunk in raw.parse():
+        chunks.append(chunk)
+        if chunk.choices and chunk.choices[0].delta.content:
+            seen += 1
+            if seen == BEFORE:
+                victim.signal(sig)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return text, chunks, victim
+
+
+PARAMS = {"max_tokens": LONG, "extra_body": {"ignore_eos": True}}
+
+
+@pytest.fixture
+async def two_workers(namespace, spawn, tiny_model):
+    workers = [mocker(spawn, namespace, tiny_model) for _ in range(2)]
+    _, url = frontend(spawn, namespace)
+    await wait_instances(url, 2)
+    async with client_for(url) as client:
+        yield workers, url, client
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
+async def test_a_stream_whose_worker_is_lost_continues_unchanged(two_workers, sig):
+    """SIGKILL (the connection drops) or SIGSTOP (a hang: liveness marks it gone): the client's
+    stream goes on on the other worker; its text is the fault-free run's, no token lost or
+    repeated, usage and finish reason as if nothing happened."""
+    workers, url, client = two_workers
+    ref = await reference(client, **PARAMS)
+    assert ref.usage.completion_tokens == LONG and ref.choices[0].finish_reason == "length"
+    try:
+        text, chunks, _ = await stream_losing_worker(client, workers, sig, **PARAMS)
+    finally:
+        if sig == signal.SIGSTOP:  # a frozen process ignores the fixture's SIGTERM
+            for w in workers:
+                w.signal(signal.SIGKILL)
+    assert text == ref.choices[0].message.content
+    finish = [c.choices[0].finish_reason for c in chunks
+              if c.choices and c.choices[0].finish_reason]
+    assert finish == ["length"]
+    usage = chunks[-1].usage
+    assert usage.completion_tokens == LONG
+    assert usage.prompt_tokens == ref.usage.prompt_tokens
+    assert usage.total_tokens == ref.usage.prompt_tokens + LONG
+    assert await migrations(url) == 1
+    page = await metrics_page(url)
+    assert sample(page, "dynamo_frontend_migrations_total", reason="Disconnected") == 1
+
+
+async def test_a_non_streaming_request_whose_worker_dies_completes(two_workers):
+    workers, url, client = two_workers
+    ref = await reference(client, **PARAMS)
+    task = asyncio.create_task(reference(client, **PARAMS))
+    victim = await first_tokens_on(workers)
+    victim.signal(signal.SIGKILL)
+    resp = await task
+    assert resp.choices[0].message.content == ref.choices[0].message.content
+    assert resp.choices[0].finish_reason == "length"
+    assert resp.usage.completion_tokens == LONG
+    assert resp.usage.prompt_tokens == ref.usage.prompt_tokens
+    assert await migrations(url) == 1
+
+
+async def first_tokens_on(workers: list[Proc], timeout: float = 20.0) -> Proc:
+    """The worker whose request has produced its first tokens (a few of them), by its
+    metrics: its time-to-first-token was observed once more than at the start."""
+    urls = [metrics_url(w) for w in workers]
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+
+    async def counts() -> list[float]:
+        pages = [(await asyncio.to_thread(get, f"{u}/metrics"))[1].decode() for u in urls]
+        return [sample(p, "dynamo_component_time_to_first_token_seconds_count") or 0
+                for p in pages]
+
+    before = await counts()
+    while True:
+        now = await counts()
+        for w, b, n in zip(workers, before, now, strict=True):
+            if n > b:
+                await asyncio.sleep(0.3)  # a few more tokens: some have reached the client
+                return w
+        assert loop.time() < deadline, "no worker produced a token"
+        await asyncio.sleep(0.05)
+
+
+async def test_no_migration_with_limit_zero(namespace, spawn, tiny_model):
+    """``--migration-limit 0``: today's behaviour, the stream fails with the worker."""
+    workers = [mocker(spawn, namespace, tiny_model) for _ in range(2)]
+    _, url = frontend(spawn, namespace, "--migration-limit", "0")
+    await wait_instances(url, 2)
+    async with client_for(url) as client:
+        with pytest.raises(openai.APIError) as exc:
+            await stream_losing_worker(client, workers, signal.SIGKILL, **PARAMS)
+    assert exc.value.body["code"] == "disconnected"
+    assert exc.value.body["type"] == "service_unavailable_error"  # 503's kind: retryable
+    assert await migrations(url) == 0
+
+
+async def test_the_advertised_limit_wins_and_a_second_loss_fails(namespace, spawn, tiny_model):
+    """Workers advertise ``--migration-limit 1`` (the frontend's default is 3): the first loss
+    migrates, the second fails the stream with a retryable error."""
+    workers = [mocker(spawn, namespace, tiny_model, "--migration-limit", "1") for _ in range(3)]
+    _, url = frontend(spawn, namespace)
+    await wait_instances(url, 3)
+    async with client_for(url) as client:
+        raw = await client.chat.completions.with_raw_response.create(
+            model="tiny", messages=MESSAGES, stream=True, **PARAMS
+        )
+        first = serving(workers, raw.headers["x-dynamo-worker"])
+        seen = 0
+        with pytest.raises(openai.APIError) as exc:
+            async for chunk in raw.parse():
+                if chunk.choices and chunk.choices[0].delta.content:
+                    seen += 1
+                    if seen == BEFORE:
+                        first.signal(signal.SIGKILL)
+                    elif seen == 2 * BEFORE:
+                        assert await migrations(url) == 1
+                        (await busy(w for w in workers if w is not first)).signal(signal.SIGKILL)
+    assert exc.value.body["code"] == "disconnected"
+    assert exc.value.body["type"] == "service_unavailable_error"
+    assert await migrations(url) == 1
+
+
+async def busy(workers) -> Proc:
+    """The one worker with a request in flight."""
+    for w in workers:
+        page = (await asyncio.to_thread(get, f"{metrics_url(w)}/metrics"))[1].decode()
+        if sample(page, "dynamo_component_inflight_requests", model="tiny") == 1:
+            return w
+    raise AssertionError("no worker serves the request")
+
+
+async def test_a_request_that_cannot_be_resumed_fails_clearly(two_workers):
+    """A frequency penalty counts generated tokens, which a resumed request would see as
+    prompt: the stream ends with a retryable 503-kind error saying so, not a wrong text."""
+    workers, url, client = two_workers
+    with pytest.raises(openai.APIError) as exc:
+        await stream_losing_worker(client, workers, signal.SIGKILL, frequency_penalty=0.5,
+                                   **PARAMS)
+    body = exc.value.body
+    assert body["code"] == "engine_shutdown" and body["type"] == "service_unavailable_error"
+    lost_after = re.search(r"lost after (\d+) tokens", body["message"])
+    assert lost_after and int(lost_after.group(1)) >= BEFORE, body["message"]
+    assert "cannot be resumed" in body["message"] and "penalt" in body["message"]
+    assert await migrations(url) == 0
+
+
+def mocker_tokens(model_dir: Path, prompt: list[int], n: int, seed: int = 0) -> list[int]:
+    """What the mocker generates for ``prompt`` (its sampler: uniform, seeded by the prompt)."""
+    from engines.mocker._sequence import sequence_seed
+
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    rng = random.Random(sequence_seed(seed, prompt))
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+async def test_kv_mode_migrates_where_the_extended_prompt_is_cached(namespace, spawn, tiny_model):
+    """Three workers, kv routing. While request R streams on X, a request whose prompt is R's
+    prompt plus R's next 60 tokens goes to Y (X is loaded, nobody has R's prompt cached: it is
+    shorter than a block) and leaves them in Y's cache. X dies: R's continuation (its prompt
+    extended by the tokens generated) goes to Y, where it overlaps, not to Z."""
+    block = ("--block-size", "16")
+    workers = [mocker(spawn, namespace, tiny_model, *block) for _ in range(3)]
+    _, url = frontend(spawn, namespace, "--router-mode", "kv")
+    await wait_instances(url, 3)
+    prompt = list(range(100, 110))
+    ahead = mocker_tokens(tiny_model, prompt, 60)
+    async with client_for(url) as client:
+        raw = await client.completions.with_raw_response.create(
+            model="tiny", prompt=prompt, max_tokens=LONG, stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        x = serving(workers, raw.headers["x-dynamo-worker"])
+        warm = await client.completions.with_raw_response.create(
+            model="tiny", prompt=prompt + ahead, max_tokens=1, extra_body={"ignore_eos": True},
+        )
+        y = serving(workers, warm.headers["x-dynamo-worker"])
+        assert y is not x, "the warming request should avoid the loaded worker"
+        (z,) = [w for w in workers if w is not x and w is not y]
+        seen, finish = 0, []
+        async for chunk in raw.parse():
+            if chunk.choices[0].text:
+                seen += 1
+                if seen == 40:  # 50 tokens: 3 full blocks of the extended prompt are Y's
+                    x.signal(signal.SIGKILL)
+            if chunk.choices[0].finish_reason:
+                finish.append(chunk.choices[0].finish_reason)
+        assert finish == ["length"]
+        assert await migrations(url) == 1
+    counts = []
+    for w in (y, z):
+        page = (await asyncio.to_thread(get, f"{metrics_url(w)}/metrics"))[1].decode()
+        counts.append(sample(page, "dynamo_component_requests_total", model="tiny"))
+    assert counts[0] == 2 and not counts[1], counts  # Y: the warming request and R's rest
