@@ -21,6 +21,8 @@ def test_a_short_chaos_run_loses_nothing(tiny_model):
     config = ChaosConfig(
         worker_hosts=2, workers_per_host=2, concurrency=12, duration=20.0, fault_interval=4.0,
         pool=48, speedup=0.2, baseline=False, model_path=str(tiny_model), seed=1,
+        # Shorter than most streams (1-4 s at this speed): SIGTERM must hand some over.
+        graceful_timeout=1.0,
     )
     result = run_chaos(config)
     assert reference_problems(result) == []

@@ -58,7 +58,7 @@ class ChaosConfig:
     faults: tuple[str, ...] = FAULT_KINDS
     seed: int = 0
     speedup: float = 0.1
-    pool: int = 256
+    pool: int = 128
     min_tokens: int = 32
     max_tokens: int = 128
     request_timeout: float = 30.0
@@ -81,6 +81,8 @@ class RunResult(msgspec.Struct):
     loads: list[LoadResult]
     faults: list[Fault] = []
     migrations: dict[str, float] = {}
+    #: Busy fraction of the machine's CPUs over the phase (every process, ours or not).
+    machine_cpu: float = 0.0
 
 
 class ChaosResult(msgspec.Struct):
@@ -160,10 +162,12 @@ async def _phase(cfg: ChaosConfig, fronts: list[Host], fleet: Fleet, prompts: li
                       prompts=prompts[i::n] if duration <= 0 else prompts,
                       concurrency=max(1, cfg.concurrency // n), duration=duration,
                       start_at=start, deadline=cfg.request_timeout, margin=cfg.margin,
-                      max_requests=cfg.max_requests // n, offset=i, stride=n)
+                      max_requests=cfg.max_requests // n,
+                      offset=0 if duration <= 0 else i, stride=1 if duration <= 0 else n)
              for i in range(n)]
     loads = asyncio.gather(*(asyncio.to_thread(_load, h, s)
                              for h, s in zip(fronts, specs, strict=True)))
+    cpu = asyncio.ensure_future(_busy(start, duration))
     faults: list[Fault] = []
     if chaos:
         inject = inject_faults(fleet, start=start, duration=duration,
@@ -187,7 +191,24 @@ async def _phase(cfg: ChaosConfig, fronts: list[Host], fleet: Fleet, prompts: li
     for b, a in zip(before, after, strict=True):
         for reason, value in a.items():
             migrations[reason] = migrations.get(reason, 0.0) + value - b.get(reason, 0.0)
-    return RunResult(name, start, duration, list(results), faults, migrations)
+    return RunResult(name, start, duration, list(results), faults, migrations, await cpu)
+
+
+async def _busy(start: float, duration: float) -> float:
+    """The busy fraction of the machine's CPUs from ``start`` for ``duration`` seconds."""
+    await asyncio.sleep(max(0.0, start - time.monotonic()))
+    busy0, total0 = _cpu_times()
+    await asyncio.sleep(max(1.0, duration))
+    busy1, total1 = _cpu_times()
+    return (busy1 - busy0) / max(1, total1 - total0)
+
+
+def _cpu_times() -> tuple[int, int]:
+    """(busy, total) jiffies of all CPUs, from /proc/stat."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return sum(fields) - idle, sum(fields)
 
 
 def _load(host: Host, spec: LoadSpec) -> LoadResult:

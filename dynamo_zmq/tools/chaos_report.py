@@ -9,6 +9,7 @@ minus the reference's; ``chunk_delta``: text chunks received minus the reference
 from __future__ import annotations
 
 import math
+import os
 from collections import Counter
 from collections.abc import Sequence
 
@@ -56,6 +57,7 @@ class RunStats(msgspec.Struct):
     faults: dict[str, int]
     problems_by_fault: dict[str, int]
     client_cpu: float
+    machine_cpu: float
     problems: list[Problem]
 
 
@@ -146,6 +148,7 @@ def stats(result: ChaosResult, run: RunResult) -> RunStats:
         faults=dict(Counter(f.kind for f in run.faults)), problems_by_fault=dict(by_fault),
         client_cpu=sum(x.cpu_seconds for x in run.loads) / max(
             1e-9, max(x.wall_seconds for x in run.loads)),
+        machine_cpu=run.machine_cpu,
         problems=problems,
     )
 
@@ -174,6 +177,8 @@ def format_table(runs: Sequence[RunStats]) -> str:
         ("completed requests/s", [f"{s.requests_per_s:.1f}" for s in runs]),
         ("min tokens/s in a second", [str(min(s.per_second_tokens)) for s in runs]),
         ("load generator CPU (cores)", [f"{s.client_cpu:.2f}" for s in runs]),
+        (f"machine CPU busy (of {os.cpu_count()} cores)",
+         [f"{s.machine_cpu:.0%}" for s in runs]),
     ]
     head = "| | " + " | ".join(s.name for s in runs) + " |"
     sep = "|---|" + "---|" * len(runs)
