@@ -61,6 +61,7 @@ def main() -> int:
     p.add_argument("--plot", metavar="FILE.png", help="throughput over time, faults marked")
     p.add_argument("--json", metavar="FILE", help="save the raw results")
     p.add_argument("--logs", action="store_true", help="print the processes' logs at the end")
+    p.add_argument("--logs-dir", metavar="DIR", help="save every process's whole log here")
     args = p.parse_args()
     why = cluster_supported()
     if why:
@@ -78,7 +79,7 @@ def main() -> int:
         request_timeout=args.request_timeout, max_requests=args.max_requests,
         down_for=args.down_for, restart_after=args.restart_after,
         graceful_timeout=args.graceful_timeout, baseline=not args.no_baseline,
-        model_path=args.model_path,
+        model_path=args.model_path, logs_dir=args.logs_dir,
         log=lambda msg: print(f"[{time.monotonic() - t0:6.1f}s] {msg}", file=sys.stderr),
     )
     result = run_chaos(cfg)

@@ -20,6 +20,7 @@ import asyncio
 import http.client
 import json
 import random
+import shutil
 import socket
 import tempfile
 import time
@@ -69,6 +70,8 @@ class ChaosConfig:
     graceful_timeout: float = 5.0
     baseline: bool = True
     model_path: str | None = None
+    #: A directory to copy every process's whole log (stderr) into at the end.
+    logs_dir: str | None = None
     log: Callable[[str], None] = field(default=lambda _msg: None)
 
 
@@ -142,6 +145,8 @@ async def _run(cfg: ChaosConfig) -> ChaosResult:
         runs.append(await _phase(cfg, fronts, fleet, prompts, "chaos", cfg.duration, True))
         logs = {f"{w.host.name}/{w.name}": w.proc.logs() for w in fleet.workers if w.proc}
         logs.update({f"{h.name}/frontend": _frontend_logs(cluster, h) for h in fronts})
+        if cfg.logs_dir:
+            _save_logs(cluster, Path(cfg.logs_dir))
         return ChaosResult(config=_public(cfg), prompts=prompts, reference=reference,
                            runs=runs, worker_logs=logs)
 
@@ -280,6 +285,17 @@ def _frontend_logs(cluster: Cluster, host: Host) -> str:
         if proc.argv[3] == host.netns and "dynamo_zmq.frontend" in proc.argv:
             return proc.logs()
     return ""
+
+
+def _save_logs(cluster: Cluster, out: Path) -> None:
+    """Copy the whole log of every process started in ``cluster`` (restarted ones too)."""
+    out.mkdir(parents=True, exist_ok=True)
+    names = {h.netns: h.name for h in cluster.hosts.values()}
+    for proc in cluster.procs:
+        argv = proc.argv
+        what = argv[argv.index("-m") + 1].rsplit(".", 1)[-1] if "-m" in argv else "proc"
+        host = names.get(argv[3], "x")
+        shutil.copyfile(proc.log.name, out / f"{host}-{what}-{proc.pid}.log")
 
 
 def _tiny_model(out: Path) -> str:

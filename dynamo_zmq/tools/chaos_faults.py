@@ -102,13 +102,13 @@ async def inject_faults(
                 break
             await asyncio.sleep(max(0.0, at - time.monotonic()))
             kind = kinds[(n - 1) % len(kinds)]
-            fault = _begin(fleet, kind, rng, down_for, restart_after, term_wait, group)
+            fault = await _begin(fleet, kind, rng, down_for, restart_after, term_wait, group)
             if fault is not None:
                 faults.append(fault)
     return faults
 
 
-def _begin(
+async def _begin(
     fleet: Fleet, kind: str, rng: random.Random, down_for: float, restart_after: float,
     term_wait: float, group: asyncio.TaskGroup,
 ) -> Fault | None:
@@ -122,7 +122,7 @@ def _begin(
         for w in held:
             w.busy = True
         fault = Fault(kind, host.name, now)
-        fleet.cluster.cut(host)
+        await asyncio.to_thread(fleet.cluster.cut, host)  # ip may be slow on a busy machine
         group.create_task(_heal(fleet, host, held, fault, down_for))
         return fault
     idle = [w for w in fleet.workers if not w.busy and w.proc is not None and w.proc.running()]
@@ -148,7 +148,7 @@ def _begin(
 
 async def _heal(fleet: Fleet, host: Host, held: list[Worker], fault: Fault, after: float) -> None:
     await asyncio.sleep(after)
-    fleet.cluster.heal(host)
+    await asyncio.to_thread(fleet.cluster.heal, host)
     fault.recovered = time.monotonic()
     for w in held:
         w.busy = False
