@@ -95,6 +95,7 @@ class ChaosResult(msgspec.Struct):
     prompts: list[Prompt]
     reference: RunResult
     runs: list[RunResult]
+    #: The end of each worker's log and each frontend's whole log, by ``host/name``.
     worker_logs: dict[str, str] = {}
 
 
@@ -281,9 +282,10 @@ def _migrations(host: Host) -> dict[str, float]:
 
 
 def _frontend_logs(cluster: Cluster, host: Host) -> str:
+    """The whole log of the frontend on ``host`` (a line per migration: small)."""
     for proc in cluster.procs:
         if proc.argv[3] == host.netns and "dynamo_zmq.frontend" in proc.argv:
-            return proc.logs()
+            return Path(proc.log.name).read_text(errors="replace")
     return ""
 
 
