@@ -190,8 +190,11 @@ async def _phase(cfg: ChaosConfig, fronts: list[Host], fleet: Fleet, prompts: li
         for i, res in enumerate(results):
             for rec in res.records:
                 rec.prompt = rec.prompt * n + i
-    for h in fronts:
-        await _wait_instances(h, len(fleet.workers))
+    for h in fronts:  # every worker back before the next phase (and the metrics read)
+        try:
+            await _wait_instances(h, len(fleet.workers))
+        except TimeoutError as exc:  # a restart failed: reported by its fault; go on
+            cfg.log(f"{name}: {exc}")
     after = [await asyncio.to_thread(_migrations, h) for h in fronts]
     migrations: dict[str, float] = {}
     for b, a in zip(before, after, strict=True):
