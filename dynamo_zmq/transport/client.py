@@ -110,6 +110,8 @@ class PeerConnection:
         self._monitor: AsyncSocket | None = None
         self._streams: dict[int, _StreamState] = {}
         self._last_rx = 0.0
+        #: Until then silence is not judged: this process has just come back from a stall.
+        self._quiet_until = 0.0
         self._last_describe = 0.0
         self._described = asyncio.Event()
         self._nonce = itertools.count(1)
@@ -384,8 +386,15 @@ class PeerConnection:
             await mon.wait_readable()
 
     async def _ping_loop(self) -> None:
+        last = time.monotonic()
         while True:
             await asyncio.sleep(self._ping_interval)
+            now = time.monotonic()
+            if now - last - self._ping_interval > self._liveness_timeout / 3:
+                # This process woke late: it (or the whole machine) stalled, and the peer may
+                # have stalled with it. Give it a few pings' time to answer before judging.
+                self._quiet_until = now + 2 * self._ping_interval
+            last = now
             if self.description is None:
                 self._request_description()  # dropped harmlessly while not connected
                 continue
@@ -398,7 +407,8 @@ class PeerConnection:
         """Mark the peer down if nothing came from it for the liveness timeout."""
         if self.state is not PeerState.READY:
             return
-        if time.monotonic() - self._last_rx <= self._liveness_timeout:
+        now = time.monotonic()
+        if now - self._last_rx <= self._liveness_timeout or now < self._quiet_until:
             return
         # After a stall of this process (GC, a busy loop, CPU starvation) this can run before
         # the receive loop has read what arrived meanwhile: that proves the peer alive.
