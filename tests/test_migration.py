@@ -383,3 +383,44 @@ async def test_a_worker_serves_a_continuation_with_the_original_usage(
     for bad in ({"generated": 6}, {"generated": -1}):
         with pytest.raises(errors.InvalidArgument):
             await run(resume=bad)
+
+
+async def test_a_request_lost_before_any_output_with_no_other_worker_waits_for_one(
+    namespace, spawn, tiny_model
+):
+    """The only worker dies before the first output (a long prefill), so the runtime's failover
+    has nowhere to go: the request is sent again, unchanged, once a worker is back."""
+    def echo(*extra: str) -> Proc:
+        return spawn("-m", "dynamo_zmq.worker", "--engine", "tests.support.engines:EchoEngine",
+                     "--model-path", str(tiny_model), "--model-name", "echo", "--namespace",
+                     namespace, "--host", "127.0.0.1", *extra)
+
+    first = echo("--echo-first-delay", "60")
+    _, url = frontend(spawn, namespace)
+    await wait_instances_of(url, "echo", 1)
+    async with client_for(url) as client:
+        task = asyncio.create_task(
+            client.completions.create(model="echo", prompt="hello world", max_tokens=6)
+        )
+        await asyncio.sleep(1.0)  # the request is on the worker, in its "prefill"
+        assert not task.done()
+        first.signal(signal.SIGKILL)
+        first.wait()
+        second = echo()
+        resp = await asyncio.wait_for(task, 30)
+    assert resp.choices[0].finish_reason == "length"
+    assert resp.usage.completion_tokens == 6
+    page = await metrics_page(url)
+    assert sample(page, "dynamo_frontend_migrations_total", model="echo") == 1
+    del second
+
+
+async def wait_instances_of(url: str, model: str, count: int, timeout: float = 30.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        status, body = await asyncio.to_thread(get, f"{url}/health")
+        if status == 200 and len(json.loads(body)["models"].get(model, [])) == count:
+            return
+        assert loop.time() < deadline, f"not {count} instances of {model}: {body!r}"
+        await asyncio.sleep(0.1)

@@ -8,7 +8,9 @@ fails with a retryable ``DynamoError`` after outputs arrived (the worker died or
 the request is sent again with its prompt extended by the tokens already generated, what is left
 of its token budget and a ``Resume`` telling the new worker how many prompt tokens are output
 already streamed (its post-processing replays them, see ``PostProcessor``). The instances lost
-are excluded. Failures before the first output stay the runtime's failover's (``failover``).
+are excluded. A failure before the first output is the runtime's failover's (``failover``)
+first; when it gives up (no other instance then), the request is sent again unchanged, the same
+way (waiting for an instance, counted against the limit).
 
 Never migrated: a stopped or killed request (its caller left, its deadline passed), a
 non-retryable error, an error terminal (``finish_reason="error"``, which is an output), and a
@@ -142,11 +144,23 @@ class Migration:
         """
         ctx = stream.context
         generated = self.generated
-        # Nothing generated yet: the runtime's failover had its turn (before the first output).
-        if (not exc.retryable or not generated or ctx.is_stopped()
-                or self.migrations >= self._limit):
+        if not exc.retryable or ctx.is_stopped() or self.migrations >= self._limit:
             raise exc
         lost = stream.instance_id
+        if not generated:
+            # The runtime's failover gave up before any output (no other instance at that
+            # moment, e.g. several lost at once): send the request again, unchanged, once one is.
+            self._lost.add(lost)
+            log.info("request %s: its worker (%x) was lost before any output (%s); sending it "
+                     "again (%d of at most %d)", ctx.id(), lost, exc.kind, self.migrations + 1,
+                     self._limit)
+            new = await self._reopen(
+                msgspec.structs.replace(self._request, routing=RoutingHints()), ctx, exc
+            )
+            self.migrations += 1
+            if self._on_migrate is not None:
+                self._on_migrate(exc.kind)
+            return new
         why = (f"the worker serving it ({lost:x}) was lost after {len(generated)} tokens "
                f"({exc.kind}: {exc.message})")
         if (reason := resumable(self._request)) is not None:

@@ -41,6 +41,7 @@ class EchoEngine(LLMEngine):
         self.events, self.replay, self.dp_size = events, replay, dp_size
         self.finish = finish
         self.aborted: list[str] = []
+        self.first_delay = 0.0
 
     @classmethod
     def add_args(cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -51,6 +52,8 @@ class EchoEngine(LLMEngine):
         parser.add_argument("--echo-data-parallel-size", type=int, default=1)
         parser.add_argument("--echo-finish", default="length",
                             choices=["length", "stop", "cancelled", "error"])
+        # Seconds before the first token (a long prefill), health canaries excepted.
+        parser.add_argument("--echo-first-delay", type=float, default=0.0)
 
     @classmethod
     def from_namespace(cls, args: argparse.Namespace) -> EchoEngine:
@@ -61,6 +64,7 @@ class EchoEngine(LLMEngine):
 
     def configure(self, args: argparse.Namespace) -> None:
         """Test engines below read their own flags here."""
+        self.first_delay = args.echo_first_delay
 
     async def start(self, worker_id: int) -> EngineConfig:
         return EngineConfig(model_name="echo", context_length=4096, kv_block_size=16,
@@ -74,6 +78,8 @@ class EchoEngine(LLMEngine):
         finish = "length" if ctx.id().startswith("health-") else self.finish
         if finish == "stop":
             tokens, last = tokens[:-1], tokens[-1:]
+        if self.first_delay and not ctx.id().startswith("health-"):
+            await asyncio.sleep(self.first_delay)
         for i, tok in enumerate(tokens):
             if ctx.is_stopped():
                 yield LLMEngineOutput(
