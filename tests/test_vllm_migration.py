@@ -1,19 +1,16 @@
-"""Request migration with real vLLM workers: greedy decoding gives the same text whether the
-worker serving a stream is killed in its middle (the rest comes from the other vLLM worker,
-which prefills the prompt extended by the tokens generated) or not.
+"""Request migration with real vLLM workers on the multi-host harness: greedy decoding gives the
+same text whether the worker serving a stream is killed in its middle (the rest comes from the
+other host's vLLM worker, which prefills the prompt extended by the tokens generated) or not.
+A frontend on host A, a vLLM worker on each of B and C, no discovery flag anywhere.
 
 Runs only where vLLM is installed (skipped otherwise, failed in CI: see tests/test_vllm.py).
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
 import os
 import signal
 import sys
-import time
-import uuid
 
 import pytest
 
@@ -26,11 +23,8 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
     print(f"SKIP tests/test_vllm_migration.py: {_why}", file=sys.stderr)
     pytest.skip(_why, allow_module_level=True)
 
-import openai
-
-from tests.support.http_calls import get
+from tests.support.cluster import cluster, served_by, wait_until
 from tests.support.metrics import sample
-from tests.support.procs import Proc
 from tests.test_vllm import VLLM_ENV, WORKER_FLAGS, WORKER_START
 
 pytestmark = [pytest.mark.timeout(600)]
@@ -40,53 +34,37 @@ PROMPT = "Once upon a time there was a worker that"
 MAX_TOKENS = 400
 
 
-async def wait_instances(url: str, count: int, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        status, body = await asyncio.to_thread(get, f"{url}/health")
-        if status == 200 and len(json.loads(body)["models"].get("tiny", [])) == count:
-            return
-        assert time.monotonic() < deadline, f"not {count} vLLM instances: {body!r}"
-        await asyncio.sleep(0.2)
-
-
-async def test_greedy_text_is_the_same_when_the_vllm_worker_dies_mid_stream(tiny_model):
-    namespace = f"t{uuid.uuid4().hex[:12]}"
-    procs: list[Proc] = []
-    try:
-        workers = [
-            Proc(["-m", "dynamo_zmq.worker", "--engine", "vllm", "--model-path", str(tiny_model),
-                  "--model-name", "tiny", "--namespace", namespace, "--host", "127.0.0.1",
-                  *WORKER_FLAGS], env=VLLM_ENV)
-            for _ in range(2)
+def test_greedy_text_is_the_same_when_the_vllm_worker_dies_mid_stream(tiny_model):
+    with cluster("a", "b", "c") as hosts:
+        starting = [
+            hosts[h].python("-m", "dynamo_zmq.worker", "--engine", "vllm", "--model-path",
+                            str(tiny_model), "--model-name", "tiny", *WORKER_FLAGS,
+                            env=VLLM_ENV, ready=False)
+            for h in ("b", "c")
         ]
-        procs.extend(workers)
-        front = Proc(["-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace])
-        procs.append(front)
-        for w in workers:
-            w.wait_ready(WORKER_START)
-        url = front.wait_ready(60).address
-        await wait_instances(url, 2)
+        workers = [w.wait_ready(WORKER_START) for w in starting]
+        hosts["a"].python("-m", "dynamo_zmq.frontend")
+        client = hosts["a"].openai_client(8000, timeout=300)
+        http = hosts["a"].http(8000)
+
+        def both_live() -> bool:
+            return len(http.get("/health").json()["models"].get("tiny", [])) == 2
+
+        assert wait_until(both_live, 60), http.get("/health").text
         params = {"model": "tiny", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
                   "extra_body": {"ignore_eos": True}}
-        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0,
-                                      timeout=300) as client:
-            ref = await client.completions.create(**params)
-            raw = await client.completions.with_raw_response.create(stream=True, **params)
-            iid = int(raw.headers["x-dynamo-worker"].split("/")[0], 16)
-            victim = next(w for w in workers if w.instance_id == iid)
-            texts, finish = [], []
-            async for chunk in raw.parse():
-                texts.append(chunk.choices[0].text)
-                if len(texts) == 3:
-                    victim.signal(signal.SIGKILL)
-                if chunk.choices[0].finish_reason:
-                    finish.append(chunk.choices[0].finish_reason)
-        _, page = await asyncio.to_thread(get, f"{url}/metrics")
-        migrated = sample(page.decode(), "dynamo_frontend_migrations_total", model="tiny")
+        ref = client.completions.create(**params)
+        raw = client.completions.with_raw_response.create(stream=True, **params)
+        victim = next(w for w in workers if w.instance_id == served_by(raw))
+        texts, finish = [], []
+        for chunk in raw.parse():
+            texts.append(chunk.choices[0].text)
+            if len(texts) == 3:
+                victim.signal(signal.SIGKILL)
+            if chunk.choices[0].finish_reason:
+                finish.append(chunk.choices[0].finish_reason)
+        page = http.get("/metrics").text
+        migrated = sample(page, "dynamo_frontend_migrations_total", model="tiny")
         assert migrated == 1, "the stream ended before its worker was killed: make it longer"
         assert "".join(texts) == ref.choices[0].text
         assert finish == [ref.choices[0].finish_reason] == ["length"]
-    finally:
-        for proc in procs:
-            proc.stop()
