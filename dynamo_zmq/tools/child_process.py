@@ -3,21 +3,40 @@
 Workers print ``READY <address> <instance id hex>``, frontends ``READY http://HOST:PORT``;
 ``ChildProcess.wait_ready`` reads that line. Its stderr goes to a log file (``logs()``), and
 ``stop()`` ends it by pid: SIGCONT (a frozen process cannot act on SIGTERM), SIGTERM, then
-SIGKILL after a bounded wait; it always reaps.
+SIGKILL after a bounded wait; it always reaps. ``die_with_parent`` (Linux) asks the kernel to
+SIGTERM the child if this process dies first (``PR_SET_PDEATHSIG``), so a crashed benchmark
+leaves no server behind.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import select
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 __all__ = ["ChildProcess"]
+
+_PR_SET_PDEATHSIG = 1
+# Loaded here, in the parent: after fork only the prctl call itself runs (no dlopen).
+_libc: Any = None
+if sys.platform == "linux":
+    try:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        _libc = None
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: ask the kernel for SIGTERM when the parent dies."""
+    _libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
 
 
 class ChildProcess:
@@ -27,6 +46,7 @@ class ChildProcess:
         argv: the full command line.
         env: the whole environment of the child (``None``: this process's).
         cwd: its working directory (``None``: this process's).
+        die_with_parent: SIGTERM the child when this process dies (Linux; ignored elsewhere).
     """
 
     def __init__(
@@ -34,6 +54,7 @@ class ChildProcess:
         argv: Sequence[str],
         env: Mapping[str, str] | None = None,
         cwd: str | Path | None = None,
+        die_with_parent: bool = False,
     ) -> None:
         self.argv = list(argv)
         self.log = tempfile.NamedTemporaryFile(prefix="dynzmq-proc-", suffix=".log", delete=False)
@@ -43,6 +64,7 @@ class ChildProcess:
             stderr=self.log,
             env=dict(env) if env is not None else None,
             cwd=cwd,
+            preexec_fn=_die_with_parent if die_with_parent and _libc is not None else None,
         )
         self.pid = self.popen.pid
         #: The first word after READY: a worker's request-plane address, a frontend's URL.
