@@ -88,6 +88,40 @@ async def test_chat_streaming_shape(served):
     assert text
 
 
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+async def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(served, endpoint):
+    """``stream_options.continuous_usage_stats`` (vLLM's extension, with ``include_usage``):
+    every chunk carries ``usage``, its completion tokens growing to the total; without it only
+    the last chunk does."""
+    _, client = served
+
+    async def chunks(options: dict) -> list:
+        if endpoint == "chat":
+            stream = await client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
+                stream=True, stream_options=options, extra_body={"ignore_eos": True},
+            )
+        else:
+            stream = await client.completions.create(
+                model="tiny", prompt="Hi", max_tokens=6, stream=True, stream_options=options,
+                extra_body={"ignore_eos": True},
+            )
+        return [c async for c in stream]
+
+    got = await chunks({"include_usage": True, "continuous_usage_stats": True})
+    assert all(c.usage is not None for c in got), got
+    prompt = got[-1].usage.prompt_tokens
+    done = [c.usage.completion_tokens for c in got]
+    assert done == sorted(done) and done[-1] == 6, done
+    assert all(c.usage.prompt_tokens == prompt for c in got)
+    assert all(c.usage.total_tokens == prompt + c.usage.completion_tokens for c in got)
+    with_text = [c for c in got if c.choices and (
+        c.choices[0].delta.content if endpoint == "chat" else c.choices[0].text)]
+    assert with_text and with_text[-1].usage.completion_tokens >= 1
+    plain = await chunks({"include_usage": True})
+    assert [c.usage is not None for c in plain] == [False] * (len(plain) - 1) + [True]
+
+
 async def test_completions_stream_and_unary(served):
     _, client = served
     resp = await client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=4)

@@ -96,6 +96,9 @@ class Generation:
         await send_message(send, start)
         head = fmt.role_chunk()
         record = self.migration.generated.extend if self.migration is not None else None
+        continuous = fmt.continuous_usage
+        if continuous:
+            head = fmt.with_usage(head, self.prompt_tokens, 0)
         while True:
             err: HttpError | None = None
             try:
@@ -123,7 +126,10 @@ class Generation:
                     record(out.token_ids)
                 text = self._account(out)
                 if text:
-                    parts.append(fmt.content_chunk(text))
+                    chunk = fmt.content_chunk(text)
+                    if continuous:
+                        chunk = fmt.with_usage(chunk, self.prompt_tokens, self.completion_tokens)
+                    parts.append(chunk)
                 if out.finish_reason is not None:
                     return await self._end_sse(out, parts, send, include_usage)
             body = b"".join(parts)
@@ -140,7 +146,10 @@ class Generation:
             status = "error"
         else:
             reason = openai_finish_reason(out.finish_reason or FinishReason.STOP)
-            parts.append(self.fmt.finish_chunk(reason, out.stop_reason))
+            chunk = self.fmt.finish_chunk(reason, out.stop_reason)
+            if self.fmt.continuous_usage:
+                chunk = self.fmt.with_usage(chunk, self.prompt_tokens, self.tokens)
+            parts.append(chunk)
             if include_usage:
                 parts.append(
                     self.fmt.usage_chunk(self.prompt_tokens, self.tokens, self.cached_tokens)

@@ -192,6 +192,8 @@ class FrontendApp:
             return
         fmt = ChatFormatter(entry.name) if endpoint == "chat" else CompletionFormatter(entry.name)
         include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
+        if include_usage and req.stream_options and req.stream_options.continuous_usage_stats:
+            fmt.continuous_usage = True
         streaming = bool(req.stream)
         await self._run(
             receive, send, entry, pre, target, fmt, streaming, include_usage, endpoint, timeout

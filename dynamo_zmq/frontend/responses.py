@@ -68,6 +68,9 @@ class _Formatter:
     object_chunk = b""
     object_full = ""
     id_prefix = ""
+    #: ``stream_options.continuous_usage_stats`` (with ``include_usage``): every chunk carries
+    #: the usage so far (``with_usage``), as vLLM's server does.
+    continuous_usage = False
 
     def __init__(self, model: str) -> None:
         self.id = f"{self.id_prefix}{uuid.uuid4().hex}"
@@ -80,6 +83,11 @@ class _Formatter:
 
     def usage_chunk(self, prompt: int, completion: int, cached: int | None = None) -> bytes:
         return self._head + b'],"usage":' + _json(_usage(prompt, completion, cached)) + b"}\n\n"
+
+    @staticmethod
+    def with_usage(chunk: bytes, prompt: int, completion: int) -> bytes:
+        """``chunk`` (one ``data: {...}`` event) with a ``usage`` field: the tokens so far."""
+        return chunk[:-3] + b',"usage":' + _json(_usage(prompt, completion, None)) + b"}\n\n"
 
 
 class ChatFormatter(_Formatter):
