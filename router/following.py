@@ -177,12 +177,14 @@ class InstanceFollower:
         if _started(sub, iid, "load", endpoint):
             known.load_subscriber = sub
 
-    def _on_load(self, worker_id: int, ranks: list[EngineLoad]) -> None:
+    def _on_load(
+        self, worker_id: int, ranks: list[EngineLoad], measured_at: float | None
+    ) -> None:
         if worker_id not in self._instances:  # left while the report was on its way
             return
         gauge = self._metrics.reported_blocks
         for rank in ranks:
-            self._loads.report((worker_id, rank.dp_rank), rank.active_blocks)
+            self._loads.report((worker_id, rank.dp_rank), rank.active_blocks, measured_at)
             gauge.labels(self._model, f"{worker_id:x}", str(rank.dp_rank)).set(rank.active_blocks)
 
     async def _remove(self, iid: int) -> None:

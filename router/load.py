@@ -6,12 +6,17 @@ replace the router's own prediction for a while). Decoding is defensive: a messa
 wrong frames, an undecodable or invalid payload, another version, another instance id or a rank
 the worker does not have is counted, logged (rate-limited) and skipped; nothing a publisher
 sends can stop the loop. A report not newer (by ``seq``) than the last one applied is skipped.
+
+Each report is handed on with when it was measured, on this process's monotonic clock
+(``ReportClock``), so the router can take off it the requests that finished here after it was
+measured (``LoadTracker.report``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable
 
@@ -23,16 +28,53 @@ from dynamo_zmq.transport import AsyncSocket, make_socket
 
 from .metrics import RouterMetrics
 
-__all__ = ["LoadStats", "LoadSubscriber", "OnLoad"]
+__all__ = ["LoadStats", "LoadSubscriber", "OnLoad", "ReportClock"]
 
 log = logging.getLogger(__name__)
 
-#: Receives one worker's ranks: ``on_load(worker_id, ranks)``.
-OnLoad = Callable[[int, list[EngineLoad]], object]
+#: Receives one worker's ranks: ``on_load(worker_id, ranks, measured_at)`` (``measured_at`` on
+#: ``time.monotonic``'s clock, or None when the report's timestamp is unusable).
+OnLoad = Callable[[int, list[EngineLoad], "float | None"], object]
 #: Receive high-water mark: reports go stale quickly, a backlog is worth nothing.
 SUB_HWM = 1000
 #: Seconds between two warnings about one worker's bad messages.
 WARN_EVERY = 10.0
+
+
+class ReportClock:
+    """When one worker's reports were measured, on this process's monotonic clock.
+
+    A report carries the worker's Unix time ``ts``; ``arrival - ts`` is its trip plus the offset
+    between the two hosts' clocks. The smallest recent value stands for the offset plus the
+    quickest trip, so a report's excess over it is how long it was held up (on the wire, in a
+    queue, behind other work in this process). The offset cancels out whatever it is; the
+    minimum is taken over the last ``window`` to ``2 * window`` seconds only, so clock drift and
+    steps are forgotten.
+    """
+
+    def __init__(
+        self,
+        window: float = 10.0,
+        wall: Callable[[], float] = time.time,
+        mono: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._window = window
+        self._wall = wall
+        self._mono = mono
+        self._floor = self._last_floor = math.inf
+        self._since = mono()
+
+    def measured_at(self, ts: float) -> float | None:
+        """This process's monotonic time at which a report stamped ``ts`` was measured (None
+        if ``ts`` is not a finite number)."""
+        delay = self._wall() - ts
+        if not math.isfinite(delay):
+            return None
+        now = self._mono()
+        if now - self._since >= self._window:
+            self._last_floor, self._floor, self._since = self._floor, math.inf, now
+        self._floor = min(self._floor, delay)
+        return now - (delay - min(self._floor, self._last_floor))
 
 
 class LoadStats:
@@ -86,6 +128,7 @@ class LoadSubscriber:
         self._metrics = metrics
         self._model = model
         self.stats = LoadStats()
+        self.clock = ReportClock()
         #: Seq of the last report applied (None: none yet).
         self.last_seq: int | None = None
         self._sock: AsyncSocket | None = None
@@ -163,7 +206,7 @@ class LoadSubscriber:
         if self._metrics is not None:
             self._metrics.load_reports.labels(self._model).inc()
         if ranks:
-            self._on_load(self.worker_id, ranks)
+            self._on_load(self.worker_id, ranks, self.clock.measured_at(report.ts))
         return True
 
     def _reject(self, msg: str, *args: object) -> bool:

@@ -21,7 +21,14 @@ before it, and requests routed since are added on top; a request the report coun
 the blocks it frees off the reported figure when it finishes. Requests routed within
 ``report_grace`` seconds before a report also stay on top: the engine may not have held them yet
 when it measured (they were on the wire, queued, or measured a publish interval ago), and
-counting one twice briefly is safer than forgetting it.
+counting one twice briefly is safer than forgetting it; when one finishes, it leaves both.
+
+A report can also arrive after requests it counted have finished here (it was measured while
+they ran, then waited on the wire or in this process's queue behind their last responses).
+Given when it was measured (``measured_at``, this process's clock; ``router.load`` estimates
+it), the blocks freed by releases since then leave the reported figure at once, as they would
+had the report come first; otherwise a follow-up request sent at once (an agent's next turn)
+would find its prefix's rank still charged with the finished one.
 """
 
 from __future__ import annotations
@@ -51,6 +58,8 @@ Candidate = tuple[int, int]
 REPORT_TTL = 5.0
 #: Seconds before a report in which routed requests stay counted on top of it (0: none).
 REPORT_GRACE = 0.0
+#: Seconds a release is remembered, to take it off reports measured before it that arrive later.
+RELEASE_MEMORY = 2.0
 
 
 def cost(overlap_weight: float, prompt_blocks: int, overlap_blocks: int, load: float) -> float:
@@ -164,7 +173,10 @@ class Scheduler:
 class Route:
     """One routed request's share of a candidate's load (see ``LoadTracker.add``)."""
 
-    __slots__ = ("_state", "candidate", "epoch", "extra", "hashes", "released", "routed_at", "size")
+    __slots__ = (
+        "_state", "candidate", "carried", "epoch", "extra", "hashes", "released", "routed_at",
+        "size",
+    )
 
     def __init__(
         self,
@@ -180,13 +192,17 @@ class Route:
         self._state = state
         #: The report epoch the route counts in ``since_report`` for (see ``LoadTracker.report``).
         self.epoch = state.epoch
+        #: Kept on top of a report that may have counted it (routed within its grace).
+        self.carried = False
         self.size = len(hashes) + extra
         self.released = False
         self.routed_at = routed_at
 
 
 class _Load:
-    __slots__ = ("blocks", "epoch", "extra", "recent", "reported", "reported_at", "since_report")
+    __slots__ = (
+        "blocks", "epoch", "extra", "freed", "recent", "reported", "reported_at", "since_report",
+    )
 
     def __init__(self) -> None:
         self.blocks: Counter[int] = Counter()  # prompt block hash -> active requests holding it
@@ -196,6 +212,13 @@ class _Load:
         self.reported_at = -math.inf
         self.since_report = 0  # blocks of requests routed after the last report, still active
         self.recent: deque[Route] = deque()  # routes of the last grace period, oldest first
+        self.freed: deque[tuple[float, int]] = deque()  # (when, blocks) of recent releases
+
+
+def _forget_releases(state: _Load, now: float) -> None:
+    freed, horizon = state.freed, now - RELEASE_MEMORY
+    while freed and freed[0][0] < horizon:
+        freed.popleft()
 
 
 class LoadTracker:
@@ -266,12 +289,17 @@ class LoadTracker:
                 del blocks[h]
                 freed += 1
         state.extra -= route.extra
+        if freed:
+            now = self._clock()
+            _forget_releases(state, now)
+            state.freed.append((now, freed))
         if route.epoch == state.epoch:
             state.since_report -= route.size
-        else:
-            # The last report counted it; it holds nothing now. Without this the report would
-            # keep the finished request's blocks until the next one, and a follow-up request
-            # (the next turn of a conversation) would be steered off the rank caching its prefix.
+        if route.epoch != state.epoch or route.carried:
+            # The last report counted it (or may have); it holds nothing now. Without this the
+            # report would keep the finished request's blocks until the next one, and a
+            # follow-up request (the next turn of a conversation) would be steered off the rank
+            # caching its prefix.
             state.reported = max(0.0, state.reported - freed)
 
     def load(self, candidate: Candidate) -> float:
@@ -283,15 +311,28 @@ class LoadTracker:
             return state.reported + state.since_report
         return float(len(state.blocks) + state.extra)
 
-    def report(self, candidate: Candidate, active_blocks: float) -> None:
+    def report(
+        self, candidate: Candidate, active_blocks: float, measured_at: float | None = None
+    ) -> None:
         """What the worker says it holds now (its published load): replaces the prediction of
         the requests routed before, except those of the last ``report_grace`` seconds, for
-        ``report_ttl`` seconds."""
+        ``report_ttl`` seconds.
+
+        Args:
+            measured_at: when the worker read the figure, on this tracker's clock (None:
+                unknown, taken as now). Blocks released here since then are taken off it.
+        """
         state = self._loads.get(candidate)
         if state is None:
             state = self._loads[candidate] = _Load()
         now = self._clock()
-        state.reported = float(active_blocks)
+        if measured_at is not None:
+            _forget_releases(state, now)
+            for released_at, blocks in reversed(state.freed):
+                if released_at <= measured_at:
+                    break
+                active_blocks -= blocks
+        state.reported = max(0.0, float(active_blocks))
         state.reported_at = now
         state.epoch += 1
         state.since_report = 0
@@ -299,6 +340,7 @@ class LoadTracker:
         for route in state.recent:  # still on top: they move to the new epoch
             if not route.released:
                 route.epoch = state.epoch
+                route.carried = True
                 state.since_report += route.size
 
     def _forget_old(self, state: _Load, now: float) -> None:

@@ -27,7 +27,7 @@ from dynamo_zmq.llm import (
 )
 from dynamo_zmq.resources import Resources
 from router.kv_router import KvRouter
-from router.load import LoadSubscriber
+from router.load import LoadSubscriber, ReportClock
 from router.metrics import RouterMetrics
 from router.scheduler import LoadTracker
 from tests.support.waiting import until
@@ -69,7 +69,7 @@ async def test_malformed_load_messages_are_counted_and_never_fatal(zctx):
     metrics = RouterMetrics()
     sub = LoadSubscriber(
         Resources("test"), WID, f"tcp://127.0.0.1:{port}",
-        lambda w, ranks: [tracker.report((w, r.dp_rank), r.active_blocks) for r in ranks],
+        lambda w, ranks, _at: [tracker.report((w, r.dp_rank), r.active_blocks) for r in ranks],
         dp_size=2, metrics=metrics, model="m",
     )
     sub.start()
@@ -112,6 +112,32 @@ async def test_malformed_load_messages_are_counted_and_never_fatal(zctx):
     assert sub.handle(pub_frames) is False  # closed: nothing more is delivered
 
 
+def test_report_clock_measures_how_long_a_report_was_held_up_whatever_the_clock_offset():
+    wall, mono = [5000.0], [100.0]
+    clock = ReportClock(window=10.0, wall=lambda: wall[0], mono=lambda: mono[0])
+    skew = -3600.0  # the worker's clock is an hour behind
+
+    def arrive(measured: float, trip: float) -> float | None:
+        wall[0], mono[0] = measured + trip, measured - 4900.0 + trip
+        return clock.measured_at(measured + skew)
+
+    def near(mono_time: float):  # to within the quickest trip, which cannot be told apart
+        return pytest.approx(mono_time, abs=0.0015)
+
+    assert arrive(5000.0, 0.001) == near(100.0)  # the quickest trip sets the floor
+    assert arrive(5001.0, 0.051) == near(101.0)  # held up 50 ms: measured 50 ms before now
+    assert arrive(5002.0, 0.0005) == near(102.0)  # quicker still: the new floor
+    assert clock.measured_at(float("nan")) is None
+    assert clock.measured_at(float("inf")) is None
+    # The worker's clock is stepped back a second: its reports look a second old, until the
+    # old floor has left the window (10 to 20 s).
+    skew -= 1.0
+    assert arrive(5003.0, 0.0005) == near(102.0)
+    for t in range(5004, 5030):
+        last = arrive(float(t), 0.0005)
+    assert last == near(5029.0 - 4900.0)
+
+
 frames_strategy = st.lists(st.binary(max_size=64), max_size=4) | st.tuples(
     st.just(LOAD_TOPIC),
     st.recursive(
@@ -127,7 +153,7 @@ frames_strategy = st.lists(st.binary(max_size=64), max_size=4) | st.tuples(
 def test_handle_never_raises_and_only_valid_reports_reach_the_router(messages):
     seen: list[tuple[int, list[EngineLoad]]] = []
     sub = LoadSubscriber(Resources("test"), WID, "tcp://127.0.0.1:1",
-                         lambda w, r: seen.append((w, r)), dp_size=2)
+                         lambda w, r, _at: seen.append((w, r)), dp_size=2)
     for frames in messages:
         sub.handle(frames)
     assert sub.stats.received == len(messages)

@@ -175,6 +175,62 @@ def test_a_finished_request_leaves_the_reported_load_at_once():
     assert t.load(A) == 0
 
 
+def test_a_report_measured_before_a_release_arrives_without_the_released_blocks():
+    """A report read while a request ran can arrive after the request finished here; the
+    blocks its release freed come off the figure, so the next turn still goes to its prefix."""
+    clock = Clock()
+    t = LoadTracker(report_ttl=5.0, clock=clock)
+    measured = clock.now
+    first = t.add(A, [1, 2, 3], extra_blocks=1)
+    clock.now += 0.01
+    t.release(first)  # frees 4 blocks; no report had counted it yet
+    assert t.load(A) == 0
+    clock.now += 0.01
+    t.report(A, 4, measured_at=measured)  # read while ``first`` ran, delivered after it ended
+    assert t.load(A) == 0
+    t.report(A, 4)  # when it was read is unknown: taken as current
+    assert t.load(A) == 4
+    t.report(A, 4, measured_at=clock.now - 0.005)  # read after the release: it is all load
+    assert t.load(A) == 4
+    clock.now += 3.0  # releases are remembered for a while only
+    t.report(A, 4, measured_at=measured)
+    assert t.load(A) == 4
+
+
+def test_a_request_kept_on_top_of_a_report_leaves_it_too_when_it_finishes():
+    """Routed just before a report, a request counts on top of it (the engine may not have had
+    it yet); the report may have counted it as well, and once it finishes it holds nothing."""
+    clock = Clock()
+    t = LoadTracker(report_ttl=5.0, clock=clock, report_grace=0.3)
+    first = t.add(A, [1, 2, 3, 4], extra_blocks=1)
+    clock.now += 0.01
+    t.report(A, 5)  # it did count it
+    assert t.load(A) == 10
+    t.release(first)
+    assert t.load(A) == 0
+    other = t.add(A, [7])
+    clock.now += 0.01
+    t.report(A, 3)  # counted something else; ``other`` maybe too
+    t.release(other)
+    assert t.load(A) == 2  # never more than the report without it
+
+
+def test_late_reports_never_go_below_zero_or_forget_other_requests():
+    clock = Clock()
+    t = LoadTracker(report_ttl=5.0, clock=clock)
+    measured = clock.now
+    done = t.add(A, [1, 2])
+    running = t.add(A, [3])
+    clock.now += 0.01
+    t.release(done)
+    t.report(A, 1, measured_at=measured)  # a report that missed ``done`` altogether
+    assert t.load(A) == 0
+    t.report(A, 3, measured_at=measured)  # one that counted both
+    assert t.load(A) == 1
+    t.release(running)
+    assert t.load(A) == 0
+
+
 def test_requests_routed_within_the_grace_before_a_report_stay_on_top_of_it():
     clock = Clock()
     t = LoadTracker(report_ttl=5.0, clock=clock, report_grace=0.3)
