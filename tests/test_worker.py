@@ -15,7 +15,7 @@ import urllib.request
 import pytest
 
 from dynamo_zmq import errors
-from dynamo_zmq.llm import ModelCard
+from dynamo_zmq.llm import Capability, ModelAdvert, ModelCard
 from dynamo_zmq.runtime import Context
 from tests.support.metrics import sample
 from tests.support.waiting import until
@@ -76,6 +76,12 @@ async def test_model_card_and_files_come_from_the_worker(
         async for _ in await client.generate({"name": "../../etc/passwd"}):
             pass
     assert info.metadata["engine"]["model_name"]
+    # The engine's name and capabilities travel in the advert (frontends refuse what it lacks).
+    assert info.metadata["engine_name"] == "mocker"
+    advert = ModelAdvert.from_metadata(info.metadata)
+    assert advert is not None and set(advert.capabilities) <= {
+        v for k, v in vars(Capability).items() if k.isupper()
+    }
 
 
 async def test_health_and_metrics(namespace, spawn, make_runtime, tiny_model):

@@ -30,6 +30,7 @@ __all__ = [
     "bad_request",
     "client_closed",
     "engine_error",
+    "engine_lacks",
     "from_dynamo",
     "from_exception",
     "model_not_found",
@@ -104,6 +105,14 @@ def bad_request(message: str, *, param: str | None = None, code: str | None = No
 def unsupported(param: str, detail: str = "") -> HttpError:
     """400: a valid OpenAI option this server does not support yet (never silently ignored)."""
     message = f"'{param}' is not supported yet" + (f": {detail}" if detail else "")
+    return HttpError(400, INVALID_REQUEST, message, code="unsupported_parameter", param=param)
+
+
+def engine_lacks(model: str, engine: str, param: str, capability: str) -> HttpError:
+    """400: the engine serving ``model`` cannot do what ``param`` asks (``capability``)."""
+    who = f"the {engine} engine" if engine else "its engine"
+    message = (f"'{param}' needs {capability.replace('_', ' ')}, which {who} serving model "
+               f"'{model}' does not support")
     return HttpError(400, INVALID_REQUEST, message, code="unsupported_parameter", param=param)
 
 

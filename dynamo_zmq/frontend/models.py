@@ -45,6 +45,7 @@ from ..llm import (
     serves,
 )
 from ..runtime import DistributedRuntime
+from .errors import engine_lacks
 from .preprocess import Preprocessor
 
 __all__ = ["ModelEntry", "ModelManager"]
@@ -64,6 +65,18 @@ class ModelEntry:
     instance_ids: list[int] = field(default_factory=list)
     #: The model's migration limit as its workers advertise it (None: the frontend's).
     migration_limit: int | None = None
+    #: The serving engine's name and capabilities (``llm.Capability``), as advertised.
+    engine_name: str = ""
+    capabilities: frozenset[str] = frozenset()
+
+    def require(self, capability: str, param: str) -> None:
+        """Refuse a request whose ``param`` needs ``capability`` the engine lacks.
+
+        Raises:
+            HttpError: 400 naming the engine and the parameter.
+        """
+        if capability not in self.capabilities:
+            raise engine_lacks(self.name, self.engine_name, param, capability)
 
 
 class ModelManager:
@@ -175,7 +188,8 @@ class ModelManager:
             old = self.models.get(card.name)
             self.models[card.name] = ModelEntry(
                 card.name, card, preprocessor, router, int(time.time()),
-                migration_limit=advert.migration_limit,
+                migration_limit=advert.migration_limit, engine_name=advert.engine_name,
+                capabilities=frozenset(advert.capabilities),
             )
             if old is not None:
                 await _close_router(old.router)

@@ -11,9 +11,11 @@ from ._advert import ServedModel as ServedModel
 from ._advert import advert_of as advert_of
 from ._advert import served_models as served_models
 from ._advert import serves as serves
+from ._capabilities import Capability as Capability
 from ._engine import EngineConfig as EngineConfig
 from ._engine import EngineLoad as EngineLoad
 from ._engine import FinishReason as FinishReason
+from ._engine import GuidedDecoding as GuidedDecoding
 from ._engine import LLMEngine as LLMEngine
 from ._engine import LLMEngineOutput as LLMEngineOutput
 from ._engine import OutputOptions as OutputOptions
@@ -97,6 +99,7 @@ __all__ = [
     "BlockRemoved",
     "BlockSize",
     "BlockStored",
+    "Capability",
     "CardFile",
     "ChunkAfterTerminal",
     "ClientRouter",
@@ -105,6 +108,7 @@ __all__ = [
     "EngineLoad",
     "EventBatch",
     "FinishReason",
+    "GuidedDecoding",
     "IncrementalDetokenizer",
     "KvEvent",
     "LLMEngine",

@@ -32,7 +32,8 @@ CACHE_SIZE = 4096
 class ModelAdvert(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=False):
     """A model served on one endpoint of one worker: its card (name, checksum, files, context
     length, block size, disaggregation role), its engine's configuration (data-parallel size,
-    KV-event and replay endpoints), where it publishes its load, and its migration limit."""
+    KV-event and replay endpoints), where it publishes its load, its migration limit, and the
+    engine's name and capabilities."""
 
     model_card: ModelCard
     engine: EngineConfig
@@ -41,6 +42,10 @@ class ModelAdvert(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=Fals
     #: Migrations a request of this model may make (the worker's ``--migration-limit``); it
     #: overrides the frontend's own limit. None: the frontend's.
     migration_limit: int | None = None
+    #: The engine's name (``LLMEngine.name``), for error messages.
+    engine_name: str = ""
+    #: What the engine can do beyond plain generation (``Capability`` names).
+    capabilities: list[str] = msgspec.field(default_factory=list)
 
     @property
     def name(self) -> str:

@@ -54,6 +54,7 @@ __all__ = [
     "EngineConfig",
     "EngineLoad",
     "FinishReason",
+    "GuidedDecoding",
     "LLMEngine",
     "LLMEngineOutput",
     "OutputOptions",
@@ -145,6 +146,22 @@ class Resume(msgspec.Struct, **_WIRE):
     min_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
+class GuidedDecoding(msgspec.Struct, **_WIRE):
+    """Constrained decoding (``PreprocessedRequest.guided``; engines with
+    ``Capability.STRUCTURED_OUTPUTS``): exactly one kind is set."""
+
+    #: A JSON schema the output must validate against.
+    json_schema: dict[str, Any] | None = None
+    #: Any JSON object (``response_format: json_object``).
+    json_object: bool = False
+    #: A regular expression the whole output must match.
+    regex: str | None = None
+    #: The output must be exactly one of these strings.
+    choice: list[str] | None = None
+    #: A context-free grammar (EBNF, as vLLM's ``guided_grammar`` takes it).
+    grammar: str | None = None
+
+
 class PreprocessedRequest(msgspec.Struct, **_WIRE):
     """A tokenized request, as the frontend sends it to a worker."""
 
@@ -168,6 +185,8 @@ class PreprocessedRequest(msgspec.Struct, **_WIRE):
     #: output already streamed. ``stop.max_tokens`` and ``stop.min_tokens`` are then what is
     #: left of the original budget, counted from the extended prompt as usual.
     resume: Resume | None = None
+    #: Constrained decoding (structured outputs); None: free generation.
+    guided: GuidedDecoding | None = None
 
 
 class Usage(msgspec.Struct, **_WIRE):
@@ -288,6 +307,11 @@ class LLMEngine(abc.ABC):
         reports failures of ``generate`` as ``EngineShutdown``). Cheap; called only when a
         request fails."""
         return None
+
+    def capabilities(self) -> frozenset[str]:
+        """What the engine can do beyond plain generation (``Capability`` names), asked once
+        after ``start`` and advertised: frontends refuse requests that need anything else."""
+        return frozenset()
 
     def load(self) -> list[EngineLoad] | None:
         """Optional: what each data-parallel rank holds now, one ``EngineLoad`` per rank (an

@@ -200,8 +200,11 @@ class Worker:
             )
             self.status.start()
             log.info("metrics and health on port %d", self.status.port)
+        engine = self.engine
         advert = ModelAdvert(
-            self.card, config, await self._start_load_publisher(), args.migration_limit
+            self.card, config, await self._start_load_publisher(), args.migration_limit,
+            engine_name=engine.name or type(engine).__name__,
+            capabilities=sorted(engine.capabilities()),
         )
         await component.endpoint("model_files").start_serving(self._model_files)
         await component.endpoint("clear_kv_blocks").start_serving(self._clear_kv_blocks)

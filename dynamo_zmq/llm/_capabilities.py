@@ -1,0 +1,29 @@
+"""What an engine can do beyond plain generation, advertised so that frontends refuse what the
+serving engine cannot do instead of ignoring it.
+
+An engine names its capabilities in ``LLMEngine.capabilities()``; the worker advertises them
+with the engine's name (``ModelAdvert.engine_name`` and ``.capabilities``). A frontend checks a
+request against its model's advert and answers 400 naming the engine and the parameter
+(``dynamo_zmq.frontend.errors.engine_lacks``).
+"""
+
+from __future__ import annotations
+
+__all__ = ["Capability"]
+
+
+class Capability:
+    """Names of engine capabilities (strings on the wire; unknown names are kept, not refused)."""
+
+    #: Constrained decoding: ``PreprocessedRequest.guided`` (``response_format``, ``guided_*``,
+    #: and ``tool_choice`` ``required`` or a named function).
+    STRUCTURED_OUTPUTS = "structured_outputs"
+    #: Log-probabilities of the sampled tokens and the top alternatives
+    #: (``OutputOptions.logprobs``; ``LLMEngineOutput.log_probs``).
+    LOGPROBS = "logprobs"
+    #: Log-probabilities of the prompt tokens (``echo`` with ``logprobs``, ``prompt_logprobs``).
+    PROMPT_LOGPROBS = "prompt_logprobs"
+    #: Additive logit biases per token id (``SamplingOptions.logit_bias``).
+    LOGIT_BIAS = "logit_bias"
+    #: Embeddings (``/v1/embeddings``) instead of, or beside, generation.
+    EMBEDDINGS = "embeddings"
