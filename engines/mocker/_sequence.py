@@ -61,7 +61,10 @@ class Sequence:
         #: Top alternatives per token when the request asks for logprobs (None: it does not);
         #: their values come from a generator of their own, so the tokens do not change.
         self.num_logprobs = None if num_logprobs is None else min(num_logprobs, vocab_size - 1)
-        self._lp_rng = random.Random(sequence_seed(seed ^ 0x10C9, original) + resumed)
+        self._lp_rng = random.Random(sequence_seed(seed ^ 0x10C9, original))
+        if self.num_logprobs is not None:
+            for _ in range(max(0, resumed)):  # a migrated request's values go on unchanged
+                self._position(-1, self.num_logprobs)
         self.status = SeqStatus.WAITING
         #: KV blocks held (prefix hits first), tokens whose KV is computed, blocks already hashed.
         self.block_ids: list[int] = []
@@ -112,24 +115,30 @@ class Sequence:
         k = self.num_logprobs
         if k is None or not chunk.token_ids:
             return chunk
-        rng = self._lp_rng
         log_probs: list[float] = []
         tops: list[list[tuple[int, float]]] = []
         for token in chunk.token_ids:
-            p = rng.uniform(0.3, 0.9)
-            lp = math.log(p)
+            lp, top = self._position(token, k)
             log_probs.append(lp)
-            top = [(token, lp)] if k else []
-            rest = 1.0 - p
-            others = (t for t in rng.sample(range(self.vocab_size), k + 1) if t != token)
-            for other in itertools.islice(others, max(0, k - 1)):
-                p = min(rest * rng.uniform(0.1, 0.5), p * 0.99)
-                rest -= p
-                top.append((other, math.log(p)))
             tops.append(top)
         chunk.log_probs = log_probs
         chunk.top_logprobs = tops
         return chunk
+
+    def _position(self, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
+        """One position's values (the same draws whatever the token, so a migrated request can
+        skip the positions it replays)."""
+        rng = self._lp_rng
+        p = rng.uniform(0.3, 0.9)
+        lp = math.log(p)
+        top = [(token, lp)] if k else []
+        rest = 1.0 - p
+        others = (t for t in rng.sample(range(self.vocab_size), k + 1) if t != token)
+        for other in itertools.islice(others, max(0, k - 1)):
+            p = min(rest * rng.uniform(0.1, 0.5), p * 0.99)
+            rest -= p
+            top.append((other, math.log(p)))
+        return lp, top
 
     def append(self, token: int) -> str | None:
         """Add a generated token; returns the finish reason it causes, if any (vLLM's order:
