@@ -308,8 +308,6 @@ def test_cross_field_rules() -> None:
 
 CHAT_UNSUPPORTED = [
     ("n", 2),
-    ("logprobs", True),
-    ("top_logprobs", 3),
     ("echo", True),
     ("logit_bias", {"50256": -100}),
     ("response_format", {"type": "json_object"}),
@@ -333,8 +331,6 @@ CHAT_UNSUPPORTED = [
 ]
 COMPLETION_UNSUPPORTED = [
     ("n", 3),
-    ("logprobs", 0),
-    ("logprobs", 5),
     ("echo", True),
     ("logit_bias", {"1": 1.0}),
     ("response_format", {"type": "json_object"}),
@@ -385,6 +381,22 @@ def test_supported_defaults_pass() -> None:
     )
     parse_chat(body)
     parse_completion(completion_body(n=1, best_of=1, echo=False, logprobs=None, logit_bias=None))
+
+
+def test_logprobs_ranges() -> None:
+    """Issue 15: logprobs are accepted (chat top_logprobs 0..20 with logprobs; completions
+    logprobs 0..5); out of range, or top_logprobs without logprobs, is a 400 naming it."""
+    assert parse_chat(chat_body(logprobs=True)).logprobs is True
+    assert parse_chat(chat_body(logprobs=True, top_logprobs=20)).top_logprobs == 20
+    assert parse_completion(completion_body(logprobs=5)).logprobs == 5
+    assert parse_completion(completion_body(logprobs=0)).logprobs == 0
+    for body, param in ((chat_body(logprobs=True, top_logprobs=21), "top_logprobs"),
+                        (chat_body(logprobs=True, top_logprobs=-1), "top_logprobs"),
+                        (chat_body(top_logprobs=1), "top_logprobs"),
+                        (chat_body(logprobs=False, top_logprobs=3), "top_logprobs")):
+        assert bad(parse_chat, body).param == param
+    for value in (6, -1):
+        assert bad(parse_completion, completion_body(logprobs=value)).param == "logprobs"
 
 
 # -- fuzzing: only ever HttpError 400/413 ---------------------------------------------------------

@@ -141,6 +141,22 @@ async def test_a_stream_whose_worker_is_lost_continues_unchanged(two_workers, si
     assert sample(page, "dynamo_frontend_migrations_total", reason="Disconnected") == 1
 
 
+async def test_logprobs_go_on_unchanged_after_a_migration(two_workers):
+    """The logprobs of a stream whose worker is lost are the fault-free run's: one entry per
+    token, none lost, none repeated for the replayed tokens (issue 15, logprobs)."""
+    workers, url, client = two_workers
+    params = {**PARAMS, "logprobs": True, "top_logprobs": 2}
+    ref = await reference(client, **params)
+    want = [e.model_dump() for e in ref.choices[0].logprobs.content]
+    assert len(want) == LONG
+    text, chunks, _ = await stream_losing_worker(client, workers, signal.SIGKILL, **params)
+    got = [e.model_dump() for c in chunks if c.choices and c.choices[0].logprobs
+           for e in c.choices[0].logprobs.content]
+    assert text == ref.choices[0].message.content
+    assert got == want
+    assert await migrations(url) == 1
+
+
 async def test_a_non_streaming_request_whose_worker_dies_completes(two_workers):
     workers, url, client = two_workers
     ref = await reference(client, **PARAMS)

@@ -16,6 +16,7 @@ from dynamo_zmq.llm import (
     OutputOptions,
     PostProcessor,
     PreprocessedRequest,
+    Resume,
     StopConditions,
     StopStringMatcher,
     Usage,
@@ -328,3 +329,43 @@ async def test_a_stream_without_terminal_gets_one(tokenizer):
     assert [c.is_terminal for c in out] == [False, True]
     assert out[-1].finish_reason == "error" and "without a terminal" in (out[-1].error or "")
     assert text_of(out) == "abc"
+
+
+def _logprob_request(tokenizer, prompt: str, generated=(), **stop) -> PreprocessedRequest:
+    ids = encode(tokenizer, prompt) + list(generated)
+    return PreprocessedRequest(
+        token_ids=ids, stop=StopConditions(**stop), output=OutputOptions(logprobs=1),
+        resume=Resume(generated=len(generated)) if generated else None,
+    )
+
+
+def test_logprobs_stay_aligned_with_the_tokens_a_stop_string_lets_through(tokenizer):
+    ids = encode(tokenizer, "ab the end and more")
+    stop_at = next(i for i in range(1, len(ids)) if "end" in tokenizer.decode(ids[: i + 1]))
+    proc = PostProcessor(_logprob_request(tokenizer, "x", stop=["end"]), tokenizer)
+    top = [[(t, -0.1)] for t in ids]
+    out = proc.process(LLMEngineOutput(ids, log_probs=[-0.1 * i for i in range(len(ids))],
+                                       top_logprobs=top))
+    n = stop_at + 1
+    assert out.finish_reason == "stop" and out.token_ids == ids[:n]
+    assert out.log_probs == [-0.1 * i for i in range(n)] and out.top_logprobs == top[:n]
+    assert out.logprob_texts == [[tokenizer.decode([t])] * 2 for t in ids[:n]]
+
+
+def test_a_resumed_request_replays_without_logprobs_and_completes_its_characters(tokenizer):
+    """The replayed tokens give no logprobs; a character the replay began is completed by the
+    first new token's text (the replayed tokens are its context, as vLLM's sampled ones)."""
+    ids = encode(tokenizer, "café")
+    split = next(i for i in range(len(ids)) if tokenizer.decode([ids[i]]).endswith(REPLACEMENT))
+    assert split + 1 < len(ids)
+    proc = PostProcessor(_logprob_request(tokenizer, "hello", ids[: split + 1]), tokenizer)
+    rest = ids[split + 1 :]
+    out = proc.process(LLMEngineOutput(rest, log_probs=[-1.0] * len(rest)))
+    assert out.log_probs == [-1.0] * len(rest) and out.top_logprobs is None
+    assert "".join(t[0] for t in out.logprob_texts) == "é"
+
+
+def test_no_logprobs_asked_none_added(tokenizer):
+    proc = PostProcessor(PreprocessedRequest(token_ids=encode(tokenizer, "x")), tokenizer)
+    out = proc.process(LLMEngineOutput(encode(tokenizer, "ab")))
+    assert out.log_probs is None and out.top_logprobs is None and out.logprob_texts is None

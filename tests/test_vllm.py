@@ -189,6 +189,33 @@ async def test_stop_strings_by_the_worker_and_natively(engine, tokenizer):
     assert "".join(c.text or "" for c in chunks) == expect and chunks[-1].finish_reason == "stop"
 
 
+async def test_logprobs_texts_of_the_worker_equal_vllms_native_ones(engine, tokenizer):
+    """With logprobs, the fast path (the worker's token texts) and native processing (vLLM's
+    own texts) give the same tokens, values, alternatives and texts."""
+
+    def flat(chunks) -> tuple[list, list, list, list]:
+        ids, values, tops, texts = [], [], [], []
+        for c in chunks:
+            ids += c.token_ids
+            values += c.log_probs or []
+            tops += c.top_logprobs or []
+            texts += c.logprob_texts or []
+        return ids, values, tops, texts
+
+    req = msgspec.structs.replace(greedy(prompts(tokenizer)[3], 12),
+                                  output=OutputOptions(logprobs=3))
+    fast = flat(await collect(postprocess(engine.generate(req, Context()), req, tokenizer)))
+    native = msgspec.structs.replace(req, output=OutputOptions(logprobs=3, detokenize=True))
+    own = flat(await collect(postprocess(engine.generate(native, Context()), native, None)))
+    ids, values, tops, texts = fast
+    assert ids == own[0] and len(values) == len(tops) == len(texts) == len(ids) > 0
+    assert values == pytest.approx(own[1], abs=1e-5) and texts == own[3]
+    assert [[t for t, _ in top] for top in tops] == [[t for t, _ in top] for top in own[2]]
+    for token, value, top in zip(ids, values, tops, strict=True):
+        assert len(top) == 3 and [v for _, v in top] == sorted((v for _, v in top), reverse=True)
+        assert (token, value) == top[0]  # greedy: the sampled token is the most likely
+
+
 async def test_vllm_names_the_stop_token_it_stopped_on(engine, tokenizer):
     """vLLM's ``stop_reason`` travels in the terminal chunk; the worker's post-processing keeps
     it for a stop token the request named."""

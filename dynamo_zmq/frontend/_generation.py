@@ -8,12 +8,15 @@ by the worker's post-processing; what arrived together is written in one send.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any
 
 from .. import errors
 from ..llm import FinishReason, LLMEngineOutput, Migration, OutputStream
 from . import errors as http_errors
 from ._asgi import JSON, SSE, ClientGone, Send, error, reply, send_message
 from ._deadline import Deadline
+from ._logprobs import ChoiceLogprobs
 from .errors import HttpError
 from .metrics import FrontendMetrics
 from .responses import DONE, ChatFormatter, CompletionFormatter, openai_finish_reason, sse_error
@@ -63,6 +66,8 @@ class Generation:
         self.usage_tokens: int | None = None
         self.cached_tokens: int | None = None
         self.first = True
+        #: The choice's logprobs, when the request asked for them.
+        self.choice_logprobs: ChoiceLogprobs | None = None
 
     @property
     def tokens(self) -> int:
@@ -97,6 +102,7 @@ class Generation:
         head = fmt.role_chunk()
         record = self.migration.generated.extend if self.migration is not None else None
         continuous = fmt.continuous_usage
+        take = self._logprobs()
         if continuous:
             head = fmt.with_usage(head, self.prompt_tokens, 0)
         while True:
@@ -125,7 +131,12 @@ class Generation:
                 if record is not None:
                     record(out.token_ids)
                 text = self._account(out)
-                if text:
+                if take is not None and out.log_probs:
+                    chunk = fmt.logprobs_chunk(text, take(out))
+                    if continuous:
+                        chunk = fmt.with_usage(chunk, self.prompt_tokens, self.completion_tokens)
+                    parts.append(chunk)
+                elif text:
                     chunk = fmt.content_chunk(text)
                     if continuous:
                         chunk = fmt.with_usage(chunk, self.prompt_tokens, self.completion_tokens)
@@ -167,6 +178,7 @@ class Generation:
         stop_reason: int | str | None = None
         failure: str | None = None
         record = self.migration.generated.extend if self.migration is not None else None
+        take = self._logprobs()
         while finish_reason is None:
             try:
                 batch = await stream.next_batch()
@@ -186,6 +198,8 @@ class Generation:
                 if record is not None:
                     record(out.token_ids)
                 texts.append(self._account(out))
+                if take is not None:
+                    take(out)
                 if out.finish_reason is not None:
                     finish_reason, stop_reason, failure = (
                         out.finish_reason, out.stop_reason, out.error
@@ -201,9 +215,22 @@ class Generation:
         body = self.fmt.full(
             "".join(texts), openai_finish_reason(finish_reason), self.prompt_tokens, self.tokens,
             self.cached_tokens, stop_reason=stop_reason,
+            logprobs=None if self.choice_logprobs is None else self._gathered(),
         )
         await reply(send, 200, body, JSON + self.headers)
         return "success"
+
+    def _logprobs(self) -> Callable[[LLMEngineOutput], dict[str, Any]] | None:
+        """What turns an output into its choice's ``logprobs`` (None: not asked for)."""
+        if self.fmt.logprobs is None:
+            return None
+        lp = self.choice_logprobs = ChoiceLogprobs(self.fmt.logprobs)
+        return lp.chat if isinstance(self.fmt, ChatFormatter) else lp.completion
+
+    def _gathered(self) -> dict[str, Any]:
+        lp = self.choice_logprobs
+        assert lp is not None
+        return lp.chat_full() if isinstance(self.fmt, ChatFormatter) else lp.completion_full()
 
     async def _recover(
         self, stream: OutputStream, exc: errors.DynamoError

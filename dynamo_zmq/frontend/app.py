@@ -22,7 +22,7 @@ import msgspec
 
 from .. import errors
 from ..context import Context
-from ..llm import DEFAULT_MIGRATION_LIMIT, Migration, PreprocessedRequest
+from ..llm import DEFAULT_MIGRATION_LIMIT, Capability, Migration, PreprocessedRequest
 from ..resources import cancel_and_wait
 from . import errors as http_errors
 from ._asgi import (
@@ -183,6 +183,8 @@ class FrontendApp:
                 req = completion = parse_completion(body)
                 entry = self._entry(completion.model)
                 pre = entry.preprocessor.completion(completion)
+            if pre.output.logprobs is not None:
+                entry.require(Capability.LOGPROBS, "logprobs")
             if not entry.router.instance_ids():
                 raise http_errors.no_worker(f"no live worker serves model {req.model!r}")
         except HttpError as exc:
@@ -194,6 +196,7 @@ class FrontendApp:
         include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
         if include_usage and req.stream_options and req.stream_options.continuous_usage_stats:
             fmt.continuous_usage = True
+        fmt.logprobs = pre.output.logprobs
         streaming = bool(req.stream)
         await self._run(
             receive, send, entry, pre, target, fmt, streaming, include_usage, endpoint, timeout

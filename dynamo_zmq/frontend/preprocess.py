@@ -343,6 +343,7 @@ class Preprocessor:
                 include_stop_str_in_output=bool(req.include_stop_str_in_output),
             ),
             output=OutputOptions(
+                logprobs=_logprobs(req),
                 skip_special_tokens=req.skip_special_tokens is not False,
                 detokenize=self.native is not None,
             ),
@@ -350,3 +351,11 @@ class Preprocessor:
             mdcsum=self.card.checksum,
         )
 
+
+
+def _logprobs(req: ChatCompletionRequest | CompletionRequest) -> int | None:
+    """``OutputOptions.logprobs``: the top alternatives per token asked for (0: the sampled
+    token's only), None when the request wants no logprobs."""
+    if isinstance(req, CompletionRequest):
+        return req.logprobs
+    return (req.top_logprobs or 0) if req.logprobs else None

@@ -3,7 +3,7 @@
 ``parse_chat`` / ``parse_completion`` turn a request body into a ``ChatCompletionRequest`` /
 ``CompletionRequest`` or raise ``HttpError`` 400 with a message naming the field. Unknown fields
 are ignored, as OpenAI does. Valid OpenAI options this server does not implement yet (``n > 1``,
-logprobs, echo, logit_bias, JSON response formats, guided decoding, ``best_of > 1``, ``suffix``,
+echo, logit_bias, JSON response formats, guided decoding, ``best_of > 1``, ``suffix``,
 ...) are rejected with 400, never silently ignored.
 
 After ``parse_completion`` the ``prompt`` is either a ``str`` or a ``list[int]``.
@@ -285,10 +285,12 @@ def _validate_chat(req: ChatCompletionRequest) -> None:
                     raise bad_request(
                         f"'{param}' of type 'text' needs a 'text' string", param=param
                     )
-    if req.logprobs:
-        raise unsupported("logprobs")
-    if req.top_logprobs:
-        raise unsupported("top_logprobs")
+    _range(req.top_logprobs, "top_logprobs", 0, 20)
+    if req.top_logprobs and not req.logprobs:
+        raise bad_request(
+            "'top_logprobs' needs 'logprobs' set to true", param="top_logprobs",
+            code="invalid_value",
+        )
     if req.echo:
         raise unsupported("echo")
     if req.chat_template is not None:
@@ -321,8 +323,7 @@ def _validate_chat(req: ChatCompletionRequest) -> None:
 def _validate_completion(req: CompletionRequest) -> None:
     _validate_common(req)
     _check_min_tokens(req, req.max_tokens, "max_tokens")
-    if req.logprobs is not None:
-        raise unsupported("logprobs")
+    _range(req.logprobs, "logprobs", 0, 5)
     if req.echo:
         raise unsupported("echo")
     if req.suffix is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from typing import Any
 
 import msgspec
 
@@ -71,6 +72,9 @@ class _Formatter:
     #: ``stream_options.continuous_usage_stats`` (with ``include_usage``): every chunk carries
     #: the usage so far (``with_usage``), as vLLM's server does.
     continuous_usage = False
+    #: The request's logprobs (``OutputOptions.logprobs``: alternatives per token; None: none
+    #: asked for): chunks then carry them (``logprobs_chunk``).
+    logprobs: int | None = None
 
     def __init__(self, model: str) -> None:
         self.id = f"{self.id_prefix}{uuid.uuid4().hex}"
@@ -109,6 +113,13 @@ class ChatFormatter(_Formatter):
             + b'},"logprobs":null,"finish_reason":null}]}\n\n'
         )
 
+    def logprobs_chunk(self, text: str, logprobs: dict[str, Any]) -> bytes:
+        """A content chunk with the logprobs of its tokens (``ChoiceLogprobs.chat``)."""
+        return (
+            self._head + b'{"index":0,"delta":{"content":' + _json(text)
+            + b'},"logprobs":' + _json(logprobs) + b',"finish_reason":null}]}\n\n'
+        )
+
     def finish_chunk(self, finish_reason: str, stop_reason: int | str | None = None) -> bytes:
         return (
             self._head + b'{"index":0,"delta":{},"logprobs":null,"finish_reason":'
@@ -124,6 +135,7 @@ class ChatFormatter(_Formatter):
         cached: int | None = None,
         *,
         stop_reason: int | str | None = None,
+        logprobs: dict[str, Any] | None = None,
     ) -> bytes:
         return _json(
             {
@@ -135,7 +147,7 @@ class ChatFormatter(_Formatter):
                     {
                         "index": 0,
                         "message": {"role": "assistant", "content": text},
-                        "logprobs": None,
+                        "logprobs": logprobs,
                         "finish_reason": finish_reason,
                         "stop_reason": stop_reason,
                     }
@@ -160,6 +172,13 @@ class CompletionFormatter(_Formatter):
             + b',"logprobs":null,"finish_reason":null}]}\n\n'
         )
 
+    def logprobs_chunk(self, text: str, logprobs: dict[str, Any]) -> bytes:
+        """A text chunk with the logprobs of its tokens (``ChoiceLogprobs.completion``)."""
+        return (
+            self._head + b'{"index":0,"text":' + _json(text)
+            + b',"logprobs":' + _json(logprobs) + b',"finish_reason":null}]}\n\n'
+        )
+
     def finish_chunk(self, finish_reason: str, stop_reason: int | str | None = None) -> bytes:
         return (
             self._head + b'{"index":0,"text":"","logprobs":null,"finish_reason":'
@@ -175,6 +194,7 @@ class CompletionFormatter(_Formatter):
         cached: int | None = None,
         *,
         stop_reason: int | str | None = None,
+        logprobs: dict[str, Any] | None = None,
     ) -> bytes:
         return _json(
             {
@@ -186,7 +206,7 @@ class CompletionFormatter(_Formatter):
                     {
                         "index": 0,
                         "text": text,
-                        "logprobs": None,
+                        "logprobs": logprobs,
                         "finish_reason": finish_reason,
                         "stop_reason": stop_reason,
                     }

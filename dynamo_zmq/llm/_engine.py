@@ -208,6 +208,12 @@ class LLMEngineOutput(msgspec.Struct, **_WIRE):
     #: With ``finish_reason == "stop"``: the stop string (str) or stop token id (int) that
     #: ended the stream, as vLLM reports it; None for an end-of-sequence token or unknown.
     stop_reason: int | str | None = None
+    #: With ``log_probs`` and ``request.output.logprobs = k > 0``: per token of the chunk, the
+    #: engine's top ``k`` alternatives as ``(token id, logprob)`` pairs, most likely first.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    #: Set by the worker's post-processing with ``log_probs``: per token of the chunk, its
+    #: text (as vLLM's server shows it) followed by the text of each ``top_logprobs`` entry.
+    logprob_texts: list[list[str]] | None = None
 
     @property
     def is_terminal(self) -> bool:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 from tokenizers.decoders import DecodeStream
 
 from ._engine import FinishReason, LLMEngineOutput, PreprocessedRequest, Usage
+from ._logprobs import TokenTexts, with_logprob_texts
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -208,6 +209,14 @@ class PostProcessor:
         self._resumed = generated
         if generated:
             self._replay(ids[len(prompt) :])
+        if request.output.logprobs is not None:
+            # Per request: the texts of each token's logprobs (replayed tokens have none); an
+            # engine that detokenizes itself gives its own.
+            self._texts = (
+                None if tokenizer is None or request.output.detokenize
+                else TokenTexts(tokenizer, ids[len(prompt) :])
+            )
+            self.process = self._process_logprobs  # type: ignore[method-assign]
 
     def _replay(self, ids: list[int]) -> None:
         """Bring the detokenizer and the stop-string matcher to where the lost worker left them
@@ -217,6 +226,11 @@ class PostProcessor:
             self.completion_tokens += 1
             if self._detok is not None:
                 self._match(self._detok.step(token))
+
+    def _process_logprobs(self, out: LLMEngineOutput) -> LLMEngineOutput:
+        """``process`` for a request that asked for logprobs: the chunk's logprobs stay aligned
+        with the token ids that reach the client, and gain their texts."""
+        return with_logprob_texts(PostProcessor.process(self, out), out, self._texts)
 
     def process(self, out: LLMEngineOutput) -> LLMEngineOutput:
         """One engine chunk in, one chunk out; the result is terminal when the stream ends here

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from dynamo_zmq import errors
 from dynamo_zmq.context import Context
 from dynamo_zmq.llm import (
+    Capability,
     EngineConfig,
     EngineLoad,
     FinishReason,
@@ -173,6 +174,10 @@ class MockerEngine(LLMEngine):
             if seq.status is not SeqStatus.FINISHED:
                 sched.cancel(seq, emit=False)
 
+    def capabilities(self) -> frozenset[str]:
+        """Logprobs (well-formed made-up values: see ``Sequence.with_logprobs``)."""
+        return frozenset({Capability.LOGPROBS})
+
     def _check(self, request: PreprocessedRequest) -> str | None:
         """Why ``request`` cannot run, or None."""
         cfg = self.config
@@ -219,6 +224,7 @@ class MockerEngine(LLMEngine):
             ignore_eos=stop.ignore_eos,
             request_id=request.request_id,
             resumed=request.resume.generated if request.resume is not None else 0,
+            num_logprobs=request.output.logprobs,
         )
 
     async def abort(self, ctx: Context) -> None:

@@ -273,7 +273,10 @@ class RankScheduler:
             token = seq.sample()
             reason = seq.append(token)
             if reason is None:
-                seq.emit(LLMEngineOutput([token]))
+                if seq.num_logprobs is None:
+                    seq.emit(LLMEngineOutput([token]))
+                else:
+                    seq.emit(seq.with_logprobs(LLMEngineOutput([token])))
             else:
                 self._finish(seq, reason, [token])
                 finished = True
@@ -303,9 +306,9 @@ class RankScheduler:
             seq.block_ids = []
         seq.status = SeqStatus.FINISHED
         if emit:
-            seq.emit(LLMEngineOutput(
+            seq.emit(seq.with_logprobs(LLMEngineOutput(
                 list(token_ids), finish_reason=reason, usage=seq.usage(), error=error
-            ))
+            )))
 
     def _fail_all(self, message: str) -> None:
         doomed = [*self.running, *self.waiting]

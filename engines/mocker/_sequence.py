@@ -7,6 +7,8 @@ import array
 import asyncio
 import collections
 import enum
+import itertools
+import math
 import random
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
@@ -38,7 +40,8 @@ class Sequence:
     def __init__(self, prompt: Seq[int], *, block_size: int, vocab_size: int, seed: int,
                  max_tokens: int, min_tokens: int = 0, stop_token_ids: Iterable[int] = (),
                  eos_token_ids: Iterable[int] = (), ignore_eos: bool = False,
-                 request_id: str = "", resumed: int = 0) -> None:
+                 request_id: str = "", resumed: int = 0,
+                 num_logprobs: int | None = None) -> None:
         self.request_id = request_id
         self.tokens: list[int] = list(prompt)
         self.num_prompt = len(self.tokens)
@@ -55,6 +58,13 @@ class Sequence:
         for _ in range(max(0, resumed)):
             self._rng.randrange(vocab_size)
         self._hashes: list[int] = []
+        #: Top alternatives per token when the request asks for logprobs (None: it does not);
+        #: their values come from a generator of their own, so the tokens do not change.
+        self.num_logprobs = None if num_logprobs is None else min(num_logprobs, vocab_size - 1)
+        self._lp_rng = random.Random(sequence_seed(seed ^ 0x10C9, original))
+        if self.num_logprobs is not None:
+            for _ in range(max(0, resumed)):  # a migrated request's values go on unchanged
+                self._position(-1, self.num_logprobs)
         self.status = SeqStatus.WAITING
         #: KV blocks held (prefix hits first), tokens whose KV is computed, blocks already hashed.
         self.block_ids: list[int] = []
@@ -97,6 +107,38 @@ class Sequence:
         """The next token: uniform over the vocabulary, deterministic per (seed, prompt), and
         per (seed, original prompt) for a migrated request, which goes on as it would have."""
         return self._rng.randrange(self.vocab_size)
+
+    def with_logprobs(self, chunk: LLMEngineOutput) -> LLMEngineOutput:
+        """``chunk`` with made-up but well-formed logprobs of its tokens: each sampled token is
+        the most likely (probability 0.3 to 0.9), its ``num_logprobs`` alternatives follow in
+        descending order, and the probabilities sum to less than 1."""
+        k = self.num_logprobs
+        if k is None or not chunk.token_ids:
+            return chunk
+        log_probs: list[float] = []
+        tops: list[list[tuple[int, float]]] = []
+        for token in chunk.token_ids:
+            lp, top = self._position(token, k)
+            log_probs.append(lp)
+            tops.append(top)
+        chunk.log_probs = log_probs
+        chunk.top_logprobs = tops
+        return chunk
+
+    def _position(self, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
+        """One position's values (the same draws whatever the token, so a migrated request can
+        skip the positions it replays)."""
+        rng = self._lp_rng
+        p = rng.uniform(0.3, 0.9)
+        lp = math.log(p)
+        top = [(token, lp)] if k else []
+        rest = 1.0 - p
+        others = (t for t in rng.sample(range(self.vocab_size), k + 1) if t != token)
+        for other in itertools.islice(others, max(0, k - 1)):
+            p = min(rest * rng.uniform(0.1, 0.5), p * 0.99)
+            rest -= p
+            top.append((other, math.log(p)))
+        return lp, top
 
     def append(self, token: int) -> str | None:
         """Add a generated token; returns the finish reason it causes, if any (vLLM's order:

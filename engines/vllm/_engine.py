@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from dynamo_zmq import errors
 from dynamo_zmq.context import Context
 from dynamo_zmq.llm import (
+    Capability,
     EngineConfig,
     EngineLoad,
     LLMEngine,
@@ -247,6 +248,10 @@ class VllmEngine(LLMEngine):
         if await self._llm.reset_prefix_cache() is False:
             raise errors.Unknown("vLLM did not reset its prefix cache (requests are running?)")
 
+    def capabilities(self) -> frozenset[str]:
+        """Logprobs (vLLM's own values; the worker adds the token texts)."""
+        return frozenset({Capability.LOGPROBS})
+
     def metrics_collector(self) -> Any:
         """vLLM's own Prometheus metrics (``vllm:*``, from its stat loggers)."""
         return vllm_metrics()
@@ -346,6 +351,7 @@ class VllmEngine(LLMEngine):
         remove = ctx.add_listener(lambda _killed: self._spawn_abort(llm, [rid]))
         completion = 0
         terminal = False
+        num_logprobs = request.output.logprobs
         try:
             while True:
                 try:
@@ -356,7 +362,9 @@ class VllmEngine(LLMEngine):
                     raise errors.InvalidArgument(f"vLLM rejected the request: {exc}") from exc
                 except EngineDeadError as exc:  # the engine core process is gone
                     raise errors.EngineShutdown(f"vLLM's engine core died: {exc}") from exc
-                chunk, completion = to_output(out, prompt_tokens, completion, detokenize)
+                chunk, completion = to_output(
+                    out, prompt_tokens, completion, detokenize, num_logprobs
+                )
                 if chunk is None:
                     continue
                 if ctx.is_stopped() and not chunk.is_terminal:

@@ -74,9 +74,11 @@ def finish_reason(reason: Any) -> str:
 
 
 def to_output(
-    out: Any, prompt_tokens: int, completion_tokens: int, detokenize: bool
+    out: Any, prompt_tokens: int, completion_tokens: int, detokenize: bool,
+    num_logprobs: int | None = None,
 ) -> tuple[LLMEngineOutput | None, int]:
-    """One chunk from one vLLM ``RequestOutput`` delta, and the completion tokens so far.
+    """One chunk from one vLLM ``RequestOutput`` delta, and the completion tokens so far
+    (``num_logprobs``: the request's ``output.logprobs``).
 
     Returns None for a non-final delta that carries nothing (vLLM may send empty deltas).
     """
@@ -84,17 +86,18 @@ def to_output(
     ids = list(comp.token_ids) if comp is not None else []
     completion_tokens += len(ids)
     text = (comp.text or "") if detokenize and comp is not None else None
-    log_probs = None
+    log_probs = top = texts = None
     if comp is not None and comp.logprobs:
-        log_probs = [
-            float(step[token].logprob)
-            for step, token in zip(comp.logprobs, ids, strict=False)
-            if token in step
-        ] or None
+        log_probs, top, texts = _logprobs(comp.logprobs, ids, num_logprobs or 0, detokenize)
     if not out.finished:
         if not ids and not text:
             return None, completion_tokens
-        return LLMEngineOutput(ids, text=text, log_probs=log_probs), completion_tokens
+        return (
+            LLMEngineOutput(
+                ids, text=text, log_probs=log_probs, top_logprobs=top, logprob_texts=texts
+            ),
+            completion_tokens,
+        )
     reason = finish_reason(comp.finish_reason) if comp is not None else FinishReason.ERROR
     cached = getattr(out, "num_cached_tokens", None)
     usage = Usage(prompt_tokens, completion_tokens, cached if isinstance(cached, int) else None)
@@ -106,7 +109,34 @@ def to_output(
     return (
         LLMEngineOutput(
             ids, text=text, finish_reason=reason, usage=usage, error=error, log_probs=log_probs,
-            stop_reason=stop_reason,
+            stop_reason=stop_reason, top_logprobs=top, logprob_texts=texts,
         ),
         completion_tokens,
     )
+
+
+def _logprobs(
+    steps: Any, ids: list[int], k: int, detokenize: bool
+) -> tuple[list[float], list[list[tuple[int, float]]] | None, list[list[str]] | None]:
+    """Our ``log_probs``, ``top_logprobs`` and (when vLLM detokenizes: native processing)
+    ``logprob_texts`` from vLLM's per-token dicts (token id -> ``Logprob``; the sampled token
+    first, then ranks 1..k): the sampled token's value, and the top ``k`` by rank (None when
+    ``k`` is 0). Values are vLLM's own (its ``logprobs_mode``, raw by default, as its server
+    returns them)."""
+    log_probs: list[float] = []
+    top: list[list[tuple[int, float]]] = []
+    texts: list[list[str]] = []
+    for step, token in zip(steps, ids, strict=False):
+        sampled = step[token]
+        log_probs.append(float(sampled.logprob))
+        ranked = sorted(
+            (lp.rank, tid, lp) for tid, lp in step.items()
+            if tid != token and lp.rank is not None and lp.rank <= k
+        )
+        if sampled.rank is not None and sampled.rank <= k:
+            ranked = sorted([*ranked, (sampled.rank, token, sampled)])
+        top.append([(tid, float(lp.logprob)) for _, tid, lp in ranked])
+        if detokenize:
+            texts.append([sampled.decoded_token or "",
+                          *(lp.decoded_token or "" for _, _, lp in ranked)])
+    return log_probs, top if k else None, texts if detokenize else None
