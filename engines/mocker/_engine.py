@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from dynamo_zmq import errors
 from dynamo_zmq.context import Context
 from dynamo_zmq.llm import (
+    Capability,
     EngineConfig,
     EngineLoad,
     FinishReason,
@@ -25,6 +26,7 @@ from dynamo_zmq.llm import (
 )
 
 from ._config import MockerConfig, add_mocker_args, config_from_args
+from ._embed import mock_embedding
 from ._kv_events import KvEvent
 from ._publisher import TOPIC, KvEventPublisher
 from ._scheduler import RankScheduler
@@ -220,6 +222,24 @@ class MockerEngine(LLMEngine):
             request_id=request.request_id,
             resumed=request.resume.generated if request.resume is not None else 0,
         )
+
+    def capabilities(self) -> frozenset[str]:
+        """Embeddings when ``--mock-embedding-dim`` is set."""
+        return frozenset({Capability.EMBEDDINGS}) if self.config.embedding_dim else frozenset()
+
+    async def embed(self, request: PreprocessedRequest, ctx: Context) -> list[float]:
+        """A deterministic unit vector of ``--mock-embedding-dim`` floats per token sequence
+        (no scheduling, no KV blocks).
+
+        Raises:
+            Unsupported: the mocker was started without ``--mock-embedding-dim``.
+            InvalidArgument: ``dimensions`` asked (the mocker is no matryoshka model).
+        """
+        if not self.config.embedding_dim:
+            raise errors.Unsupported("the mocker embeds only with --mock-embedding-dim")
+        if request.embedding is not None and request.embedding.dimensions is not None:
+            raise errors.InvalidArgument("the mocker cannot change the embedding's dimensions")
+        return mock_embedding(request.token_ids, self.config.embedding_dim)
 
     async def abort(self, ctx: Context) -> None:
         """Cancel every sequence of ``ctx`` now (its stream ends with ``cancelled``)."""
