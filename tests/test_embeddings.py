@@ -27,7 +27,8 @@ DIM = 24
 
 @pytest.fixture(scope="module")
 def stack(tiny_model):
-    """A mocker worker that embeds ('emb'), one that cannot ('plain'), and a frontend."""
+    """A mocker worker that embeds ('emb'), one that cannot ('plain'), a round-robin frontend
+    and a kv-mode one; yields their URLs."""
     namespace = f"t{uuid.uuid4().hex[:12]}"
     common = ["--model-path", str(tiny_model), "--namespace", namespace, "--host", "127.0.0.1",
               "--speedup-ratio", "1000"]
@@ -35,12 +36,14 @@ def stack(tiny_model):
         Proc(["-m", "dynamo_zmq.worker", "--engine", "mocker", "--model-name", "emb",
               "--mock-embedding-dim", str(DIM), *common]),
         Proc(["-m", "dynamo_zmq.worker", "--engine", "mocker", "--model-name", "plain", *common]),
+        Proc(["-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
+              "--router-mode", "kv"]),
         Proc(["-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace]),
     ]
     try:
         for proc in procs:
             proc.wait_ready(60)
-        yield procs[-1].address
+        yield procs[-1].address, procs[-2].address
     finally:
         for proc in procs:
             proc.stop()
@@ -48,8 +51,9 @@ def stack(tiny_model):
 
 @pytest.fixture
 async def client(stack):
-    await wait_models(stack, {"emb", "plain"})
-    async with openai.AsyncOpenAI(base_url=f"{stack}/v1", api_key="none", max_retries=0) as c:
+    url, _ = stack
+    await wait_models(url, {"emb", "plain"})
+    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as c:
         yield c
 
 
@@ -83,10 +87,22 @@ async def test_token_inputs_embed_as_their_text_does(client, tiny_model):
     assert many.usage.prompt_tokens == len(ids) + 3
 
 
+async def test_kv_routing_serves_embeddings_too(client, stack):
+    _, kv_url = stack
+    await wait_models(kv_url, {"emb"})
+    texts = ["hello world", "x y z"]
+    ref = await client.embeddings.create(model="emb", input=texts, encoding_format="float")
+    async with openai.AsyncOpenAI(base_url=f"{kv_url}/v1", api_key="none", max_retries=0) as kv:
+        got = await kv.embeddings.create(model="emb", input=texts, encoding_format="float")
+    assert [d.embedding for d in got.data] == [d.embedding for d in ref.data]
+    assert got.usage.prompt_tokens == ref.usage.prompt_tokens
+
+
 async def test_base64_decodes_to_the_same_floats(client, stack):
+    url, _ = stack
     floats = await client.embeddings.create(model="emb", input=["a b", "c"],
                                             encoding_format="float")
-    status, body = post(f"{stack}/v1/embeddings", json.dumps(
+    status, body = post(f"{url}/v1/embeddings", json.dumps(
         {"model": "emb", "input": ["a b", "c"], "encoding_format": "base64"}).encode())
     assert status == 200, body
     data = json.loads(body)["data"]
@@ -111,6 +127,7 @@ async def test_bad_inputs_are_400_naming_input(client, bad):
 
 
 async def test_refusals(client, stack, tiny_model):
+    url, _ = stack
     with pytest.raises(openai.NotFoundError) as missing:
         await client.embeddings.create(model="nope", input="x", encoding_format="float")
     assert missing.value.body["param"] == "model"
@@ -127,10 +144,10 @@ async def test_refusals(client, stack, tiny_model):
     assert fmt.value.body["param"] == "encoding_format"
     config = json.loads((tiny_model / "config.json").read_text())
     too_long = [3] * (config["max_position_embeddings"] + 1)
-    status, body = post(f"{stack}/v1/embeddings",
+    status, body = post(f"{url}/v1/embeddings",
                         json.dumps({"model": "emb", "input": [[1], too_long]}).encode())
     assert status == 413 and json.loads(body)["error"]["param"] == "input", body
-    status, body = post(f"{stack}/v1/embeddings", b"{not json")
+    status, body = post(f"{url}/v1/embeddings", b"{not json")
     assert status == 400, body
     # A model that embeds still generates (the mocker embeds beside generation).
     chat = await client.chat.completions.create(

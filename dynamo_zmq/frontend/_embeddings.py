@@ -22,6 +22,7 @@ from ..llm import (
     LLMEngineOutput,
     ModelRouter,
     PreprocessedRequest,
+    StopConditions,
 )
 from ..resources import cancel_and_wait
 from ._embed_protocol import EmbeddingRequest
@@ -43,12 +44,14 @@ def embedding_requests(
     if req.dimensions is not None:
         entry.require(Capability.EMBEDDING_DIMENSIONS, "dimensions")
     options = EmbeddingOptions(dimensions=req.dimensions)
+    no_output = StopConditions(max_tokens=0)  # a KV router predicts no output blocks
     special = req.add_special_tokens is not False
     pre = entry.preprocessor
     return [
         PreprocessedRequest(
             token_ids=pre.embedding_tokens(item, special), model=entry.name,
-            request_id=f"{request_id}-{i}", embedding=options, mdcsum=pre.card.checksum,
+            request_id=f"{request_id}-{i}", stop=no_output, embedding=options,
+            mdcsum=pre.card.checksum,
         )
         for i, item in enumerate(inputs)
     ]
