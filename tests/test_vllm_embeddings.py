@@ -27,8 +27,12 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
     pytest.skip(_why, allow_module_level=True)
 
 import openai
+import pytest_asyncio
 from tokenizers import Tokenizer
 
+from dynamo_zmq import errors
+from dynamo_zmq.llm import EmbeddingOptions, PreprocessedRequest, StopConditions
+from tests.conftest import runtime_factory
 from tests.support.procs import Proc, pythonpath
 from tests.test_vllm import MAX_MODEL_LEN, VLLM_ENV, WORKER_FLAGS, WORKER_START
 from tests.test_vllm_frontend import wait_models
@@ -65,7 +69,7 @@ def stack(tiny_model):
         procs.append(front)
         worker.wait_ready(WORKER_START)
         front.wait_ready(60)
-        yield front.address
+        yield front.address, worker.address, namespace
     finally:
         for proc in procs:
             proc.stop()
@@ -73,9 +77,16 @@ def stack(tiny_model):
 
 @pytest.fixture
 async def client(stack):
-    await wait_models(stack, names=("embed",))
-    async with openai.AsyncOpenAI(base_url=f"{stack}/v1", api_key="none", max_retries=0) as c:
+    url = stack[0]
+    await wait_models(url, names=("embed",))
+    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as c:
         yield c
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def make_runtime():
+    async with runtime_factory() as make:
+        yield make
 
 
 def reference(tiny_model, prompts: list[list[int]]) -> list[list[float]]:
@@ -123,3 +134,24 @@ async def test_embedding_model_is_listed_and_refuses_generation(client):
     with pytest.raises(openai.BadRequestError) as bad:
         await client.embeddings.create(model="embed", input=[1, -3])
     assert bad.value.body["param"] == "input"
+
+
+async def test_the_pooling_worker_refuses_generation_and_embeds_on_its_endpoint(
+    stack, make_runtime, tiny_model
+):
+    """Straight to the worker's generate endpoint (no frontend): a generation request gets
+    InvalidArgument saying the model is an embedding model; an embedding request one terminal
+    with the vector and the prompt's usage."""
+    _, address, namespace = stack
+    client = await make_runtime(static=(address,)).endpoint(
+        f"{namespace}.backend.generate").client()
+    await client.wait_for_instances(timeout=15)
+    with pytest.raises(errors.InvalidArgument, match="embedding model"):
+        async for _ in await client.generate(PreprocessedRequest(
+                token_ids=[1, 2, 3], stop=StopConditions(max_tokens=2))):
+            pass
+    outs = [out.data() async for out in await client.generate(
+        PreprocessedRequest(token_ids=[5, 6, 7, 8], embedding=EmbeddingOptions()))]
+    hidden = json.loads((tiny_model / "config.json").read_text())["hidden_size"]
+    assert len(outs) == 1 and outs[0]["finish_reason"] == "stop"
+    assert len(outs[0]["embedding"]) == hidden and outs[0]["usage"]["prompt_tokens"] == 4
