@@ -6,17 +6,24 @@ are refused as OpenAI refuses them. The vLLM pooling worker: tests/test_vllm_emb
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import http.client
 import json
 import math
+import re
 import struct
+import time
+import urllib.error
+import urllib.request
 import uuid
 
 import openai
 import pytest
 from tokenizers import Tokenizer
 
-from tests.support.http_calls import post
+from tests.support.http_calls import get, post
+from tests.support.metrics import sample
 from tests.support.procs import Proc
 from tests.test_frontend import wait_models
 
@@ -27,8 +34,9 @@ DIM = 24
 
 @pytest.fixture(scope="module")
 def stack(tiny_model):
-    """A mocker worker that embeds ('emb'), one that cannot ('plain'), a round-robin frontend
-    and a kv-mode one; yields their URLs."""
+    """A mocker worker that embeds ('emb'), one that cannot ('plain'), one that embeds slowly
+    ('slow', with metrics), a round-robin frontend and a kv-mode one; yields the frontends'
+    URLs and the slow worker's metrics URL."""
     namespace = f"t{uuid.uuid4().hex[:12]}"
     common = ["--model-path", str(tiny_model), "--namespace", namespace, "--host", "127.0.0.1",
               "--speedup-ratio", "1000"]
@@ -36,6 +44,10 @@ def stack(tiny_model):
         Proc(["-m", "dynamo_zmq.worker", "--engine", "mocker", "--model-name", "emb",
               "--mock-embedding-dim", str(DIM), *common]),
         Proc(["-m", "dynamo_zmq.worker", "--engine", "mocker", "--model-name", "plain", *common]),
+        # Simulated prefill 200x slower than real time: an embedding takes seconds.
+        Proc(["-m", "dynamo_zmq.worker", "--engine", "mocker", "--model-name", "slow",
+              "--mock-embedding-dim", "4", *common, "--speedup-ratio", "0.005",
+              "--metrics-port", "0"]),
         Proc(["-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
               "--router-mode", "kv"]),
         Proc(["-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace]),
@@ -43,7 +55,9 @@ def stack(tiny_model):
     try:
         for proc in procs:
             proc.wait_ready(60)
-        yield procs[-1].address, procs[-2].address
+        port = next(line.split()[-1] for line in procs[2].logs().splitlines()
+                    if "metrics and health on port" in line)
+        yield procs[-1].address, procs[-2].address, f"http://127.0.0.1:{port}/metrics"
     finally:
         for proc in procs:
             proc.stop()
@@ -51,8 +65,8 @@ def stack(tiny_model):
 
 @pytest.fixture
 async def client(stack):
-    url, _ = stack
-    await wait_models(url, {"emb", "plain"})
+    url = stack[0]
+    await wait_models(url, {"emb", "plain", "slow"})
     async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as c:
         yield c
 
@@ -88,7 +102,7 @@ async def test_token_inputs_embed_as_their_text_does(client, tiny_model):
 
 
 async def test_kv_routing_serves_embeddings_too(client, stack):
-    _, kv_url = stack
+    kv_url = stack[1]
     await wait_models(kv_url, {"emb"})
     texts = ["hello world", "x y z"]
     ref = await client.embeddings.create(model="emb", input=texts, encoding_format="float")
@@ -99,7 +113,7 @@ async def test_kv_routing_serves_embeddings_too(client, stack):
 
 
 async def test_base64_decodes_to_the_same_floats(client, stack):
-    url, _ = stack
+    url = stack[0]
     floats = await client.embeddings.create(model="emb", input=["a b", "c"],
                                             encoding_format="float")
     status, body = post(f"{url}/v1/embeddings", json.dumps(
@@ -127,7 +141,7 @@ async def test_bad_inputs_are_400_naming_input(client, bad):
 
 
 async def test_refusals(client, stack, tiny_model):
-    url, _ = stack
+    url = stack[0]
     with pytest.raises(openai.NotFoundError) as missing:
         await client.embeddings.create(model="nope", input="x", encoding_format="float")
     assert missing.value.body["param"] == "model"
@@ -153,3 +167,42 @@ async def test_refusals(client, stack, tiny_model):
     chat = await client.chat.completions.create(
         model="emb", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     assert chat.choices[0].message.content is not None
+
+
+async def _worker_metrics(url: str, cancelled: float, inflight: float) -> None:
+    """Wait (bounded) until the slow worker counts ``cancelled`` cancellations and has
+    ``inflight`` requests."""
+    deadline = time.monotonic() + 20
+    while True:
+        page = (await asyncio.to_thread(get, url))[1].decode()
+        got = (sample(page, "dynamo_component_cancellation_total", model="slow"),
+               sample(page, "dynamo_component_inflight_requests", model="slow"))
+        if got == (cancelled, inflight):
+            return
+        assert time.monotonic() < deadline, f"worker metrics stuck at {got}"
+        await asyncio.sleep(0.1)
+
+
+async def test_deadline_and_disconnect_kill_the_workers_embedding(client, stack):
+    """The request's deadline answers 504 and kills every input's request on the worker; a
+    client that goes away mid-request does too (no response is written)."""
+    url, _, metrics = stack
+    batch = ["word " * 100, "other " * 100]
+    body = json.dumps({"model": "slow", "input": batch}).encode()
+    req = urllib.request.Request(
+        f"{url}/v1/embeddings", body,
+        {"Content-Type": "application/json", "x-dynamo-request-timeout": "0.5"})
+    try:
+        await asyncio.to_thread(urllib.request.urlopen, req, timeout=30)
+        raise AssertionError("the deadline did not end the request")
+    except urllib.error.HTTPError as exc:
+        assert exc.code == 504, exc.read()
+    await _worker_metrics(metrics, cancelled=2, inflight=0)
+    host, port = re.match(r"http://([^:]+):(\d+)", url).groups()  # type: ignore[union-attr]
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    conn.request("POST", "/v1/embeddings", json.dumps({"model": "slow", "input": batch[0]}),
+                 {"Content-Type": "application/json"})
+    await _worker_metrics(metrics, cancelled=2, inflight=1)
+    conn.sock.close()  # the client goes away before the answer
+    conn.close()
+    await _worker_metrics(metrics, cancelled=3, inflight=0)

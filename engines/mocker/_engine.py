@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from collections.abc import Sequence as Seq
@@ -31,6 +32,7 @@ from ._kv_events import KvEvent
 from ._publisher import TOPIC, KvEventPublisher
 from ._scheduler import RankScheduler
 from ._sequence import SeqStatus, Sequence
+from ._timing import step_seconds
 
 if TYPE_CHECKING:
     from dynamo_zmq.worker import WorkerConfig
@@ -228,18 +230,25 @@ class MockerEngine(LLMEngine):
         return frozenset({Capability.EMBEDDINGS}) if self.config.embedding_dim else frozenset()
 
     async def embed(self, request: PreprocessedRequest, ctx: Context) -> list[float]:
-        """A deterministic unit vector of ``--mock-embedding-dim`` floats per token sequence
-        (no scheduling, no KV blocks).
+        """A deterministic unit vector of ``--mock-embedding-dim`` floats per token sequence,
+        after the simulated prefill time of its tokens (not scheduled, no KV blocks).
 
         Raises:
             Unsupported: the mocker was started without ``--mock-embedding-dim``.
             InvalidArgument: ``dimensions`` asked (the mocker is no matryoshka model).
+            Cancelled: ``ctx`` was stopped first.
         """
-        if not self.config.embedding_dim:
+        cfg = self.config
+        if not cfg.embedding_dim:
             raise errors.Unsupported("the mocker embeds only with --mock-embedding-dim")
         if request.embedding is not None and request.embedding.dimensions is not None:
             raise errors.InvalidArgument("the mocker cannot change the embedding's dimensions")
-        return mock_embedding(request.token_ids, self.config.embedding_dim)
+        delay = step_seconds(len(request.token_ids), 0, 0.0, cfg.speedup_ratio)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(ctx.stopped(), delay)
+        if ctx.is_stopped():
+            raise errors.Cancelled("the embedding request was stopped")
+        return mock_embedding(request.token_ids, cfg.embedding_dim)
 
     async def abort(self, ctx: Context) -> None:
         """Cancel every sequence of ``ctx`` now (its stream ends with ``cancelled``)."""
