@@ -75,7 +75,7 @@ def tokens(tiny_model, text: str) -> list[int]:
     return Tokenizer.from_file(str(tiny_model / "tokenizer.json")).encode(text).ids
 
 
-async def test_batch_of_strings_one_vector_per_input_with_its_index(client, tiny_model):
+async def test_batch_of_strings_one_vector_per_input_with_its_index(client, stack, tiny_model):
     texts = ["hello world", "something else entirely", "hello world"]
     resp = await client.embeddings.create(model="emb", input=texts, encoding_format="float")
     assert resp.object == "list" and resp.model == "emb"
@@ -86,6 +86,9 @@ async def test_batch_of_strings_one_vector_per_input_with_its_index(client, tiny
     assert first == again and first != other
     expected = sum(len(tokens(tiny_model, t)) for t in texts)
     assert resp.usage.prompt_tokens == expected == resp.usage.total_tokens
+    _, page = await asyncio.to_thread(get, f"{stack[0]}/metrics")
+    assert sample(page.decode(), "dynamo_frontend_requests_total", model="emb",
+                  endpoint="embeddings", request_type="unary", status="success") >= 1
 
 
 async def test_token_inputs_embed_as_their_text_does(client, tiny_model):
@@ -206,3 +209,13 @@ async def test_deadline_and_disconnect_kill_the_workers_embedding(client, stack)
     conn.sock.close()  # the client goes away before the answer
     conn.close()
     await _worker_metrics(metrics, cancelled=3, inflight=0)
+    deadline = time.monotonic() + 10
+    while True:  # the frontend counts the disconnect once its request has ended
+        page = (await asyncio.to_thread(get, f"{url}/metrics"))[1].decode()
+        if sample(page, "dynamo_frontend_disconnected_clients_total", model="slow") == 1:
+            break
+        assert time.monotonic() < deadline, "the frontend never counted the disconnect"
+        await asyncio.sleep(0.1)
+    assert sample(page, "dynamo_frontend_requests_total", model="slow", endpoint="embeddings",
+                  request_type="unary", status="error") == 1  # the 504
+    assert sample(page, "dynamo_frontend_inflight_requests", model="slow") == 0
