@@ -1,7 +1,8 @@
-"""The worker's health: a canary request on the engine (by default one token; the worker's
-``--health-check-payload``), run at start and after idle spells, and the engine's live numbers
-copied into the metrics. Each change of the canary's verdict goes to ``on_change``: the worker
-withdraws its generate endpoint from routing while the canary fails."""
+"""The worker's health: a canary request on the engine (by default one token, or for an engine
+that only embeds the embedding of one token; the worker's ``--health-check-payload``), run at
+start and after idle spells, and the engine's live numbers copied into the metrics. Each change
+of the canary's verdict goes to ``on_change``: the worker withdraws its generate endpoint from
+routing while the canary fails."""
 
 from __future__ import annotations
 

@@ -269,11 +269,15 @@ class Worker:
                 f"{len(request.token_ids)} tokens"
             )
         if request.embedding is not None:  # /v1/embeddings, routed as a generation is
-            async for out in serve_embedding(
-                self.engine, request, ctx, self._model_metrics, self.health,
-                lambda c: self._res.spawn(self.engine.abort(c), f"abort-{c.id()}"),
-            ):
-                yield out
+            try:
+                async for out in serve_embedding(
+                    self.engine, request, ctx, self._model_metrics, self.health,
+                    lambda c: self._res.spawn(self.engine.abort(c), f"abort-{c.id()}"),
+                ):
+                    yield out
+            except Exception as exc:
+                self.metrics.error(errors.from_exception(exc).kind).inc()
+                raise
             return
         m = self._model_metrics
         m.requests.inc()
