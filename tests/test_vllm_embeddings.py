@@ -10,7 +10,9 @@ Runs only where vLLM is installed (skipped otherwise, failed in CI: see tests/te
 from __future__ import annotations
 
 import json
+import math
 import os
+import shutil
 import subprocess
 import sys
 import uuid
@@ -55,13 +57,23 @@ print("RESULT " + json.dumps([o.outputs.embedding for o in llm.embed(prompts)]))
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_model):
-    """One vLLM pooling worker ('embed') and a frontend on its namespace."""
+def model_dir(tiny_model, tmp_path_factory):
+    """The tiny model declared a matryoshka model (``is_matryoshka``: any ``dimensions``)."""
+    out = tmp_path_factory.mktemp("matryoshka") / "model"
+    shutil.copytree(tiny_model, out)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "is_matryoshka": True}))
+    return out
+
+
+@pytest.fixture(scope="module")
+def stack(model_dir):
+    """One vLLM pooling worker ('embed', the matryoshka tiny model) and a frontend."""
     namespace = f"t{uuid.uuid4().hex[:12]}"
     procs: list[Proc] = []
     try:
         worker = Proc(["-m", "dynamo_zmq.worker", "--engine", "vllm",
-                       "--model-path", str(tiny_model), "--model-name", "embed",
+                       "--model-path", str(model_dir), "--model-name", "embed",
                        "--namespace", namespace, "--host", "127.0.0.1", *WORKER_FLAGS,
                        *POOLING], env=VLLM_ENV)
         procs.append(worker)
@@ -99,7 +111,7 @@ def reference(tiny_model, prompts: list[list[int]]) -> list[list[float]]:
     return json.loads(lines[-1][len("RESULT "):])  # type: ignore[no-any-return]
 
 
-async def test_embeddings_equal_vllm_own(client, tiny_model):
+async def test_embeddings_equal_vllm_own(client, tiny_model, model_dir):
     hidden = json.loads((tiny_model / "config.json").read_text())["hidden_size"]
     tokenizer = Tokenizer.from_file(str(tiny_model / "tokenizer.json"))
     ids = [tokenizer.encode(t).ids for t in TEXTS]
@@ -111,7 +123,7 @@ async def test_embeddings_equal_vllm_own(client, tiny_model):
     assert vectors[0] == pytest.approx(vectors[2], abs=1e-5)
     assert vectors[0] != pytest.approx(vectors[1], abs=1e-3)
     assert resp.usage.prompt_tokens == sum(map(len, ids)) + 4 == resp.usage.total_tokens
-    expected = reference(tiny_model, [*ids, [5, 6, 7, 8]])
+    expected = reference(model_dir, [*ids, [5, 6, 7, 8]])
     for got, want in zip(vectors, expected, strict=True):
         assert got == pytest.approx(want, abs=1e-4)
     # The openai client's default: base64 on the wire, decoded by the client.
@@ -128,12 +140,26 @@ async def test_embedding_model_is_listed_and_refuses_generation(client):
             model="embed", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     assert "embed" in chat.value.message and "vllm" in chat.value.message
     assert chat.value.body["param"] == "model"
-    with pytest.raises(openai.BadRequestError) as dims:  # the tiny model is no matryoshka model
-        await client.embeddings.create(model="embed", input="x", dimensions=8)
-    assert dims.value.body["param"] == "dimensions" and "vllm" in dims.value.message
     with pytest.raises(openai.BadRequestError) as bad:
         await client.embeddings.create(model="embed", input=[1, -3])
     assert bad.value.body["param"] == "input"
+
+
+async def test_dimensions_of_a_matryoshka_model_truncate_and_renormalise(client):
+    """vLLM truncates a matryoshka model's embedding to ``dimensions`` and renormalises it;
+    out of range is vLLM's 400 naming the request. (A model that is not matryoshka: 400 naming
+    ``dimensions`` and the engine, tests/test_embeddings.py.)"""
+    full = await client.embeddings.create(model="embed", input="hello world",
+                                          encoding_format="float")
+    cut = await client.embeddings.create(model="embed", input="hello world", dimensions=16,
+                                         encoding_format="float")
+    head = full.data[0].embedding[:16]
+    norm = math.sqrt(sum(v * v for v in head))
+    assert len(cut.data[0].embedding) == 16
+    assert cut.data[0].embedding == pytest.approx([v / norm for v in head], abs=1e-5)
+    with pytest.raises(openai.BadRequestError) as wide:
+        await client.embeddings.create(model="embed", input="x", dimensions=10_000)
+    assert "dimensions" in wide.value.message
 
 
 async def test_the_pooling_worker_refuses_generation_and_embeds_on_its_endpoint(
