@@ -1,13 +1,13 @@
 """The OpenAI-compatible HTTP API as a raw ASGI application (no framework on the hot path).
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming and not),
-``GET /v1/models``, ``/health``, ``/live``, ``/metrics``, and Dynamo's ``POST /clear_kv_blocks``
-(``_clear_kv.py``). Each generation request is parsed and
-preprocessed here (chat template, tokens, sampling and stop options), routed to a worker, and
-its output deltas are formatted as OpenAI SSE chunks. A client that disconnects kills the
-request's context, which reaches the worker and aborts the engine's sequence; so does the
-request's deadline (``--request-timeout`` or the ``x-dynamo-request-timeout`` header), and the
-client then gets 504.
+``POST /v1/embeddings`` (``_embeddings.py``), ``GET /v1/models``, ``/health``, ``/live``,
+``/metrics``, and Dynamo's ``POST /clear_kv_blocks`` (``_clear_kv.py``). Each generation
+request is parsed and preprocessed here (chat template, tokens, sampling and stop options),
+routed to a worker, and its output deltas are formatted as OpenAI SSE chunks. A client that
+disconnects kills the request's context, which reaches the worker and aborts the engine's
+sequence; so does the request's deadline (``--request-timeout`` or the
+``x-dynamo-request-timeout`` header), and the client then gets 504.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -38,6 +39,8 @@ from ._asgi import (
 )
 from ._clear_kv import clear_kv_blocks, parse_clear_request
 from ._deadline import Deadline, request_timeout
+from ._embed_protocol import parse_embedding
+from ._embeddings import embed_all, embedding_requests, embeddings_body
 from ._generation import Generation
 from .errors import HttpError
 from .metrics import FrontendMetrics
@@ -55,7 +58,7 @@ WORKER_HEADER = b"x-worker-instance-id"
 SERVED_BY_HEADER = b"x-dynamo-worker"
 _ROUTES = (
     "/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/live", "/metrics",
-    "/clear_kv_blocks",
+    "/clear_kv_blocks", "/v1/embeddings",
 )
 _METRICS_TYPE = [(b"content-type", b"text/plain; version=0.0.4")]
 
@@ -120,6 +123,8 @@ class FrontendApp:
                 await self._generate(scope, receive, send, "chat")
             elif path == "/v1/completions" and method == "POST":
                 await self._generate(scope, receive, send, "completions")
+            elif path == "/v1/embeddings" and method == "POST":
+                await self._embeddings(scope, receive, send)
             elif path == "/v1/models" and method == "GET":
                 await reply(send, 200, self._models())
             elif path in ("/health", "/live") and method == "GET":
@@ -185,6 +190,8 @@ class FrontendApp:
                 pre = entry.preprocessor.completion(completion)
             if pre.output.logprobs is not None:
                 entry.require(Capability.LOGPROBS, "logprobs")
+            if Capability.EMBEDDINGS_ONLY in entry.capabilities:
+                raise http_errors.embeddings_only(entry.name, entry.engine_name)
             if not entry.router.instance_ids():
                 raise http_errors.no_worker(f"no live worker serves model {req.model!r}")
         except HttpError as exc:
@@ -201,6 +208,58 @@ class FrontendApp:
         await self._run(
             receive, send, entry, pre, target, fmt, streaming, include_usage, endpoint, timeout
         )
+
+    async def _embeddings(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``POST /v1/embeddings``: every input routed as its own request (``_embeddings.py``),
+        with the request's deadline, disconnect watch and metrics as for a generation."""
+        m, endpoint = self.metrics, "embeddings"
+        try:
+            body = await read_body(receive)
+            target = self._target(scope)
+            timeout = request_timeout(scope, self.timeout)
+            req, inputs = parse_embedding(body)
+            entry = self._entry(req.model)
+            ctx = Context(f"embd-{uuid.uuid4().hex}")
+            requests = embedding_requests(entry, req, inputs, ctx.id())
+            if not entry.router.instance_ids():
+                raise http_errors.no_worker(f"no live worker serves model {req.model!r}")
+        except HttpError as exc:
+            m.requests.labels("", endpoint, "unknown", "error").inc()
+            await error(send, exc)
+            return
+        model = entry.name
+        m.inflight.labels(model).inc()
+        m.isl.labels(model).observe(sum(len(r.token_ids) for r in requests))
+        watcher = asyncio.create_task(watch_disconnect(receive, ctx), name=f"disconnect-{ctx.id()}")
+        started = time.monotonic()
+        deadline = None if timeout is None else Deadline(ctx, timeout)
+        routing: dict[str, Any] = {"instance_id": target, "idle_timeout": self.idle_timeout}
+        if timeout is not None:
+            routing["timeout"] = timeout
+        status = "error"
+        try:
+            outputs = await embed_all(entry.router, requests, ctx, routing)
+            await reply(send, 200, embeddings_body(model, outputs, req.encoding_format))
+            status = "success"
+        except errors.DynamoError as exc:
+            if deadline is not None and deadline.expired:
+                await error(send, deadline.error())
+            elif ctx.is_killed():
+                status = "disconnected"
+            else:
+                await error(send, http_errors.from_dynamo(exc))
+        except ClientGone:
+            ctx.kill()
+            status = "disconnected"
+        finally:
+            if deadline is not None:
+                deadline.cancel()
+            await cancel_and_wait((watcher,))
+            if status == "disconnected":
+                m.disconnected.labels(model).inc()
+            m.requests.labels(model, endpoint, "unary", status).inc()
+            m.inflight.labels(model).dec()
+            m.duration.labels(model).observe(time.monotonic() - started)
 
     def _entry(self, model: str) -> ModelEntry:
         assert self.manager is not None

@@ -29,6 +29,7 @@ __all__ = [
     "HttpError",
     "bad_request",
     "client_closed",
+    "embeddings_only",
     "engine_error",
     "engine_lacks",
     "from_dynamo",
@@ -114,6 +115,14 @@ def engine_lacks(model: str, engine: str, param: str, capability: str) -> HttpEr
     message = (f"'{param}' needs {capability.replace('_', ' ')}, which {who} serving model "
                f"'{model}' does not support")
     return HttpError(400, INVALID_REQUEST, message, code="unsupported_parameter", param=param)
+
+
+def embeddings_only(model: str, engine: str) -> HttpError:
+    """400: ``model`` is an embedding model (its engine cannot generate)."""
+    who = f"the {engine} engine" if engine else "its engine"
+    message = (f"model '{model}' is an embedding model ({who} serves it for /v1/embeddings "
+               "only): it cannot generate chat or text completions")
+    return HttpError(400, INVALID_REQUEST, message, code="model_not_supported", param="model")
 
 
 def model_not_found(model: str) -> HttpError:

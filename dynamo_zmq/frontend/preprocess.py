@@ -244,6 +244,33 @@ class Preprocessor:
                 )
         return self._build(req, token_ids, req.max_tokens, "max_tokens", "prompt")
 
+    # -- embeddings -----------------------------------------------------------------------------
+
+    def embedding_tokens(self, item: str | list[int], add_special_tokens: bool) -> list[int]:
+        """The token ids of one ``/v1/embeddings`` input (a string is tokenized, token ids are
+        checked against the vocabulary and the context length).
+
+        Raises:
+            HttpError: 400 (tokenization, out-of-vocabulary id), 413 (context length exceeded).
+        """
+        if isinstance(item, str):
+            if self.native is not None:
+                ids = self._native_call(self.native.encode, item, "input")
+            else:
+                ids = self._encode(item, add_special_tokens, "input")
+        else:
+            ids, top = item, max(item)
+            if self.vocab_size and top >= self.vocab_size:
+                raise bad_request(f"Token id {top} is out of vocabulary (size "
+                                  f"{self.vocab_size})", param="input", code="invalid_value")
+        if self.context_length and len(ids) > self.context_length:
+            raise prompt_too_long(
+                f"This model's maximum context length is {self.context_length} tokens. However, "
+                f"an input has {len(ids)} tokens. Please reduce the length of the input.",
+                param="input",
+            )
+        return ids
+
     # -- native processing ---------------------------------------------------------------------
 
     def use_native(self, tokenizer: NativeTokenizerLike) -> None:

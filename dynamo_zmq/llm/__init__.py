@@ -12,6 +12,7 @@ from ._advert import advert_of as advert_of
 from ._advert import served_models as served_models
 from ._advert import serves as serves
 from ._capabilities import Capability as Capability
+from ._engine import EmbeddingOptions as EmbeddingOptions
 from ._engine import EngineConfig as EngineConfig
 from ._engine import EngineLoad as EngineLoad
 from ._engine import FinishReason as FinishReason
@@ -104,6 +105,7 @@ __all__ = [
     "ChunkAfterTerminal",
     "ClientRouter",
     "ConformanceError",
+    "EmbeddingOptions",
     "EngineConfig",
     "EngineLoad",
     "EventBatch",

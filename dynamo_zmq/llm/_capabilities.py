@@ -27,3 +27,8 @@ class Capability:
     LOGIT_BIAS = "logit_bias"
     #: Embeddings (``/v1/embeddings``) instead of, or beside, generation.
     EMBEDDINGS = "embeddings"
+    #: The engine embeds and cannot generate (vLLM's pooling runner): the frontend answers
+    #: chat and completion requests for the model with 400 naming it.
+    EMBEDDINGS_ONLY = "embeddings_only"
+    #: ``dimensions`` of ``/v1/embeddings`` (a matryoshka model: truncated and renormalised).
+    EMBEDDING_DIMENSIONS = "embedding_dimensions"

@@ -22,6 +22,12 @@ Lifecycle (numbered as Dynamo's backend-common numbers it):
    (the worker's ``clear_kv_blocks`` endpoint); default: ``errors.Unsupported``.
    ``metrics_collector()`` (optional): the engine's own Prometheus metrics, served on the
    worker's ``/metrics``.
+   ``await embed(request, ctx) -> list[float]`` (optional, any time after ``start``, any
+   number concurrently): the embedding of ``request.token_ids`` (a request whose
+   ``embedding`` is set; ``/v1/embeddings`` sends one per input). Engines that embed declare
+   ``Capability.EMBEDDINGS``, and ``Capability.EMBEDDINGS_ONLY`` when they cannot also
+   generate (``generate`` then refuses with ``InvalidArgument``); ``abort(ctx)`` applies as
+   for ``generate``. Default: ``errors.Unsupported``.
 6. ``await cleanup()``: release everything. Idempotent, safe before ``start`` and never
    concurrent with it.
 
@@ -51,6 +57,7 @@ from .. import errors
 from ..context import Context
 
 __all__ = [
+    "EmbeddingOptions",
     "EngineConfig",
     "EngineLoad",
     "FinishReason",
@@ -162,6 +169,15 @@ class GuidedDecoding(msgspec.Struct, **_WIRE):
     grammar: str | None = None
 
 
+class EmbeddingOptions(msgspec.Struct, **_WIRE):
+    """Set on a request that asks for the embedding of its tokens instead of a generation
+    (``PreprocessedRequest.embedding``; engines with ``Capability.EMBEDDINGS``)."""
+
+    #: Output dimensions of a matryoshka model (``Capability.EMBEDDING_DIMENSIONS``); None:
+    #: the model's own.
+    dimensions: Annotated[int, msgspec.Meta(ge=1)] | None = None
+
+
 class PreprocessedRequest(msgspec.Struct, **_WIRE):
     """A tokenized request, as the frontend sends it to a worker."""
 
@@ -187,6 +203,9 @@ class PreprocessedRequest(msgspec.Struct, **_WIRE):
     resume: Resume | None = None
     #: Constrained decoding (structured outputs); None: free generation.
     guided: GuidedDecoding | None = None
+    #: Set: embed ``token_ids`` (``LLMEngine.embed``) instead of generating; the one output
+    #: is a terminal whose ``embedding`` is the vector.
+    embedding: EmbeddingOptions | None = None
 
 
 class Usage(msgspec.Struct, **_WIRE):
@@ -214,6 +233,8 @@ class LLMEngineOutput(msgspec.Struct, **_WIRE):
     #: Set by the worker's post-processing with ``log_probs``: per token of the chunk, its
     #: text (as vLLM's server shows it) followed by the text of each ``top_logprobs`` entry.
     logprob_texts: list[list[str]] | None = None
+    #: The embedding, on the terminal of an embedding request (``PreprocessedRequest.embedding``).
+    embedding: list[float] | None = None
 
     @property
     def is_terminal(self) -> bool:
@@ -343,6 +364,16 @@ class LLMEngine(abc.ABC):
         """
         raise errors.Unsupported(f"the {self.name or type(self).__name__} engine cannot clear "
                                  "its KV blocks")
+
+    async def embed(self, request: PreprocessedRequest, ctx: Context) -> list[float]:
+        """Optional: the embedding of ``request.token_ids`` (``request.embedding`` holds the
+        options). A stopped or killed ``ctx`` may end it with ``errors.Cancelled``.
+
+        Raises:
+            Unsupported: the engine cannot embed (the default).
+            InvalidArgument: the engine refused the request (e.g. ``dimensions``).
+        """
+        raise errors.Unsupported(f"the {self.name or type(self).__name__} engine cannot embed")
 
     def metrics_collector(self) -> Any:
         """Optional: a prometheus_client collector (an object with ``collect()``) of the engine's

@@ -1,7 +1,8 @@
-"""The worker's health: a canary request on the engine (by default one token; the worker's
-``--health-check-payload``), run at start and after idle spells, and the engine's live numbers
-copied into the metrics. Each change of the canary's verdict goes to ``on_change``: the worker
-withdraws its generate endpoint from routing while the canary fails."""
+"""The worker's health: a canary request on the engine (by default one token, or for an engine
+that only embeds the embedding of one token; the worker's ``--health-check-payload``), run at
+start and after idle spells, and the engine's live numbers copied into the metrics. Each change
+of the canary's verdict goes to ``on_change``: the worker withdraws its generate endpoint from
+routing while the canary fails."""
 
 from __future__ import annotations
 
@@ -12,10 +13,17 @@ from collections.abc import Callable
 from typing import Any
 
 from ..context import Context
-from ..llm import FinishReason, LLMEngine, LLMEngineOutput, PreprocessedRequest, StopConditions
+from ..llm import (
+    EmbeddingOptions,
+    FinishReason,
+    LLMEngine,
+    LLMEngineOutput,
+    PreprocessedRequest,
+    StopConditions,
+)
 from ._metrics import WorkerMetrics
 
-__all__ = ["CANARY_TIMEOUT", "Health", "default_payload"]
+__all__ = ["CANARY_TIMEOUT", "Health", "default_payload", "embedding_payload"]
 
 log = logging.getLogger("dynamo_zmq.worker")
 
@@ -87,6 +95,9 @@ class Health:
     async def _last_output(
         self, request: PreprocessedRequest, ctx: Context
     ) -> LLMEngineOutput | None:
+        if request.embedding is not None:  # an embedding engine's canary
+            vector = await self._engine.embed(request, ctx)
+            return LLMEngineOutput(finish_reason=FinishReason.STOP, embedding=vector)
         last = None
         async for out in self._engine.generate(request, ctx):
             last = out
@@ -109,3 +120,8 @@ class Health:
 def default_payload() -> PreprocessedRequest:
     """The canary request unless the worker names another: one token after token id 1."""
     return PreprocessedRequest(token_ids=[1], stop=StopConditions(max_tokens=1, ignore_eos=True))
+
+
+def embedding_payload() -> PreprocessedRequest:
+    """The canary of an engine that only embeds: the embedding of token id 1."""
+    return PreprocessedRequest(token_ids=[1], embedding=EmbeddingOptions())

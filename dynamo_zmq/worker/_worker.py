@@ -2,8 +2,10 @@
 
 Start: ``engine.start`` -> model card and ``ModelAdvert`` -> metrics and system status server ->
 load publisher -> ``model_files``, ``clear_kv_blocks`` and generate endpoints -> health canary
--> ``READY``. While the canary fails, the generate endpoint is withdrawn from routing. An engine
-that fails to start is reported as ``EngineShutdown`` (one line) and the process exits 1.
+-> ``READY``. The generate endpoint also serves embedding requests (``request.embedding`` set:
+``engine.embed``, see ``_embed.py``). While the canary fails, the generate endpoint is
+withdrawn from routing. An engine that fails to start is reported as ``EngineShutdown`` (one
+line) and the process exits 1.
 
 Shutdown (SIGTERM/SIGINT), the backend-common document's order: unregister -> grace period ->
 stop admitting (EngineShutdown) -> ``engine.drain()`` while in-flight requests still run -> wait
@@ -31,6 +33,7 @@ from .. import errors
 from ..context import Context
 from ..llm import (
     CHUNK,
+    Capability,
     EngineConfig,
     FinishReason,
     LLMEngine,
@@ -47,7 +50,8 @@ from ..llm import (
 from ..resources import cancel_and_wait
 from ..runtime import DistributedRuntime, StatusServer
 from ._config import WorkerConfig
-from ._health import Health
+from ._embed import serve_embedding
+from ._health import Health, embedding_payload
 from ._load_publisher import LoadPublisher
 from ._metrics import ModelMetrics, WorkerMetrics
 
@@ -188,8 +192,11 @@ class Worker:
             metrics.register_engine(engine_metrics)
         component = self.runtime.namespace(args.namespace).component(args.component)
         generate = component.endpoint(args.endpoint)
+        payload = args.health_check_payload
+        if payload is None and Capability.EMBEDDINGS_ONLY in self.engine.capabilities():
+            payload = embedding_payload()  # the engine cannot generate: the canary embeds
         self.health = Health(
-            self.engine, metrics, args.health_check_interval, args.health_check_payload,
+            self.engine, metrics, args.health_check_interval, payload,
             on_change=lambda ok: self.runtime.set_endpoint_health(generate.path, ok),
         )
         if args.system_port is not None:
@@ -261,6 +268,17 @@ class Worker:
                 f"resume.generated ({request.resume.generated}) exceeds the prompt's "
                 f"{len(request.token_ids)} tokens"
             )
+        if request.embedding is not None:  # /v1/embeddings, routed as a generation is
+            try:
+                async for out in serve_embedding(
+                    self.engine, request, ctx, self._model_metrics, self.health,
+                    lambda c: self._res.spawn(self.engine.abort(c), f"abort-{c.id()}"),
+                ):
+                    yield out
+            except Exception as exc:
+                self.metrics.error(errors.from_exception(exc).kind).inc()
+                raise
+            return
         m = self._model_metrics
         m.requests.inc()
         m.inflight.inc()

@@ -47,6 +47,9 @@ class MockerConfig:
     host: str | None = None
     #: Address advertised for the KV-event sockets (default: see ``advertised_host``).
     advertise: str | None = None
+    #: Dimensions of the mocker's deterministic embeddings (``/v1/embeddings``); 0: it
+    #: cannot embed.
+    embedding_dim: int = 0
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "context_length", "block_size", "num_gpu_blocks", "max_num_seqs",
@@ -59,6 +62,8 @@ class MockerConfig:
         for name in ("kv_events_port", "kv_replay_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{name} out of range: {getattr(self, name)}")
+        if self.embedding_dim < 0:
+            raise ValueError(f"embedding_dim must be >= 0, got {self.embedding_dim}")
 
     @property
     def bind_host(self) -> str:
@@ -95,6 +100,8 @@ def add_mocker_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -
     add("--kv-events-port", type=int, default=0, help="KV-event PUB port (0 = any)")
     add("--kv-replay-port", type=int, default=0, help="KV-event replay ROUTER port (0 = any)")
     add("--no-kv-events", action="store_true", default=False, help="do not publish KV events")
+    add("--mock-embedding-dim", type=int, default=0,
+        help="serve deterministic embeddings of this many dimensions (0 = no embeddings)")
 
 
 def read_model_dir(path: str | Path) -> dict[str, Any]:
@@ -155,6 +162,7 @@ def _config_from_args(args: argparse.Namespace) -> MockerConfig:
         kv_replay_port=get("kv_replay_port", 0),
         host=host,
         advertise=advertise,
+        embedding_dim=get("mock_embedding_dim", 0),
         **from_dir,
     )
 

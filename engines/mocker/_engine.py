@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from collections.abc import Sequence as Seq
@@ -26,10 +27,12 @@ from dynamo_zmq.llm import (
 )
 
 from ._config import MockerConfig, add_mocker_args, config_from_args
+from ._embed import mock_embedding
 from ._kv_events import KvEvent
 from ._publisher import TOPIC, KvEventPublisher
 from ._scheduler import RankScheduler
 from ._sequence import SeqStatus, Sequence
+from ._timing import step_seconds
 
 if TYPE_CHECKING:
     from dynamo_zmq.worker import WorkerConfig
@@ -174,10 +177,6 @@ class MockerEngine(LLMEngine):
             if seq.status is not SeqStatus.FINISHED:
                 sched.cancel(seq, emit=False)
 
-    def capabilities(self) -> frozenset[str]:
-        """Logprobs (well-formed made-up values: see ``Sequence.with_logprobs``)."""
-        return frozenset({Capability.LOGPROBS})
-
     def _check(self, request: PreprocessedRequest) -> str | None:
         """Why ``request`` cannot run, or None."""
         cfg = self.config
@@ -226,6 +225,35 @@ class MockerEngine(LLMEngine):
             resumed=request.resume.generated if request.resume is not None else 0,
             num_logprobs=request.output.logprobs,
         )
+
+    def capabilities(self) -> frozenset[str]:
+        """Logprobs (well-formed made-up values: see ``Sequence.with_logprobs``), and
+        embeddings when ``--mock-embedding-dim`` is set."""
+        caps = {Capability.LOGPROBS}
+        if self.config.embedding_dim:
+            caps.add(Capability.EMBEDDINGS)
+        return frozenset(caps)
+
+    async def embed(self, request: PreprocessedRequest, ctx: Context) -> list[float]:
+        """A deterministic unit vector of ``--mock-embedding-dim`` floats per token sequence,
+        after the simulated prefill time of its tokens (not scheduled, no KV blocks).
+
+        Raises:
+            Unsupported: the mocker was started without ``--mock-embedding-dim``.
+            InvalidArgument: ``dimensions`` asked (the mocker is no matryoshka model).
+            Cancelled: ``ctx`` was stopped first.
+        """
+        cfg = self.config
+        if not cfg.embedding_dim:
+            raise errors.Unsupported("the mocker embeds only with --mock-embedding-dim")
+        if request.embedding is not None and request.embedding.dimensions is not None:
+            raise errors.InvalidArgument("the mocker cannot change the embedding's dimensions")
+        delay = step_seconds(len(request.token_ids), 0, 0.0, cfg.speedup_ratio)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(ctx.stopped(), delay)
+        if ctx.is_stopped():
+            raise errors.Cancelled("the embedding request was stopped")
+        return mock_embedding(request.token_ids, cfg.embedding_dim)
 
     async def abort(self, ctx: Context) -> None:
         """Cancel every sequence of ``ctx`` now (its stream ends with ``cancelled``)."""

@@ -35,6 +35,7 @@ from dynamo_zmq.llm import (
 )
 from dynamo_zmq.resources import Resources, cancel_and_wait
 
+from ._embed import embed, pooling_capabilities
 from ._endpoints import advertise, free_port, offset, vllm_version
 from ._options import (
     VllmOptions,
@@ -52,6 +53,9 @@ if TYPE_CHECKING:
 __all__ = ["KV_TOPIC", "VllmEngine"]
 
 log = logging.getLogger("engines.vllm")
+
+#: What the engine can do when it generates (the pooling runner's are asked of vLLM).
+GENERATE_CAPABILITIES = frozenset({Capability.LOGPROBS})
 
 #: Topic of the KV-event PUB frames (``[topic, seq, payload]``).
 KV_TOPIC = "kv-events"
@@ -83,6 +87,8 @@ class VllmEngine(LLMEngine):
         #: Owns the abort tasks a stopped context starts.
         self._res = Resources("vllm-engine")
         self._state = "new"  # new -> starting -> started -> closed
+        #: What the engine can do; a pooling runner (``--runner pooling``) only embeds.
+        self._caps: frozenset[str] = GENERATE_CAPABILITIES
 
     # -- construction ----------------------------------------------------------------------
 
@@ -136,8 +142,15 @@ class VllmEngine(LLMEngine):
             raise RuntimeError("VllmEngine was cleaned up while starting")
         self._llm = llm
         self._state = "started"
+        if llm.vllm_config.model_config.runner_type == "pooling":
+            self._caps = await pooling_capabilities(llm)
         self.engine_config = self._engine_config(llm, args)
         return self.engine_config
+
+    def capabilities(self) -> frozenset[str]:
+        """Logprobs (vLLM's own values; the worker adds the token texts) when generating;
+        embeddings (and only them) under vLLM's pooling runner."""
+        return self._caps
 
     def _build_engine_args(self, cpu: bool) -> Any:
         from vllm.config import KVEventsConfig
@@ -248,10 +261,6 @@ class VllmEngine(LLMEngine):
         if await self._llm.reset_prefix_cache() is False:
             raise errors.Unknown("vLLM did not reset its prefix cache (requests are running?)")
 
-    def capabilities(self) -> frozenset[str]:
-        """Logprobs (vLLM's own values; the worker adds the token texts)."""
-        return frozenset({Capability.LOGPROBS})
-
     def metrics_collector(self) -> Any:
         """vLLM's own Prometheus metrics (``vllm:*``, from its stat loggers)."""
         return vllm_metrics()
@@ -322,8 +331,14 @@ class VllmEngine(LLMEngine):
         """Stream vLLM's deltas for ``request``; exactly one terminal chunk, last.
 
         Raises:
-            InvalidArgument: vLLM rejected the request (sampling options, prompt too long).
+            InvalidArgument: vLLM rejected the request (sampling options, prompt too long), or
+                the engine runs an embedding model (``--runner pooling``), which cannot generate.
         """
+        if Capability.EMBEDDINGS_ONLY in self._caps:
+            raise errors.InvalidArgument(
+                "this vLLM engine runs the model as an embedding model (--runner pooling): it "
+                "cannot generate; use /v1/embeddings"
+            )
         prompt_tokens = len(request.token_ids)
         problem = self._check(request)
         if problem is not None:
@@ -397,6 +412,22 @@ class VllmEngine(LLMEngine):
             # Closing vLLM's generator early aborts the request inside vLLM.
             with contextlib.suppress(Exception):
                 await stream.aclose()
+
+    async def embed(self, request: PreprocessedRequest, ctx: Context) -> list[float]:
+        """The embedding of ``request.token_ids`` (``--runner pooling``: ``AsyncLLM.encode``)."""
+        if Capability.EMBEDDINGS not in self._caps or self._llm is None:
+            raise errors.Unsupported("this vLLM engine does not embed (start it with --runner "
+                                     "pooling --convert embed)")
+        rid, key = f"{ctx.id()}-{next(self._ids)}", ctx.id()
+        self._live.setdefault(key, set()).add(rid)
+        try:
+            return await embed(self._llm, request, ctx, rid)
+        finally:
+            rids = self._live.get(key)
+            if rids is not None:
+                rids.discard(rid)
+                if not rids:
+                    del self._live[key]
 
     async def abort(self, ctx: Context) -> None:
         """Abort every vLLM request of ``ctx`` now (its streams end with ``cancelled``)."""
