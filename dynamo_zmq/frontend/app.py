@@ -178,11 +178,11 @@ class FrontendApp:
             if endpoint == "chat":
                 req = chat = parse_chat(body)
                 entry = self._entry(chat.model)
-                pre = entry.preprocessor.chat(chat)
+                pre = entry.preprocessor.chat(chat, entry.require)
             else:
                 req = completion = parse_completion(body)
                 entry = self._entry(completion.model)
-                pre = entry.preprocessor.completion(completion)
+                pre = entry.preprocessor.completion(completion, entry.require)
             if not entry.router.instance_ids():
                 raise http_errors.no_worker(f"no live worker serves model {req.model!r}")
         except HttpError as exc:
