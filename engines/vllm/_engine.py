@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from dynamo_zmq import errors
 from dynamo_zmq.context import Context
 from dynamo_zmq.llm import (
+    Capability,
     EngineConfig,
     EngineLoad,
     LLMEngine,
@@ -36,6 +37,7 @@ from dynamo_zmq.resources import Resources, cancel_and_wait
 
 from ._endpoints import advertise, free_port, offset, vllm_version
 from ._options import (
+    STRUCTURED_OUTPUTS_CONFIG,
     VllmOptions,
     add_vllm_args,
     engine_args_from_args,
@@ -139,7 +141,7 @@ class VllmEngine(LLMEngine):
         return self.engine_config
 
     def _build_engine_args(self, cpu: bool) -> Any:
-        from vllm.config import KVEventsConfig
+        from vllm.config import KVEventsConfig, StructuredOutputsConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
 
         given = self.engine_args
@@ -160,6 +162,8 @@ class VllmEngine(LLMEngine):
         world = (kw.get("tensor_parallel_size") or 1) * (kw.get("pipeline_parallel_size") or 1)
         if kw.get("distributed_executor_backend") is None and world == 1:
             kw["distributed_executor_backend"] = "uni"
+        if kw.get("structured_outputs_config") is None:
+            kw["structured_outputs_config"] = StructuredOutputsConfig(**STRUCTURED_OUTPUTS_CONFIG)
         if kw.get("enable_prefix_caching") is None:
             kw["enable_prefix_caching"] = True
         opts = self.options
@@ -265,6 +269,10 @@ class VllmEngine(LLMEngine):
                 await cancel_and_wait((handler,))
             await asyncio.to_thread(llm.shutdown, self.options.shutdown_timeout)
         self._live.clear()
+
+    def capabilities(self) -> frozenset[str]:
+        """Structured outputs (vLLM's ``StructuredOutputsParams``)."""
+        return frozenset({Capability.STRUCTURED_OUTPUTS})
 
     def load(self) -> list[EngineLoad]:
         """Per data-parallel rank, from vLLM's last scheduler stats: the KV-cache usage as
