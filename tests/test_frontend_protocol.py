@@ -310,8 +310,6 @@ CHAT_UNSUPPORTED = [
     ("n", 2),
     ("echo", True),
     ("logit_bias", {"50256": -100}),
-    ("response_format", {"type": "json_object"}),
-    ("response_format", {"type": "json_schema", "json_schema": {"name": "x"}}),
     ("tool_choice", "required"),
     ("tool_choice", {"type": "function", "function": {"name": "f"}}),
     ("chat_template", "{{ messages }}"),
@@ -323,21 +321,14 @@ CHAT_UNSUPPORTED = [
     ("use_beam_search", True),
     ("prompt_logprobs", 1),
     ("spaces_between_special_tokens", False),
-    ("guided_json", {"type": "object"}),
-    ("guided_regex", "a+"),
-    ("guided_choice", ["a", "b"]),
-    ("guided_grammar", "root ::= x"),
-    ("structured_outputs", {"json": {}}),
 ]
 COMPLETION_UNSUPPORTED = [
     ("n", 3),
     ("echo", True),
     ("logit_bias", {"1": 1.0}),
-    ("response_format", {"type": "json_object"}),
     ("best_of", 2),
     ("suffix", "end"),
     ("use_beam_search", True),
-    ("guided_json", {"type": "object"}),
 ]
 
 

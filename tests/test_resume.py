@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 from dynamo_zmq.llm import (
+    GuidedDecoding,
     LLMEngineOutput,
     PostProcessor,
     PreprocessedRequest,
@@ -170,3 +171,4 @@ def test_resumable_names_what_cannot_be_resumed():
     native = msgspec.structs.replace(PreprocessedRequest([1]))
     native.output.detokenize = True
     assert resumable(native)
+    assert resumable(PreprocessedRequest([1], guided=GuidedDecoding(regex="a+")))

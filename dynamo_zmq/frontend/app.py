@@ -183,11 +183,11 @@ class FrontendApp:
             if endpoint == "chat":
                 req = chat = parse_chat(body)
                 entry = self._entry(chat.model)
-                pre = entry.preprocessor.chat(chat)
+                pre = entry.preprocessor.chat(chat, entry.require)
             else:
                 req = completion = parse_completion(body)
                 entry = self._entry(completion.model)
-                pre = entry.preprocessor.completion(completion)
+                pre = entry.preprocessor.completion(completion, entry.require)
             if pre.output.logprobs is not None:
                 entry.require(Capability.LOGPROBS, "logprobs")
             if Capability.EMBEDDINGS_ONLY in entry.capabilities:

@@ -13,20 +13,31 @@ serving another card refuses it.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import jinja2
 from tokenizers import Tokenizer
 
-from ..llm import ModelCard, OutputOptions, PreprocessedRequest, SamplingOptions, StopConditions
+from ..llm import (
+    Capability,
+    ModelCard,
+    OutputOptions,
+    PreprocessedRequest,
+    SamplingOptions,
+    StopConditions,
+)
 from ._chat_template import RESERVED, continue_final, function_dict, message_dict
 from ._chat_template import template_environment as template_environment
+from ._structured import constraint
 from .errors import bad_request, prompt_too_long
 from .protocol import ChatCompletionRequest, CompletionRequest
 
-__all__ = ["Preprocessor", "template_environment"]
+__all__ = ["Preprocessor", "Require", "template_environment"]
+
+#: ``ModelEntry.require``: refuses a parameter whose capability the serving engine lacks.
+Require = Callable[[str, str], None]
 
 _SPECIAL_TOKENS = (
     "bos_token",
@@ -199,11 +210,19 @@ class Preprocessor:
             text = continue_final(text, messages[-1]["content"])
         return text
 
-    def chat(self, req: ChatCompletionRequest) -> PreprocessedRequest:
+    def chat(
+        self, req: ChatCompletionRequest, require: Require | None = None
+    ) -> PreprocessedRequest:
         """Render, tokenize and translate a parsed chat request.
 
+        Args:
+            req: the parsed request.
+            require: checks a parameter's capability against the serving engine
+                (``ModelEntry.require``); None: no check.
+
         Raises:
-            HttpError: 400 (template or tokenization errors), 413 (context length exceeded).
+            HttpError: 400 (template or tokenization errors, a capability the engine lacks),
+                413 (context length exceeded).
         """
         if self.native is not None:
             token_ids = self._native_chat(req)
@@ -214,15 +233,22 @@ class Preprocessor:
         name = "max_completion_tokens"
         if max_tokens is None:
             max_tokens, name = req.max_tokens, "max_tokens"
-        return self._build(req, token_ids, max_tokens, name, "messages")
+        return self._build(req, token_ids, max_tokens, name, "messages", require)
 
     # -- completions ----------------------------------------------------------------------------
 
-    def completion(self, req: CompletionRequest) -> PreprocessedRequest:
+    def completion(
+        self, req: CompletionRequest, require: Require | None = None
+    ) -> PreprocessedRequest:
         """Tokenize (or check) the prompt and translate a parsed completion request.
 
+        Args:
+            req: the parsed request.
+            require: as for ``chat``.
+
         Raises:
-            HttpError: 400 (bad token ids, empty prompt), 413 (context length exceeded).
+            HttpError: 400 (bad token ids, empty prompt, a capability the engine lacks),
+                413 (context length exceeded).
         """
         prompt = req.prompt
         if isinstance(prompt, str) and self.native is not None:
@@ -242,7 +268,7 @@ class Preprocessor:
                     param="prompt",
                     code="invalid_value",
                 )
-        return self._build(req, token_ids, req.max_tokens, "max_tokens", "prompt")
+        return self._build(req, token_ids, req.max_tokens, "max_tokens", "prompt", require)
 
     # -- embeddings -----------------------------------------------------------------------------
 
@@ -319,7 +345,11 @@ class Preprocessor:
         max_tokens: int | None,
         max_name: str,
         what: str,
+        require: Require | None,
     ) -> PreprocessedRequest:
+        guided = constraint(req)
+        if guided is not None and require is not None:
+            require(Capability.STRUCTURED_OUTPUTS, guided.param)
         n = len(token_ids)
         ctx = self.context_length
         kind = "input messages" if what == "messages" else "input prompt"
@@ -376,6 +406,7 @@ class Preprocessor:
             ),
             eos_token_ids=list(self.eos_token_ids),
             mdcsum=self.card.checksum,
+            guided=guided.guided if guided is not None else None,
         )
 
 

@@ -3,8 +3,8 @@
 ``parse_chat`` / ``parse_completion`` turn a request body into a ``ChatCompletionRequest`` /
 ``CompletionRequest`` or raise ``HttpError`` 400 with a message naming the field. Unknown fields
 are ignored, as OpenAI does. Valid OpenAI options this server does not implement yet (``n > 1``,
-echo, logit_bias, JSON response formats, guided decoding, ``best_of > 1``, ``suffix``,
-...) are rejected with 400, never silently ignored.
+echo, logit_bias, ``best_of > 1``, ``suffix``, ...) are rejected with 400, never silently
+ignored. Structured-output constraints are checked by ``_structured.constraint``.
 
 After ``parse_completion`` the ``prompt`` is either a ``str`` or a ``list[int]``.
 """
@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 
+from ._structured import constraint
 from .errors import bad_request, unsupported
 
 __all__ = [
@@ -238,23 +239,13 @@ def _validate_common(req: _BaseRequest) -> None:
         raise unsupported("n", "only one choice per request (n=1)")
     if req.logit_bias:
         raise unsupported("logit_bias")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise unsupported("response_format", f"type {req.response_format.type!r}")
     if req.use_beam_search:
         raise unsupported("use_beam_search")
     if req.prompt_logprobs is not None:
         raise unsupported("prompt_logprobs")
     if req.spaces_between_special_tokens is False:
         raise unsupported("spaces_between_special_tokens", "only true")
-    for name in (
-        "guided_json",
-        "guided_regex",
-        "guided_choice",
-        "guided_grammar",
-        "structured_outputs",
-    ):
-        if getattr(req, name) is not None:
-            raise unsupported(name)
+    constraint(req)  # a malformed constraint is refused here, before any worker is asked
 
 
 def _check_min_tokens(req: _BaseRequest, max_tokens: int | None, name: str) -> None:

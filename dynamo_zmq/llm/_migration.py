@@ -56,7 +56,9 @@ def resumable(request: PreprocessedRequest) -> str | None:
       engine would see as prompt (repetition penalty covers prompt and output alike: fine);
     - ``n`` > 1: several sequences share the stream;
     - native processing (``output.detokenize``): the engine makes the text, and what it held
-      back (a partial character) cannot be replayed on another worker.
+      back (a partial character) cannot be replayed on another worker;
+    - constrained decoding (``guided``): the grammar's state after the generated tokens is not
+      carried, and restarting the grammar on them as prompt would constrain the wrong text.
     """
     sampling = request.sampling
     if sampling.presence_penalty or sampling.frequency_penalty:
@@ -66,6 +68,8 @@ def resumable(request: PreprocessedRequest) -> str | None:
         return f"it asks for n={sampling.n} sequences"
     if request.output.detokenize:
         return "its engine makes the text itself (native processing)"
+    if request.guided is not None:
+        return "its structured-output constraint's state is not carried to another worker"
     return None
 
 

@@ -38,6 +38,7 @@ from dynamo_zmq.resources import Resources, cancel_and_wait
 from ._embed import embed, pooling_capabilities
 from ._endpoints import advertise, free_port, offset, vllm_version
 from ._options import (
+    STRUCTURED_OUTPUTS_CONFIG,
     VllmOptions,
     add_vllm_args,
     engine_args_from_args,
@@ -55,7 +56,7 @@ __all__ = ["KV_TOPIC", "VllmEngine"]
 log = logging.getLogger("engines.vllm")
 
 #: What the engine can do when it generates (the pooling runner's are asked of vLLM).
-GENERATE_CAPABILITIES = frozenset({Capability.LOGPROBS})
+GENERATE_CAPABILITIES = frozenset({Capability.LOGPROBS, Capability.STRUCTURED_OUTPUTS})
 
 #: Topic of the KV-event PUB frames (``[topic, seq, payload]``).
 KV_TOPIC = "kv-events"
@@ -148,12 +149,13 @@ class VllmEngine(LLMEngine):
         return self.engine_config
 
     def capabilities(self) -> frozenset[str]:
-        """Logprobs (vLLM's own values; the worker adds the token texts) when generating;
-        embeddings (and only them) under vLLM's pooling runner."""
+        """When generating: logprobs (vLLM's own values; the worker adds the token texts) and
+        structured outputs (vLLM's ``StructuredOutputsParams``); under vLLM's pooling runner,
+        embeddings (and only them)."""
         return self._caps
 
     def _build_engine_args(self, cpu: bool) -> Any:
-        from vllm.config import KVEventsConfig
+        from vllm.config import KVEventsConfig, StructuredOutputsConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
 
         given = self.engine_args
@@ -174,6 +176,8 @@ class VllmEngine(LLMEngine):
         world = (kw.get("tensor_parallel_size") or 1) * (kw.get("pipeline_parallel_size") or 1)
         if kw.get("distributed_executor_backend") is None and world == 1:
             kw["distributed_executor_backend"] = "uni"
+        if kw.get("structured_outputs_config") is None:
+            kw["structured_outputs_config"] = StructuredOutputsConfig(**STRUCTURED_OUTPUTS_CONFIG)
         if kw.get("enable_prefix_caching") is None:
             kw["enable_prefix_caching"] = True
         opts = self.options

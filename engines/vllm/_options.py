@@ -21,6 +21,7 @@ from dynamo_zmq import errors
 
 __all__ = [
     "INSTALL_HINT",
+    "STRUCTURED_OUTPUTS_CONFIG",
     "VllmOptions",
     "add_vllm_args",
     "engine_args_from_args",
@@ -32,8 +33,12 @@ log = logging.getLogger("engines.vllm")
 
 INSTALL_HINT = "install the `vllm` extra: pip install 'dynamo-zmq[vllm]'"
 _WILDCARDS = ("0.0.0.0", "*", "")
+#: vLLM's ``structured_outputs_config`` when not given: llguidance (JSON schema, regex, choice,
+#: and grammars in GBNF or Lark) with compact JSON, so that no model can loop on the whitespace
+#: a JSON grammar otherwise allows between tokens until ``max_tokens`` cuts the JSON short.
+STRUCTURED_OUTPUTS_CONFIG: dict[str, Any] = {"backend": "guidance", "disable_any_whitespace": True}
 #: vLLM flags whose default we replace by None, to tell "unset" from a value (see _engine).
-_UNSET_DEFAULTS = ("model", "enforce_eager")
+_UNSET_DEFAULTS = ("model", "enforce_eager", "structured_outputs_config")
 
 
 @dataclass(frozen=True)

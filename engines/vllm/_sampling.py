@@ -6,9 +6,15 @@ from __future__ import annotations
 from typing import Any
 
 from dynamo_zmq import errors
-from dynamo_zmq.llm import FinishReason, LLMEngineOutput, PreprocessedRequest, Usage
+from dynamo_zmq.llm import (
+    FinishReason,
+    GuidedDecoding,
+    LLMEngineOutput,
+    PreprocessedRequest,
+    Usage,
+)
 
-__all__ = ["finish_reason", "sampling_params", "to_output"]
+__all__ = ["finish_reason", "sampling_params", "structured_outputs", "to_output"]
 
 #: vLLM's finish reasons (``vllm.v1.engine.FinishReason`` as strings) -> ours.
 _FINISH = {
@@ -63,9 +69,23 @@ def sampling_params(request: PreprocessedRequest, native: bool) -> Any:
     if out.logprobs is not None:
         kwargs["logprobs"] = out.logprobs
     try:
+        if request.guided is not None:
+            kwargs["structured_outputs"] = structured_outputs(request.guided)
         return SamplingParams(**kwargs)
     except (VLLMValidationError, ValueError, TypeError) as exc:
         raise errors.InvalidArgument(f"vLLM rejected the sampling options: {exc}") from exc
+
+
+def structured_outputs(guided: GuidedDecoding) -> Any:
+    """vLLM's ``StructuredOutputsParams`` for our constraint (vLLM refuses none or several:
+    ``VLLMValidationError``; a schema or regex its backend cannot compile fails later, when the
+    request is added)."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    return StructuredOutputsParams(
+        json=guided.json_schema, regex=guided.regex, choice=guided.choice,
+        grammar=guided.grammar, json_object=True if guided.json_object else None,
+    )
 
 
 def finish_reason(reason: Any) -> str:
