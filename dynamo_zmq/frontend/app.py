@@ -22,7 +22,7 @@ import msgspec
 
 from .. import errors
 from ..context import Context
-from ..llm import DEFAULT_MIGRATION_LIMIT, Migration, PreprocessedRequest
+from ..llm import DEFAULT_MIGRATION_LIMIT, Capability, Migration, PreprocessedRequest
 from ..resources import cancel_and_wait
 from . import errors as http_errors
 from ._asgi import (
@@ -38,6 +38,7 @@ from ._asgi import (
 )
 from ._clear_kv import clear_kv_blocks, parse_clear_request
 from ._deadline import Deadline, request_timeout
+from ._fanout import FanOut, SubRequest, completion_prompts, fan_out
 from ._generation import Generation
 from .errors import HttpError
 from .metrics import FrontendMetrics
@@ -175,14 +176,21 @@ class FrontendApp:
             target = self._target(scope)
             timeout = request_timeout(scope, self.timeout)
             req: ChatCompletionRequest | CompletionRequest
+            work: PreprocessedRequest | list[SubRequest]
+            n = 1
             if endpoint == "chat":
                 req = chat = parse_chat(body)
                 entry = self._entry(chat.model)
-                pre = entry.preprocessor.chat(chat)
+                work = entry.preprocessor.chat(chat)
+                if chat.n is not None and chat.n > 1:
+                    n = chat.n
+                    work = fan_out([(work, "")], n, n)
             else:
                 req = completion = parse_completion(body)
                 entry = self._entry(completion.model)
-                pre = entry.preprocessor.completion(completion)
+                work, n = self._completion_work(entry, completion)
+            if req.logit_bias:
+                entry.require(Capability.LOGIT_BIAS, "logit_bias")
             if not entry.router.instance_ids():
                 raise http_errors.no_worker(f"no live worker serves model {req.model!r}")
         except HttpError as exc:
@@ -196,8 +204,26 @@ class FrontendApp:
             fmt.continuous_usage = True
         streaming = bool(req.stream)
         await self._run(
-            receive, send, entry, pre, target, fmt, streaming, include_usage, endpoint, timeout
+            receive, send, entry, work, target, fmt, streaming, include_usage, endpoint, timeout, n
         )
+
+    @staticmethod
+    def _completion_work(
+        entry: ModelEntry, req: CompletionRequest
+    ) -> tuple[PreprocessedRequest | list[SubRequest], int]:
+        """A completion's one request, or its sub-requests (several prompts, ``n``, ``best_of``
+        or ``echo``), and its choices per prompt."""
+        n = req.n or 1
+        best_of = req.best_of or n
+        prompt = req.prompt
+        one_prompt = isinstance(prompt, str) or isinstance(prompt[0], int)
+        if n == 1 and best_of == 1 and not req.echo and one_prompt:
+            return entry.preprocessor.completion(req), 1
+        if best_of > n:
+            entry.require(Capability.LOGPROBS, "best_of")
+        if req.echo and req.logprobs is not None:
+            entry.require(Capability.PROMPT_LOGPROBS, "echo")
+        return fan_out(completion_prompts(entry.preprocessor, req), n, best_of), n
 
     def _entry(self, model: str) -> ModelEntry:
         assert self.manager is not None
@@ -250,23 +276,35 @@ class FrontendApp:
         receive: Receive,
         send: Send,
         entry: ModelEntry,
-        pre: PreprocessedRequest,
+        work: PreprocessedRequest | list[SubRequest],
         target: int | None,
         fmt: ChatFormatter | CompletionFormatter,
         streaming: bool,
         include_usage: bool,
         endpoint: str,
         timeout: float | None,
+        n: int = 1,
     ) -> None:
         m, model = self.metrics, entry.name
         m.inflight.labels(model).inc()
-        m.isl.labels(model).observe(len(pre.token_ids))
+        if isinstance(work, PreprocessedRequest):
+            pre = work
+            prompt_tokens = len(pre.token_ids)
+        else:
+            prompt_tokens = sum(len(s.pre.token_ids) for s in work if s.number == 0)
+        m.isl.labels(model).observe(prompt_tokens)
         ctx = Context(fmt.id)
         watcher = asyncio.create_task(watch_disconnect(receive, ctx), name=f"disconnect-{fmt.id}")
         started = time.monotonic()
         deadline = None if timeout is None else Deadline(ctx, timeout)
         status = "error"
         try:
+            if not isinstance(work, PreprocessedRequest):
+                status = await self._run_fanout(
+                    send, entry, work, n, prompt_tokens, ctx, target, fmt, streaming,
+                    include_usage, timeout, started, deadline,
+                )
+                return
             try:
                 # The deadline also travels as the runtime's per-request timeout (the worker
                 # enforces it too); a router plugin that predates it is not handed one.
@@ -308,3 +346,37 @@ class FrontendApp:
             m.requests.labels(model, endpoint, "stream" if streaming else "unary", status).inc()
             m.inflight.labels(model).dec()
             m.duration.labels(model).observe(time.monotonic() - started)
+
+    async def _run_fanout(
+        self,
+        send: Send,
+        entry: ModelEntry,
+        subs: list[SubRequest],
+        n: int,
+        prompt_tokens: int,
+        ctx: Context,
+        target: int | None,
+        fmt: ChatFormatter | CompletionFormatter,
+        streaming: bool,
+        include_usage: bool,
+        timeout: float | None,
+        started: float,
+        deadline: Deadline | None,
+    ) -> str:
+        """``_run`` for a request of several sequences (``FanOut``)."""
+        fan = FanOut(
+            self.metrics, entry.name, fmt, subs, n, prompt_tokens, started, deadline,
+            lambda pre: self._migration(entry, pre, target, timeout),
+        )
+        try:
+            extra: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+            failure = await fan.open(entry.router, ctx, target, self.idle_timeout, extra)
+            if failure is not None:
+                await error(send, failure)
+                return "error"
+            headers = [(SERVED_BY_HEADER, fan.served_by())]
+            if streaming:
+                return await fan.stream_sse(send, headers, include_usage)
+            return await fan.respond_once(send, headers)
+        finally:
+            await fan.close()

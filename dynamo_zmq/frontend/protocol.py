@@ -2,11 +2,12 @@
 
 ``parse_chat`` / ``parse_completion`` turn a request body into a ``ChatCompletionRequest`` /
 ``CompletionRequest`` or raise ``HttpError`` 400 with a message naming the field. Unknown fields
-are ignored, as OpenAI does. Valid OpenAI options this server does not implement yet (``n > 1``,
-logprobs, echo, logit_bias, JSON response formats, guided decoding, ``best_of > 1``, ``suffix``,
-...) are rejected with 400, never silently ignored.
+are ignored, as OpenAI does. Valid OpenAI options this server does not implement yet (logprobs,
+JSON response formats, guided decoding, ``suffix``, ...) are rejected with 400, never silently
+ignored.
 
-After ``parse_completion`` the ``prompt`` is either a ``str`` or a ``list[int]``.
+After ``parse_completion`` the ``prompt`` is either a ``str`` or a ``list[int]`` (one prompt), or
+a list of several of those (a batch); ``prompts(req)`` lists them either way.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ import msgspec
 from .errors import bad_request, unsupported
 
 __all__ = [
+    "MAX_CHOICES",
+    "MAX_PROMPTS",
+    "MAX_SUBREQUESTS",
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
@@ -31,9 +35,16 @@ __all__ = [
     "ToolCall",
     "parse_chat",
     "parse_completion",
+    "prompts",
 ]
 
 _I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
+#: Most choices (``n``, ``best_of``) one request may ask for.
+MAX_CHOICES = 128
+#: Most prompts in one completions request.
+MAX_PROMPTS = 128
+#: Most sequences one request may generate (prompts x ``max(n, best_of)``).
+MAX_SUBREQUESTS = 512
 
 
 class ContentPart(msgspec.Struct):
@@ -211,7 +222,7 @@ def _validate_common(req: _BaseRequest) -> None:
     _range(req.seed, "seed", _I64_MIN, _I64_MAX)
     _range(req.max_tokens, "max_tokens", 1, _I64_MAX)
     _range(req.min_tokens, "min_tokens", 0, _I64_MAX)
-    _range(req.n, "n", 1, _I64_MAX)
+    _range(req.n, "n", 1, MAX_CHOICES)
     if req.top_k is not None and req.top_k != -1:
         _range(req.top_k, "top_k", 0, _I64_MAX)
     if req.stop is not None:
@@ -233,11 +244,9 @@ def _validate_common(req: _BaseRequest) -> None:
         raise bad_request(
             "'stream_options' is only allowed when 'stream' is true", param="stream_options"
         )
-    # Valid options that are not implemented yet: refuse, never ignore.
-    if req.n is not None and req.n > 1:
-        raise unsupported("n", "only one choice per request (n=1)")
     if req.logit_bias:
-        raise unsupported("logit_bias")
+        _check_logit_bias(req.logit_bias)
+    # Valid options that are not implemented yet: refuse, never ignore.
     if req.response_format is not None and req.response_format.type != "text":
         raise unsupported("response_format", f"type {req.response_format.type!r}")
     if req.use_beam_search:
@@ -255,6 +264,24 @@ def _validate_common(req: _BaseRequest) -> None:
     ):
         if getattr(req, name) is not None:
             raise unsupported(name)
+
+
+def _check_logit_bias(bias: dict[str, float]) -> None:
+    """``logit_bias``: token-id strings to biases in [-100, 100], as OpenAI checks them."""
+    for key, value in bias.items():
+        token = int(key) if key.isascii() and key.isdigit() else -1
+        if token < 0 or token > _I64_MAX:
+            raise bad_request(
+                f"'logit_bias' keys must be token ids (non-negative integers), got {key[:40]!r}",
+                param="logit_bias",
+                code="invalid_value",
+            )
+        if not -100.0 <= value <= 100.0:  # NaN fails too
+            raise bad_request(
+                f"'logit_bias' values must be between -100 and 100, got {value} for {key}",
+                param="logit_bias",
+                code="invalid_value",
+            )
 
 
 def _check_min_tokens(req: _BaseRequest, max_tokens: int | None, name: str) -> None:
@@ -323,48 +350,82 @@ def _validate_completion(req: CompletionRequest) -> None:
     _check_min_tokens(req, req.max_tokens, "max_tokens")
     if req.logprobs is not None:
         raise unsupported("logprobs")
-    if req.echo:
-        raise unsupported("echo")
     if req.suffix is not None:
         raise unsupported("suffix")
-    _range(req.best_of, "best_of", 1, _I64_MAX)
-    if req.best_of is not None and req.best_of > 1:
-        raise unsupported("best_of", "only best_of=1")
+    _range(req.best_of, "best_of", 1, MAX_CHOICES)
+    n = req.n or 1
+    best_of = req.best_of or n
+    if best_of < n:
+        raise bad_request(
+            f"'best_of' ({best_of}) must be at least 'n' ({n})", param="best_of",
+            code="invalid_value",
+        )
+    if best_of > n and req.stream:
+        raise bad_request(
+            "'best_of' greater than 'n' cannot be streamed", param="best_of",
+            code="invalid_value",
+        )
     # a list[int] is a valid value of the field, but lists are invariant to mypy
-    req.prompt = _one_prompt(req.prompt)  # type: ignore[assignment]
+    req.prompt = _prompt(req.prompt)  # type: ignore[assignment]
+    count = len(prompts(req))
+    if count * best_of > MAX_SUBREQUESTS:
+        raise bad_request(
+            f"{count} prompts x {best_of} sequences is more than the {MAX_SUBREQUESTS} sequences "
+            "one request may generate", param="prompt" if count > 1 else "best_of",
+            code="invalid_value",
+        )
 
 
-def _one_prompt(prompt: str | list[Any]) -> str | list[int]:
-    """The single prompt of a completion: a string or a list of token ids."""
+_BAD_PROMPT = (
+    "'prompt' must be a string, a list of token ids, or a list of strings or of token-id lists"
+)
+
+
+def _token_prompt(prompt: list[Any], param: str) -> list[int]:
+    if not prompt:
+        raise bad_request(f"'{param}' must not be empty", param=param)
+    try:
+        lo = min(prompt)
+    except TypeError:
+        lo = None
+    if not isinstance(lo, int) or not all(isinstance(t, int) for t in prompt):
+        raise bad_request(_BAD_PROMPT, param=param, code="invalid_value")
+    if lo < 0:
+        raise bad_request(f"'{param}' has a negative token id {lo}", param=param)
+    return prompt
+
+
+def _prompt(prompt: str | list[Any]) -> str | list[int] | list[str | list[int]]:
+    """A completion's prompt: one (a string or a list of token ids) or a batch of them (a
+    list of several; a list of one is that one)."""
     if isinstance(prompt, str):
         return prompt
     if not prompt:
         raise bad_request("'prompt' must not be empty", param="prompt")
-    first = prompt[0]
-    if isinstance(first, int):
-        try:
-            lo = min(prompt)
-        except TypeError:
-            lo = None
-        if not isinstance(lo, int):
-            raise bad_request(
-                "'prompt' must be a string, a list of token ids, or a list with one of either",
-                param="prompt",
-                code="invalid_value",
-            )
-        if lo < 0:
-            raise bad_request(f"'prompt' has a negative token id {lo}", param="prompt")
-        return prompt
-    if len(prompt) != 1:
+    if isinstance(prompt[0], int):
+        return _token_prompt(prompt, "prompt")
+    if len(prompt) > MAX_PROMPTS:
         raise bad_request(
-            f"A batch of {len(prompt)} prompts is not supported yet; send one prompt per request",
-            param="prompt",
-            code="unsupported_parameter",
+            f"A batch of {len(prompt)} prompts is more than the {MAX_PROMPTS} one request may "
+            "hold", param="prompt", code="invalid_value",
         )
-    if isinstance(first, list):
-        return _one_prompt(first)
-    assert isinstance(first, str)  # the schema's items: str, int or list[int]
-    return first
+    batch: list[str | list[int]] = []
+    for i, item in enumerate(prompt):
+        if isinstance(item, str):
+            batch.append(item)
+        elif isinstance(item, list):
+            batch.append(_token_prompt(item, "prompt" if len(prompt) == 1 else f"prompt[{i}]"))
+        else:
+            raise bad_request(_BAD_PROMPT, param="prompt", code="invalid_value")
+    return batch[0] if len(batch) == 1 else batch
+
+
+def prompts(req: CompletionRequest) -> list[str | list[int]]:
+    """The prompts of a parsed completion request (one, or the batch's in order)."""
+    prompt = req.prompt
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+        return [prompt]  # type: ignore[list-item]
+    return list(prompt)  # type: ignore[arg-type]
 
 
 def parse_chat(body: bytes) -> ChatCompletionRequest:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from dynamo_zmq import errors
 from dynamo_zmq.context import Context
 from dynamo_zmq.llm import (
+    Capability,
     EngineConfig,
     EngineLoad,
     LLMEngine,
@@ -228,6 +229,10 @@ class VllmEngine(LLMEngine):
 
     async def drain(self) -> None:
         """Nothing to hand off: in-flight requests finish in vLLM (the worker waits for them)."""
+
+    def capabilities(self) -> frozenset[str]:
+        """What vLLM honours beyond plain generation (``SamplingParams`` takes it)."""
+        return frozenset({Capability.LOGIT_BIAS})
 
     def dead_reason(self) -> str | None:
         """Why vLLM is dead (its engine core errored or its output task ended), or None."""
