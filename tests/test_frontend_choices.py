@@ -46,6 +46,7 @@ def stack(tiny_model):
         Proc([*common, "--engine", ECHO, "--model-name", "echo", "--echo-delay", "0.05",
               "--metrics-port", "0"]),
         Proc([*common, "--engine", SCORED, "--model-name", "scored"]),
+        Proc([*common, "--engine", ECHO, "--model-name", "echo-error", "--echo-finish", "error"]),
         Proc(["-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace]),
     ]
     try:
@@ -60,7 +61,7 @@ def stack(tiny_model):
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def client(stack):
     _, url = stack
-    await wait_models(url, {"tiny", "echo", "scored"})
+    await wait_models(url, {"tiny", "echo", "scored", "echo-error"})
     async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as c:
         yield c
 
@@ -257,3 +258,27 @@ async def test_disconnect_mid_stream_stops_every_sub_request(stack, client):
             break
         assert loop.time() < deadline, "the worker never saw the three cancellations"
         await asyncio.sleep(0.1)
+
+
+async def test_a_failing_sub_request_fails_the_response(client):
+    """Every choice of 'echo-error' ends with an engine error: the response is the error the
+    single-choice path gives (500 / an SSE error event), never a partial success."""
+    with pytest.raises(openai.InternalServerError) as exc:
+        await client.completions.create(model="echo-error", prompt="a b", n=2, max_tokens=3)
+    assert "fails on purpose" in str(exc.value)
+    with pytest.raises(openai.APIError) as err:
+        stream = await client.chat.completions.create(
+            model="echo-error", messages=CHAT, n=2, max_tokens=3, stream=True
+        )
+        async for _ in stream:
+            pass
+    assert err.value.body["type"] == "server_error" and "fails on purpose" in str(err.value)
+
+
+async def test_the_deadline_ends_every_choice_with_504(client):
+    with pytest.raises(openai.APIStatusError) as exc:
+        await client.completions.create(
+            model="echo", prompt="word " * 50, max_tokens=2000, n=3,
+            extra_headers={"x-dynamo-request-timeout": "1"},
+        )
+    assert exc.value.status_code == 504

@@ -1,8 +1,9 @@
 """Small third-party-style engines, loaded with ``--engine tests.support.engines:NAME``:
 ``EchoEngine``, and test engines built on it (and on the mocker) that record their lifecycle,
 fail to start, crash mid-request or stall the event loop, for the worker's lifecycle and error
-tests, a mocker whose health a test breaks from outside (``FlakyMocker``) and one whose requests
-end with ``EngineShutdown`` part-way (``ShuttingDownMocker``)."""
+tests, a mocker whose health a test breaks from outside (``FlakyMocker``), one whose requests
+end with ``EngineShutdown`` part-way (``ShuttingDownMocker``), and an echo engine with
+deterministic log-probabilities (``ScoredEchoEngine``, for ``best_of``)."""
 
 from __future__ import annotations
 
