@@ -145,11 +145,36 @@ async def test_best_of_returns_the_highest_scoring_sequences(client):
 
 
 async def test_what_the_mocker_lacks_is_refused_naming_it(client):
-    for extra in ({"best_of": 2}, {"logit_bias": {"5": 100}}):
+    """``best_of`` needs log-probabilities, which the mocker does not give; ``logit_bias``
+    needs an engine that honours it (the echo engine does not)."""
+    cases = (("tiny", "mocker", {"best_of": 2}), ("echo", "echo", {"logit_bias": {"5": 100}}))
+    for model, engine, extra in cases:
         with pytest.raises(openai.BadRequestError) as exc:
-            await client.completions.create(model="tiny", prompt="x", max_tokens=2, **extra)
+            await client.completions.create(model=model, prompt="x", max_tokens=2, **extra)
         assert exc.value.body["param"] == next(iter(extra)), exc.value.body
-        assert "mocker" in exc.value.body["message"]
+        assert f"the {engine} engine" in exc.value.body["message"], exc.value.body
+
+
+async def test_the_mocker_honours_logit_bias(client, tiny_model):
+    """A bias of 100 forces a token; -100 on the mocker's own first token moves it off."""
+    tokenizer = Tokenizer.from_file(str(tiny_model / "tokenizer.json"))
+    forced = await client.completions.create(
+        model="tiny", prompt="The weather", max_tokens=5, logit_bias={"296": 100}, seed=1,
+        n=2,
+    )
+    assert [c.text for c in forced.choices] == [tokenizer.decode([296] * 5)] * 2
+    prompt = [300, 301, 302]
+    first = mocker_tokens(tiny_model, prompt, 5, 1)[0]
+    free = await client.completions.create(model="tiny", prompt=prompt, max_tokens=1, seed=5,
+                                           extra_body={"ignore_eos": True})
+    banned = await client.completions.create(model="tiny", prompt=prompt, max_tokens=1, seed=5,
+                                             logit_bias={str(first): -100},
+                                             extra_body={"ignore_eos": True})
+    assert free.choices[0].text == tokenizer.decode([first])
+    assert banned.choices[0].text != free.choices[0].text
+    with pytest.raises(openai.BadRequestError) as exc:
+        await client.completions.create(model="tiny", prompt="x", logit_bias={"100000": 1})
+    assert exc.value.body["param"] == "logit_bias" and "vocabulary" in exc.value.body["message"]
 
 
 async def test_echo_puts_the_prompt_before_each_choice(client, tiny_model):

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from dynamo_zmq import errors
 from dynamo_zmq.context import Context
 from dynamo_zmq.llm import (
+    Capability,
     EngineConfig,
     EngineLoad,
     FinishReason,
@@ -219,6 +220,7 @@ class MockerEngine(LLMEngine):
             ignore_eos=stop.ignore_eos,
             request_id=request.request_id,
             resumed=request.resume.generated if request.resume is not None else 0,
+            logit_bias=request.sampling.logit_bias,
         )
 
     async def abort(self, ctx: Context) -> None:
@@ -229,6 +231,10 @@ class MockerEngine(LLMEngine):
     async def drain(self) -> None:
         """Wait until every rank is idle (the in-flight requests finish here)."""
         await asyncio.gather(*(r.drain() for r in self._ranks))
+
+    def capabilities(self) -> frozenset[str]:
+        """``logit_bias`` (its sampling weighs each token by ``exp(bias)`` against 1)."""
+        return frozenset({Capability.LOGIT_BIAS})
 
     def dead_reason(self) -> str | None:
         """Why the engine is dead: the first rank whose scheduler task crashed (None: alive)."""
