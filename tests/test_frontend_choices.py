@@ -1,9 +1,10 @@
 """Several choices per request through the real `openai` client, a real frontend and real workers:
 ``n > 1`` (chat and completions, streamed and not, usage summed), ``best_of`` (a test engine
 with deterministic log-probabilities), ``echo``, a batch of prompts (OpenAI's choice indexes),
-what the mocker lacks (``best_of``, ``logit_bias``: 400 naming the engine), a client going away
-mid-stream with ``n=3`` (every sub-request stops on the worker), and the sampling options the
-mocker observes (``min_tokens``, ``stop_token_ids``, ``seed``)."""
+what an engine lacks (400 naming it), the mocker's ``logit_bias``, a client going away
+mid-stream with ``n=3`` (every sub-request stops on the worker), a failing sub-request, the
+deadline, a sub-request migrating on its own, and the sampling options the mocker observes
+(``min_tokens``, ``stop_token_ids``, ``seed``)."""
 
 from __future__ import annotations
 
@@ -307,3 +308,30 @@ async def test_the_deadline_ends_every_choice_with_504(client):
             extra_headers={"x-dynamo-request-timeout": "1"},
         )
     assert exc.value.status_code == 504
+
+
+async def test_each_sub_request_migrates_on_its_own(namespace, spawn, tiny_model):
+    """``n=2`` over two workers (round-robin: one choice each), one of which ends its streams
+    with ``EngineShutdown`` after 10 tokens: that choice goes on from the other worker, and both
+    are the text the request gets fault-free."""
+    from tests.test_migration import client_for, frontend, metrics_page, mocker, wait_instances
+
+    mocker(spawn, namespace, tiny_model)
+    _, url = frontend(spawn, namespace)
+    await wait_instances(url, 1)
+    params = {"model": "tiny", "messages": CHAT, "n": 2, "seed": 11, "max_tokens": 40,
+              "extra_body": {"ignore_eos": True}}
+    async with client_for(url) as c:
+        ref = await c.chat.completions.create(**params)
+        mocker(spawn, namespace, tiny_model, "--engine",
+               "tests.support.engines:ShuttingDownMocker", "--shutdown-after", "10")
+        await wait_instances(url, 2)
+        raw = await c.chat.completions.with_raw_response.create(**params)
+        resp = raw.parse()
+    assert len(raw.headers["x-dynamo-worker"].split(",")) == 2  # one choice on each worker
+    assert [ch.message.content for ch in resp.choices] == [
+        ch.message.content for ch in ref.choices
+    ]
+    assert resp.usage.completion_tokens == 80
+    assert sample(await metrics_page(url), "dynamo_frontend_migrations_total",
+                  reason="EngineShutdown") == 1
