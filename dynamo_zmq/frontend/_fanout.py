@@ -14,12 +14,9 @@ token. A request with one prompt and one sequence never comes here (``Generation
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
-
-import msgspec
 
 from .. import errors
 from ..context import Context
@@ -30,95 +27,22 @@ from ..llm import (
     ModelRouter,
     OutputStream,
     PreprocessedRequest,
-    RoutingHints,
 )
 from ..resources import Resources
 from . import errors as http_errors
 from ._asgi import JSON, SSE, ClientGone, Send, error, reply, send_message
 from ._deadline import Deadline
+from ._subrequests import SubRequest
 from .errors import HttpError
 from .metrics import FrontendMetrics
-from .preprocess import Preprocessor
-from .protocol import CompletionRequest, prompts
 from .responses import DONE, ChatFormatter, CompletionFormatter, openai_finish_reason, sse_error
 
-__all__ = ["FanOut", "SubRequest", "completion_prompts", "fan_out"]
+__all__ = ["FanOut"]
 
 _NO_FINISH = "the worker ended the stream without a finish"
-_I64 = 2**64
-_I64_MAX = 2**63 - 1
 #: What a sub-request's reader hands the merge loop: outputs, the error that ended it, or
 #: None when its stream was cancelled (the client went away, or the deadline passed).
 _Event = tuple["SubRequest", "list[LLMEngineOutput] | HttpError | None"]
-
-
-@dataclasses.dataclass(slots=True, eq=False)
-class SubRequest:
-    """One sequence of a fanned-out request and what it produced."""
-
-    #: The choice index (with ``best_of > n``: set once the best are chosen).
-    index: int
-    #: Which prompt (of a batch) and which of its sequences.
-    prompt: int
-    number: int
-    pre: PreprocessedRequest
-    #: Text put before the choice's own (``echo``: the prompt).
-    echo: str = ""
-    texts: list[str] = dataclasses.field(default_factory=list)
-    tokens: int = 0
-    usage_tokens: int | None = None
-    cached: int | None = None
-    #: Cumulative log-probability of the sampled tokens (``best_of``).
-    score: float = 0.0
-    finish: str | None = None
-    stop_reason: int | str | None = None
-    last: float = 0.0
-
-    @property
-    def completion_tokens(self) -> int:
-        return self.usage_tokens if self.usage_tokens is not None else self.tokens
-
-
-def _seed(seed: int | None, j: int) -> int | None:
-    if seed is None:
-        return None
-    seed += j
-    return seed - _I64 if seed > _I64_MAX else seed
-
-
-def fan_out(
-    prompts: Sequence[tuple[PreprocessedRequest, str]], n: int, best_of: int
-) -> list[SubRequest]:
-    """The sub-requests of ``best_of`` (>= ``n``) sequences per prompt (each prompt's request
-    and its echo text)."""
-    subs: list[SubRequest] = []
-    replace = msgspec.structs.replace
-    for p, (pre, echo) in enumerate(prompts):
-        output = pre.output
-        if best_of > n and output.logprobs is None:
-            output = replace(output, logprobs=0)  # the sampled tokens' log-probs rank them
-        for j in range(best_of):
-            sampling = replace(pre.sampling, n=1, seed=_seed(pre.sampling.seed, j))
-            sub = replace(pre, sampling=sampling, output=output, routing=RoutingHints())
-            subs.append(SubRequest(p * n + j, p, j, sub, echo))
-    return subs
-
-
-def completion_prompts(
-    preprocessor: Preprocessor, req: CompletionRequest
-) -> list[tuple[PreprocessedRequest, str]]:
-    """Each prompt of a completions request preprocessed, with its text for ``echo`` (the
-    prompt as given, or its token ids decoded; empty without ``echo``)."""
-    out = []
-    for prompt in prompts(req):
-        pre = preprocessor.completion(msgspec.structs.replace(req, prompt=prompt))
-        echo = ""
-        if req.echo:
-            echo = prompt if isinstance(prompt, str) else preprocessor.tokenizer.decode(
-                prompt, skip_special_tokens=req.skip_special_tokens is not False
-            )
-        out.append((pre, echo))
-    return out
 
 
 class FanOut:
@@ -172,16 +96,16 @@ class FanOut:
         """Send every sub-request; the error the client gets if one cannot be sent (the others
         are killed then)."""
 
-        async def send_one(sub: SubRequest) -> OutputStream:
-            child = Context(f"{ctx.id()}-{sub.prompt}-{sub.number}")
+        self._contexts = [Context(f"{ctx.id()}-{s.prompt}-{s.number}") for s in self.subs]
+        for child in self._contexts:
             ctx.link_child(child)
-            self._contexts.append(child)
-            return await router.generate(
-                sub.pre, child, instance_id=target, idle_timeout=idle_timeout, **extra
-            )
-
         results = await asyncio.gather(
-            *(send_one(s) for s in self.subs), return_exceptions=True
+            *(
+                router.generate(s.pre, child, instance_id=target, idle_timeout=idle_timeout,
+                                **extra)
+                for s, child in zip(self.subs, self._contexts, strict=True)
+            ),
+            return_exceptions=True,
         )
         failure = next((r for r in results if isinstance(r, BaseException)), None)
         if failure is not None:

@@ -38,8 +38,9 @@ from ._asgi import (
 )
 from ._clear_kv import clear_kv_blocks, parse_clear_request
 from ._deadline import Deadline, request_timeout
-from ._fanout import FanOut, SubRequest, completion_prompts, fan_out
+from ._fanout import FanOut
 from ._generation import Generation
+from ._subrequests import SubRequest, completion_prompts, fan_out
 from .errors import HttpError
 from .metrics import FrontendMetrics
 from .models import ModelEntry, ModelManager

@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from ._prompts import MAX_PROMPTS, parse_prompt, prompt_list
 from .errors import bad_request, unsupported
 
 __all__ = [
@@ -41,8 +42,6 @@ __all__ = [
 _I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
 #: Most choices (``n``, ``best_of``) one request may ask for.
 MAX_CHOICES = 128
-#: Most prompts in one completions request.
-MAX_PROMPTS = 128
 #: Most sequences one request may generate (prompts x ``max(n, best_of)``).
 MAX_SUBREQUESTS = 512
 
@@ -366,7 +365,7 @@ def _validate_completion(req: CompletionRequest) -> None:
             code="invalid_value",
         )
     # a list[int] is a valid value of the field, but lists are invariant to mypy
-    req.prompt = _prompt(req.prompt)  # type: ignore[assignment]
+    req.prompt = parse_prompt(req.prompt)  # type: ignore[assignment]
     count = len(prompts(req))
     if count * best_of > MAX_SUBREQUESTS:
         raise bad_request(
@@ -376,56 +375,9 @@ def _validate_completion(req: CompletionRequest) -> None:
         )
 
 
-_BAD_PROMPT = (
-    "'prompt' must be a string, a list of token ids, or a list of strings or of token-id lists"
-)
-
-
-def _token_prompt(prompt: list[Any], param: str) -> list[int]:
-    if not prompt:
-        raise bad_request(f"'{param}' must not be empty", param=param)
-    try:
-        lo = min(prompt)
-    except TypeError:
-        lo = None
-    if not isinstance(lo, int) or not all(isinstance(t, int) for t in prompt):
-        raise bad_request(_BAD_PROMPT, param=param, code="invalid_value")
-    if lo < 0:
-        raise bad_request(f"'{param}' has a negative token id {lo}", param=param)
-    return prompt
-
-
-def _prompt(prompt: str | list[Any]) -> str | list[int] | list[str | list[int]]:
-    """A completion's prompt: one (a string or a list of token ids) or a batch of them (a
-    list of several; a list of one is that one)."""
-    if isinstance(prompt, str):
-        return prompt
-    if not prompt:
-        raise bad_request("'prompt' must not be empty", param="prompt")
-    if isinstance(prompt[0], int):
-        return _token_prompt(prompt, "prompt")
-    if len(prompt) > MAX_PROMPTS:
-        raise bad_request(
-            f"A batch of {len(prompt)} prompts is more than the {MAX_PROMPTS} one request may "
-            "hold", param="prompt", code="invalid_value",
-        )
-    batch: list[str | list[int]] = []
-    for i, item in enumerate(prompt):
-        if isinstance(item, str):
-            batch.append(item)
-        elif isinstance(item, list):
-            batch.append(_token_prompt(item, "prompt" if len(prompt) == 1 else f"prompt[{i}]"))
-        else:
-            raise bad_request(_BAD_PROMPT, param="prompt", code="invalid_value")
-    return batch[0] if len(batch) == 1 else batch
-
-
 def prompts(req: CompletionRequest) -> list[str | list[int]]:
     """The prompts of a parsed completion request (one, or the batch's in order)."""
-    prompt = req.prompt
-    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
-        return [prompt]  # type: ignore[list-item]
-    return list(prompt)  # type: ignore[arg-type]
+    return prompt_list(req.prompt)
 
 
 def parse_chat(body: bytes) -> ChatCompletionRequest:
