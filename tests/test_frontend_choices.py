@@ -123,6 +123,13 @@ async def test_completions_n_streams_interleaved_chunks_per_index(client):
     resp = await client.completions.create(model="echo", prompt="one two", n=2, max_tokens=3)
     assert [c.index for c in resp.choices] == [0, 1]
     assert resp.usage.completion_tokens == 6
+    # continuous_usage_stats: every chunk has the usage so far, over all choices
+    stream = await client.completions.create(
+        model="echo", prompt="one two", n=2, max_tokens=3, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+    )
+    used = [c.usage.completion_tokens async for c in stream]
+    assert used == sorted(used) and used[-1] == 6
 
 
 async def test_best_of_returns_the_highest_scoring_sequences(client):
