@@ -4,10 +4,11 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming and n
 ``GET /v1/models``, ``/health``, ``/live``, ``/metrics``, and Dynamo's ``POST /clear_kv_blocks``
 (``_clear_kv.py``). Each generation request is parsed and
 preprocessed here (chat template, tokens, sampling and stop options), routed to a worker, and
-its output deltas are formatted as OpenAI SSE chunks. A client that disconnects kills the
-request's context, which reaches the worker and aborts the engine's sequence; so does the
-request's deadline (``--request-timeout`` or the ``x-dynamo-request-timeout`` header), and the
-client then gets 504.
+its output deltas are formatted as OpenAI SSE chunks; a request of several sequences (``n``,
+``best_of``, ``echo``, a batch of prompts) fans out into sub-requests (``_fanout.py``). A
+client that disconnects kills the request's context, which reaches the worker and aborts the
+engine's sequence; so does the request's deadline (``--request-timeout`` or the
+``x-dynamo-request-timeout`` header), and the client then gets 504.
 """
 
 from __future__ import annotations
