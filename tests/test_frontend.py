@@ -139,7 +139,7 @@ async def test_errors_are_openai_shaped(served):
             model="nope", messages=[{"role": "user", "content": "x"}]
         )
     assert "nope" in str(exc.value)
-    for extra in ({"n": 2}, {"logprobs": True, "top_logprobs": 21}, {"temperature": 9}):
+    for extra in ({"n": 129}, {"logprobs": True, "top_logprobs": 21}, {"temperature": 9}):
         with pytest.raises(openai.BadRequestError):
             await client.chat.completions.create(
                 model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2, **extra

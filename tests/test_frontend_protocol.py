@@ -20,6 +20,7 @@ from dynamo_zmq.frontend.protocol import (
     CompletionRequest,
     parse_chat,
     parse_completion,
+    prompts,
 )
 from dynamo_zmq.llm import build_card
 
@@ -174,13 +175,25 @@ def test_completion_prompt_forms(prompt: Any, expected: Any) -> None:
     req = parse_completion(completion_body(prompt=prompt))
     assert isinstance(req, CompletionRequest)
     assert req.prompt == expected
+    assert prompts(req) == [expected]
+
+
+@pytest.mark.parametrize(
+    "batch", [["a", "b"], [[1], [2, 3], [4]], ["a", [5, 6]], ["x"] * 128],
+)
+def test_completion_batches_of_prompts(batch: Any) -> None:
+    """Several prompts (strings or token-id lists) in one call, up to 128, listed in order."""
+    assert prompts(parse_completion(completion_body(prompt=batch))) == batch
 
 
 @pytest.mark.parametrize(
     ("prompt", "words"),
     [
-        (["a", "b"], "batch of 2 prompts"),
-        ([[1], [2], [3]], "batch of 3 prompts"),
+        (["a"] * 129, "batch of 129 prompts"),
+        (["a", 1], "list of strings or of token-id lists"),
+        ([[1], [-2]], "negative token id"),
+        ([[1], []], "must not be empty"),
+        ([[1], [2, "a"]], "Expected"),
         ([], "must not be empty"),
         ([[]], "must not be empty"),
         ([1, "a"], "list of token ids"),
@@ -307,9 +320,7 @@ def test_cross_field_rules() -> None:
 
 
 CHAT_UNSUPPORTED = [
-    ("n", 2),
     ("echo", True),
-    ("logit_bias", {"50256": -100}),
     ("tool_choice", "required"),
     ("tool_choice", {"type": "function", "function": {"name": "f"}}),
     ("chat_template", "{{ messages }}"),
@@ -323,10 +334,6 @@ CHAT_UNSUPPORTED = [
     ("spaces_between_special_tokens", False),
 ]
 COMPLETION_UNSUPPORTED = [
-    ("n", 3),
-    ("echo", True),
-    ("logit_bias", {"1": 1.0}),
-    ("best_of", 2),
     ("suffix", "end"),
     ("use_beam_search", True),
 ]
@@ -346,6 +353,41 @@ def test_completion_unsupported_options(field: str, value: Any) -> None:
     assert err.code == "unsupported_parameter"
     assert err.param == field
     assert f"'{field}' is not supported yet" in err.message
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "words"),
+    [
+        ({"n": 129}, "n", "at most 128"),
+        ({"n": 0}, "n", "at least 1"),
+        ({"n": 3, "best_of": 2}, "best_of", "at least 'n'"),
+        ({"best_of": 129}, "best_of", "at most 128"),
+        ({"best_of": 3, "stream": True}, "best_of", "cannot be streamed"),
+        ({"prompt": ["a"] * 5, "best_of": 128}, "prompt", "more than the 512"),
+        ({"logit_bias": {"x": 1}}, "logit_bias", "token ids"),
+        ({"logit_bias": {"-1": 1}}, "logit_bias", "token ids"),
+        ({"logit_bias": {"1_0": 1}}, "logit_bias", "token ids"),
+        ({"logit_bias": {"5": 101}}, "logit_bias", "between -100 and 100"),
+        ({"logit_bias": {"5": -100.5}}, "logit_bias", "between -100 and 100"),
+    ],
+)
+def test_choices_and_logit_bias_are_bounded(fields: dict[str, Any], param: str,
+                                            words: str) -> None:
+    """``n``/``best_of`` bounded, ``best_of >= n`` and not streamed past ``n``; ``logit_bias``
+    maps token ids to [-100, 100]: 400 naming the parameter."""
+    err = bad(parse_completion, completion_body(**fields))
+    assert err.param == param and words in err.message, err.message
+    if "prompt" not in fields and "best_of" not in fields:
+        assert bad(parse_chat, chat_body(**fields)).param == param
+
+
+def test_choices_echo_and_logit_bias_are_accepted() -> None:
+    req = parse_completion(completion_body(
+        n=3, best_of=5, echo=True, logit_bias={"5": 100, "7": -100.0}, seed=1
+    ))
+    assert (req.n, req.best_of, req.echo, req.logit_bias) == (3, 5, True, {"5": 100, "7": -100})
+    assert parse_chat(chat_body(n=128, stream=True, logit_bias={"0": 0.5})).n == 128
+    parse_completion(completion_body(n=2, best_of=2, stream=True))
 
 
 def test_unsupported_content_and_tools() -> None:

@@ -4,9 +4,11 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming and n
 ``POST /v1/embeddings`` (``_embeddings.py``), ``GET /v1/models``, ``/health``, ``/live``,
 ``/metrics``, and Dynamo's ``POST /clear_kv_blocks`` (``_clear_kv.py``). Each generation
 request is parsed and preprocessed here (chat template, tokens, sampling and stop options),
-routed to a worker, and its output deltas are formatted as OpenAI SSE chunks. A client that
-disconnects kills the request's context, which reaches the worker and aborts the engine's
-sequence; so does the request's deadline (``--request-timeout`` or the
+routed to a worker, and its output deltas are formatted as OpenAI SSE chunks; a request of
+several sequences (``n``, ``best_of``, ``echo``, a batch of prompts) fans out into sub-requests
+(``_fanout.py``). A client that disconnects kills the request's context, which reaches the
+worker and aborts the engine's sequence; so does the request's deadline (``--request-timeout``
+or the
 ``x-dynamo-request-timeout`` header), and the client then gets 504.
 """
 
@@ -41,7 +43,9 @@ from ._clear_kv import clear_kv_blocks, parse_clear_request
 from ._deadline import Deadline, request_timeout
 from ._embed_protocol import parse_embedding
 from ._embeddings import embed_all, embedding_requests, embeddings_body
+from ._fanout import FanOut
 from ._generation import Generation
+from ._subrequests import SubRequest, completion_prompts, fan_out
 from .errors import HttpError
 from .metrics import FrontendMetrics
 from .models import ModelEntry, ModelManager
@@ -61,6 +65,13 @@ _ROUTES = (
     "/clear_kv_blocks", "/v1/embeddings",
 )
 _METRICS_TYPE = [(b"content-type", b"text/plain; version=0.0.4")]
+
+
+def _asks_logprobs(req: ChatCompletionRequest | CompletionRequest) -> bool:
+    """Whether the client asked for logprobs in its response."""
+    if isinstance(req, ChatCompletionRequest):
+        return bool(req.logprobs)
+    return req.logprobs is not None
 
 
 class FrontendApp:
@@ -180,15 +191,25 @@ class FrontendApp:
             target = self._target(scope)
             timeout = request_timeout(scope, self.timeout)
             req: ChatCompletionRequest | CompletionRequest
+            work: PreprocessedRequest | list[SubRequest]
+            n = 1
             if endpoint == "chat":
                 req = chat = parse_chat(body)
                 entry = self._entry(chat.model)
-                pre = entry.preprocessor.chat(chat, entry.require)
+                work = entry.preprocessor.chat(chat, entry.require)
+                if chat.n is not None and chat.n > 1:
+                    n = chat.n
+                    work = fan_out([(work, "")], n, n)
             else:
                 req = completion = parse_completion(body)
                 entry = self._entry(completion.model)
-                pre = entry.preprocessor.completion(completion, entry.require)
-            if pre.output.logprobs is not None:
+                work, n = self._completion_work(entry, completion)
+            if req.logit_bias:
+                entry.require(Capability.LOGIT_BIAS, "logit_bias")
+            first = work if isinstance(work, PreprocessedRequest) else work[0].pre
+            # (best_of asks its sub-requests for logprobs it does not return: required above)
+            logprobs = first.output.logprobs if _asks_logprobs(req) else None
+            if logprobs is not None:
                 entry.require(Capability.LOGPROBS, "logprobs")
             if Capability.EMBEDDINGS_ONLY in entry.capabilities:
                 raise http_errors.embeddings_only(entry.name, entry.engine_name)
@@ -203,10 +224,10 @@ class FrontendApp:
         include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
         if include_usage and req.stream_options and req.stream_options.continuous_usage_stats:
             fmt.continuous_usage = True
-        fmt.logprobs = pre.output.logprobs
+        fmt.logprobs = logprobs
         streaming = bool(req.stream)
         await self._run(
-            receive, send, entry, pre, target, fmt, streaming, include_usage, endpoint, timeout
+            receive, send, entry, work, target, fmt, streaming, include_usage, endpoint, timeout, n
         )
 
     async def _embeddings(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -261,6 +282,24 @@ class FrontendApp:
             m.inflight.labels(model).dec()
             m.duration.labels(model).observe(time.monotonic() - started)
 
+    @staticmethod
+    def _completion_work(
+        entry: ModelEntry, req: CompletionRequest
+    ) -> tuple[PreprocessedRequest | list[SubRequest], int]:
+        """A completion's one request, or its sub-requests (several prompts, ``n``, ``best_of``
+        or ``echo``), and its choices per prompt."""
+        n = req.n or 1
+        best_of = req.best_of or n
+        prompt = req.prompt
+        one_prompt = isinstance(prompt, str) or isinstance(prompt[0], int)
+        if n == 1 and best_of == 1 and not req.echo and one_prompt:
+            return entry.preprocessor.completion(req, entry.require), 1
+        if best_of > n:
+            entry.require(Capability.LOGPROBS, "best_of")
+        if req.echo and req.logprobs is not None:
+            entry.require(Capability.PROMPT_LOGPROBS, "echo")
+        return fan_out(completion_prompts(entry.preprocessor, req, entry.require), n, best_of), n
+
     def _entry(self, model: str) -> ModelEntry:
         assert self.manager is not None
         entry = self.manager.get(model)
@@ -312,23 +351,35 @@ class FrontendApp:
         receive: Receive,
         send: Send,
         entry: ModelEntry,
-        pre: PreprocessedRequest,
+        work: PreprocessedRequest | list[SubRequest],
         target: int | None,
         fmt: ChatFormatter | CompletionFormatter,
         streaming: bool,
         include_usage: bool,
         endpoint: str,
         timeout: float | None,
+        n: int = 1,
     ) -> None:
         m, model = self.metrics, entry.name
         m.inflight.labels(model).inc()
-        m.isl.labels(model).observe(len(pre.token_ids))
+        if isinstance(work, PreprocessedRequest):
+            pre = work
+            prompt_tokens = len(pre.token_ids)
+        else:
+            prompt_tokens = sum(len(s.pre.token_ids) for s in work if s.number == 0)
+        m.isl.labels(model).observe(prompt_tokens)
         ctx = Context(fmt.id)
         watcher = asyncio.create_task(watch_disconnect(receive, ctx), name=f"disconnect-{fmt.id}")
         started = time.monotonic()
         deadline = None if timeout is None else Deadline(ctx, timeout)
         status = "error"
         try:
+            if not isinstance(work, PreprocessedRequest):
+                status = await self._run_fanout(
+                    send, entry, work, n, prompt_tokens, ctx, target, fmt, streaming,
+                    include_usage, timeout, started, deadline,
+                )
+                return
             try:
                 # The deadline also travels as the runtime's per-request timeout (the worker
                 # enforces it too); a router plugin that predates it is not handed one.
@@ -370,3 +421,37 @@ class FrontendApp:
             m.requests.labels(model, endpoint, "stream" if streaming else "unary", status).inc()
             m.inflight.labels(model).dec()
             m.duration.labels(model).observe(time.monotonic() - started)
+
+    async def _run_fanout(
+        self,
+        send: Send,
+        entry: ModelEntry,
+        subs: list[SubRequest],
+        n: int,
+        prompt_tokens: int,
+        ctx: Context,
+        target: int | None,
+        fmt: ChatFormatter | CompletionFormatter,
+        streaming: bool,
+        include_usage: bool,
+        timeout: float | None,
+        started: float,
+        deadline: Deadline | None,
+    ) -> str:
+        """``_run`` for a request of several sequences (``FanOut``)."""
+        fan = FanOut(
+            self.metrics, entry.name, fmt, subs, n, prompt_tokens, started, deadline,
+            lambda pre: self._migration(entry, pre, target, timeout),
+        )
+        try:
+            extra: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+            failure = await fan.open(entry.router, ctx, target, self.idle_timeout, extra)
+            if failure is not None:
+                await error(send, failure)
+                return "error"
+            headers = [(SERVED_BY_HEADER, fan.served_by())]
+            if streaming:
+                return await fan.stream_sse(send, headers, include_usage)
+            return await fan.respond_once(send, headers)
+        finally:
+            await fan.close()

@@ -338,6 +338,18 @@ class Preprocessor:
             raise bad_request(f"The {param} tokenized to nothing", param=param)
         return ids
 
+    def _logit_bias(self, bias: dict[str, float]) -> dict[int, float]:
+        """``logit_bias`` (checked by the protocol) with token ids, each in the vocabulary."""
+        out = {int(k): v for k, v in bias.items()}
+        top = max(out)
+        if self.vocab_size and top >= self.vocab_size:
+            raise bad_request(
+                f"'logit_bias' names token id {top}, out of vocabulary (size {self.vocab_size})",
+                param="logit_bias",
+                code="invalid_value",
+            )
+        return out
+
     def _build(
         self,
         req: ChatCompletionRequest | CompletionRequest,
@@ -390,6 +402,7 @@ class Preprocessor:
                 frequency_penalty=req.frequency_penalty,
                 repetition_penalty=req.repetition_penalty,
                 n=req.n or 1,
+                logit_bias=self._logit_bias(req.logit_bias) if req.logit_bias else None,
             ),
             stop=StopConditions(
                 max_tokens=max_tokens,

@@ -2,11 +2,12 @@
 
 ``parse_chat`` / ``parse_completion`` turn a request body into a ``ChatCompletionRequest`` /
 ``CompletionRequest`` or raise ``HttpError`` 400 with a message naming the field. Unknown fields
-are ignored, as OpenAI does. Valid OpenAI options this server does not implement yet (``n > 1``,
-echo, logit_bias, ``best_of > 1``, ``suffix``, ...) are rejected with 400, never silently
-ignored. Structured-output constraints are checked by ``_structured.constraint``.
+are ignored, as OpenAI does. Valid OpenAI options this server does not implement
+(``suffix``, ``use_beam_search``, ``prompt_logprobs``, ...) are rejected with 400, never
+silently ignored. Structured-output constraints are checked by ``_structured.constraint``.
 
-After ``parse_completion`` the ``prompt`` is either a ``str`` or a ``list[int]``.
+After ``parse_completion`` the ``prompt`` is either a ``str`` or a ``list[int]`` (one prompt), or
+a list of several of those (a batch); ``prompts(req)`` lists them either way.
 """
 
 from __future__ import annotations
@@ -16,10 +17,14 @@ from typing import Any
 
 import msgspec
 
+from ._prompts import MAX_PROMPTS, parse_prompt, prompt_list
 from ._structured import constraint
 from .errors import bad_request, unsupported
 
 __all__ = [
+    "MAX_CHOICES",
+    "MAX_PROMPTS",
+    "MAX_SUBREQUESTS",
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
@@ -32,9 +37,14 @@ __all__ = [
     "ToolCall",
     "parse_chat",
     "parse_completion",
+    "prompts",
 ]
 
 _I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
+#: Most choices (``n``, ``best_of``) one request may ask for.
+MAX_CHOICES = 128
+#: Most sequences one request may generate (prompts x ``max(n, best_of)``).
+MAX_SUBREQUESTS = 512
 
 
 class ContentPart(msgspec.Struct):
@@ -212,7 +222,7 @@ def _validate_common(req: _BaseRequest) -> None:
     _range(req.seed, "seed", _I64_MIN, _I64_MAX)
     _range(req.max_tokens, "max_tokens", 1, _I64_MAX)
     _range(req.min_tokens, "min_tokens", 0, _I64_MAX)
-    _range(req.n, "n", 1, _I64_MAX)
+    _range(req.n, "n", 1, MAX_CHOICES)
     if req.top_k is not None and req.top_k != -1:
         _range(req.top_k, "top_k", 0, _I64_MAX)
     if req.stop is not None:
@@ -234,11 +244,9 @@ def _validate_common(req: _BaseRequest) -> None:
         raise bad_request(
             "'stream_options' is only allowed when 'stream' is true", param="stream_options"
         )
-    # Valid options that are not implemented yet: refuse, never ignore.
-    if req.n is not None and req.n > 1:
-        raise unsupported("n", "only one choice per request (n=1)")
     if req.logit_bias:
-        raise unsupported("logit_bias")
+        _check_logit_bias(req.logit_bias)
+    # Valid options that are not implemented yet: refuse, never ignore.
     if req.use_beam_search:
         raise unsupported("use_beam_search")
     if req.prompt_logprobs is not None:
@@ -246,6 +254,24 @@ def _validate_common(req: _BaseRequest) -> None:
     if req.spaces_between_special_tokens is False:
         raise unsupported("spaces_between_special_tokens", "only true")
     constraint(req)  # a malformed constraint is refused here, before any worker is asked
+
+
+def _check_logit_bias(bias: dict[str, float]) -> None:
+    """``logit_bias``: token-id strings to biases in [-100, 100], as OpenAI checks them."""
+    for key, value in bias.items():
+        token = int(key) if key.isascii() and key.isdigit() else -1
+        if token < 0 or token > _I64_MAX:
+            raise bad_request(
+                f"'logit_bias' keys must be token ids (non-negative integers), got {key[:40]!r}",
+                param="logit_bias",
+                code="invalid_value",
+            )
+        if not -100.0 <= value <= 100.0:  # NaN fails too
+            raise bad_request(
+                f"'logit_bias' values must be between -100 and 100, got {value} for {key}",
+                param="logit_bias",
+                code="invalid_value",
+            )
 
 
 def _check_min_tokens(req: _BaseRequest, max_tokens: int | None, name: str) -> None:
@@ -315,48 +341,35 @@ def _validate_completion(req: CompletionRequest) -> None:
     _validate_common(req)
     _check_min_tokens(req, req.max_tokens, "max_tokens")
     _range(req.logprobs, "logprobs", 0, 5)
-    if req.echo:
-        raise unsupported("echo")
     if req.suffix is not None:
         raise unsupported("suffix")
-    _range(req.best_of, "best_of", 1, _I64_MAX)
-    if req.best_of is not None and req.best_of > 1:
-        raise unsupported("best_of", "only best_of=1")
-    # a list[int] is a valid value of the field, but lists are invariant to mypy
-    req.prompt = _one_prompt(req.prompt)  # type: ignore[assignment]
-
-
-def _one_prompt(prompt: str | list[Any]) -> str | list[int]:
-    """The single prompt of a completion: a string or a list of token ids."""
-    if isinstance(prompt, str):
-        return prompt
-    if not prompt:
-        raise bad_request("'prompt' must not be empty", param="prompt")
-    first = prompt[0]
-    if isinstance(first, int):
-        try:
-            lo = min(prompt)
-        except TypeError:
-            lo = None
-        if not isinstance(lo, int):
-            raise bad_request(
-                "'prompt' must be a string, a list of token ids, or a list with one of either",
-                param="prompt",
-                code="invalid_value",
-            )
-        if lo < 0:
-            raise bad_request(f"'prompt' has a negative token id {lo}", param="prompt")
-        return prompt
-    if len(prompt) != 1:
+    _range(req.best_of, "best_of", 1, MAX_CHOICES)
+    n = req.n or 1
+    best_of = req.best_of or n
+    if best_of < n:
         raise bad_request(
-            f"A batch of {len(prompt)} prompts is not supported yet; send one prompt per request",
-            param="prompt",
-            code="unsupported_parameter",
+            f"'best_of' ({best_of}) must be at least 'n' ({n})", param="best_of",
+            code="invalid_value",
         )
-    if isinstance(first, list):
-        return _one_prompt(first)
-    assert isinstance(first, str)  # the schema's items: str, int or list[int]
-    return first
+    if best_of > n and req.stream:
+        raise bad_request(
+            "'best_of' greater than 'n' cannot be streamed", param="best_of",
+            code="invalid_value",
+        )
+    # a list[int] is a valid value of the field, but lists are invariant to mypy
+    req.prompt = parse_prompt(req.prompt)  # type: ignore[assignment]
+    count = len(prompts(req))
+    if count * best_of > MAX_SUBREQUESTS:
+        raise bad_request(
+            f"{count} prompts x {best_of} sequences is more than the {MAX_SUBREQUESTS} sequences "
+            "one request may generate", param="prompt" if count > 1 else "best_of",
+            code="invalid_value",
+        )
+
+
+def prompts(req: CompletionRequest) -> list[str | list[int]]:
+    """The prompts of a parsed completion request (one, or the batch's in order)."""
+    return prompt_list(req.prompt)
 
 
 def parse_chat(body: bytes) -> ChatCompletionRequest:

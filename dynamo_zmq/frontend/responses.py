@@ -93,17 +93,69 @@ class _Formatter:
         """``chunk`` (one ``data: {...}`` event) with a ``usage`` field: the tokens so far."""
         return chunk[:-3] + b',"usage":' + _json(_usage(prompt, completion, None)) + b"}\n\n"
 
+    def _at(self, index: int) -> bytes:
+        """A chunk's start up to its choice's ``index`` (several choices: ``n``, batches)."""
+        return self._head + b'{"index":' + str(index).encode()
+
+    def choice(
+        self,
+        index: int,
+        text: str,
+        finish_reason: str,
+        stop_reason: int | str | None,
+        logprobs: dict[str, Any] | None = None,
+    ) -> dict[str, object]:
+        """One choice of an aggregated response."""
+        raise NotImplementedError
+
+    def full_choices(
+        self,
+        choices: list[dict[str, object]],
+        prompt: int,
+        completion: int,
+        cached: int | None = None,
+    ) -> bytes:
+        """The aggregated response with ``choices`` (from ``choice``, in index order)."""
+        return _json(
+            {
+                "id": self.id,
+                "object": self.object_full,
+                "created": self.created,
+                "model": self.model,
+                "choices": choices,
+                "usage": _usage(prompt, completion, cached),
+            }
+        )
+
+    def full(
+        self,
+        text: str,
+        finish_reason: str,
+        prompt: int,
+        completion: int,
+        cached: int | None = None,
+        *,
+        stop_reason: int | str | None = None,
+        logprobs: dict[str, Any] | None = None,
+    ) -> bytes:
+        """The aggregated response of one choice."""
+        return self.full_choices(
+            [self.choice(0, text, finish_reason, stop_reason, logprobs)], prompt, completion,
+            cached,
+        )
+
 
 class ChatFormatter(_Formatter):
     """``chat.completion.chunk`` events and the ``chat.completion`` body."""
 
     object_chunk = b"chat.completion.chunk"
+    object_full = "chat.completion"
     id_prefix = "chatcmpl-"
 
-    def role_chunk(self) -> bytes:
+    def role_chunk(self, index: int = 0) -> bytes:
         return (
-            self._head
-            + b'{"index":0,"delta":{"role":"assistant","content":""},'
+            self._at(index)
+            + b',"delta":{"role":"assistant","content":""},'
             b'"logprobs":null,"finish_reason":null}]}\n\n'
         )
 
@@ -113,57 +165,53 @@ class ChatFormatter(_Formatter):
             + b'},"logprobs":null,"finish_reason":null}]}\n\n'
         )
 
-    def logprobs_chunk(self, text: str, logprobs: dict[str, Any]) -> bytes:
+    def logprobs_chunk(self, text: str, logprobs: dict[str, Any], index: int = 0) -> bytes:
         """A content chunk with the logprobs of its tokens (``ChoiceLogprobs.chat``)."""
         return (
-            self._head + b'{"index":0,"delta":{"content":' + _json(text)
+            self._at(index) + b',"delta":{"content":' + _json(text)
             + b'},"logprobs":' + _json(logprobs) + b',"finish_reason":null}]}\n\n'
         )
 
-    def finish_chunk(self, finish_reason: str, stop_reason: int | str | None = None) -> bytes:
+    def content_chunk_at(self, index: int, text: str) -> bytes:
+        """``content_chunk`` of choice ``index``."""
         return (
-            self._head + b'{"index":0,"delta":{},"logprobs":null,"finish_reason":'
+            self._at(index) + b',"delta":{"content":' + _json(text)
+            + b'},"logprobs":null,"finish_reason":null}]}\n\n'
+        )
+
+    def finish_chunk(
+        self, finish_reason: str, stop_reason: int | str | None = None, index: int = 0
+    ) -> bytes:
+        return (
+            self._at(index) + b',"delta":{},"logprobs":null,"finish_reason":'
             + _json(finish_reason) + b',"stop_reason":' + _json(stop_reason) + b"}]}\n\n"
         )
 
-    def full(
+    def choice(
         self,
+        index: int,
         text: str,
         finish_reason: str,
-        prompt: int,
-        completion: int,
-        cached: int | None = None,
-        *,
-        stop_reason: int | str | None = None,
+        stop_reason: int | str | None,
         logprobs: dict[str, Any] | None = None,
-    ) -> bytes:
-        return _json(
-            {
-                "id": self.id,
-                "object": "chat.completion",
-                "created": self.created,
-                "model": self.model,
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": text},
-                        "logprobs": logprobs,
-                        "finish_reason": finish_reason,
-                        "stop_reason": stop_reason,
-                    }
-                ],
-                "usage": _usage(prompt, completion, cached),
-            }
-        )
+    ) -> dict[str, object]:
+        return {
+            "index": index,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+            "stop_reason": stop_reason,
+        }
 
 
 class CompletionFormatter(_Formatter):
     """``text_completion`` events and body."""
 
     object_chunk = b"text_completion"
+    object_full = "text_completion"
     id_prefix = "cmpl-"
 
-    def role_chunk(self) -> bytes:
+    def role_chunk(self, index: int = 0) -> bytes:
         return b""
 
     def content_chunk(self, text: str) -> bytes:
@@ -172,45 +220,40 @@ class CompletionFormatter(_Formatter):
             + b',"logprobs":null,"finish_reason":null}]}\n\n'
         )
 
-    def logprobs_chunk(self, text: str, logprobs: dict[str, Any]) -> bytes:
+    def logprobs_chunk(self, text: str, logprobs: dict[str, Any], index: int = 0) -> bytes:
         """A text chunk with the logprobs of its tokens (``ChoiceLogprobs.completion``)."""
         return (
-            self._head + b'{"index":0,"text":' + _json(text)
+            self._at(index) + b',"text":' + _json(text)
             + b',"logprobs":' + _json(logprobs) + b',"finish_reason":null}]}\n\n'
         )
 
-    def finish_chunk(self, finish_reason: str, stop_reason: int | str | None = None) -> bytes:
+    def content_chunk_at(self, index: int, text: str) -> bytes:
+        """``content_chunk`` of choice ``index``."""
         return (
-            self._head + b'{"index":0,"text":"","logprobs":null,"finish_reason":'
+            self._at(index) + b',"text":' + _json(text)
+            + b',"logprobs":null,"finish_reason":null}]}\n\n'
+        )
+
+    def finish_chunk(
+        self, finish_reason: str, stop_reason: int | str | None = None, index: int = 0
+    ) -> bytes:
+        return (
+            self._at(index) + b',"text":"","logprobs":null,"finish_reason":'
             + _json(finish_reason) + b',"stop_reason":' + _json(stop_reason) + b"}]}\n\n"
         )
 
-    def full(
+    def choice(
         self,
+        index: int,
         text: str,
         finish_reason: str,
-        prompt: int,
-        completion: int,
-        cached: int | None = None,
-        *,
-        stop_reason: int | str | None = None,
+        stop_reason: int | str | None,
         logprobs: dict[str, Any] | None = None,
-    ) -> bytes:
-        return _json(
-            {
-                "id": self.id,
-                "object": "text_completion",
-                "created": self.created,
-                "model": self.model,
-                "choices": [
-                    {
-                        "index": 0,
-                        "text": text,
-                        "logprobs": logprobs,
-                        "finish_reason": finish_reason,
-                        "stop_reason": stop_reason,
-                    }
-                ],
-                "usage": _usage(prompt, completion, cached),
-            }
-        )
+    ) -> dict[str, object]:
+        return {
+            "index": index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+            "stop_reason": stop_reason,
+        }

@@ -113,6 +113,9 @@ class SamplingOptions(msgspec.Struct, **_WIRE):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     n: int = 1
+    #: Additive biases of the logits of token ids (OpenAI's ``logit_bias``; engines with
+    #: ``Capability.LOGIT_BIAS``). None: no bias.
+    logit_bias: dict[int, float] | None = None
 
 
 class StopConditions(msgspec.Struct, **_WIRE):

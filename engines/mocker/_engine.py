@@ -224,12 +224,14 @@ class MockerEngine(LLMEngine):
             request_id=request.request_id,
             resumed=request.resume.generated if request.resume is not None else 0,
             num_logprobs=request.output.logprobs,
+            logit_bias=request.sampling.logit_bias,
         )
 
     def capabilities(self) -> frozenset[str]:
-        """Logprobs (well-formed made-up values: see ``Sequence.with_logprobs``), and
+        """Logprobs (well-formed made-up values: see ``Sequence.with_logprobs``),
+        ``logit_bias`` (its sampling weighs each token by ``exp(bias)`` against 1), and
         embeddings when ``--mock-embedding-dim`` is set."""
-        caps = {Capability.LOGPROBS}
+        caps = {Capability.LOGPROBS, Capability.LOGIT_BIAS}
         if self.config.embedding_dim:
             caps.add(Capability.EMBEDDINGS)
         return frozenset(caps)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import bisect
 import collections
 import enum
 import itertools
@@ -41,7 +42,8 @@ class Sequence:
                  max_tokens: int, min_tokens: int = 0, stop_token_ids: Iterable[int] = (),
                  eos_token_ids: Iterable[int] = (), ignore_eos: bool = False,
                  request_id: str = "", resumed: int = 0,
-                 num_logprobs: int | None = None) -> None:
+                 num_logprobs: int | None = None,
+                 logit_bias: dict[int, float] | None = None) -> None:
         self.request_id = request_id
         self.tokens: list[int] = list(prompt)
         self.num_prompt = len(self.tokens)
@@ -55,8 +57,10 @@ class Sequence:
         # sampled) continues the generator of the original prompt where that worker left it.
         original = self.tokens[: len(self.tokens) - resumed] if resumed > 0 else self.tokens
         self._rng = random.Random(sequence_seed(seed, original))
+        if logit_bias:  # only then: unbiased sampling stays one randrange per token
+            self.sample = _Biased(self._rng, vocab_size, logit_bias).sample  # type: ignore[method-assign]
         for _ in range(max(0, resumed)):
-            self._rng.randrange(vocab_size)
+            self.sample()
         self._hashes: list[int] = []
         #: Top alternatives per token when the request asks for logprobs (None: it does not);
         #: their values come from a generator of their own, so the tokens do not change.
@@ -162,3 +166,29 @@ class Sequence:
         waiter = self.waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+
+
+class _Biased:
+    """``Sequence.sample`` under a ``logit_bias``: the mocker's logits are all equal, so with the
+    biases added token ``t`` has weight ``exp(bias[t])`` against 1 for every other token (a bias
+    of 100 forces a token, -100 bans it), as a softmax over the biased logits gives."""
+
+    def __init__(self, rng: random.Random, vocab_size: int, bias: dict[int, float]) -> None:
+        self._rng = rng
+        self._vocab = vocab_size
+        self._tokens = [t for t in bias if 0 <= t < vocab_size]
+        self._weights = list(itertools.accumulate(math.exp(bias[t]) for t in self._tokens))
+        self._biased = frozenset(self._tokens)
+        self._rest = vocab_size - len(self._biased)
+        self._total = (self._weights[-1] if self._weights else 0.0) + self._rest
+
+    def sample(self) -> int:
+        rng = self._rng
+        r = rng.random() * self._total
+        weights = self._weights
+        if weights and (r < weights[-1] or not self._rest):
+            return self._tokens[min(bisect.bisect_right(weights, r), len(weights) - 1)]
+        while True:  # uniform over the unbiased tokens (there are some: self._rest > 0)
+            token = rng.randrange(self._vocab)
+            if token not in self._biased:
+                return token

@@ -56,7 +56,9 @@ __all__ = ["KV_TOPIC", "VllmEngine"]
 log = logging.getLogger("engines.vllm")
 
 #: What the engine can do when it generates (the pooling runner's are asked of vLLM).
-GENERATE_CAPABILITIES = frozenset({Capability.LOGPROBS, Capability.STRUCTURED_OUTPUTS})
+GENERATE_CAPABILITIES = frozenset(
+    {Capability.LOGPROBS, Capability.STRUCTURED_OUTPUTS, Capability.LOGIT_BIAS}
+)
 
 #: Topic of the KV-event PUB frames (``[topic, seq, payload]``).
 KV_TOPIC = "kv-events"
@@ -150,7 +152,8 @@ class VllmEngine(LLMEngine):
 
     def capabilities(self) -> frozenset[str]:
         """When generating: logprobs (vLLM's own values; the worker adds the token texts) and
-        structured outputs (vLLM's ``StructuredOutputsParams``); under vLLM's pooling runner,
+        structured outputs (vLLM's ``StructuredOutputsParams``) and ``logit_bias``
+        (``SamplingParams`` takes it); under vLLM's pooling runner,
         embeddings (and only them)."""
         return self._caps
 

@@ -68,6 +68,8 @@ def sampling_params(request: PreprocessedRequest, native: bool) -> Any:
         raise errors.InvalidArgument(f"n={s.n} is not supported (one sequence per request)")
     if out.logprobs is not None:
         kwargs["logprobs"] = out.logprobs
+    if s.logit_bias:
+        kwargs["logit_bias"] = dict(s.logit_bias)
     try:
         if request.guided is not None:
             kwargs["structured_outputs"] = structured_outputs(request.guided)

@@ -1,8 +1,9 @@
 """Small third-party-style engines, loaded with ``--engine tests.support.engines:NAME``:
 ``EchoEngine``, and test engines built on it (and on the mocker) that record their lifecycle,
 fail to start, crash mid-request or stall the event loop, for the worker's lifecycle and error
-tests, a mocker whose health a test breaks from outside (``FlakyMocker``) and one whose requests
-end with ``EngineShutdown`` part-way (``ShuttingDownMocker``)."""
+tests, a mocker whose health a test breaks from outside (``FlakyMocker``), one whose requests
+end with ``EngineShutdown`` part-way (``ShuttingDownMocker``), and an echo engine with
+deterministic log-probabilities (``ScoredEchoEngine``, for ``best_of``)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 from dynamo_zmq.context import Context
 from dynamo_zmq.errors import EngineShutdown
 from dynamo_zmq.llm import (
+    Capability,
     EngineConfig,
     LLMEngine,
     LLMEngineOutput,
@@ -311,3 +313,34 @@ class ShuttingDownMocker(MockerEngine):
                 raise EngineShutdown("the test engine is shutting down")
             sent += len(out.token_ids)
             yield out
+
+
+class ScoredEchoEngine(EchoEngine):
+    """Test engine with ``Capability.LOGPROBS`` and deterministic scores (for ``best_of``): it
+    streams ``max_tokens`` of the prompt's tokens, cyclically from offset ``seed % len(prompt)``,
+    and, when the request asks for log-probabilities (``output.logprobs`` set), gives every
+    token the log-probability ``-((seed * 37) % 11 + 1) / 10`` (``token_logprob``)."""
+
+    name = "scored-echo"
+
+    def capabilities(self) -> frozenset[str]:
+        return frozenset({Capability.LOGPROBS})
+
+    async def generate(self, request: PreprocessedRequest, ctx: Context):
+        prompt = request.token_ids
+        seed = request.sampling.seed or 0
+        limit = request.stop.max_tokens or len(prompt)
+        start = seed % len(prompt)
+        tokens = [prompt[(start + i) % len(prompt)] for i in range(limit)]
+        want = request.output.logprobs is not None
+        for tok in tokens[:-1]:
+            yield LLMEngineOutput([tok], log_probs=[token_logprob(seed)] if want else None)
+        yield LLMEngineOutput(
+            tokens[-1:], finish_reason="length", usage=Usage(len(prompt), len(tokens)),
+            log_probs=[token_logprob(seed)] if want else None,
+        )
+
+
+def token_logprob(seed: int) -> float:
+    """The log-probability ``ScoredEchoEngine`` gives each token of a sequence seeded ``seed``."""
+    return -((seed * 37) % 11 + 1) / 10

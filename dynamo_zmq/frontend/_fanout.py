@@ -1,0 +1,369 @@
+"""Several sequences in one request (``n > 1``, ``best_of``, a batch of prompts, ``echo``).
+
+The request fans out into one sub-request per sequence (``sampling.n = 1``), each routed on its
+own (so KV routing sends each where its prompt is cached) under a child of the request's
+context: a client that goes away, or the deadline, kills them all. With a ``seed``, sequence
+``j`` of a prompt uses ``seed + j``. Each sub-request's outputs are read by a task of its own
+(with its own migration); the request's loop merges them into one response, choice ``j`` of
+prompt ``p`` being index ``p * n + j`` (OpenAI's rule). ``best_of > n`` keeps, per prompt, the
+``n`` sequences with the highest cumulative log-probability of their sampled tokens (the
+engine's ``LLMEngineOutput.log_probs``). Usage counts each prompt once and every generated
+token. Logprobs, when asked for, are written per choice (``ChoiceLogprobs``). A request with
+one prompt and one sequence never comes here (``Generation`` serves it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .. import errors
+from ..context import Context
+from ..llm import (
+    FinishReason,
+    LLMEngineOutput,
+    Migration,
+    ModelRouter,
+    OutputStream,
+    PreprocessedRequest,
+)
+from ..resources import Resources
+from . import errors as http_errors
+from ._asgi import JSON, SSE, ClientGone, Send, error, reply, send_message
+from ._deadline import Deadline
+from ._logprobs import ChoiceLogprobs
+from ._subrequests import SubRequest
+from .errors import HttpError
+from .metrics import FrontendMetrics
+from .responses import DONE, ChatFormatter, CompletionFormatter, openai_finish_reason, sse_error
+
+__all__ = ["FanOut"]
+
+_NO_FINISH = "the worker ended the stream without a finish"
+#: What a sub-request's reader hands the merge loop: outputs, the error that ended it, or
+#: None when its stream was cancelled (the client went away, or the deadline passed).
+_Event = tuple["SubRequest", "list[LLMEngineOutput] | HttpError | None"]
+
+
+class FanOut:
+    """The sub-requests of one request: sends them, merges their outputs (streamed or
+    aggregated).
+
+    Args:
+        metrics / model: the frontend's metrics and the model's label.
+        fmt: the chat or completion formatter.
+        subs: the sub-requests (``fan_out``).
+        n: choices per prompt (``best_of`` is ``len(subs) // prompts``).
+        prompt_tokens: the prompts' tokens, each prompt counted once (usage).
+        started: when the request arrived (``time.monotonic()``).
+        deadline: the request's deadline, if it has one.
+        migration: a sub-request's migration (None: off).
+    """
+
+    def __init__(
+        self,
+        metrics: FrontendMetrics,
+        model: str,
+        fmt: ChatFormatter | CompletionFormatter,
+        subs: list[SubRequest],
+        n: int,
+        prompt_tokens: int,
+        started: float,
+        deadline: Deadline | None,
+        migration: Callable[[PreprocessedRequest], Migration | None],
+    ) -> None:
+        self.metrics, self.model, self.fmt = metrics, model, fmt
+        self.subs = subs
+        self.n = n
+        self.best_of = sum(1 for s in subs if s.prompt == 0)
+        self.prompt_tokens = prompt_tokens
+        self.started = started
+        self.deadline = deadline
+        self._migration = migration
+        self._contexts: list[Context] = []
+        self._streams: list[OutputStream] = []
+        self._queue: asyncio.Queue[_Event] = asyncio.Queue()
+        self._resources = Resources(f"fanout-{fmt.id}")
+        self.completion_tokens = 0
+        self.first = True
+
+    # -- sending ---------------------------------------------------------------------------
+
+    async def open(
+        self, router: ModelRouter, ctx: Context, target: int | None,
+        idle_timeout: float | None, extra: dict[str, Any],
+    ) -> HttpError | None:
+        """Send every sub-request; the error the client gets if one cannot be sent (the others
+        are killed then)."""
+
+        self._contexts = [Context(f"{ctx.id()}-{s.prompt}-{s.number}") for s in self.subs]
+        for child in self._contexts:
+            ctx.link_child(child)
+        results = await asyncio.gather(
+            *(
+                router.generate(s.pre, child, instance_id=target, idle_timeout=idle_timeout,
+                                **extra)
+                for s, child in zip(self.subs, self._contexts, strict=True)
+            ),
+            return_exceptions=True,
+        )
+        failure = next((r for r in results if isinstance(r, BaseException)), None)
+        if failure is not None:
+            self.kill()
+            if not isinstance(failure, errors.DynamoError):
+                raise failure
+            if self.deadline is not None and self.deadline.expired:
+                return self.deadline.error()
+            return http_errors.from_dynamo(failure)
+        self._streams = [r for r in results if not isinstance(r, BaseException)]
+        return None
+
+    def served_by(self) -> bytes:
+        """The instances serving the sub-requests (``x-dynamo-worker``), comma-separated."""
+        ids = dict.fromkeys(f"{s.instance_id:x}" for s in self._streams)
+        return ",".join(ids).encode()
+
+    def kill(self) -> None:
+        """Kill every sub-request that has not finished."""
+        for sub, child in zip(self.subs, self._contexts, strict=False):
+            if sub.finish is None:
+                child.kill()
+
+    async def close(self) -> None:
+        self.kill()
+        await self._resources.close()
+
+    def _start_readers(self) -> None:
+        top = self.fmt.logprobs
+        for sub, stream in zip(self.subs, self._streams, strict=True):
+            if top is not None:
+                sub.logprobs = ChoiceLogprobs(top)
+            self._resources.spawn(self._read(sub, stream), f"fanout-{sub.prompt}-{sub.number}")
+
+    async def _read(self, sub: SubRequest, stream: OutputStream) -> None:
+        put = self._queue.put_nowait
+        migration = self._migration(sub.pre)
+        record = migration.generated.extend if migration is not None else None
+        while True:
+            try:
+                batch = await stream.next_batch()
+            except errors.Cancelled:
+                put((sub, None))
+                return
+            except errors.DynamoError as exc:
+                recovered = await self._recover(migration, stream, exc)
+                if isinstance(recovered, HttpError) or recovered is None:
+                    put((sub, recovered))
+                    return
+                stream = recovered
+                continue
+            if not batch:
+                put((sub, http_errors.engine_error(_NO_FINISH)))
+                return
+            if record is not None:
+                for out in batch:
+                    record(out.token_ids)
+            put((sub, batch))
+            if batch[-1].finish_reason is not None:
+                return
+
+    async def _recover(
+        self, migration: Migration | None, stream: OutputStream, exc: errors.DynamoError
+    ) -> OutputStream | HttpError | None:
+        if migration is not None:
+            try:
+                return await migration.recover(stream, exc)
+            except errors.Cancelled:
+                return None
+            except errors.DynamoError as final:
+                exc = final
+        return http_errors.from_dynamo(exc)
+
+    # -- merging ---------------------------------------------------------------------------
+
+    def _account(self, sub: SubRequest, out: LLMEngineOutput) -> str:
+        n = len(out.token_ids)
+        if n:
+            now = time.monotonic()
+            ttft, itl = self.metrics.token_metrics(self.model)
+            if self.first:
+                ttft.observe(now - self.started)
+                self.first = False
+            elif sub.last:
+                itl.observe((now - sub.last) / n)
+            sub.last = now
+            sub.tokens += n
+            self.completion_tokens += n
+            if out.log_probs:
+                sub.score += sum(out.log_probs)
+        if out.usage is not None:
+            sub.usage_tokens = out.usage.completion_tokens
+            sub.cached = out.usage.cached_tokens
+        return out.text or ""
+
+    async def _next(self) -> list[_Event]:
+        """What the readers handed over: at least one event, all that are there."""
+        events = [await self._queue.get()]
+        while not self._queue.empty():
+            events.append(self._queue.get_nowait())
+        return events
+
+    def _failure(self, item: HttpError | None) -> HttpError:
+        if item is not None:
+            return item
+        if self.deadline is None or not self.deadline.expired:
+            raise ClientGone from None
+        return self.deadline.error()
+
+    def _usage(self) -> tuple[int, int, int | None]:
+        completion = sum(s.completion_tokens for s in self.subs)
+        cached = [s.cached for s in self.subs if s.number == 0 and s.cached is not None]
+        self.metrics.osl.labels(self.model).observe(completion)
+        return self.prompt_tokens, completion, sum(cached) if cached else None
+
+    async def stream_sse(self, send: Send, headers: list[tuple[bytes, bytes]],
+                         include_usage: bool) -> str:
+        """Write every choice's outputs as SSE chunks, interleaved as they come (each chunk's
+        ``choices[0].index`` names its choice); returns the status for the metrics."""
+        fmt = self.fmt
+        continuous = fmt.continuous_usage
+        self._start_readers()
+        await send_message(send, {"type": "http.response.start", "status": 200,
+                                  "headers": SSE + headers})
+        parts: list[bytes] = []
+        for sub in self.subs:
+            head = fmt.role_chunk(sub.index)
+            if sub.echo:
+                head += fmt.content_chunk_at(sub.index, sub.echo)
+            if head and continuous:
+                head = fmt.with_usage(head, self.prompt_tokens, 0)
+            if head:
+                parts.append(head)
+        pending = len(self.subs)
+        try:
+            while pending:
+                for sub, item in await self._next():
+                    if not isinstance(item, list):
+                        raise _Failed(self._failure(item))
+                    for out in item:
+                        text = self._account(sub, out)
+                        if sub.logprobs is not None and out.log_probs:
+                            chunk = fmt.logprobs_chunk(text, self._take(sub, out), sub.index)
+                            if continuous:
+                                chunk = fmt.with_usage(
+                                    chunk, self.prompt_tokens, self.completion_tokens
+                                )
+                            parts.append(chunk)
+                        elif text:
+                            chunk = fmt.content_chunk_at(sub.index, text)
+                            if continuous:
+                                chunk = fmt.with_usage(
+                                    chunk, self.prompt_tokens, self.completion_tokens
+                                )
+                            parts.append(chunk)
+                        if out.finish_reason is not None:
+                            parts.append(self._finish_chunk(sub, out))
+                            pending -= 1
+                            break
+                if pending:
+                    await send_message(send, {"type": "http.response.body",
+                                              "body": b"".join(parts), "more_body": True})
+                    parts = []
+        except _Failed as failed:
+            parts += [sse_error(failed.error.to_json()), DONE]
+            await send_message(send, {"type": "http.response.body", "body": b"".join(parts),
+                                      "more_body": False})
+            return "error"
+        prompt, completion, cached = self._usage()
+        if include_usage:
+            parts.append(fmt.usage_chunk(prompt, completion, cached))
+        parts.append(DONE)
+        await send_message(send, {"type": "http.response.body", "body": b"".join(parts),
+                                  "more_body": False})
+        return "success"
+
+    def _finish_chunk(self, sub: SubRequest, out: LLMEngineOutput) -> bytes:
+        if out.finish_reason == FinishReason.ERROR:
+            raise _Failed(http_errors.engine_error(out.error or "engine error"))
+        sub.finish = out.finish_reason
+        sub.stop_reason = out.stop_reason
+        chunk = self.fmt.finish_chunk(
+            openai_finish_reason(out.finish_reason or FinishReason.STOP), out.stop_reason,
+            sub.index,
+        )
+        if self.fmt.continuous_usage:
+            chunk = self.fmt.with_usage(chunk, self.prompt_tokens, self.completion_tokens)
+        return chunk
+
+    async def respond_once(self, send: Send, headers: list[tuple[bytes, bytes]]) -> str:
+        """Gather every choice into one JSON response (``best_of``: the best ``n`` per prompt);
+        returns the status for the metrics."""
+        self._start_readers()
+        pending = len(self.subs)
+        try:
+            while pending:
+                for sub, item in await self._next():
+                    if not isinstance(item, list):
+                        raise _Failed(self._failure(item))
+                    for out in item:
+                        sub.texts.append(self._account(sub, out))
+                        if sub.logprobs is not None:
+                            self._take(sub, out)
+                        if out.finish_reason is not None:
+                            if out.finish_reason == FinishReason.ERROR:
+                                raise _Failed(http_errors.engine_error(out.error or "engine error"))
+                            sub.finish, sub.stop_reason = out.finish_reason, out.stop_reason
+                            pending -= 1
+                            break
+        except _Failed as failed:
+            await error(send, failed.error)
+            return "error"
+        fmt = self.fmt
+        choices = [
+            fmt.choice(
+                s.index, s.echo + "".join(s.texts),
+                openai_finish_reason(s.finish or FinishReason.STOP), s.stop_reason,
+                self._gathered(s),
+            )
+            for s in sorted(self._chosen(), key=lambda s: s.index)
+        ]
+        prompt, completion, cached = self._usage()
+        await reply(send, 200, fmt.full_choices(choices, prompt, completion, cached),
+                    JSON + headers)
+        return "success"
+
+    def _take(self, sub: SubRequest, out: LLMEngineOutput) -> dict[str, Any]:
+        """The ``logprobs`` of ``out``'s tokens, in the choice's shape."""
+        lp = sub.logprobs
+        assert lp is not None
+        return lp.chat(out) if isinstance(self.fmt, ChatFormatter) else lp.completion(out)
+
+    def _gathered(self, sub: SubRequest) -> dict[str, Any] | None:
+        lp = sub.logprobs
+        if lp is None:
+            return None
+        return lp.chat_full() if isinstance(self.fmt, ChatFormatter) else lp.completion_full()
+
+    def _chosen(self) -> list[SubRequest]:
+        """The sub-requests whose choices are returned: all, or with ``best_of > n`` the ``n``
+        of each prompt with the highest score, indexed best first."""
+        if self.best_of == self.n:
+            return self.subs
+        chosen: list[SubRequest] = []
+        for p in range(len(self.subs) // self.best_of):
+            group = self.subs[p * self.best_of : (p + 1) * self.best_of]
+            best = sorted(group, key=lambda s: (-s.score, s.number))[: self.n]
+            for rank, sub in enumerate(best):
+                sub.index = p * self.n + rank
+            chosen += best
+        return chosen
+
+
+class _Failed(Exception):
+    """Ends the merge loop with the error the client gets."""
+
+    def __init__(self, error: HttpError) -> None:
+        super().__init__(error.message)
+        self.error = error

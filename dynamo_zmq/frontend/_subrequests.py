@@ -1,0 +1,92 @@
+"""The sub-requests of a request of several sequences (``n > 1``, ``best_of``, ``echo``, a batch
+of prompts): one ``PreprocessedRequest`` per sequence, ``sampling.n = 1``, sequence ``j`` of a
+prompt seeded ``seed + j`` (``FanOut`` sends and merges them)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import msgspec
+
+from ..llm import PreprocessedRequest, RoutingHints
+from ._logprobs import ChoiceLogprobs
+from .preprocess import Preprocessor, Require
+from .protocol import CompletionRequest, prompts
+
+__all__ = ["SubRequest", "completion_prompts", "fan_out"]
+
+_I64 = 2**64
+_I64_MAX = 2**63 - 1
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class SubRequest:
+    """One sequence of a fanned-out request and what it produced."""
+
+    #: The choice index (with ``best_of > n``: set once the best are chosen).
+    index: int
+    #: Which prompt (of a batch) and which of its sequences.
+    prompt: int
+    number: int
+    pre: PreprocessedRequest
+    #: Text put before the choice's own (``echo``: the prompt).
+    echo: str = ""
+    texts: list[str] = dataclasses.field(default_factory=list)
+    tokens: int = 0
+    usage_tokens: int | None = None
+    cached: int | None = None
+    #: Cumulative log-probability of the sampled tokens (``best_of``).
+    score: float = 0.0
+    finish: str | None = None
+    stop_reason: int | str | None = None
+    last: float = 0.0
+    #: The choice's logprobs, when the request asked for them.
+    logprobs: ChoiceLogprobs | None = None
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.usage_tokens if self.usage_tokens is not None else self.tokens
+
+
+def _seed(seed: int | None, j: int) -> int | None:
+    if seed is None:
+        return None
+    seed += j
+    return seed - _I64 if seed > _I64_MAX else seed
+
+
+def fan_out(
+    prompts: Sequence[tuple[PreprocessedRequest, str]], n: int, best_of: int
+) -> list[SubRequest]:
+    """The sub-requests of ``best_of`` (>= ``n``) sequences per prompt (each prompt's request
+    and its echo text)."""
+    subs: list[SubRequest] = []
+    replace = msgspec.structs.replace
+    for p, (pre, echo) in enumerate(prompts):
+        output = pre.output
+        if best_of > n and output.logprobs is None:
+            output = replace(output, logprobs=0)  # the sampled tokens' log-probs rank them
+        for j in range(best_of):
+            sampling = replace(pre.sampling, n=1, seed=_seed(pre.sampling.seed, j))
+            sub = replace(pre, sampling=sampling, output=output, routing=RoutingHints())
+            subs.append(SubRequest(p * n + j, p, j, sub, echo))
+    return subs
+
+
+def completion_prompts(
+    preprocessor: Preprocessor, req: CompletionRequest, require: Require | None = None
+) -> list[tuple[PreprocessedRequest, str]]:
+    """Each prompt of a completions request preprocessed, with its text for ``echo`` (the
+    prompt as given, or its token ids decoded; empty without ``echo``); ``require`` as for
+    ``Preprocessor.completion``."""
+    out = []
+    for prompt in prompts(req):
+        pre = preprocessor.completion(msgspec.structs.replace(req, prompt=prompt), require)
+        echo = ""
+        if req.echo:
+            echo = prompt if isinstance(prompt, str) else preprocessor.tokenizer.decode(
+                prompt, skip_special_tokens=req.skip_special_tokens is not False
+            )
+        out.append((pre, echo))
+    return out
