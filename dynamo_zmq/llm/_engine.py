@@ -63,6 +63,8 @@ __all__ = [
     "RoutingHints",
     "SamplingOptions",
     "StopConditions",
+    "ToolCallDelta",
+    "ToolOptions",
     "Usage",
     "cancelled_output",
     "error_output",
@@ -88,6 +90,9 @@ class FinishReason:
     ERROR = "error"
     #: The end-of-sequence token ended the sequence (set by the worker, not by engines).
     EOS = "eos"
+    #: The sequence ended normally (``eos`` or ``stop``) after the worker's tool-call parsing
+    #: found at least one tool call (set by the worker, not by engines).
+    TOOL_CALLS = "tool_calls"
 
     #: What an engine's terminal may carry (``EOS`` is the worker's).
     ALL = frozenset({STOP, LENGTH, CANCELLED, ERROR})
@@ -162,6 +167,18 @@ class GuidedDecoding(msgspec.Struct, **_WIRE):
     grammar: str | None = None
 
 
+class ToolOptions(msgspec.Struct, **_WIRE):
+    """Tool calling for one request (``PreprocessedRequest.tools``): the worker parses tool
+    calls out of the output (the family parser of ``--tool-call-parser`` for ``auto``; the
+    constrained JSON itself for ``required`` and ``function``)."""
+
+    #: ``auto``, ``required`` (a JSON array of ``{name, parameters}``) or ``function`` (the
+    #: named function's arguments object).
+    choice: str = "auto"
+    #: The function's name, with ``choice == "function"``.
+    function: str | None = None
+
+
 class PreprocessedRequest(msgspec.Struct, **_WIRE):
     """A tokenized request, as the frontend sends it to a worker."""
 
@@ -187,12 +204,27 @@ class PreprocessedRequest(msgspec.Struct, **_WIRE):
     resume: Resume | None = None
     #: Constrained decoding (structured outputs); None: free generation.
     guided: GuidedDecoding | None = None
+    #: Tool calling (None: the request has no tools, or ``tool_choice`` is ``none``).
+    tools: ToolOptions | None = None
+    #: Split reasoning text out of the output (the worker's ``--reasoning-parser``, if any).
+    reasoning: bool = False
 
 
 class Usage(msgspec.Struct, **_WIRE):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int | None = None
+
+
+class ToolCallDelta(msgspec.Struct, **_WIRE):
+    """A piece of one tool call (``LLMEngineOutput.tool_calls``), as OpenAI streams them: the
+    call's first delta has ``id`` and ``name``; its ``arguments`` pieces, concatenated, are the
+    arguments as a JSON object string."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
 
 
 class LLMEngineOutput(msgspec.Struct, **_WIRE):
@@ -208,6 +240,10 @@ class LLMEngineOutput(msgspec.Struct, **_WIRE):
     #: With ``finish_reason == "stop"``: the stop string (str) or stop token id (int) that
     #: ended the stream, as vLLM reports it; None for an end-of-sequence token or unknown.
     stop_reason: int | str | None = None
+    #: Tool-call pieces the worker's tool-call parsing found in this chunk's text.
+    tool_calls: list[ToolCallDelta] | None = None
+    #: Reasoning text the worker's reasoning parser moved out of ``text``.
+    reasoning: str | None = None
 
     @property
     def is_terminal(self) -> bool:

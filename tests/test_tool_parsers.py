@@ -1,0 +1,192 @@
+"""The tool-call and reasoning parsers on their own: every family's markup, several calls,
+invalid and unfinished markup (content, never lost), and the property that any split of the
+text into deltas gives what the whole text gives."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dynamo_zmq.llm import FinishReason, LLMEngineOutput, PreprocessedRequest, ToolOptions
+from dynamo_zmq.llm.parsers import (
+    REASONING_PARSERS,
+    TOOL_PARSERS,
+    NamedToolParser,
+    RequiredToolParser,
+    ToolParser,
+    detect_parsers,
+    output_parser,
+)
+
+W = {"city": "Paris", "days": 3}
+T = {"tz": "Europe/Paris"}
+
+#: (parser, text, content, [(name, arguments)]) per family; arguments as objects.
+CASES = [
+    ("hermes", 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": '
+     '{"city": "Paris", "days": 3}}\n</tool_call>\n<tool_call>\n{"name": "get_time", '
+     '"arguments": {"tz": "Europe/Paris"}}\n</tool_call>',
+     "Let me check.", [("get_weather", W), ("get_time", T)]),
+    ("hermes", "No tools needed: 1 < 2 and <tool_ is not a tag.", "No tools needed: 1 < 2 and "
+     "<tool_ is not a tag.", []),
+    ("hermes", '<tool_call>{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}',
+     "", [("get_time", T)]),  # no closing tag at the end of the output
+    ("hermes", 'A <tool_call>{"name": 5}</tool_call> B', 'A <tool_call>{"name": 5}</tool_call> B',
+     []),
+    ("hermes", 'ok <tool_call>{"name": "get_weather", "argu', 'ok <tool_call>{"name": '
+     '"get_weather", "argu', []),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}', "",
+     [("get_weather", W)]),
+    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", '
+     '"days": 3}}; {"name": "get_time", "parameters": {"tz": "Europe/Paris"}}', "",
+     [("get_weather", W), ("get_time", T)]),
+    ("llama3_json", "The answer is {not json}.", "The answer is {not json}.", []),
+    ("llama3_json", '  {"weather": "sunny"}', '  {"weather": "sunny"}', []),
+    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}},'
+     ' {"name": "get_time", "arguments": {"tz": "Europe/Paris"}}]', "",
+     [("get_weather", W), ("get_time", T)]),
+    ("mistral", 'Checking [TOOL_CALLS][{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}]',
+     "Checking", [("get_time", T)]),
+    ("mistral", "[TOOL_CALLS] nothing", "[TOOL_CALLS] nothing", []),
+    ("pythonic", '[get_weather(city="Paris", days=3), get_time(tz=\'Europe/Paris\')]', "",
+     [("get_weather", W), ("get_time", T)]),
+    ("pythonic", "[1] says so, see [get_time()]", "[1] says so, see [get_time()]", []),
+    ("pythonic", '[get_weather(city="Par', '[get_weather(city="Par', []),
+    ("pythonic", "[get_time(tz=open('x'))]", "[get_time(tz=open('x'))]", []),
+]
+
+
+def run(parser: ToolParser, pieces: list[str]) -> tuple[str, list[tuple[str, dict]]]:
+    content: list[str] = []
+    deltas = []
+    for piece in pieces:
+        text, calls = parser.feed(piece)
+        content.append(text)
+        deltas += calls
+    text, calls = parser.finish()
+    content.append(text)
+    deltas += calls
+    return "".join(content), assemble(deltas)
+
+
+def assemble(deltas) -> list[tuple[str, dict]]:
+    calls: dict[int, list] = {}
+    for d in deltas:
+        if d.id is not None:
+            assert d.index not in calls and d.name
+            calls[d.index] = [d.name, ""]
+        calls[d.index][1] += d.arguments
+    assert sorted(calls) == list(range(len(calls)))
+    out = []
+    for i in range(len(calls)):
+        args = json.loads(calls[i][1])
+        assert isinstance(args, dict)
+        out.append((calls[i][0], args))
+    return out
+
+
+@pytest.mark.parametrize(("name", "text", "content", "calls"), CASES)
+def test_whole_text(name, text, content, calls) -> None:
+    assert run(TOOL_PARSERS[name](), [text]) == (content, calls)
+
+
+@pytest.mark.parametrize(("name", "text", "content", "calls"), CASES)
+def test_one_character_at_a_time(name, text, content, calls) -> None:
+    assert run(TOOL_PARSERS[name](), list(text)) == (content, calls)
+
+
+def splits(text: str):
+    return st.lists(st.integers(0, len(text)), max_size=12).map(
+        lambda cuts: [text[a:b] for a, b in zip([0, *sorted(cuts)], [*sorted(cuts), len(text)],
+                                                strict=True)]
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_any_split_gives_the_whole_texts_result(data) -> None:
+    name, text, _, _ = data.draw(st.sampled_from(CASES))
+    # the text, possibly cut short (unfinished markup) and with text around it
+    text = data.draw(st.sampled_from(["", "Hi ", " \n"])) + text
+    text = text[: data.draw(st.integers(0, len(text)))] + data.draw(st.sampled_from(["", " end"]))
+    pieces = data.draw(splits(text))
+    whole = run(TOOL_PARSERS[name](), [text])
+    assert run(TOOL_PARSERS[name](), pieces) == whole
+    got, found = whole
+    if not found:  # no call: nothing is lost
+        assert got == text
+
+
+def test_streamed_content_holds_back_only_possible_markup() -> None:
+    parser = TOOL_PARSERS["hermes"]()
+    assert parser.feed("Hello wor") == ("Hello wor", [])
+    assert parser.feed("ld <tool") == ("ld", [])
+    content, calls = parser.feed('_call>{"name": "f", "arguments": {}}</tool_call>')
+    assert content == "" and [(c.index, c.name) for c in calls] == [(0, "f"), (0, None)]
+
+
+def test_required_and_named_parse_the_constrained_json() -> None:
+    text = '[{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}]'
+    for pieces in ([text], list(text)):
+        assert run(RequiredToolParser(), pieces) == ("", [("get_weather", W)])
+    parser = NamedToolParser("get_time")
+    _, deltas = parser.feed('{"tz": ')
+    assert deltas[0].name == "get_time" and deltas[1].arguments == '{"tz": '
+    assert run(NamedToolParser("get_time"), list(json.dumps(T))) == ("", [("get_time", T)])
+
+
+REASONING = [
+    ("deepseek_r1", "Think hard.</think>The answer.", "Think hard.", "The answer."),
+    ("deepseek_r1", "<think>Think hard.</think>The answer.", "Think hard.", "The answer."),
+    ("deepseek_r1", "Still thinking <", "Still thinking <", ""),
+    ("qwen3", "<think>\nHmm.\n</think>\n\nDone.", "\nHmm.\n", "\n\nDone."),
+    ("qwen3", "No thinking here </think>", "", "No thinking here </think>"),
+    ("qwen3", "<thin", "", "<thin"),
+]
+
+
+@pytest.mark.parametrize(("name", "text", "reasoning", "content"), REASONING)
+def test_reasoning(name, text, reasoning, content) -> None:
+    for pieces in ([text], list(text)):
+        parser = REASONING_PARSERS[name]()
+        got = [parser.feed(p) for p in pieces] + [parser.finish()]
+        assert ("".join(r for r, _ in got), "".join(c for _, c in got)) == (reasoning, content)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_reasoning_any_split(data) -> None:
+    name, text, _, _ = data.draw(st.sampled_from(REASONING))
+    text = text[: data.draw(st.integers(0, len(text)))]
+    results = []
+    for pieces in ([text], data.draw(splits(text))):
+        parser = REASONING_PARSERS[name]()
+        got = [parser.feed(p) for p in pieces] + [parser.finish()]
+        results.append(("".join(r for r, _ in got), "".join(c for _, c in got)))
+    assert results[0] == results[1]
+
+
+def test_reasoning_then_tools_and_the_finish_reason() -> None:
+    request = PreprocessedRequest([1], tools=ToolOptions(), reasoning=True)
+    parser = output_parser(request, "hermes", "qwen3")
+    assert parser is not None
+    text = '<think>Weather?</think>\n<tool_call>{"name": "f", "arguments": {}}</tool_call>'
+    outs = [parser.apply(LLMEngineOutput([1], text=c)) for c in text[:-3]]
+    last = parser.apply(LLMEngineOutput([2], text=text[-3:], finish_reason=FinishReason.EOS))
+    assert "".join(o.reasoning or "" for o in [*outs, last]) == "Weather?"
+    assert "".join(o.text or "" for o in [*outs, last]) == ""
+    assert last.finish_reason == FinishReason.TOOL_CALLS and last.tool_calls
+    # no tools or tool_choice none (the frontend sends no ToolOptions), no reasoning: no parser
+    assert output_parser(PreprocessedRequest([1]), "hermes", "qwen3") is None
+
+
+def test_detect_from_the_chat_template(tmp_path: Path) -> None:
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": "{% if tools %}<tool_call>{% endif %}<think>\n</think>"}))
+    assert detect_parsers(tmp_path) == ("hermes", "qwen3")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "plain"}))
+    assert detect_parsers(tmp_path) == (None, None)
