@@ -8,6 +8,7 @@ by the worker's post-processing; what arrived together is written in one send.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from .. import errors
 from ..llm import FinishReason, LLMEngineOutput, Migration, OutputStream
@@ -16,7 +17,14 @@ from ._asgi import JSON, SSE, ClientGone, Send, error, reply, send_message
 from ._deadline import Deadline
 from .errors import HttpError
 from .metrics import FrontendMetrics
-from .responses import DONE, ChatFormatter, CompletionFormatter, openai_finish_reason, sse_error
+from .responses import (
+    DONE,
+    ChatFormatter,
+    CompletionFormatter,
+    add_tool_call,
+    openai_finish_reason,
+    sse_error,
+)
 
 __all__ = ["Generation"]
 
@@ -37,6 +45,7 @@ class Generation:
             ends with 504 (or an SSE error event), not as a client that went away.
         migration: the request's migration (None: off): the token ids of each output read are
             added to it, and a stream that fails goes on from the stream it recovers, if it can.
+        parsed: the worker parses tool calls or reasoning (chat): outputs carry them too.
     """
 
     def __init__(
@@ -49,8 +58,11 @@ class Generation:
         headers: list[tuple[bytes, bytes]],
         deadline: Deadline | None = None,
         migration: Migration | None = None,
+        parsed: bool = False,
     ) -> None:
         self.metrics = metrics
+        #: The worker parses tool calls or reasoning for this (chat) request.
+        self.parsed = parsed and isinstance(fmt, ChatFormatter)
         self.migration = migration
         self.deadline = deadline
         self.model = model
@@ -97,6 +109,7 @@ class Generation:
         head = fmt.role_chunk()
         record = self.migration.generated.extend if self.migration is not None else None
         continuous = fmt.continuous_usage
+        parsed = self.parsed
         if continuous:
             head = fmt.with_usage(head, self.prompt_tokens, 0)
         while True:
@@ -125,7 +138,9 @@ class Generation:
                 if record is not None:
                     record(out.token_ids)
                 text = self._account(out)
-                if text:
+                if parsed:
+                    self._parsed_chunks(out, text, parts)
+                elif text:
                     chunk = fmt.content_chunk(text)
                     if continuous:
                         chunk = fmt.with_usage(chunk, self.prompt_tokens, self.completion_tokens)
@@ -136,6 +151,22 @@ class Generation:
             await send_message(
                 send, {"type": "http.response.body", "body": body, "more_body": True}
             )
+
+    def _parsed_chunks(self, out: LLMEngineOutput, text: str, parts: list[bytes]) -> None:
+        """An output's reasoning, content and tool-call chunks, in that order."""
+        fmt = self.fmt
+        assert isinstance(fmt, ChatFormatter)
+        chunks = []
+        if out.reasoning:
+            chunks.append(fmt.reasoning_chunk(out.reasoning))
+        if text:
+            chunks.append(fmt.content_chunk(text))
+        if out.tool_calls:
+            chunks.append(fmt.tool_calls_chunk(out.tool_calls))
+        for chunk in chunks:
+            if fmt.continuous_usage:
+                chunk = fmt.with_usage(chunk, self.prompt_tokens, self.completion_tokens)
+            parts.append(chunk)
 
     async def _end_sse(
         self, out: LLMEngineOutput, parts: list[bytes], send: Send, include_usage: bool
@@ -163,6 +194,8 @@ class Generation:
     async def respond_once(self, stream: OutputStream, send: Send) -> str:
         """Gather the outputs into one JSON response; returns the status for the metrics."""
         texts: list[str] = []
+        thoughts: list[str] = []
+        calls: dict[int, dict[str, Any]] = {}
         finish_reason: str | None = None
         stop_reason: int | str | None = None
         failure: str | None = None
@@ -186,6 +219,11 @@ class Generation:
                 if record is not None:
                     record(out.token_ids)
                 texts.append(self._account(out))
+                if self.parsed:
+                    if out.reasoning:
+                        thoughts.append(out.reasoning)
+                    for delta in out.tool_calls or ():
+                        add_tool_call(calls, delta)
                 if out.finish_reason is not None:
                     finish_reason, stop_reason, failure = (
                         out.finish_reason, out.stop_reason, out.error
@@ -201,6 +239,8 @@ class Generation:
         body = self.fmt.full(
             "".join(texts), openai_finish_reason(finish_reason), self.prompt_tokens, self.tokens,
             self.cached_tokens, stop_reason=stop_reason,
+            reasoning="".join(thoughts) if thoughts else None,
+            tool_calls=[calls[i] for i in sorted(calls)] or None,
         )
         await reply(send, 200, body, JSON + self.headers)
         return "success"

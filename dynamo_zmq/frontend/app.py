@@ -39,6 +39,7 @@ from ._asgi import (
 from ._clear_kv import clear_kv_blocks, parse_clear_request
 from ._deadline import Deadline, request_timeout
 from ._generation import Generation
+from ._tools import apply_tools
 from .errors import HttpError
 from .metrics import FrontendMetrics
 from .models import ModelEntry, ModelManager
@@ -179,6 +180,7 @@ class FrontendApp:
                 req = chat = parse_chat(body)
                 entry = self._entry(chat.model)
                 pre = entry.preprocessor.chat(chat)
+                apply_tools(chat, entry, pre)
             else:
                 req = completion = parse_completion(body)
                 entry = self._entry(completion.model)
@@ -286,7 +288,8 @@ class FrontendApp:
             headers = [(SERVED_BY_HEADER, served_by.encode())]
             migration = self._migration(entry, pre, target, timeout)
             gen = Generation(
-                m, model, fmt, len(pre.token_ids), started, headers, deadline, migration
+                m, model, fmt, len(pre.token_ids), started, headers, deadline, migration,
+                parsed=pre.tools is not None or pre.reasoning,
             )
             if streaming:
                 status = await gen.stream_sse(stream, send, include_usage)

@@ -5,7 +5,8 @@ per token (msgspec), which keeps the per-chunk cost at a few microseconds.
 
 Finish reasons become OpenAI's as Dynamo's OpenAI layer maps its ``FinishReason``
 (``OPENAI_FINISH_REASONS``): ``eos``, ``stop`` and ``cancelled`` -> ``"stop"``, ``length`` ->
-``"length"``; ``error`` is no finish reason but an error (the frontend sends an OpenAI error
+``"length"``, ``tool_calls`` (the worker parsed a tool call) -> ``"tool_calls"``; ``error`` is
+no finish reason but an error (the frontend sends an OpenAI error
 object instead). The finish chunk and the aggregated choice also carry vLLM's ``stop_reason``:
 the stop string or stop token id that matched, null otherwise.
 """
@@ -14,16 +15,18 @@ from __future__ import annotations
 
 import time
 import uuid
+from typing import Any
 
 import msgspec
 
-from ..llm import FinishReason
+from ..llm import FinishReason, ToolCallDelta
 
 __all__ = [
     "DONE",
     "OPENAI_FINISH_REASONS",
     "ChatFormatter",
     "CompletionFormatter",
+    "add_tool_call",
     "openai_finish_reason",
     "sse_error",
 ]
@@ -39,6 +42,7 @@ OPENAI_FINISH_REASONS = {
     FinishReason.STOP: "stop",
     FinishReason.LENGTH: "length",
     FinishReason.CANCELLED: "stop",
+    FinishReason.TOOL_CALLS: "tool_calls",
 }
 
 
@@ -57,6 +61,22 @@ def _usage(prompt: int, completion: int, cached: int | None = None) -> dict[str,
     if cached is not None:  # prompt tokens the engine served from its prefix cache (as OpenAI)
         usage["prompt_tokens_details"] = {"cached_tokens": cached}
     return usage
+
+
+def _call(delta: ToolCallDelta) -> dict[str, Any]:
+    if delta.id is None:
+        return {"index": delta.index, "function": {"arguments": delta.arguments}}
+    return {"index": delta.index, "id": delta.id, "type": "function",
+            "function": {"name": delta.name, "arguments": delta.arguments}}
+
+
+def add_tool_call(calls: dict[int, dict[str, Any]], delta: ToolCallDelta) -> None:
+    """Gather a stream's tool-call deltas into whole calls (``message.tool_calls``)."""
+    call = calls.get(delta.index)
+    if call is None or delta.id is not None:
+        calls[delta.index] = _call(delta)
+    else:
+        call["function"]["arguments"] += delta.arguments
 
 
 def sse_error(body: bytes) -> bytes:
@@ -109,6 +129,20 @@ class ChatFormatter(_Formatter):
             + b'},"logprobs":null,"finish_reason":null}]}\n\n'
         )
 
+    def reasoning_chunk(self, text: str) -> bytes:
+        """A ``delta.reasoning_content`` chunk (vLLM's field)."""
+        return (
+            self._head + b'{"index":0,"delta":{"reasoning_content":' + _json(text)
+            + b'},"logprobs":null,"finish_reason":null}]}\n\n'
+        )
+
+    def tool_calls_chunk(self, calls: list[ToolCallDelta]) -> bytes:
+        """A ``delta.tool_calls`` chunk: a call's first delta has its id, type and name."""
+        return (
+            self._head + b'{"index":0,"delta":{"tool_calls":' + _json([_call(c) for c in calls])
+            + b'},"logprobs":null,"finish_reason":null}]}\n\n'
+        )
+
     def finish_chunk(self, finish_reason: str, stop_reason: int | str | None = None) -> bytes:
         return (
             self._head + b'{"index":0,"delta":{},"logprobs":null,"finish_reason":'
@@ -124,7 +158,16 @@ class ChatFormatter(_Formatter):
         cached: int | None = None,
         *,
         stop_reason: int | str | None = None,
+        reasoning: str | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> bytes:
+        message: dict[str, Any] = {
+            "role": "assistant", "content": text if text or not tool_calls else None,
+        }
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
         return _json(
             {
                 "id": self.id,
@@ -134,7 +177,7 @@ class ChatFormatter(_Formatter):
                 "choices": [
                     {
                         "index": 0,
-                        "message": {"role": "assistant", "content": text},
+                        "message": message,
                         "logprobs": None,
                         "finish_reason": finish_reason,
                         "stop_reason": stop_reason,
@@ -175,6 +218,8 @@ class CompletionFormatter(_Formatter):
         cached: int | None = None,
         *,
         stop_reason: int | str | None = None,
+        reasoning: str | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> bytes:
         return _json(
             {
