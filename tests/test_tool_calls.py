@@ -1,0 +1,255 @@
+"""Tool calls and reasoning through a real frontend and real workers, with the `openai` client.
+
+A scripted engine (``tests.support.engines:ScriptedEngine``) emits each family's markup token by
+token through the worker's real detokenizer and parsers: every family's calls stream as OpenAI
+tool-call deltas that re-assemble to the non-streamed calls, ``finish_reason`` is
+``tool_calls``, ``tool_choice: none`` leaves the text alone, unfinished markup comes back as
+content, ``required`` and a named function work on an engine with structured outputs (and are
+refused on the mocker), and reasoning moves to ``reasoning_content``, alone or before tool calls.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+import uuid
+
+import openai
+import pytest
+
+from tests.support.http_calls import get
+from tests.support.procs import Proc
+
+W = {"city": "Paris", "days": 3}
+T = {"tz": "Europe/Paris"}
+HERMES = (f"Let me check.\n<tool_call>\n{json.dumps({'name': 'get_weather', 'arguments': W})}\n"
+          f"</tool_call>\n<tool_call>\n{json.dumps({'name': 'get_time', 'arguments': T})}\n"
+          "</tool_call>")
+SCRIPTS = {
+    "default": "Hello there.",
+    "hermes": HERMES,
+    "llama": f"<|python_tag|>{json.dumps({'name': 'get_weather', 'parameters': W})}; "
+             f"{json.dumps({'name': 'get_time', 'parameters': T})}",
+    "mistral": "[TOOL_CALLS] " + json.dumps([{"name": "get_weather", "arguments": W},
+                                             {"name": "get_time", "arguments": T}]),
+    "pythonic": "[get_weather(city='Paris', days=3), get_time(tz=\"Europe/Paris\")]",
+    "broken": 'Sure <tool_call>{"name": "get_weather", "arguments": {"city": ',
+    "think": "<think>\nPondering é 日本.\n</think>\n\nThe answer is 4.",
+    "think_tools": "<think>The user wants the weather.</think>\n\n" + HERMES,
+    "r1": "Thinking it over.</think>Paris is sunny.",
+    "required": json.dumps([{"name": "get_weather", "parameters": W}]),
+    "named": json.dumps(T),
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+        "required": ["city"]}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"tz": {"type": "string"}}}}},
+]
+BOTH = [("get_weather", W), ("get_time", T)]
+SCRIPTED = "tests.support.engines:ScriptedEngine"
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model, tmp_path_factory):
+    """Scripted workers, one per parser setup, a mocker, and a frontend: yields its URL.
+    'qwen' names no parser: its chat template (the tiny one plus a comment mentioning
+    ``<tool_call>`` and ``</think>``) gives hermes and qwen3."""
+    tmp = tmp_path_factory.mktemp("tools")
+    scripts = tmp / "scripts.json"
+    scripts.write_text(json.dumps(SCRIPTS))
+    qwen_model = tmp / "qwen-like"
+    shutil.copytree(tiny_model, qwen_model)
+    config_file = qwen_model / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["chat_template"] += "{# tool calls: <tool_call>...</tool_call>; <think></think> #}"
+    config_file.write_text(json.dumps(config))
+    namespace = f"t{uuid.uuid4().hex[:12]}"
+    base = ["-m", "dynamo_zmq.worker", "--namespace", namespace, "--host", "127.0.0.1",
+            "--grace-period", "0"]
+    workers = {
+        "qwen": ["--model-path", str(qwen_model), "--scripted-structured"],
+        "llama": ["--tool-call-parser", "llama3_json"],
+        "mistral": ["--tool-call-parser", "mistral"],
+        "pythonic": ["--tool-call-parser", "pythonic"],
+        "r1": ["--reasoning-parser", "deepseek_r1"],
+    }
+    procs: list[Proc] = []
+    try:
+        for name, flags in workers.items():
+            path = [] if "--model-path" in flags else ["--model-path", str(tiny_model)]
+            procs.append(Proc([*base, "--engine", SCRIPTED, "--model-name", name, *path, *flags,
+                               "--script-file", str(scripts)]))
+        procs.append(Proc([*base, "--engine", "mocker", "--model-path", str(tiny_model),
+                           "--model-name", "mocker", "--speedup-ratio", "1000"]))
+        front = Proc(["-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace])
+        procs.append(front)
+        for proc in procs:
+            proc.wait_ready(60)
+        deadline = time.monotonic() + 60
+        names = {*workers, "mocker"}
+        while True:
+            status, body = get(f"{front.address}/v1/models")
+            if status == 200 and names <= {m["id"] for m in json.loads(body)["data"]}:
+                break
+            assert time.monotonic() < deadline, f"models not listed: {body!r}"
+            time.sleep(0.1)
+        yield front.address
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+@pytest.fixture
+async def client(stack):
+    async with openai.AsyncOpenAI(base_url=f"{stack}/v1", api_key="none", max_retries=0) as c:
+        yield c
+
+
+def ask(script: str) -> list[dict]:
+    return [{"role": "user", "content": f"What now? script={script}"}]
+
+
+def calls_of(message) -> list[tuple[str, dict]]:
+    out = []
+    for call in message.tool_calls or ():
+        assert call.type == "function" and call.id.startswith("call_")
+        args = json.loads(call.function.arguments)
+        assert isinstance(args, dict)
+        out.append((call.function.name, args))
+    return out
+
+
+async def streamed(client, model: str, script: str, **kwargs) -> dict:
+    """The streamed answer re-assembled: content, reasoning, calls (checking each call's first
+    delta carries id, type and name), and the finish reason."""
+    stream = await client.chat.completions.create(
+        model=model, messages=ask(script), stream=True, **kwargs)
+    content, reasoning, finish = [], [], None
+    calls: dict[int, dict] = {}
+    deltas = 0
+    async for chunk in stream:
+        choice = chunk.choices[0]
+        delta = choice.delta
+        content.append(delta.content or "")
+        reasoning.append(getattr(delta, "reasoning_content", None) or "")
+        for d in delta.tool_calls or ():
+            deltas += 1
+            if d.index not in calls:
+                assert d.id and d.id.startswith("call_") and d.type == "function"
+                assert d.function.name
+                calls[d.index] = {"name": d.function.name, "args": ""}
+            else:
+                assert d.id is None
+            calls[d.index]["args"] += d.function.arguments or ""
+        if choice.finish_reason is not None:
+            finish = choice.finish_reason
+    assert sorted(calls) == list(range(len(calls)))
+    return {
+        "content": "".join(content), "reasoning": "".join(reasoning), "finish": finish,
+        "calls": [(calls[i]["name"], json.loads(calls[i]["args"])) for i in sorted(calls)],
+        "deltas": deltas,
+    }
+
+
+async def unary(client, model: str, script: str, **kwargs) -> dict:
+    resp = await client.chat.completions.create(model=model, messages=ask(script), **kwargs)
+    choice = resp.choices[0]
+    message = choice.message
+    return {
+        "content": message.content or "", "finish": choice.finish_reason,
+        "reasoning": getattr(message, "reasoning_content", None) or "",
+        "calls": calls_of(message),
+    }
+
+
+@pytest.mark.parametrize(("model", "script", "content"), [
+    ("qwen", "hermes", "Let me check."),
+    ("llama", "llama", ""),
+    ("mistral", "mistral", ""),
+    ("pythonic", "pythonic", ""),
+])
+async def test_every_family_streams_and_returns_tool_calls(client, model, script, content):
+    whole = await unary(client, model, script, tools=TOOLS)
+    assert whole == {"content": content, "finish": "tool_calls", "reasoning": "", "calls": BOTH}
+    stream = await streamed(client, model, script, tools=TOOLS, tool_choice="auto")
+    assert stream["deltas"] >= 2 * len(BOTH)  # a first delta per call, then its arguments
+    assert {k: v for k, v in stream.items() if k != "deltas"} == whole
+
+
+async def test_tool_choice_none_and_no_tools_leave_the_text_alone(client):
+    for kwargs in ({"tools": TOOLS, "tool_choice": "none"}, {}):
+        whole = await unary(client, "qwen", "hermes", **kwargs)
+        assert whole == {"content": HERMES, "finish": "stop", "reasoning": "", "calls": []}
+        stream = await streamed(client, "qwen", "hermes", **kwargs)
+        assert (stream["content"], stream["calls"], stream["finish"]) == (HERMES, [], "stop")
+
+
+async def test_unfinished_markup_comes_back_as_content(client):
+    for model, script in (("qwen", "broken"), ("mistral", "mistral"), ("pythonic", "pythonic")):
+        cut = {"max_tokens": 8}  # the scripts' markup is cut short (finish: length)
+        if script == "broken":
+            cut = {}
+        whole = await unary(client, model, script, tools=TOOLS, **cut)
+        stream = await streamed(client, model, script, tools=TOOLS, **cut)
+        assert whole["calls"] == stream["calls"] == []
+        assert whole["content"] == stream["content"] and whole["content"]
+        assert SCRIPTS[script].startswith(whole["content"])
+        assert whole["finish"] == stream["finish"] == ("stop" if script == "broken" else "length")
+
+
+async def test_required_and_named_tool_choice_on_an_engine_with_structured_outputs(client):
+    for kwargs, calls in (
+        ({"tool_choice": "required"}, [("get_weather", W)]),
+        ({"tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+         [("get_time", T)]),
+    ):
+        script = "required" if kwargs["tool_choice"] == "required" else "named"
+        whole = await unary(client, "qwen", script, tools=TOOLS, **kwargs)
+        assert whole == {"content": "", "finish": "tool_calls", "reasoning": "", "calls": calls}
+        stream = await streamed(client, "qwen", script, tools=TOOLS, **kwargs)
+        assert (stream["calls"], stream["content"], stream["finish"]) == (calls, "", "tool_calls")
+    named = await streamed(client, "qwen", "named", tools=TOOLS,
+                           tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert named["deltas"] > 2  # the arguments stream as the engine writes them
+
+
+async def test_required_is_refused_where_the_engine_lacks_structured_outputs(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.chat.completions.create(
+            model="mocker", messages=ask("x"), tools=TOOLS, tool_choice="required")
+    err = info.value.body
+    assert err["param"] == "tool_choice" and "mocker" in err["message"]
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.chat.completions.create(
+            model="qwen", messages=ask("x"), tools=TOOLS,
+            tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert info.value.body["param"] == "tool_choice"
+
+
+@pytest.mark.parametrize(("model", "script", "reasoning", "content"), [
+    ("r1", "r1", "Thinking it over.", "Paris is sunny."),
+    ("qwen", "think", "\nPondering é 日本.\n", "\n\nThe answer is 4."),
+    ("qwen", "default", "", "Hello there."),
+])
+async def test_reasoning_is_split_streaming_and_not(client, model, script, reasoning, content):
+    whole = await unary(client, model, script)
+    assert whole == {"content": content, "finish": "stop", "reasoning": reasoning, "calls": []}
+    stream = await streamed(client, model, script)
+    assert {k: v for k, v in stream.items() if k != "deltas"} == whole
+
+
+async def test_reasoning_then_tool_calls(client):
+    whole = await unary(client, "qwen", "think_tools", tools=TOOLS)
+    # text after </think> is content as it is (vLLM's parsers keep its leading newlines)
+    assert whole == {"content": "\n\nLet me check.", "finish": "tool_calls",
+                     "reasoning": "The user wants the weather.", "calls": BOTH}
+    stream = await streamed(client, "qwen", "think_tools", tools=TOOLS)
+    assert {k: v for k, v in stream.items() if k != "deltas"} == whole
+
+
+async def test_completions_are_not_parsed(client):
+    resp = await client.completions.create(model="r1", prompt="script=r1", max_tokens=50)
+    assert resp.choices[0].text == SCRIPTS["r1"]
