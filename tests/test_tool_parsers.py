@@ -182,6 +182,11 @@ def test_reasoning_then_tools_and_the_finish_reason() -> None:
     assert last.finish_reason == FinishReason.TOOL_CALLS and last.tool_calls
     # no tools or tool_choice none (the frontend sends no ToolOptions), no reasoning: no parser
     assert output_parser(PreprocessedRequest([1]), "hermes", "qwen3") is None
+    # required: the constrained JSON starts at the first token, so no reasoning is looked for
+    required = PreprocessedRequest([1], tools=ToolOptions("required"), reasoning=True)
+    parser = output_parser(required, "hermes", "deepseek_r1")
+    assert parser is not None and parser.reasoning is None
+    assert isinstance(parser.tools, RequiredToolParser)
 
 
 def test_detect_from_the_chat_template(tmp_path: Path) -> None:

@@ -56,6 +56,10 @@ def apply_tools(req: ChatCompletionRequest, entry: ModelEntry, pre: Preprocessed
         return
     if choice is None or choice == "auto":
         pre.tools = ToolOptions("auto")
+        if entry.tool_call_parser == "mistral":
+            # [TOOL_CALLS] is a control token in Mistral's tokenizers: keep it in the text
+            # for the parser (as vLLM's Mistral parser does)
+            pre.output.skip_special_tokens = False
         return
     entry.require(Capability.STRUCTURED_OUTPUTS, "tool_choice")
     if pre.guided is not None:

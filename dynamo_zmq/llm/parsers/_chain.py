@@ -106,15 +106,16 @@ def output_parser(
     when it needs none (no tools or ``tool_choice: none``, and no reasoning parser)."""
     tools: ToolParser | None = None
     options = request.tools
+    constrained = False  # the output is the constrained JSON from its first token: no reasoning
     if options is not None:
         if options.choice == "required":
-            tools = RequiredToolParser()
+            tools, constrained = RequiredToolParser(), True
         elif options.choice == "function" and options.function:
-            tools = NamedToolParser(options.function)
+            tools, constrained = NamedToolParser(options.function), True
         elif tool_parser is not None:
             tools = TOOL_PARSERS[tool_parser]()
     reasoning = None
-    if request.reasoning and reasoning_parser is not None:
+    if request.reasoning and reasoning_parser is not None and not constrained:
         reasoning = REASONING_PARSERS[reasoning_parser]()
     if tools is None and reasoning is None:
         return None
