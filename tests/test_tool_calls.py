@@ -18,6 +18,7 @@ import uuid
 import openai
 import pytest
 
+from dynamo_zmq.llm import ModelAdvert
 from tests.support.http_calls import get
 from tests.support.procs import Proc
 
@@ -77,6 +78,7 @@ def stack(tiny_model, tmp_path_factory):
         "r1": ["--reasoning-parser", "deepseek_r1"],
     }
     procs: list[Proc] = []
+    addresses: dict[str, str] = {}
     try:
         for name, flags in workers.items():
             path = [] if "--model-path" in flags else ["--model-path", str(tiny_model)]
@@ -88,6 +90,7 @@ def stack(tiny_model, tmp_path_factory):
         procs.append(front)
         for proc in procs:
             proc.wait_ready(60)
+        addresses = dict(zip([*workers, "mocker"], [p.address for p in procs], strict=False))
         deadline = time.monotonic() + 60
         names = {*workers, "mocker"}
         while True:
@@ -96,7 +99,7 @@ def stack(tiny_model, tmp_path_factory):
                 break
             assert time.monotonic() < deadline, f"models not listed: {body!r}"
             time.sleep(0.1)
-        yield front.address
+        yield front.address, namespace, addresses
     finally:
         for proc in procs:
             proc.stop()
@@ -104,8 +107,24 @@ def stack(tiny_model, tmp_path_factory):
 
 @pytest.fixture
 async def client(stack):
-    async with openai.AsyncOpenAI(base_url=f"{stack}/v1", api_key="none", max_retries=0) as c:
+    async with openai.AsyncOpenAI(base_url=f"{stack[0]}/v1", api_key="none", max_retries=0) as c:
         yield c
+
+
+async def test_workers_advertise_their_parsers(stack, make_runtime):
+    _, namespace, addresses = stack
+    expected = {"qwen": ("hermes", "qwen3"),  # from the chat template
+                "llama": ("llama3_json", None), "r1": (None, "deepseek_r1"),
+                "mocker": (None, None)}
+    for name, parsers in expected.items():
+        rt = make_runtime(static=(addresses[name],))
+        client = await rt.endpoint(f"{namespace}.backend.generate").client()
+        await client.wait_for_instances(timeout=15)
+        (peer,) = [p for p in await rt.peers() if p.description]
+        (info,) = [e for e in peer.description.endpoints if e.name == "generate"]
+        advert = ModelAdvert.from_metadata(info.metadata)
+        assert advert is not None and advert.name == name
+        assert (advert.tool_call_parser, advert.reasoning_parser) == parsers
 
 
 def ask(script: str) -> list[dict]:

@@ -195,3 +195,19 @@ def test_detect_from_the_chat_template(tmp_path: Path) -> None:
     assert detect_parsers(tmp_path) == ("hermes", "qwen3")
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "plain"}))
     assert detect_parsers(tmp_path) == (None, None)
+
+
+_FRAGMENTS = ["<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "[", "]", "{", "}",
+              "(", ")", '"', "'", "\\", ",", ";", " ", "\n", "name", '"name": "f"', ":",
+              '"arguments": {}', '"parameters": {"a": 1}', "f(a=1)", "x", "é"]
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.sampled_from(sorted(TOOL_PARSERS)), st.lists(st.sampled_from(_FRAGMENTS), max_size=30),
+       st.data())
+def test_any_markup_soup_never_crashes_or_loses_text(name, fragments, data) -> None:
+    text = "".join(fragments)
+    whole = run(TOOL_PARSERS[name](), [text])
+    assert run(TOOL_PARSERS[name](), data.draw(splits(text))) == whole
+    if not whole[1]:
+        assert whole[0] == text
