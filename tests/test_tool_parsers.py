@@ -1,6 +1,8 @@
 """The tool-call and reasoning parsers on their own: every family's markup, several calls,
-invalid and unfinished markup (content, never lost), and the property that any split of the
-text into deltas gives what the whole text gives."""
+invalid and unfinished markup (content, never lost, until a call's name went out: then the call
+stands with its arguments as far as they went), the JSON families' arguments streaming as
+written, and the property that any split of the text into deltas gives what the whole text
+gives."""
 
 from __future__ import annotations
 
@@ -37,14 +39,27 @@ CASES = [
      "", [("get_time", T)]),  # no closing tag at the end of the output
     ("hermes", 'A <tool_call>{"name": 5}</tool_call> B', 'A <tool_call>{"name": 5}</tool_call> B',
      []),
-    ("hermes", 'ok <tool_call>{"name": "get_weather", "argu', 'ok <tool_call>{"name": '
-     '"get_weather", "argu', []),
+    ("hermes", 'ok <tool_call>{"name": "get_weather", "argu', "ok", [("get_weather", "")]),
+    ("hermes", 'ok <tool_call>{"name": "get_wea', 'ok <tool_call>{"name": "get_wea', []),
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": "Par', "",
+     [("get_weather", '{"city": "Par')]),  # cut short in the arguments: the call stands
+    ("hermes", '<tool_call>{"arguments": {"tz": "Europe/Paris"}, "name": "get_time"}'
+     "</tool_call>", "", [("get_time", T)]),
+    ("hermes", '<tool_call>{"name": "get_time", "arguments": "{\\"tz\\": \\"Europe/Paris\\"}"}'
+     "</tool_call>", "", [("get_time", T)]),  # the arguments as a JSON string
+    ("hermes", '<tool_call>{"name": "q", "arguments": {"s": "a \\"}]\\" b\\\\", '
+     '"n": [1, {"x": "]"}]}}</tool_call>', "",
+     [("q", {"s": 'a "}]" b\\', "n": [1, {"x": "]"}]})]),  # brackets and escapes in strings
+    ("hermes", '<tool_call>{"name":"f","arguments":{ "a" :1 }}</tool_call>', "",
+     [("f", '{ "a" :1 }')]),  # the arguments exactly as written
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}', "",
      [("get_weather", W)]),
     ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", '
      '"days": 3}}; {"name": "get_time", "parameters": {"tz": "Europe/Paris"}}', "",
      [("get_weather", W), ("get_time", T)]),
     ("llama3_json", "The answer is {not json}.", "The answer is {not json}.", []),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": ', "",
+     [("get_weather", '{"city": ')]),
     ("llama3_json", '  {"weather": "sunny"}', '  {"weather": "sunny"}', []),
     ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}},'
      ' {"name": "get_time", "arguments": {"tz": "Europe/Paris"}}]', "",
@@ -52,6 +67,9 @@ CASES = [
     ("mistral", 'Checking [TOOL_CALLS][{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}]',
      "Checking", [("get_time", T)]),
     ("mistral", "[TOOL_CALLS] nothing", "[TOOL_CALLS] nothing", []),
+    ("mistral", '[TOOL_CALLS] [{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}, '
+     '{"name": "get_weather", "arguments": {"city"', "",
+     [("get_time", T), ("get_weather", '{"city"')]),
     ("pythonic", '[get_weather(city="Paris", days=3), get_time(tz=\'Europe/Paris\')]', "",
      [("get_weather", W), ("get_time", T)]),
     ("pythonic", "[1] says so, see [get_time()]", "[1] says so, see [get_time()]", []),
@@ -60,7 +78,8 @@ CASES = [
 ]
 
 
-def run(parser: ToolParser, pieces: list[str]) -> tuple[str, list[tuple[str, dict]]]:
+def run(parser: ToolParser, pieces: list[str]) -> tuple[str, list[tuple[str, str]]]:
+    """Content and calls ``(name, arguments as streamed)`` of ``pieces`` fed in turn."""
     content: list[str] = []
     deltas = []
     for piece in pieces:
@@ -73,30 +92,37 @@ def run(parser: ToolParser, pieces: list[str]) -> tuple[str, list[tuple[str, dic
     return "".join(content), assemble(deltas)
 
 
-def assemble(deltas) -> list[tuple[str, dict]]:
+def assemble(deltas) -> list[tuple[str, str]]:
     calls: dict[int, list] = {}
     for d in deltas:
         if d.id is not None:
-            assert d.index not in calls and d.name
+            assert d.index not in calls and d.name and not d.arguments
             calls[d.index] = [d.name, ""]
+        else:
+            assert d.arguments  # no empty pieces
         calls[d.index][1] += d.arguments
     assert sorted(calls) == list(range(len(calls)))
-    out = []
-    for i in range(len(calls)):
-        args = json.loads(calls[i][1])
-        assert isinstance(args, dict)
-        out.append((calls[i][0], args))
-    return out
+    return [(calls[i][0], calls[i][1]) for i in range(len(calls))]
+
+
+def expected(got: list[tuple[str, str]], want: list[tuple[str, dict | str]]) -> bool:
+    """``got`` calls are ``want``: arguments given as an object parse to it (a JSON object),
+    given as a string are exactly it."""
+    if [n for n, _ in got] != [n for n, _ in want]:
+        return False
+    return all(raw == args if isinstance(args, str) else json.loads(raw) == args
+               for (_, raw), (_, args) in zip(got, want, strict=True))
 
 
 @pytest.mark.parametrize(("name", "text", "content", "calls"), CASES)
 def test_whole_text(name, text, content, calls) -> None:
-    assert run(TOOL_PARSERS[name](), [text]) == (content, calls)
+    got, found = run(TOOL_PARSERS[name](), [text])
+    assert got == content and expected(found, calls), (got, found)
 
 
 @pytest.mark.parametrize(("name", "text", "content", "calls"), CASES)
 def test_one_character_at_a_time(name, text, content, calls) -> None:
-    assert run(TOOL_PARSERS[name](), list(text)) == (content, calls)
+    assert run(TOOL_PARSERS[name](), list(text)) == run(TOOL_PARSERS[name](), [text])
 
 
 def splits(text: str):
@@ -121,6 +147,31 @@ def test_any_split_gives_the_whole_texts_result(data) -> None:
         assert got == text
 
 
+def test_json_arguments_stream_as_the_model_writes_them() -> None:
+    """The first delta once the name is complete, then each piece of the arguments object as
+    it arrives, nothing held back; arguments before the name wait for it."""
+    for name, head, args_key, tail in (
+        ("hermes", "<tool_call>\n", "arguments", "}\n</tool_call>"),
+        ("llama3_json", "<|python_tag|>", "parameters", "}"),
+        ("mistral", "[TOOL_CALLS] [", "arguments", "}]"),
+    ):
+        parser = TOOL_PARSERS[name]()
+        assert parser.feed(head + '{"name": "get_wea') == ("", [])
+        _, (first,) = parser.feed('ther", ')
+        assert (first.index, first.name, first.arguments) == (0, "get_weather", "")
+        assert first.id is not None and first.id.startswith("call_")
+        pieces = [f'"{args_key}": ', '{"ci', 'ty": "Pa', 'ris\\"', '", "days": 3', "}", tail]
+        got = [parser.feed(p) for p in pieces] + [parser.finish()]
+        assert [c for c, _ in got] == [""] * len(got)
+        assert [[(d.index, d.id, d.arguments) for d in ds] for _, ds in got] == [
+            [], [(0, None, '{"ci')], [(0, None, 'ty": "Pa')], [(0, None, 'ris\\"')],
+            [(0, None, '", "days": 3')], [(0, None, "}")], [], []]
+    parser = TOOL_PARSERS["hermes"]()
+    assert parser.feed('<tool_call>{"arguments": {"tz": "UTC"}, ') == ("", [])
+    _, deltas = parser.feed('"name": "get_time"')
+    assert [(d.name, d.arguments) for d in deltas] == [("get_time", ""), (None, '{"tz": "UTC"}')]
+
+
 def test_streamed_content_holds_back_only_possible_markup() -> None:
     parser = TOOL_PARSERS["hermes"]()
     assert parser.feed("Hello wor") == ("Hello wor", [])
@@ -132,11 +183,13 @@ def test_streamed_content_holds_back_only_possible_markup() -> None:
 def test_required_and_named_parse_the_constrained_json() -> None:
     text = '[{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}]'
     for pieces in ([text], list(text)):
-        assert run(RequiredToolParser(), pieces) == ("", [("get_weather", W)])
+        got, found = run(RequiredToolParser(), pieces)
+        assert got == "" and expected(found, [("get_weather", W)])
     parser = NamedToolParser("get_time")
     _, deltas = parser.feed('{"tz": ')
     assert deltas[0].name == "get_time" and deltas[1].arguments == '{"tz": '
-    assert run(NamedToolParser("get_time"), list(json.dumps(T))) == ("", [("get_time", T)])
+    assert run(NamedToolParser("get_time"), list(json.dumps(T))) == ("", [("get_time",
+                                                                         json.dumps(T))])
 
 
 REASONING = [
@@ -179,7 +232,11 @@ def test_reasoning_then_tools_and_the_finish_reason() -> None:
     last = parser.apply(LLMEngineOutput([2], text=text[-3:], finish_reason=FinishReason.EOS))
     assert "".join(o.reasoning or "" for o in [*outs, last]) == "Weather?"
     assert "".join(o.text or "" for o in [*outs, last]) == ""
-    assert last.finish_reason == FinishReason.TOOL_CALLS and last.tool_calls
+    # the call streamed before the last chunk (its arguments were complete by then)
+    assert last.finish_reason == FinishReason.TOOL_CALLS
+    streamed = [c for o in outs for c in o.tool_calls or ()]
+    assert [c.name for c in streamed if c.name] == ["f"]
+    assert "".join(c.arguments for c in streamed) == "{}"
     # no tools or tool_choice none (the frontend sends no ToolOptions), no reasoning: no parser
     assert output_parser(PreprocessedRequest([1]), "hermes", "qwen3") is None
     # required: the constrained JSON starts at the first token, so no reasoning is looked for

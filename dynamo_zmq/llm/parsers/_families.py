@@ -7,9 +7,10 @@ from __future__ import annotations
 import ast
 import json
 import re
-from typing import Any
+from typing import Any, ClassVar
 
-from ._scan import INCOMPLETE, MISMATCH, balanced_end, call_of, skip
+from ._json_calls import JsonCalls
+from ._scan import INCOMPLETE, MISMATCH, balanced_end, skip
 from ._tool_base import Region, ToolParser
 
 __all__ = [
@@ -23,97 +24,89 @@ __all__ = [
 _NAME_ARGS = ("arguments", "parameters")
 
 
-class HermesToolParser(ToolParser):
+class _JsonToolParser(ToolParser):
+    """A family whose calls are JSON objects: scanned incrementally (``JsonCalls``), so a
+    call's first delta goes out once its name is known and its arguments stream as written."""
+
+    #: The arguments' key names.
+    keys: ClassVar[tuple[str, ...]] = _NAME_ARGS
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._json: JsonCalls | None = None
+
+    def open_region(self) -> None:
+        self._json = None
+
+    def parse_region(self, text: str, final: bool) -> Region:
+        if self._json is None:
+            i = skip(text, 0)
+            if i >= len(text):
+                return Region([], "fail" if final else "more", len(text))
+            json_calls = self.start(text, i)
+            if json_calls is None:
+                return Region([], "fail", i + 1, 0)
+            self._json = json_calls
+        return self._json.scan(text, final)
+
+    def start(self, text: str, i: int) -> JsonCalls | None:
+        """The scanner for a region whose first non-blank character is ``text[i]``; None when
+        it is no tool call."""
+        raise NotImplementedError
+
+
+class HermesToolParser(_JsonToolParser):
     """Hermes / Qwen: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, any number
-    per message, text between them is content."""
+    per message, text between them is content (at the end of the output, the closing tag may
+    be missing)."""
 
     name = "hermes"
     markers = ("<tool_call>",)
-    _close = "</tool_call>"
 
-    def parse_region(self, text: str, final: bool) -> Region:
-        end = text.find(self._close)
-        if end < 0:
-            if final and (call := call_of(text.strip(), _NAME_ARGS)) is not None:
-                return Region([call], "done", len(text), len(text))  # no closing tag at EOS
-            return Region([], "more")
-        stop = end + len(self._close)
-        call = call_of(text[:end].strip(), _NAME_ARGS)
-        if call is None:
-            return Region([], "fail", stop, 0)
-        return Region([call], "done", stop, stop)
+    def start(self, text: str, i: int) -> JsonCalls | None:
+        if text[i] != "{":
+            return None
+        return JsonCalls(i, self.keys, "", "</tool_call>", single=True)
 
 
-def _objects(
-    text: str, i: int, seps: str, close: str, keys: tuple[str, ...], final: bool
-) -> Region:
-    """JSON call objects from ``i`` on, separated by ``seps`` (and whitespace), up to ``close``
-    (or, with ``close`` empty, the first other character; ``final``: the end of the text)."""
-    calls: list[tuple[str, str]] = []
-    call_end = 0
-    n = len(text)
-    while True:
-        i = skip(text, i, " \t\r\n" + seps)
-        if i >= n:
-            return Region(calls, "done" if final else "more", n, call_end)
-        c = text[i]
-        if close and c == close:
-            return Region(calls, "done", i + 1, call_end)
-        if c != "{":
-            if close:
-                return Region(calls, "fail", i + 1, call_end)
-            return Region(calls, "done", call_end, call_end)
-        end = balanced_end(text, i)
-        if end == INCOMPLETE:
-            return Region(calls, "more", 0, call_end)
-        if end == MISMATCH or (call := call_of(text[i:end], keys)) is None:
-            return Region(calls, "fail", max(end, i + 1), call_end)
-        calls.append(call)
-        i = call_end = end
-
-
-class Llama3JsonToolParser(ToolParser):
+class Llama3JsonToolParser(_JsonToolParser):
     """Llama 3.x JSON tool calls: ``{"name": ..., "parameters": {...}}`` starting the output or
     after ``<|python_tag|>``, several separated by ``;``."""
 
     name = "llama3_json"
     markers = ("<|python_tag|>",)
     openers = "{"
+    keys = _NAME_ARGS[::-1]
 
-    def parse_region(self, text: str, final: bool) -> Region:
-        i = skip(text, 0)
-        if i < len(text) and text[i] != "{":
-            return Region([], "fail", i + 1, 0)
-        return _objects(text, i, ";", "", _NAME_ARGS[::-1], final)
+    def start(self, text: str, i: int) -> JsonCalls | None:
+        return JsonCalls(i, self.keys, ";", "") if text[i] == "{" else None
 
 
-class MistralToolParser(ToolParser):
+class MistralToolParser(_JsonToolParser):
     """Mistral: ``[TOOL_CALLS]`` then a JSON array of ``{"name", "arguments"}`` (or one
     object)."""
 
     name = "mistral"
     markers = ("[TOOL_CALLS]",)
 
-    def parse_region(self, text: str, final: bool) -> Region:
-        i = skip(text, 0)
-        if i >= len(text):
-            return Region([], "more")
+    def start(self, text: str, i: int) -> JsonCalls | None:
         if text[i] == "[":
-            return _objects(text, i + 1, ",", "]", _NAME_ARGS, final)
+            return JsonCalls(i + 1, self.keys, ",", "]")
         if text[i] == "{":
-            return _objects(text, i, "", "", _NAME_ARGS, final)
-        return Region([], "fail", i + 1, 0)
+            return JsonCalls(i, self.keys, "", "")
+        return None
 
 
-class RequiredToolParser(ToolParser):
+class RequiredToolParser(_JsonToolParser):
     """``tool_choice: required``: the output is the JSON array the frontend's schema asks for,
     ``[{"name": ..., "parameters": {...}}, ...]``."""
 
     name = "required"
     openers = "["
+    keys = _NAME_ARGS[::-1]
 
-    def parse_region(self, text: str, final: bool) -> Region:
-        return _objects(text, 1, ",", "]", _NAME_ARGS[::-1], final)
+    def start(self, text: str, i: int) -> JsonCalls | None:
+        return JsonCalls(i + 1, self.keys, ",", "]")
 
 
 _IDENT = re.compile(r"[A-Za-z_][\w.]*")

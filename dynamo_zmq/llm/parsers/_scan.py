@@ -3,10 +3,7 @@ on text that may still be incomplete."""
 
 from __future__ import annotations
 
-import json
-from typing import Any
-
-__all__ = ["INCOMPLETE", "MISMATCH", "balanced_end", "call_of", "skip"]
+__all__ = ["INCOMPLETE", "MISMATCH", "balanced_end", "skip"]
 
 _CLOSE = {"{": "}", "[": "]", "(": ")"}
 #: ``balanced_end`` results besides an index.
@@ -48,27 +45,3 @@ def skip(text: str, i: int, chars: str = " \t\r\n") -> int:
     while i < n and text[i] in chars:
         i += 1
     return i
-
-
-def call_of(source: str, args_keys: tuple[str, ...]) -> tuple[str, str] | None:
-    """``(name, arguments JSON)`` of a JSON object ``{"name": ..., KEY: {...}}`` (KEY the first
-    of ``args_keys`` present; no arguments key: ``{}``), or None if it is not one."""
-    try:
-        obj: Any = json.loads(source)
-    except ValueError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
-        return None
-    args: Any = {}
-    for key in args_keys:
-        if key in obj:
-            args = obj[key]
-            break
-    if isinstance(args, str):  # some models write the arguments as a JSON string
-        try:
-            args = json.loads(args)
-        except ValueError:
-            return None
-    if not isinstance(args, dict):
-        return None
-    return obj["name"], json.dumps(args, ensure_ascii=False)

@@ -4,11 +4,14 @@ Text goes through two states. In *text*, content streams out, holding back only 
 start a tool-call region: a partial start marker, trailing whitespace (dropped when a region
 follows), and, at the very start of the output, an opener the family may begin with (Llama's
 ``{``, pythonic ``[``). In a *region* (after its marker) text is buffered and handed, whole so
-far, to the family's ``parse_region``, which reports the complete calls in it and whether the
-region goes on, ended, or is not a tool call after all. A call is emitted once its markup is
-complete and valid; markup that turns out invalid, or is still open at the end, comes back as
-content. Every decision depends only on the text, never on how it was split into deltas, so a
-stream gives the same calls and content as the whole text.
+far, to the family's ``parse_region``, which reports the calls in it and whether the region
+goes on, ended, or is not a tool call after all. A family either reports a call once its markup
+is complete (pythonic), or, as the JSON families do, also the call still being written once its
+name is known (``Region.partial``): its first delta goes out then, and its arguments stream as
+they grow. Markup that turns out invalid, or is still open at the end, before a call's name went
+out comes back as content; a call whose name went out stands. Every decision depends only on
+the text, never on how it was split into deltas, so a stream gives the same calls and content
+as the whole text.
 """
 
 from __future__ import annotations
@@ -40,6 +43,9 @@ class Region(NamedTuple):
     end: int = 0
     #: Where the last valid call ends (``fail``: content starts there).
     call_end: int = 0
+    #: ``more``: the call after ``calls`` whose name is known, with its arguments so far (a
+    #: prefix of its arguments once complete).
+    partial: tuple[str, str] | None = None
 
 
 class ToolParser:
@@ -59,6 +65,8 @@ class ToolParser:
         self._fresh = True  # nothing emitted yet: an opener may still begin a region
         self._marker: str | None = None  # the open region's marker ("" for an opener)
         self._emitted = 0  # calls of the open region already emitted
+        self._open_call = -1  # index of the call whose first delta went out, still growing
+        self._sent = 0  # how much of that call's arguments went out
         self._hold = max((len(m) for m in self.markers), default=1) - 1
         #: Tool calls emitted so far.
         self.calls = 0
@@ -136,6 +144,24 @@ class ToolParser:
 
     def _open(self, marker: str, rest: str) -> None:
         self._marker, self._buf, self._emitted, self._fresh = marker, rest, 0, False
+        self.open_region()
+
+    def open_region(self) -> None:
+        """A region opens: families that scan incrementally start afresh."""
+
+    def _send(self, deltas: list[ToolCallDelta], name: str, args: str, done: bool) -> None:
+        """A call's deltas: its first (id, name) unless it went out already, then whatever of
+        its ``args`` has not."""
+        index = self._open_call
+        if index < 0:
+            index = self.calls
+            self.calls += 1
+            deltas.append(ToolCallDelta(index, id=new_call_id(), name=name))
+            self._sent = 0
+        if len(args) > self._sent:
+            deltas.append(ToolCallDelta(index, arguments=args[self._sent :]))
+            self._sent = len(args)
+        self._open_call = -1 if done else index
 
     def _region(self, out: list[str], deltas: list[ToolCallDelta], final: bool) -> bool:
         """Region state; True when the region closed (keep going in text)."""
@@ -145,11 +171,10 @@ class ToolParser:
             region = Region(region.calls, "fail", len(self._buf), region.call_end)
             status = "fail"
         for name, args in region.calls[self._emitted :]:
-            index = self.calls
-            self.calls += 1
-            deltas.append(ToolCallDelta(index, id=new_call_id(), name=name))
-            deltas.append(ToolCallDelta(index, arguments=args))
+            self._send(deltas, name, args, True)
         self._emitted = len(region.calls)
+        if region.partial is not None:
+            self._send(deltas, *region.partial, False)
         if status == "more":
             return False
         if status == "done" and not region.calls:
