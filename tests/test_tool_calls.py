@@ -2,10 +2,12 @@
 
 A scripted engine (``tests.support.engines:ScriptedEngine``) emits each family's markup token by
 token through the worker's real detokenizer and parsers: every family's calls stream as OpenAI
-tool-call deltas that re-assemble to the non-streamed calls, ``finish_reason`` is
-``tool_calls``, ``tool_choice: none`` leaves the text alone, unfinished markup comes back as
-content, ``required`` and a named function work on an engine with structured outputs (and are
-refused on the mocker), and reasoning moves to ``reasoning_content``, alone or before tool calls.
+tool-call deltas that re-assemble to the non-streamed calls (the JSON families' arguments in
+pieces, as the model writes them), ``finish_reason`` is ``tool_calls``, ``tool_choice: none``
+leaves the text alone, markup cut short before a call's name comes back as content and a call
+cut short after it stands with its arguments so far, ``required`` and a named function work on
+an engine with structured outputs (and are refused on the mocker), and reasoning moves to
+``reasoning_content``, alone or before tool calls.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import uuid
 
 import openai
 import pytest
+from tokenizers import Tokenizer
 
 from dynamo_zmq.llm import ModelAdvert
 from tests.support.http_calls import get
@@ -36,6 +39,7 @@ SCRIPTS = {
                                              {"name": "get_time", "arguments": T}]),
     "pythonic": "[get_weather(city='Paris', days=3), get_time(tz=\"Europe/Paris\")]",
     "broken": 'Sure <tool_call>{"name": "get_weather", "arguments": {"city": ',
+    "broken_early": 'Sure <tool_call>{"name": "get_wea',
     "think": "<think>\nPondering é 日本.\n</think>\n\nThe answer is 4.",
     "think_tools": "<think>The user wants the weather.</think>\n\n" + HERMES,
     "r1": "Thinking it over.</think>Paris is sunny.",
@@ -131,24 +135,34 @@ def ask(script: str) -> list[dict]:
     return [{"role": "user", "content": f"What now? script={script}"}]
 
 
-def calls_of(message) -> list[tuple[str, dict]]:
+def args_of(raw: str) -> dict | str:
+    """A call's arguments as an object, or as they came where they are no JSON (cut short)."""
+    try:
+        args = json.loads(raw)
+    except ValueError:
+        return raw
+    assert isinstance(args, dict)
+    return args
+
+
+def calls_of(message) -> list[tuple[str, dict | str]]:
     out = []
     for call in message.tool_calls or ():
         assert call.type == "function" and call.id.startswith("call_")
-        args = json.loads(call.function.arguments)
-        assert isinstance(args, dict)
-        out.append((call.function.name, args))
+        out.append((call.function.name, args_of(call.function.arguments)))
     return out
 
 
 async def streamed(client, model: str, script: str, **kwargs) -> dict:
     """The streamed answer re-assembled: content, reasoning, calls (checking each call's first
-    delta carries id, type and name), and the finish reason."""
+    delta carries id, type and name), and the finish reason; ``deltas`` counts the tool-call
+    deltas, ``pieces`` the non-empty argument pieces of each call, ``raw`` its arguments."""
     stream = await client.chat.completions.create(
         model=model, messages=ask(script), stream=True, **kwargs)
     content, reasoning, finish = [], [], None
     calls: dict[int, dict] = {}
     deltas = 0
+    pieces: dict[int, int] = {}
     async for chunk in stream:
         choice = chunk.choices[0]
         delta = choice.delta
@@ -163,25 +177,36 @@ async def streamed(client, model: str, script: str, **kwargs) -> dict:
             else:
                 assert d.id is None
             calls[d.index]["args"] += d.function.arguments or ""
+            pieces[d.index] = pieces.get(d.index, 0) + bool(d.function.arguments)
         if choice.finish_reason is not None:
             finish = choice.finish_reason
     assert sorted(calls) == list(range(len(calls)))
     return {
         "content": "".join(content), "reasoning": "".join(reasoning), "finish": finish,
-        "calls": [(calls[i]["name"], json.loads(calls[i]["args"])) for i in sorted(calls)],
-        "deltas": deltas,
+        "calls": [(calls[i]["name"], args_of(calls[i]["args"])) for i in sorted(calls)],
+        "deltas": deltas, "pieces": [pieces[i] for i in sorted(calls)],
+        "raw": [calls[i]["args"] for i in sorted(calls)],
     }
 
 
-async def unary(client, model: str, script: str, **kwargs) -> dict:
+def same(stream: dict, whole: dict) -> dict:
+    """The streamed answer's fields that the non-streamed one has."""
+    return {k: v for k, v in stream.items() if k in whole}
+
+
+async def unary(client, model: str, script: str, raw: bool = False, **kwargs) -> dict:
+    """The non-streamed answer (``raw``: with each call's arguments as they came)."""
     resp = await client.chat.completions.create(model=model, messages=ask(script), **kwargs)
     choice = resp.choices[0]
     message = choice.message
-    return {
+    out = {
         "content": message.content or "", "finish": choice.finish_reason,
         "reasoning": getattr(message, "reasoning_content", None) or "",
         "calls": calls_of(message),
     }
+    if raw:
+        out["raw"] = [c.function.arguments for c in message.tool_calls or ()]
+    return out
 
 
 @pytest.mark.parametrize(("model", "script", "content"), [
@@ -195,7 +220,7 @@ async def test_every_family_streams_and_returns_tool_calls(client, model, script
     assert whole == {"content": content, "finish": "tool_calls", "reasoning": "", "calls": BOTH}
     stream = await streamed(client, model, script, tools=TOOLS, tool_choice="auto")
     assert stream["deltas"] >= 2 * len(BOTH)  # a first delta per call, then its arguments
-    assert {k: v for k, v in stream.items() if k != "deltas"} == whole
+    assert same(stream, whole) == whole
 
 
 async def test_tool_choice_none_and_no_tools_leave_the_text_alone(client):
@@ -207,16 +232,74 @@ async def test_tool_choice_none_and_no_tools_leave_the_text_alone(client):
 
 
 async def test_unfinished_markup_comes_back_as_content(client):
-    for model, script in (("qwen", "broken"), ("mistral", "mistral"), ("pythonic", "pythonic")):
+    # markup cut short before a call's name is complete (a call cut short after it stands:
+    # see test_a_call_cut_short_after_its_name_stands)
+    for model, script in (("qwen", "broken_early"), ("mistral", "mistral"),
+                          ("pythonic", "pythonic")):
         cut = {"max_tokens": 8}  # the scripts' markup is cut short (finish: length)
-        if script == "broken":
+        if script == "broken_early":
             cut = {}
         whole = await unary(client, model, script, tools=TOOLS, **cut)
         stream = await streamed(client, model, script, tools=TOOLS, **cut)
         assert whole["calls"] == stream["calls"] == []
         assert whole["content"] == stream["content"] and whole["content"]
         assert SCRIPTS[script].startswith(whole["content"])
-        assert whole["finish"] == stream["finish"] == ("stop" if script == "broken" else "length")
+        assert whole["finish"] == stream["finish"] == (
+            "stop" if script == "broken_early" else "length")
+
+
+@pytest.mark.parametrize(("model", "script", "content"), [
+    ("qwen", "hermes", "Let me check."),
+    ("llama", "llama", ""),
+    ("mistral", "mistral", ""),
+])
+async def test_json_families_stream_the_arguments_in_pieces(client, model, script, content):
+    """Each call's arguments arrive in several deltas as the engine writes them; they
+    concatenate to the non-streamed arguments, exactly the model's text."""
+    whole = await unary(client, model, script, raw=True, tools=TOOLS)
+    assert whole["calls"] == BOTH and whole["content"] == content
+    assert whole["raw"] == [json.dumps(W), json.dumps(T)]  # as the script wrote them
+    stream = await streamed(client, model, script, tools=TOOLS)
+    assert all(n > 1 for n in stream["pieces"]), stream["pieces"]
+    assert same(stream, whole) == whole
+
+
+async def test_pythonic_calls_go_out_whole(client):
+    stream = await streamed(client, "pythonic", "pythonic", tools=TOOLS)
+    assert stream["calls"] == BOTH and stream["pieces"] == [1, 1]
+
+
+@pytest.mark.parametrize(("model", "script", "key", "content"), [
+    ("qwen", "hermes", '"arguments": ', "Let me check."),
+    ("llama", "llama", '"parameters": ', ""),
+    ("mistral", "mistral", '"arguments": ', ""),
+])
+async def test_a_call_cut_short_by_max_tokens_streams_its_partial_arguments(
+    client, tiny_model, model, script, key, content
+):
+    """Like OpenAI's API: the call stays as streamed, arguments truncated, finish ``length``."""
+    tokenizer = Tokenizer.from_file(str(tiny_model / "tokenizer.json"))
+    ids = tokenizer.encode(SCRIPTS[script], add_special_tokens=False).ids
+    limit = next(k for k in range(len(ids)) if '"city": "P' in tokenizer.decode(ids[:k]))
+    text = tokenizer.decode(ids[:limit])
+    partial = text[text.index(key) + len(key):]
+    assert partial.startswith('{"city": "P') and partial != json.dumps(W)
+    expected = {"content": content, "finish": "length", "reasoning": "",
+                "calls": [("get_weather", partial)], "raw": [partial]}
+    whole = await unary(client, model, script, raw=True, tools=TOOLS, max_tokens=limit)
+    assert whole == expected
+    stream = await streamed(client, model, script, tools=TOOLS, max_tokens=limit)
+    assert same(stream, whole) == expected and stream["pieces"][0] > 1
+
+
+async def test_a_call_cut_short_after_its_name_stands(client):
+    """The output ends (end of sequence) inside a call's arguments: the call stands with its
+    arguments so far, and the model made a call, so the finish reason is ``tool_calls``."""
+    expected = {"content": "Sure", "finish": "tool_calls", "reasoning": "",
+                "calls": [("get_weather", '{"city": ')], "raw": ['{"city": ']}
+    assert await unary(client, "qwen", "broken", raw=True, tools=TOOLS) == expected
+    stream = await streamed(client, "qwen", "broken", tools=TOOLS)
+    assert same(stream, expected) == expected
 
 
 async def test_required_and_named_tool_choice_on_an_engine_with_structured_outputs(client):
@@ -257,7 +340,7 @@ async def test_reasoning_is_split_streaming_and_not(client, model, script, reaso
     whole = await unary(client, model, script)
     assert whole == {"content": content, "finish": "stop", "reasoning": reasoning, "calls": []}
     stream = await streamed(client, model, script)
-    assert {k: v for k, v in stream.items() if k != "deltas"} == whole
+    assert same(stream, whole) == whole
 
 
 async def test_reasoning_then_tool_calls(client):
@@ -266,7 +349,7 @@ async def test_reasoning_then_tool_calls(client):
     assert whole == {"content": "\n\nLet me check.", "finish": "tool_calls",
                      "reasoning": "The user wants the weather.", "calls": BOTH}
     stream = await streamed(client, "qwen", "think_tools", tools=TOOLS)
-    assert {k: v for k, v in stream.items() if k != "deltas"} == whole
+    assert same(stream, whole) == whole
 
 
 async def test_completions_are_not_parsed(client):

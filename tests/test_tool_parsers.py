@@ -172,6 +172,33 @@ def test_json_arguments_stream_as_the_model_writes_them() -> None:
     assert [(d.name, d.arguments) for d in deltas] == [("get_time", ""), (None, '{"tz": "UTC"}')]
 
 
+#: The cases whose calls are all complete.
+COMPLETE = [c for c in CASES if all(not isinstance(args, str) or args.endswith("}")
+                                    for _, args in c[3])]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_complete_calls_any_split_gives_the_same_calls_and_content(data) -> None:
+    name, text, content, calls = data.draw(st.sampled_from(COMPLETE))
+    got, found = run(TOOL_PARSERS[name](), data.draw(splits(text)))
+    assert got == content and expected(found, calls)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_a_cut_short_stream_is_a_prefix_of_the_whole(data) -> None:
+    """Cut anywhere, the calls so far are the whole text's first calls, each with a prefix of
+    its arguments: what streamed never has to be taken back."""
+    name, text, _, _ = data.draw(st.sampled_from(COMPLETE))
+    _, whole = run(TOOL_PARSERS[name](), [text])
+    cut = text[: data.draw(st.integers(0, len(text)))]
+    _, found = run(TOOL_PARSERS[name](), data.draw(splits(cut)))
+    assert len(found) <= len(whole)
+    for (n, args), (full_n, full_args) in zip(found, whole, strict=False):
+        assert n == full_n and full_args.startswith(args)
+
+
 def test_streamed_content_holds_back_only_possible_markup() -> None:
     parser = TOOL_PARSERS["hermes"]()
     assert parser.feed("Hello wor") == ("Hello wor", [])
@@ -256,7 +283,13 @@ def test_detect_from_the_chat_template(tmp_path: Path) -> None:
 
 _FRAGMENTS = ["<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "[", "]", "{", "}",
               "(", ")", '"', "'", "\\", ",", ";", " ", "\n", "name", '"name": "f"', ":",
-              '"arguments": {}', '"parameters": {"a": 1}', "f(a=1)", "x", "é"]
+              '"arguments": {}', '"parameters": {"a": 1}', "f(a=1)", "x", "é",
+              '{"name": "g", "arguments": {"s": "', '"arguments": {"n": [1, "]', "true", "3"]
+
+
+def subsequence(part: str, text: str) -> bool:
+    chars = iter(text)
+    return all(c in chars for c in part)
 
 
 @settings(max_examples=400, deadline=None)
@@ -268,3 +301,4 @@ def test_any_markup_soup_never_crashes_or_loses_text(name, fragments, data) -> N
     assert run(TOOL_PARSERS[name](), data.draw(splits(text))) == whole
     if not whole[1]:
         assert whole[0] == text
+    assert subsequence(whole[0], text)  # content is the text less the calls' markup
