@@ -1,11 +1,12 @@
 """Tool-call and reasoning parsers, run by the worker's post-processing.
 
 Each parser is incremental: text deltas in, content, reasoning and OpenAI-style tool-call
-deltas out, holding back only text that may still be markup; whatever markup is invalid or
-still open at the end comes back as content. Families: ``hermes`` (Hermes/Qwen
-``<tool_call>``), ``llama3_json``, ``mistral``, ``pythonic``; reasoning: ``deepseek_r1``,
-``qwen3``. A worker picks them with ``--tool-call-parser`` / ``--reasoning-parser``, or from its
-model's chat template (``detect_parsers``).
+deltas out, holding back only text that may still be markup; markup that is invalid or still
+open at the end comes back as content, unless a call's name went out (the JSON families send a
+call once its name is complete and stream its arguments as written). Families: ``hermes``
+(Hermes/Qwen ``<tool_call>``), ``llama3_json``, ``mistral``, ``pythonic``; reasoning:
+``deepseek_r1``, ``qwen3``. A worker picks them with ``--tool-call-parser`` /
+``--reasoning-parser``, or from its model's chat template (``detect_parsers``).
 """
 
 from ._chain import REASONING_PARSERS as REASONING_PARSERS
