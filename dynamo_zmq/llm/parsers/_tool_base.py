@@ -34,7 +34,8 @@ def new_call_id() -> str:
 class Region(NamedTuple):
     """What ``parse_region`` found in a region's text so far."""
 
-    #: Every complete, valid call in the region, in order: ``(name, arguments JSON)``.
+    #: Every finished call in the region, in order: ``(name, arguments)`` (complete and valid,
+    #: or one that went out by its name and ended early: its arguments as far as they went).
     calls: list[tuple[str, str]]
     #: ``more`` (wait for text), ``done`` (the region ended at ``end``) or ``fail`` (the text
     #: after the last call, up to ``end``, is no tool call: it is content).
