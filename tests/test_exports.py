@@ -16,6 +16,7 @@ PACKAGES = [
     "dynamo_zmq.discovery",
     "dynamo_zmq.frontend",
     "dynamo_zmq.llm",
+    "dynamo_zmq.llm.parsers",
     "dynamo_zmq.runtime",
     "dynamo_zmq.tools",
     "dynamo_zmq.transport",

@@ -51,6 +51,7 @@ def eos_id(tokenizer) -> int:
     ("stop", "stop"),
     ("length", "length"),
     ("cancelled", "stop"),  # Dynamo: FinishReason::Cancelled -> FinishReason::Stop
+    ("tool_calls", "tool_calls"),  # issue 15: the worker parsed a tool call
     ("something-new", "stop"),
 ])
 def test_openai_finish_reason_table(ours, openai_reason):
@@ -61,7 +62,9 @@ def test_error_is_not_a_finish_reason():
     """An error ends a request as an OpenAI error (500 / an SSE error event), as in Dynamo's
     chat delta generator, never as a finish_reason."""
     assert FinishReason.ERROR not in OPENAI_FINISH_REASONS
-    assert set(OPENAI_FINISH_REASONS) == (FinishReason.ALL - {FinishReason.ERROR}) | {"eos"}
+    assert set(OPENAI_FINISH_REASONS) == (
+        (FinishReason.ALL - {FinishReason.ERROR}) | {"eos", "tool_calls"}
+    )
 
 
 def _terminal(tokenizer, prompt, chunk, **stop) -> LLMEngineOutput:

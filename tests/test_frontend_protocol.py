@@ -319,10 +319,20 @@ def test_cross_field_rules() -> None:
     assert bad(parse_chat, chat_body(tool_choice="sometimes")).param == "tool_choice"
 
 
+def test_tool_choice_required_and_named() -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    named = {"type": "function", "function": {"name": "f"}}
+    assert parse_chat(chat_body(tools=tools, tool_choice="required")).tool_choice == "required"
+    assert parse_chat(chat_body(tools=tools, tool_choice=named)).tool_choice == named
+    for choice in ("required", named):  # nothing to call
+        assert bad(parse_chat, chat_body(tool_choice=choice)).param == "tool_choice"
+    for choice in ({"type": "function", "function": {"name": "g"}}, {"type": "function"},
+                   {"name": "f"}):
+        assert bad(parse_chat, chat_body(tools=tools, tool_choice=choice)).param == "tool_choice"
+
+
 CHAT_UNSUPPORTED = [
     ("echo", True),
-    ("tool_choice", "required"),
-    ("tool_choice", {"type": "function", "function": {"name": "f"}}),
     ("chat_template", "{{ messages }}"),
     ("modalities", ["text", "audio"]),
     ("audio", {"voice": "alloy", "format": "wav"}),

@@ -8,7 +8,8 @@ context: a client that goes away, or the deadline, kills them all. With a ``seed
 prompt ``p`` being index ``p * n + j`` (OpenAI's rule). ``best_of > n`` keeps, per prompt, the
 ``n`` sequences with the highest cumulative log-probability of their sampled tokens (the
 engine's ``LLMEngineOutput.log_probs``). Usage counts each prompt once and every generated
-token. Logprobs, when asked for, are written per choice (``ChoiceLogprobs``). A request with
+token. Logprobs, when asked for, are written per choice (``ChoiceLogprobs``), and so are the
+reasoning and tool calls the worker parsed (chat). A request with
 one prompt and one sequence never comes here (``Generation`` serves it).
 """
 
@@ -37,7 +38,14 @@ from ._logprobs import ChoiceLogprobs
 from ._subrequests import SubRequest
 from .errors import HttpError
 from .metrics import FrontendMetrics
-from .responses import DONE, ChatFormatter, CompletionFormatter, openai_finish_reason, sse_error
+from .responses import (
+    DONE,
+    ChatFormatter,
+    CompletionFormatter,
+    add_tool_call,
+    openai_finish_reason,
+    sse_error,
+)
 
 __all__ = ["FanOut"]
 
@@ -88,6 +96,9 @@ class FanOut:
         self._resources = Resources(f"fanout-{fmt.id}")
         self.completion_tokens = 0
         self.first = True
+        #: Outputs carry the worker's reasoning and tool-call parsing (chat only).
+        pre = subs[0].pre
+        self.parsed = isinstance(fmt, ChatFormatter) and (pre.tools is not None or pre.reasoning)
 
     # -- sending ---------------------------------------------------------------------------
 
@@ -249,7 +260,9 @@ class FanOut:
                         raise _Failed(self._failure(item))
                     for out in item:
                         text = self._account(sub, out)
-                        if sub.logprobs is not None and out.log_probs:
+                        if self.parsed:
+                            self._parsed_chunks(sub, out, text, parts)
+                        elif sub.logprobs is not None and out.log_probs:
                             chunk = fmt.logprobs_chunk(text, self._take(sub, out), sub.index)
                             if continuous:
                                 chunk = fmt.with_usage(
@@ -311,6 +324,10 @@ class FanOut:
                         sub.texts.append(self._account(sub, out))
                         if sub.logprobs is not None:
                             self._take(sub, out)
+                        if out.reasoning:
+                            sub.thoughts.append(out.reasoning)
+                        for delta in out.tool_calls or ():
+                            add_tool_call(sub.calls, delta)
                         if out.finish_reason is not None:
                             if out.finish_reason == FinishReason.ERROR:
                                 raise _Failed(http_errors.engine_error(out.error or "engine error"))
@@ -325,7 +342,8 @@ class FanOut:
             fmt.choice(
                 s.index, s.echo + "".join(s.texts),
                 openai_finish_reason(s.finish or FinishReason.STOP), s.stop_reason,
-                self._gathered(s),
+                self._gathered(s), reasoning="".join(s.thoughts) if s.thoughts else None,
+                tool_calls=[s.calls[i] for i in sorted(s.calls)] or None,
             )
             for s in sorted(self._chosen(), key=lambda s: s.index)
         ]
@@ -333,6 +351,26 @@ class FanOut:
         await reply(send, 200, fmt.full_choices(choices, prompt, completion, cached),
                     JSON + headers)
         return "success"
+
+    def _parsed_chunks(
+        self, sub: SubRequest, out: LLMEngineOutput, text: str, parts: list[bytes]
+    ) -> None:
+        """A chat output's reasoning, content (with its logprobs) and tool-call chunks."""
+        fmt = self.fmt
+        assert isinstance(fmt, ChatFormatter)
+        chunks = []
+        if out.reasoning:
+            chunks.append(fmt.reasoning_chunk(out.reasoning, sub.index))
+        if sub.logprobs is not None and out.log_probs:
+            chunks.append(fmt.logprobs_chunk(text, self._take(sub, out), sub.index))
+        elif text:
+            chunks.append(fmt.content_chunk_at(sub.index, text))
+        if out.tool_calls:
+            chunks.append(fmt.tool_calls_chunk(out.tool_calls, sub.index))
+        for chunk in chunks:
+            if fmt.continuous_usage:
+                chunk = fmt.with_usage(chunk, self.prompt_tokens, self.completion_tokens)
+            parts.append(chunk)
 
     def _take(self, sub: SubRequest, out: LLMEngineOutput) -> dict[str, Any]:
         """The ``logprobs`` of ``out``'s tokens, in the choice's shape."""

@@ -19,7 +19,14 @@ from ._deadline import Deadline
 from ._logprobs import ChoiceLogprobs
 from .errors import HttpError
 from .metrics import FrontendMetrics
-from .responses import DONE, ChatFormatter, CompletionFormatter, openai_finish_reason, sse_error
+from .responses import (
+    DONE,
+    ChatFormatter,
+    CompletionFormatter,
+    add_tool_call,
+    openai_finish_reason,
+    sse_error,
+)
 
 __all__ = ["Generation"]
 
@@ -40,6 +47,7 @@ class Generation:
             ends with 504 (or an SSE error event), not as a client that went away.
         migration: the request's migration (None: off): the token ids of each output read are
             added to it, and a stream that fails goes on from the stream it recovers, if it can.
+        parsed: the worker parses tool calls or reasoning (chat): outputs carry them too.
     """
 
     def __init__(
@@ -52,8 +60,11 @@ class Generation:
         headers: list[tuple[bytes, bytes]],
         deadline: Deadline | None = None,
         migration: Migration | None = None,
+        parsed: bool = False,
     ) -> None:
         self.metrics = metrics
+        #: The worker parses tool calls or reasoning for this (chat) request.
+        self.parsed = parsed and isinstance(fmt, ChatFormatter)
         self.migration = migration
         self.deadline = deadline
         self.model = model
@@ -103,6 +114,7 @@ class Generation:
         record = self.migration.generated.extend if self.migration is not None else None
         continuous = fmt.continuous_usage
         take = self._logprobs()
+        parsed = self.parsed
         if continuous:
             head = fmt.with_usage(head, self.prompt_tokens, 0)
         while True:
@@ -131,7 +143,9 @@ class Generation:
                 if record is not None:
                     record(out.token_ids)
                 text = self._account(out)
-                if take is not None and out.log_probs:
+                if parsed:
+                    self._parsed_chunks(out, text, parts, take)
+                elif take is not None and out.log_probs:
                     chunk = fmt.logprobs_chunk(text, take(out))
                     if continuous:
                         chunk = fmt.with_usage(chunk, self.prompt_tokens, self.completion_tokens)
@@ -147,6 +161,31 @@ class Generation:
             await send_message(
                 send, {"type": "http.response.body", "body": body, "more_body": True}
             )
+
+    def _parsed_chunks(
+        self,
+        out: LLMEngineOutput,
+        text: str,
+        parts: list[bytes],
+        take: Callable[[LLMEngineOutput], dict[str, Any]] | None,
+    ) -> None:
+        """An output's reasoning, content and tool-call chunks, in that order (the logprobs
+        of all its tokens, when asked for, ride on the content chunk)."""
+        fmt = self.fmt
+        assert isinstance(fmt, ChatFormatter)
+        chunks = []
+        if out.reasoning:
+            chunks.append(fmt.reasoning_chunk(out.reasoning))
+        if take is not None and out.log_probs:
+            chunks.append(fmt.logprobs_chunk(text, take(out)))
+        elif text:
+            chunks.append(fmt.content_chunk(text))
+        if out.tool_calls:
+            chunks.append(fmt.tool_calls_chunk(out.tool_calls))
+        for chunk in chunks:
+            if fmt.continuous_usage:
+                chunk = fmt.with_usage(chunk, self.prompt_tokens, self.completion_tokens)
+            parts.append(chunk)
 
     async def _end_sse(
         self, out: LLMEngineOutput, parts: list[bytes], send: Send, include_usage: bool
@@ -174,6 +213,8 @@ class Generation:
     async def respond_once(self, stream: OutputStream, send: Send) -> str:
         """Gather the outputs into one JSON response; returns the status for the metrics."""
         texts: list[str] = []
+        thoughts: list[str] = []
+        calls: dict[int, dict[str, Any]] = {}
         finish_reason: str | None = None
         stop_reason: int | str | None = None
         failure: str | None = None
@@ -200,6 +241,11 @@ class Generation:
                 texts.append(self._account(out))
                 if take is not None:
                     take(out)
+                if self.parsed:
+                    if out.reasoning:
+                        thoughts.append(out.reasoning)
+                    for delta in out.tool_calls or ():
+                        add_tool_call(calls, delta)
                 if out.finish_reason is not None:
                     finish_reason, stop_reason, failure = (
                         out.finish_reason, out.stop_reason, out.error
@@ -216,6 +262,8 @@ class Generation:
             "".join(texts), openai_finish_reason(finish_reason), self.prompt_tokens, self.tokens,
             self.cached_tokens, stop_reason=stop_reason,
             logprobs=None if self.choice_logprobs is None else self._gathered(),
+            reasoning="".join(thoughts) if thoughts else None,
+            tool_calls=[calls[i] for i in sorted(calls)] or None,
         )
         await reply(send, 200, body, JSON + self.headers)
         return "success"

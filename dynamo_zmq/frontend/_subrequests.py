@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 
@@ -43,6 +44,10 @@ class SubRequest:
     last: float = 0.0
     #: The choice's logprobs, when the request asked for them.
     logprobs: ChoiceLogprobs | None = None
+    #: Reasoning text and tool calls parsed by the worker (chat with tools or a reasoning
+    #: parser), gathered for an aggregated response.
+    thoughts: list[str] = dataclasses.field(default_factory=list)
+    calls: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
     @property
     def completion_tokens(self) -> int:

@@ -46,6 +46,7 @@ from ._embeddings import embed_all, embedding_requests, embeddings_body
 from ._fanout import FanOut
 from ._generation import Generation
 from ._subrequests import SubRequest, completion_prompts, fan_out
+from ._tools import apply_tools
 from .errors import HttpError
 from .metrics import FrontendMetrics
 from .models import ModelEntry, ModelManager
@@ -197,6 +198,7 @@ class FrontendApp:
                 req = chat = parse_chat(body)
                 entry = self._entry(chat.model)
                 work = entry.preprocessor.chat(chat, entry.require)
+                apply_tools(chat, entry, work)
                 if chat.n is not None and chat.n > 1:
                     n = chat.n
                     work = fan_out([(work, "")], n, n)
@@ -399,7 +401,8 @@ class FrontendApp:
             headers = [(SERVED_BY_HEADER, served_by.encode())]
             migration = self._migration(entry, pre, target, timeout)
             gen = Generation(
-                m, model, fmt, len(pre.token_ids), started, headers, deadline, migration
+                m, model, fmt, len(pre.token_ids), started, headers, deadline, migration,
+                parsed=pre.tools is not None or pre.reasoning,
             )
             if streaming:
                 status = await gen.stream_sse(stream, send, include_usage)

@@ -68,6 +68,9 @@ class ModelEntry:
     #: The serving engine's name and capabilities (``llm.Capability``), as advertised.
     engine_name: str = ""
     capabilities: frozenset[str] = frozenset()
+    #: The workers' tool-call and reasoning parsers (None: that text is not parsed).
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
     def require(self, capability: str, param: str) -> None:
         """Refuse a request whose ``param`` needs ``capability`` the engine lacks.
@@ -190,6 +193,8 @@ class ModelManager:
                 card.name, card, preprocessor, router, int(time.time()),
                 migration_limit=advert.migration_limit, engine_name=advert.engine_name,
                 capabilities=frozenset(advert.capabilities),
+                tool_call_parser=advert.tool_call_parser,
+                reasoning_parser=advert.reasoning_parser,
             )
             if old is not None:
                 await _close_router(old.router)

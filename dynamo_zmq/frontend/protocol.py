@@ -19,6 +19,7 @@ import msgspec
 
 from ._prompts import MAX_PROMPTS, parse_prompt, prompt_list
 from ._structured import constraint
+from ._tool_choice import validate_tool_choice
 from .errors import bad_request, unsupported
 
 __all__ = [
@@ -321,15 +322,7 @@ def _validate_chat(req: ChatCompletionRequest) -> None:
         for i, tool in enumerate(req.tools):
             if tool.type != "function":
                 raise unsupported(f"tools[{i}].type", f"tool type {tool.type!r} (only 'function')")
-    choice = req.tool_choice
-    if choice is not None and choice not in ("none", "auto"):
-        if choice == "required" or isinstance(choice, dict):
-            raise unsupported("tool_choice", "only 'auto' and 'none'")
-        raise bad_request(
-            f"'tool_choice' must be 'none', 'auto', 'required' or a function, got {choice!r}",
-            param="tool_choice",
-            code="invalid_value",
-        )
+    validate_tool_choice(req.tool_choice, req.tools)
     if req.continue_final_message and req.add_generation_prompt:
         raise bad_request(
             "'continue_final_message' and 'add_generation_prompt' cannot both be true",

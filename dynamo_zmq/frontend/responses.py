@@ -5,7 +5,8 @@ per token (msgspec), which keeps the per-chunk cost at a few microseconds.
 
 Finish reasons become OpenAI's as Dynamo's OpenAI layer maps its ``FinishReason``
 (``OPENAI_FINISH_REASONS``): ``eos``, ``stop`` and ``cancelled`` -> ``"stop"``, ``length`` ->
-``"length"``; ``error`` is no finish reason but an error (the frontend sends an OpenAI error
+``"length"``, ``tool_calls`` (the worker parsed a tool call) -> ``"tool_calls"``; ``error`` is
+no finish reason but an error (the frontend sends an OpenAI error
 object instead). The finish chunk and the aggregated choice also carry vLLM's ``stop_reason``:
 the stop string or stop token id that matched, null otherwise.
 """
@@ -18,13 +19,14 @@ from typing import Any
 
 import msgspec
 
-from ..llm import FinishReason
+from ..llm import FinishReason, ToolCallDelta
 
 __all__ = [
     "DONE",
     "OPENAI_FINISH_REASONS",
     "ChatFormatter",
     "CompletionFormatter",
+    "add_tool_call",
     "openai_finish_reason",
     "sse_error",
 ]
@@ -40,6 +42,7 @@ OPENAI_FINISH_REASONS = {
     FinishReason.STOP: "stop",
     FinishReason.LENGTH: "length",
     FinishReason.CANCELLED: "stop",
+    FinishReason.TOOL_CALLS: "tool_calls",
 }
 
 
@@ -58,6 +61,22 @@ def _usage(prompt: int, completion: int, cached: int | None = None) -> dict[str,
     if cached is not None:  # prompt tokens the engine served from its prefix cache (as OpenAI)
         usage["prompt_tokens_details"] = {"cached_tokens": cached}
     return usage
+
+
+def _call(delta: ToolCallDelta) -> dict[str, Any]:
+    if delta.id is None:
+        return {"index": delta.index, "function": {"arguments": delta.arguments}}
+    return {"index": delta.index, "id": delta.id, "type": "function",
+            "function": {"name": delta.name, "arguments": delta.arguments}}
+
+
+def add_tool_call(calls: dict[int, dict[str, Any]], delta: ToolCallDelta) -> None:
+    """Gather a stream's tool-call deltas into whole calls (``message.tool_calls``)."""
+    call = calls.get(delta.index)
+    if call is None or delta.id is not None:
+        calls[delta.index] = _call(delta)
+    else:
+        call["function"]["arguments"] += delta.arguments
 
 
 def sse_error(body: bytes) -> bytes:
@@ -104,8 +123,11 @@ class _Formatter:
         finish_reason: str,
         stop_reason: int | str | None,
         logprobs: dict[str, Any] | None = None,
+        *,
+        reasoning: str | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, object]:
-        """One choice of an aggregated response."""
+        """One choice of an aggregated response (``reasoning`` and ``tool_calls``: chat's)."""
         raise NotImplementedError
 
     def full_choices(
@@ -137,12 +159,15 @@ class _Formatter:
         *,
         stop_reason: int | str | None = None,
         logprobs: dict[str, Any] | None = None,
+        reasoning: str | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> bytes:
         """The aggregated response of one choice."""
-        return self.full_choices(
-            [self.choice(0, text, finish_reason, stop_reason, logprobs)], prompt, completion,
-            cached,
+        choice = self.choice(
+            0, text, finish_reason, stop_reason, logprobs, reasoning=reasoning,
+            tool_calls=tool_calls,
         )
+        return self.full_choices([choice], prompt, completion, cached)
 
 
 class ChatFormatter(_Formatter):
@@ -162,6 +187,20 @@ class ChatFormatter(_Formatter):
     def content_chunk(self, text: str) -> bytes:
         return (
             self._head + b'{"index":0,"delta":{"content":' + _json(text)
+            + b'},"logprobs":null,"finish_reason":null}]}\n\n'
+        )
+
+    def reasoning_chunk(self, text: str, index: int = 0) -> bytes:
+        """A ``delta.reasoning_content`` chunk (vLLM's field)."""
+        return (
+            self._at(index) + b',"delta":{"reasoning_content":' + _json(text)
+            + b'},"logprobs":null,"finish_reason":null}]}\n\n'
+        )
+
+    def tool_calls_chunk(self, calls: list[ToolCallDelta], index: int = 0) -> bytes:
+        """A ``delta.tool_calls`` chunk: a call's first delta has its id, type and name."""
+        return (
+            self._at(index) + b',"delta":{"tool_calls":' + _json([_call(c) for c in calls])
             + b'},"logprobs":null,"finish_reason":null}]}\n\n'
         )
 
@@ -194,10 +233,20 @@ class ChatFormatter(_Formatter):
         finish_reason: str,
         stop_reason: int | str | None,
         logprobs: dict[str, Any] | None = None,
+        *,
+        reasoning: str | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, object]:
+        message: dict[str, Any] = {
+            "role": "assistant", "content": text if text or not tool_calls else None,
+        }
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
         return {
             "index": index,
-            "message": {"role": "assistant", "content": text},
+            "message": message,
             "logprobs": logprobs,
             "finish_reason": finish_reason,
             "stop_reason": stop_reason,
@@ -249,6 +298,9 @@ class CompletionFormatter(_Formatter):
         finish_reason: str,
         stop_reason: int | str | None,
         logprobs: dict[str, Any] | None = None,
+        *,
+        reasoning: str | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, object]:
         return {
             "index": index,

@@ -25,6 +25,8 @@ from ._engine import Resume as Resume
 from ._engine import RoutingHints as RoutingHints
 from ._engine import SamplingOptions as SamplingOptions
 from ._engine import StopConditions as StopConditions
+from ._engine import ToolCallDelta as ToolCallDelta
+from ._engine import ToolOptions as ToolOptions
 from ._engine import Usage as Usage
 from ._engine import cancelled_output as cancelled_output
 from ._engine import error_output as error_output
@@ -138,6 +140,8 @@ __all__ = [
     "StopConditions",
     "StopStringMatcher",
     "StreamContractError",
+    "ToolCallDelta",
+    "ToolOptions",
     "Usage",
     "advert_of",
     "build_card",

@@ -46,6 +46,10 @@ class ModelAdvert(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=Fals
     engine_name: str = ""
     #: What the engine can do beyond plain generation (``Capability`` names).
     capabilities: list[str] = msgspec.field(default_factory=list)
+    #: The worker's tool-call parser (``llm.parsers``): None, tool calls stay in the text.
+    tool_call_parser: str | None = None
+    #: The worker's reasoning parser: None, reasoning stays in the text.
+    reasoning_parser: str | None = None
 
     @property
     def name(self) -> str:

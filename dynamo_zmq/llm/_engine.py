@@ -70,6 +70,8 @@ __all__ = [
     "RoutingHints",
     "SamplingOptions",
     "StopConditions",
+    "ToolCallDelta",
+    "ToolOptions",
     "Usage",
     "cancelled_output",
     "error_output",
@@ -95,6 +97,9 @@ class FinishReason:
     ERROR = "error"
     #: The end-of-sequence token ended the sequence (set by the worker, not by engines).
     EOS = "eos"
+    #: The sequence ended normally (``eos`` or ``stop``) after the worker's tool-call parsing
+    #: found at least one tool call (set by the worker, not by engines).
+    TOOL_CALLS = "tool_calls"
 
     #: What an engine's terminal may carry (``EOS`` is the worker's).
     ALL = frozenset({STOP, LENGTH, CANCELLED, ERROR})
@@ -179,6 +184,16 @@ class EmbeddingOptions(msgspec.Struct, **_WIRE):
     #: Output dimensions of a matryoshka model (``Capability.EMBEDDING_DIMENSIONS``); None:
     #: the model's own.
     dimensions: Annotated[int, msgspec.Meta(ge=1)] | None = None
+class ToolOptions(msgspec.Struct, **_WIRE):
+    """Tool calling for one request (``PreprocessedRequest.tools``): the worker parses tool
+    calls out of the output (the family parser of ``--tool-call-parser`` for ``auto``; the
+    constrained JSON itself for ``required`` and ``function``)."""
+
+    #: ``auto``, ``required`` (a JSON array of ``{name, parameters}``) or ``function`` (the
+    #: named function's arguments object).
+    choice: str = "auto"
+    #: The function's name, with ``choice == "function"``.
+    function: str | None = None
 
 
 class PreprocessedRequest(msgspec.Struct, **_WIRE):
@@ -209,12 +224,27 @@ class PreprocessedRequest(msgspec.Struct, **_WIRE):
     #: Set: embed ``token_ids`` (``LLMEngine.embed``) instead of generating; the one output
     #: is a terminal whose ``embedding`` is the vector.
     embedding: EmbeddingOptions | None = None
+    #: Tool calling (None: the request has no tools, or ``tool_choice`` is ``none``).
+    tools: ToolOptions | None = None
+    #: Split reasoning text out of the output (the worker's ``--reasoning-parser``, if any).
+    reasoning: bool = False
 
 
 class Usage(msgspec.Struct, **_WIRE):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int | None = None
+
+
+class ToolCallDelta(msgspec.Struct, **_WIRE):
+    """A piece of one tool call (``LLMEngineOutput.tool_calls``), as OpenAI streams them: the
+    call's first delta has ``id`` and ``name``; its ``arguments`` pieces, concatenated, are the
+    arguments as a JSON object string."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
 
 
 class LLMEngineOutput(msgspec.Struct, **_WIRE):
@@ -238,6 +268,10 @@ class LLMEngineOutput(msgspec.Struct, **_WIRE):
     logprob_texts: list[list[str]] | None = None
     #: The embedding, on the terminal of an embedding request (``PreprocessedRequest.embedding``).
     embedding: list[float] | None = None
+    #: Tool-call pieces the worker's tool-call parsing found in this chunk's text.
+    tool_calls: list[ToolCallDelta] | None = None
+    #: Reasoning text the worker's reasoning parser moved out of ``text``.
+    reasoning: str | None = None
 
     @property
     def is_terminal(self) -> bool:

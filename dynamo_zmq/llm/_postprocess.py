@@ -30,6 +30,7 @@ from tokenizers.decoders import DecodeStream
 
 from ._engine import FinishReason, LLMEngineOutput, PreprocessedRequest, Usage
 from ._logprobs import TokenTexts, with_logprob_texts
+from .parsers import output_parser
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -171,13 +172,18 @@ class PostProcessor:
 
     Text comes from the detokenizer, or from the engine itself when ``request.output.detokenize``
     asks for native processing (``tokenizer`` may then be None). Stop strings apply either way,
-    after ``request.stop.min_tokens`` tokens, as vLLM applies them.
+    after ``request.stop.min_tokens`` tokens, as vLLM applies them. Then, when the request asks
+    for it and the worker has the parsers (``tool_parser`` / ``reasoning_parser`` names,
+    ``llm.parsers``), reasoning and tool calls are parsed out of the text.
 
     Raises:
         ValueError: no tokenizer and the request does not ask the engine for text.
     """
 
-    def __init__(self, request: PreprocessedRequest, tokenizer: Tokenizer | None) -> None:
+    def __init__(
+        self, request: PreprocessedRequest, tokenizer: Tokenizer | None,
+        tool_parser: str | None = None, reasoning_parser: str | None = None,
+    ) -> None:
         if tokenizer is None and not request.output.detokenize:
             raise ValueError("a tokenizer is needed unless the engine detokenizes")
         resume = request.resume
@@ -204,8 +210,10 @@ class PostProcessor:
         self.completion_tokens = 0
         #: True once a stop string ended the stream.
         self.stopped_by_string = False
+        # Tool-call and reasoning parsing, after stop strings (None: the request needs none).
+        self._parser = output_parser(request, tool_parser, reasoning_parser)
         # Most chunks are one token of a request without stop strings: detokenize, nothing else.
-        self._plain = self._detok is not None and not self._matcher.stops
+        self._plain = self._detok is not None and not self._matcher.stops and self._parser is None
         self._resumed = generated
         if generated:
             self._replay(ids[len(prompt) :])
@@ -240,6 +248,12 @@ class PostProcessor:
             assert self._detok is not None
             self.completion_tokens += 1
             return LLMEngineOutput(ids, text=self._detok.step(ids[0]), log_probs=out.log_probs)
+        if self._parser is not None:
+            return self._parser.apply(self._process(out))
+        return self._process(out)
+
+    def _process(self, out: LLMEngineOutput) -> LLMEngineOutput:
+        ids = out.token_ids
         parts: list[str] = []
         if self._detok is None:
             self.completion_tokens += len(ids)
@@ -302,11 +316,12 @@ class PostProcessor:
         """The terminal for an engine stream that ended without one: an error, after the text
         still held back."""
         text = self._detok.flush() if self._detok is not None else ""
-        return LLMEngineOutput(
+        out = LLMEngineOutput(
             text=text + self._matcher.flush(), finish_reason=FinishReason.ERROR,
             usage=Usage(self._prompt_tokens, self.completion_tokens),
             error="engine stream ended without a terminal chunk",
         )
+        return out if self._parser is None else self._parser.apply(out)
 
     def _match(self, delta: str) -> tuple[str, bool]:
         if not self._matcher.stops:
@@ -352,6 +367,8 @@ async def postprocess(
     request: PreprocessedRequest,
     tokenizer: Tokenizer | None,
     stop_engine: Callable[[], Awaitable[None]] | None = None,
+    tool_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> AsyncIterator[LLMEngineOutput]:
     """Wrap an engine stream with detokenization and stop strings (see ``PostProcessor``).
 
@@ -365,8 +382,10 @@ async def postprocess(
         tokenizer: the model's tokenizer; None only if the engine produces text itself.
         stop_engine: frees the engine's sequence after a stop string (the worker stops the
             engine's context and calls ``engine.abort``).
+        tool_parser / reasoning_parser: the worker's parser names (``llm.parsers``), applied
+            as the request asks (its ``tools`` and ``reasoning``).
     """
-    proc = PostProcessor(request, tokenizer)
+    proc = PostProcessor(request, tokenizer, tool_parser, reasoning_parser)
     try:
         async for out in stream:
             chunk = proc.process(out)

@@ -4,7 +4,8 @@
         [--namespace dynamo] [--component backend] [--endpoint generate]
         [--host H] [--port P] [--discovery mdns|static] [--disaggregation-mode agg|prefill|decode]
         [--system-port P] [--health-check-payload JSON] [--load-interval 0.1] [--load-port P]
-        [--native-framework-processing] [engine flags...]
+        [--native-framework-processing] [--tool-call-parser NAME] [--reasoning-parser NAME]
+        [engine flags...]
 
 Every flag has a ``DYN_*`` environment variable (``--model-path`` -> ``DYN_MODEL_PATH``).
 Engines are found by name in the ``dynamo_zmq.engines`` entry-point group, or as
@@ -34,6 +35,7 @@ from ..llm import (
     load_plugin,
     plugin_names,
 )
+from ..llm.parsers import REASONING_PARSERS, TOOL_PARSERS
 from ..runtime import add_runtime_args, setup_logging, system_port_from_env
 from ._config import DISAGGREGATION_MODES, WorkerConfig
 from ._model_path import resolve_model_path
@@ -180,6 +182,18 @@ def build_parser(
              "tokenizer and chat template, the engine detokenizes and applies stop strings "
              "(engines that support it: vllm; an engine-named alias must name the engine) "
              "[DYN_NATIVE_FRAMEWORK_PROCESSING=1]",
+    )
+    parser.add_argument(
+        "--tool-call-parser", default=_env("TOOL_CALL_PARSER"),
+        choices=sorted(TOOL_PARSERS),
+        help="parse the model's tool calls out of its text with this family's parser "
+             "(default: from the model's chat template, else none) [DYN_TOOL_CALL_PARSER]",
+    )
+    parser.add_argument(
+        "--reasoning-parser", default=_env("REASONING_PARSER"),
+        choices=sorted(REASONING_PARSERS),
+        help="move the model's reasoning text to reasoning_content with this parser "
+             "(default: from the model's chat template, else none) [DYN_REASONING_PARSER]",
     )
     add_runtime_args(parser)
     if engine_cls is not None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from ..errors import InvalidArgument
 from ..llm import MAX_LOAD_INTERVAL, PreprocessedRequest
+from ..llm.parsers import REASONING_PARSERS, TOOL_PARSERS
 from ..runtime import RuntimeConfig, check_name
 
 __all__ = ["DISAGGREGATION_MODES", "WorkerConfig"]
@@ -50,6 +51,10 @@ class WorkerConfig:
     #: Migrations a request of this model may make, advertised to frontends, whose own
     #: ``--migration-limit`` it overrides (None: the frontend's; 0: never).
     migration_limit: int | None = None
+    #: Tool-call parser (``llm.parsers.TOOL_PARSERS``; None: from the model's chat template).
+    tool_call_parser: str | None = None
+    #: Reasoning parser (``llm.parsers.REASONING_PARSERS``; None: from the chat template).
+    reasoning_parser: str | None = None
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
     def __post_init__(self) -> None:
@@ -67,6 +72,12 @@ class WorkerConfig:
             )
         if self.migration_limit is not None and self.migration_limit < 0:
             raise InvalidArgument(f"--migration-limit must be >= 0, got {self.migration_limit}")
+        for what, value, known in (("--tool-call-parser", self.tool_call_parser, TOOL_PARSERS),
+                                   ("--reasoning-parser", self.reasoning_parser,
+                                    REASONING_PARSERS)):
+            if value is not None and value not in known:
+                raise InvalidArgument(f"{what}: unknown parser {value!r} "
+                                      f"(known: {', '.join(sorted(known))})")
         for name in ("system_port", "load_port"):
             port = getattr(self, name)
             if port is not None and not 0 <= port <= 65535:
@@ -97,5 +108,7 @@ class WorkerConfig:
                 None if getattr(args, "migration_limit", None) is None
                 else int(args.migration_limit)
             ),
+            tool_call_parser=getattr(args, "tool_call_parser", None) or None,
+            reasoning_parser=getattr(args, "reasoning_parser", None) or None,
             runtime=runtime,
         )

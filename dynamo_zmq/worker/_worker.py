@@ -47,6 +47,7 @@ from ..llm import (
     validate_stream,
     with_resumed_usage,
 )
+from ..llm.parsers import detect_parsers
 from ..resources import cancel_and_wait
 from ..runtime import DistributedRuntime, StatusServer
 from ._config import WorkerConfig
@@ -80,6 +81,9 @@ class Worker:
         #: The model's tokenizer, for post-processing (detokenization, stop strings); None
         #: without a tokenizer.json, and then chunks pass through as the engine made them.
         self.tokenizer: Tokenizer | None = None
+        #: The parsers' names (``llm.parsers``): the flags, else the chat template's.
+        self.tool_parser: str | None = None
+        self.reasoning_parser: str | None = None
         self.metrics: WorkerMetrics | None = None
         self.health: Health | None = None
         self.status: StatusServer | None = None
@@ -185,6 +189,11 @@ class Worker:
             self.tokenizer = await asyncio.to_thread(Tokenizer.from_file, str(tokenizer_file))
         else:
             log.info("no tokenizer.json in %s: no detokenization or stop strings", args.model_path)
+        self.tool_parser, self.reasoning_parser = args.tool_call_parser, args.reasoning_parser
+        if self.tool_parser is None or self.reasoning_parser is None:
+            tool, reasoning = detect_parsers(args.model_path)
+            self.tool_parser = self.tool_parser or tool
+            self.reasoning_parser = self.reasoning_parser or reasoning
         self.metrics = metrics = WorkerMetrics(name, args.namespace, args.component, args.endpoint)
         self._model_metrics = metrics.for_model()
         engine_metrics = self.engine.metrics_collector()
@@ -212,6 +221,7 @@ class Worker:
             self.card, config, await self._start_load_publisher(), args.migration_limit,
             engine_name=engine.name or type(engine).__name__,
             capabilities=sorted(engine.capabilities()),
+            tool_call_parser=self.tool_parser, reasoning_parser=self.reasoning_parser,
         )
         await component.endpoint("model_files").start_serving(self._model_files)
         await component.endpoint("clear_kv_blocks").start_serving(self._clear_kv_blocks)
@@ -307,7 +317,7 @@ class Worker:
         # Post-processing runs here, chunk by chunk, rather than as one more generator layer
         # around the engine's (``llm.postprocess`` is the same loop, for use on its own).
         proc = (
-            PostProcessor(request, self.tokenizer)
+            PostProcessor(request, self.tokenizer, self.tool_parser, self.reasoning_parser)
             if self.tokenizer is not None or request.output.detokenize
             else None
         )

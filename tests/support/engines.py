@@ -2,16 +2,22 @@
 ``EchoEngine``, and test engines built on it (and on the mocker) that record their lifecycle,
 fail to start, crash mid-request or stall the event loop, for the worker's lifecycle and error
 tests, a mocker whose health a test breaks from outside (``FlakyMocker``), one whose requests
-end with ``EngineShutdown`` part-way (``ShuttingDownMocker``), and an echo engine with
-deterministic log-probabilities (``ScoredEchoEngine``, for ``best_of``)."""
+end with ``EngineShutdown`` part-way (``ShuttingDownMocker``), an echo engine with
+deterministic log-probabilities (``ScoredEchoEngine``, for ``best_of``), and one that emits
+scripted text token by token (``ScriptedEngine``, for the worker's tool-call and reasoning
+parsing)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
+import re
 import time
 from pathlib import Path
+
+from tokenizers import Tokenizer
 
 from dynamo_zmq.context import Context
 from dynamo_zmq.errors import EngineShutdown
@@ -344,3 +350,56 @@ class ScoredEchoEngine(EchoEngine):
 def token_logprob(seed: int) -> float:
     """The log-probability ``ScoredEchoEngine`` gives each token of a sequence seeded ``seed``."""
     return -((seed * 37) % 11 + 1) / 10
+
+
+class ScriptedEngine(LLMEngine):
+    """Emits a script, tokenized with the model's tokenizer, one token per chunk, so the
+    worker's real detokenizer and parsers see it as a model's output. ``--script-file`` is a
+    JSON object of named scripts; a request gets the one its prompt names last as
+    ``script=NAME`` (else ``default``). The script ends with the model's end-of-sequence token
+    (``stop``), or ``length`` where ``max_tokens`` cuts it short. ``--scripted-structured``
+    declares structured outputs (the scripts are what a constrained model would write)."""
+
+    name = "scripted"
+
+    def __init__(self, model_path: str, scripts: dict[str, str], structured: bool = False) -> None:
+        tokenizer = Tokenizer.from_file(str(Path(model_path) / "tokenizer.json"))
+        self.tokenizer = tokenizer
+        self.scripts = {
+            key: tokenizer.encode(text, add_special_tokens=False).ids
+            for key, text in scripts.items()
+        }
+        self.structured = structured
+
+    @classmethod
+    def add_args(cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+        parser.add_argument("--script-file", required=True)
+        parser.add_argument("--scripted-structured", action="store_true")
+
+    @classmethod
+    def from_namespace(cls, args: argparse.Namespace) -> ScriptedEngine:
+        scripts = json.loads(Path(args.script_file).read_text(encoding="utf-8"))
+        return cls(args.model_path, scripts, args.scripted_structured)
+
+    async def start(self, worker_id: int) -> EngineConfig:
+        return EngineConfig(model_name="scripted", context_length=4096, kv_block_size=16)
+
+    def capabilities(self) -> frozenset[str]:
+        return frozenset({Capability.STRUCTURED_OUTPUTS} if self.structured else ())
+
+    async def generate(self, request: PreprocessedRequest, ctx: Context):
+        prompt = self.tokenizer.decode(request.token_ids)
+        names = re.findall(r"script=(\w+)", prompt)
+        ids = self.scripts[names[-1] if names else "default"]
+        limit = request.stop.max_tokens or len(ids)
+        for tok in ids[:limit - 1] if limit < len(ids) else ids:
+            yield LLMEngineOutput([tok])
+            await asyncio.sleep(0)
+        usage = Usage(len(request.token_ids), min(limit, len(ids) + 1))
+        if limit < len(ids):
+            yield LLMEngineOutput([ids[limit - 1]], finish_reason="length", usage=usage)
+        else:
+            yield LLMEngineOutput(request.eos_token_ids[:1], finish_reason="stop", usage=usage)
+
+    async def cleanup(self) -> None:
+        pass

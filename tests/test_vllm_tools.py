@@ -1,0 +1,94 @@
+"""``tool_choice: "required"`` with the vLLM engine: the frontend constrains the output to a JSON
+array of calls (structured outputs) and the worker reads it as tool calls, which are valid even
+from the random-weight test model.
+
+Runs only where vLLM is installed (skipped otherwise, failed in CI: see tests/test_vllm.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import uuid
+
+import pytest
+
+try:
+    import vllm  # noqa: F401
+except ImportError as _exc:  # pragma: no cover - depends on the environment
+    _why = f"vLLM is not installed ({_exc}); install the `vllm` extra to run the vLLM tests"
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{_why} (CI=true: the vLLM tests must run in CI)", pytrace=False)
+    print(f"SKIP tests/test_vllm_tools.py: {_why}", file=sys.stderr)
+    pytest.skip(_why, allow_module_level=True)
+
+import openai
+
+from tests.support.procs import Proc
+from tests.test_vllm import VLLM_ENV, WORKER_FLAGS, WORKER_START, fetch
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(600)]
+
+#: Tools whose arguments are enums, so a random model's constrained output is short.
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"unit": {"type": "string", "enum": ["c", "f"]}},
+        "required": ["unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "string", "enum": ["utc", "cet"]}},
+        "required": ["zone"], "additionalProperties": False}}},
+]
+ENUMS = {"get_weather": ("unit", {"c", "f"}), "get_time": ("zone", {"utc", "cet"})}
+
+
+@pytest.fixture(scope="module")
+def url(tiny_model):
+    namespace = f"t{uuid.uuid4().hex[:12]}"
+    worker = Proc(["-m", "dynamo_zmq.worker", "--engine", "vllm", "--model-path", str(tiny_model),
+                   "--model-name", "tiny", "--namespace", namespace, "--host", "127.0.0.1",
+                   *WORKER_FLAGS], env=VLLM_ENV)
+    front = Proc(["-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace])
+    try:
+        worker.wait_ready(WORKER_START)
+        front.wait_ready(60)
+        deadline = time.monotonic() + 60
+        while "tiny" not in {m["id"] for m in json.loads(fetch(f"{front.address}/v1/models"))
+                             ["data"]}:
+            assert time.monotonic() < deadline, "model never listed"
+            time.sleep(0.2)
+        yield front.address
+    finally:
+        front.stop()
+        worker.stop()
+
+
+def check(calls) -> None:
+    assert calls, "tool_choice=required gave no tool call"
+    for name, arguments in calls:
+        key, allowed = ENUMS[name]
+        args = json.loads(arguments)
+        assert isinstance(args, dict) and set(args) == {key} and args[key] in allowed
+
+
+async def test_tool_choice_required_gives_valid_tool_calls(url):
+    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client:
+        kwargs = {"model": "tiny", "messages": [{"role": "user", "content": "Weather or time?"}],
+                  "tools": TOOLS, "tool_choice": "required", "max_tokens": 200,
+                  "temperature": 0.0}
+        resp = await client.chat.completions.create(**kwargs)
+        choice = resp.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        check([(c.function.name, c.function.arguments) for c in choice.message.tool_calls])
+        stream = await client.chat.completions.create(stream=True, **kwargs)
+        calls: dict[int, list[str]] = {}
+        finish = None
+        async for chunk in stream:
+            for d in chunk.choices[0].delta.tool_calls or ():
+                calls.setdefault(d.index, [d.function.name or "", ""])[1] += (
+                    d.function.arguments or "")
+            finish = chunk.choices[0].finish_reason or finish
+        assert finish == "tool_calls"
+        assert [tuple(calls[i]) for i in sorted(calls)] == [
+            (c.function.name, c.function.arguments) for c in choice.message.tool_calls]
