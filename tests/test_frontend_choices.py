@@ -132,6 +132,37 @@ async def test_completions_n_streams_interleaved_chunks_per_index(client):
     assert used == sorted(used) and used[-1] == 6
 
 
+async def test_every_choice_of_n_gets_its_own_logprobs(client):
+    """Logprobs with ``n > 1``: each choice's follow its own tokens, streamed and not (chat),
+    and in completions' legacy shape."""
+    resp = await client.chat.completions.create(
+        model="tiny", messages=CHAT, n=2, max_tokens=6, seed=3, logprobs=True, top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    for choice in resp.choices:
+        content = choice.logprobs.content
+        assert len(content) == 6
+        assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+    stream = await client.chat.completions.create(
+        model="tiny", messages=CHAT, n=2, max_tokens=6, seed=3, logprobs=True, top_logprobs=2,
+        stream=True, extra_body={"ignore_eos": True},
+    )
+    tokens: dict[int, list[str]] = defaultdict(list)
+    async for chunk in stream:
+        (choice,) = chunk.choices
+        if choice.logprobs is not None:
+            tokens[choice.index] += [t.token for t in choice.logprobs.content]
+    assert dict(tokens) == {  # the same seeds: the same tokens, each in its own choice
+        c.index: [t.token for t in c.logprobs.content] for c in resp.choices
+    }
+    done = await client.completions.create(
+        model="tiny", prompt="The weather", n=2, max_tokens=5, logprobs=1, seed=3,
+        extra_body={"ignore_eos": True},
+    )
+    for choice in done.choices:
+        assert len(choice.logprobs.tokens) == len(choice.logprobs.token_logprobs) == 5
+
+
 async def test_best_of_returns_the_highest_scoring_sequences(client):
     """Sequence ``j`` uses ``seed + j``; the scored engine gives each a known log-probability
     per token, so the best ``n`` of ``best_of`` are known; they come best first."""

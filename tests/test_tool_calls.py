@@ -355,3 +355,34 @@ async def test_reasoning_then_tool_calls(client):
 async def test_completions_are_not_parsed(client):
     resp = await client.completions.create(model="r1", prompt="script=r1", max_tokens=50)
     assert resp.choices[0].text == SCRIPTS["r1"]
+
+
+async def test_every_choice_of_n_gets_its_reasoning_and_tool_calls(client):
+    """``n = 2``: each sub-request's parsed reasoning and calls go to its own choice, streamed
+    (each delta names its choice) and not."""
+    resp = await client.chat.completions.create(
+        model="qwen", messages=ask("think_tools"), tools=TOOLS, n=2)
+    assert [c.index for c in resp.choices] == [0, 1]
+    for choice in resp.choices:
+        assert choice.finish_reason == "tool_calls"
+        assert calls_of(choice.message) == BOTH
+        assert choice.message.reasoning_content == "The user wants the weather."
+        assert choice.message.content == "\n\nLet me check."
+    stream = await client.chat.completions.create(
+        model="qwen", messages=ask("think_tools"), tools=TOOLS, n=2, stream=True)
+    calls: dict[int, dict[int, dict]] = {0: {}, 1: {}}
+    reasoning = {0: "", 1: ""}
+    finish = {}
+    async for chunk in stream:
+        choice = chunk.choices[0]
+        reasoning[choice.index] += getattr(choice.delta, "reasoning_content", None) or ""
+        for d in choice.delta.tool_calls or ():
+            call = calls[choice.index].setdefault(d.index, {"name": d.function.name, "args": ""})
+            call["args"] += d.function.arguments or ""
+        if choice.finish_reason is not None:
+            finish[choice.index] = choice.finish_reason
+    assert finish == {0: "tool_calls", 1: "tool_calls"}
+    for index in (0, 1):
+        assert reasoning[index] == "The user wants the weather."
+        got = [(c["name"], json.loads(c["args"])) for _, c in sorted(calls[index].items())]
+        assert got == BOTH
