@@ -76,10 +76,13 @@ async def test_tool_choice_required_gives_valid_tool_calls(url):
     async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client:
         kwargs = {"model": "tiny", "messages": [{"role": "user", "content": "Weather or time?"}],
                   "tools": TOOLS, "tool_choice": "required", "max_tokens": 200,
-                  "temperature": 0.0}
+                  "temperature": 0.0,
+                  # one call: a random model may otherwise add calls to the array forever
+                  "parallel_tool_calls": False}
         resp = await client.chat.completions.create(**kwargs)
         choice = resp.choices[0]
         assert choice.finish_reason == "tool_calls"
+        assert len(choice.message.tool_calls) == 1  # parallel_tool_calls: false
         check([(c.function.name, c.function.arguments) for c in choice.message.tool_calls])
         stream = await client.chat.completions.create(stream=True, **kwargs)
         calls: dict[int, list[str]] = {}

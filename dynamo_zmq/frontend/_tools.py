@@ -20,12 +20,15 @@ def _parameters(tool: Tool) -> dict[str, Any]:
     return tool.function.parameters or _ANY_OBJECT
 
 
-def required_schema(tools: list[Tool]) -> dict[str, Any]:
+def required_schema(tools: list[Tool], parallel: bool = True) -> dict[str, Any]:
     """The JSON schema of ``tool_choice: required``: an array of at least one
-    ``{"name": <a tool's name>, "parameters": <that tool's parameters>}``."""
+    ``{"name": <a tool's name>, "parameters": <that tool's parameters>}`` (exactly one when
+    ``parallel`` is false: ``parallel_tool_calls: false``)."""
+    limit: dict[str, Any] = {} if parallel else {"maxItems": 1}
     return {
         "type": "array",
         "minItems": 1,
+        **limit,
         "items": {
             "type": "object",
             "anyOf": [
@@ -69,7 +72,9 @@ def apply_tools(req: ChatCompletionRequest, entry: ModelEntry, pre: Preprocessed
         )
     if choice == "required":
         pre.tools = ToolOptions("required")
-        pre.guided = GuidedDecoding(json_schema=required_schema(req.tools))
+        pre.guided = GuidedDecoding(
+            json_schema=required_schema(req.tools, req.parallel_tool_calls is not False)
+        )
         return
     assert isinstance(choice, dict)  # protocol.py checked it names one of the tools
     name = choice["function"]["name"]
