@@ -45,19 +45,14 @@ from dynamo_zmq.testing import run_conformance, validate_stream
 from engines.vllm import VllmEngine, VllmOptions
 from tests.conftest import runtime_factory
 from tests.support.metrics import sample
+from tests.support.vllm_stack import MAX_MODEL_LEN, VLLM_ENV, WORKER_FLAGS, WORKER_START
 
 #: vLLM on this CPU: a small KV cache, multiprocessing off for the uni executor.
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-            "VLLM_LOGGING_STREAM": "ext://sys.stderr"}
 for _k, _v in VLLM_ENV.items():
     os.environ.setdefault(_k, _v)
 
-MAX_MODEL_LEN = 512
 ENGINE_ARGS = {"max_model_len": MAX_MODEL_LEN, "dtype": "float32"}
-WORKER_FLAGS = ("--max-model-len", str(MAX_MODEL_LEN), "--dtype", "float32")
 BLOCK = 32
-#: Seconds a vLLM worker process may take to load (import + model + KV cache) on a busy CI box.
-WORKER_START = 240
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(600)]
 

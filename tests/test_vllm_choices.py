@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import sys
-import uuid
 
 import pytest
 
@@ -27,9 +26,7 @@ import openai
 import pytest_asyncio
 from tokenizers import Tokenizer
 
-from tests.support.procs import Proc
-from tests.test_vllm import VLLM_ENV, WORKER_FLAGS, WORKER_START
-from tests.test_vllm_frontend import wait_models
+from tests.support.vllm_stack import vllm_stack, wait_models
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(600)]
 
@@ -41,18 +38,8 @@ FORCED = 296
 @pytest.fixture(scope="module")
 def stack(tiny_model):
     """One vLLM worker ('tiny') and a frontend."""
-    namespace = f"t{uuid.uuid4().hex[:12]}"
-    worker = Proc(["-m", "dynamo_zmq.worker", "--engine", "vllm", "--model-path", str(tiny_model),
-                   "--model-name", "tiny", "--namespace", namespace, "--host", "127.0.0.1",
-                   *WORKER_FLAGS], env=VLLM_ENV)
-    front = Proc(["-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace])
-    try:
-        worker.wait_ready(WORKER_START)
-        front.wait_ready(60)
-        yield front.address
-    finally:
-        front.stop()
-        worker.stop()
+    with vllm_stack(tiny_model) as stack:
+        yield stack.url
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

@@ -15,7 +15,6 @@ import os
 import shutil
 import subprocess
 import sys
-import uuid
 
 import pytest
 
@@ -35,9 +34,9 @@ from tokenizers import Tokenizer
 from dynamo_zmq import errors
 from dynamo_zmq.llm import EmbeddingOptions, PreprocessedRequest, StopConditions
 from tests.conftest import runtime_factory
-from tests.support.procs import Proc, pythonpath
-from tests.test_vllm import MAX_MODEL_LEN, VLLM_ENV, WORKER_FLAGS, WORKER_START
-from tests.test_vllm_frontend import wait_models
+from tests.support.procs import pythonpath
+from tests.support.vllm_stack import vllm_stack, wait_models
+from tests.test_vllm import MAX_MODEL_LEN, VLLM_ENV, WORKER_START
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(600)]
 
@@ -69,22 +68,8 @@ def model_dir(tiny_model, tmp_path_factory):
 @pytest.fixture(scope="module")
 def stack(model_dir):
     """One vLLM pooling worker ('embed', the matryoshka tiny model) and a frontend."""
-    namespace = f"t{uuid.uuid4().hex[:12]}"
-    procs: list[Proc] = []
-    try:
-        worker = Proc(["-m", "dynamo_zmq.worker", "--engine", "vllm",
-                       "--model-path", str(model_dir), "--model-name", "embed",
-                       "--namespace", namespace, "--host", "127.0.0.1", *WORKER_FLAGS,
-                       *POOLING], env=VLLM_ENV)
-        procs.append(worker)
-        front = Proc(["-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace])
-        procs.append(front)
-        worker.wait_ready(WORKER_START)
-        front.wait_ready(60)
-        yield front.address, worker.address, namespace
-    finally:
-        for proc in procs:
-            proc.stop()
+    with vllm_stack(model_dir, "embed", POOLING) as stack:
+        yield stack.url, stack.worker.address, stack.namespace
 
 
 @pytest.fixture

@@ -34,6 +34,7 @@ from engines.vllm import VllmEngine
 from engines.vllm.native import NativeTokenizer
 from tests.support.metrics import sample
 from tests.support.procs import Proc
+from tests.support.vllm_stack import wait_models
 from tests.test_vllm import ENGINE_ARGS, VLLM_ENV, WORKER_FLAGS, WORKER_START, fetch
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(600)]
@@ -96,18 +97,6 @@ async def direct(engine: VllmEngine, tokens: list[int], max_tokens: int) -> tupl
     comp = final.outputs[0]
     return comp.text, str(comp.finish_reason)
 
-
-async def wait_models(url: str, timeout: float = 60.0, names: tuple[str, ...] = ("tiny",)) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            body = await asyncio.to_thread(fetch, f"{url}/v1/models")
-            if set(names) <= {m["id"] for m in json.loads(body)["data"]}:
-                return
-        except OSError:
-            pass
-        assert time.monotonic() < deadline, f"models {names} never listed"
-        await asyncio.sleep(0.2)
 
 
 @pytest_asyncio.fixture(loop_scope="module")

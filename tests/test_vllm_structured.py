@@ -15,7 +15,6 @@ import json
 import os
 import re
 import sys
-import uuid
 from typing import Any
 
 import pytest
@@ -35,9 +34,7 @@ import pytest_asyncio
 
 from dynamo_zmq.frontend.protocol import parse_chat
 from tests.conftest import runtime_factory
-from tests.support.procs import Proc
-from tests.test_vllm import VLLM_ENV, WORKER_FLAGS, WORKER_START
-from tests.test_vllm_frontend import wait_models
+from tests.support.vllm_stack import vllm_stack, wait_models
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(600)]
 
@@ -65,22 +62,8 @@ MESSAGES = [{"role": "user", "content": "Describe a thing as JSON."}]
 @pytest.fixture(scope="module")
 def stack(tiny_model):
     """One vLLM worker (the default processing) and a frontend on its namespace."""
-    namespace = f"t{uuid.uuid4().hex[:12]}"
-    procs: list[Proc] = []
-    try:
-        worker = Proc(["-m", "dynamo_zmq.worker", "--engine", "vllm",
-                       "--model-path", str(tiny_model), "--model-name", "tiny",
-                       "--namespace", namespace, "--host", "127.0.0.1", *WORKER_FLAGS],
-                      env=VLLM_ENV)
-        procs.append(worker)
-        front = Proc(["-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace])
-        procs.append(front)
-        worker.wait_ready(WORKER_START)
-        front.wait_ready(60)
-        yield namespace, worker, front.address
-    finally:
-        for proc in procs:
-            proc.stop()
+    with vllm_stack(tiny_model) as stack:
+        yield stack.namespace, stack.worker, stack.url
 
 
 @pytest_asyncio.fixture(loop_scope="module")

@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
-import uuid
 
 import pytest
 
@@ -26,8 +24,7 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
 
 import openai
 
-from tests.support.procs import Proc
-from tests.test_vllm import VLLM_ENV, WORKER_FLAGS, WORKER_START, fetch
+from tests.support.vllm_stack import vllm_stack, wait_listed
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(600)]
 
@@ -45,23 +42,9 @@ ENUMS = {"get_weather": ("unit", {"c", "f"}), "get_time": ("zone", {"utc", "cet"
 
 @pytest.fixture(scope="module")
 def url(tiny_model):
-    namespace = f"t{uuid.uuid4().hex[:12]}"
-    worker = Proc(["-m", "dynamo_zmq.worker", "--engine", "vllm", "--model-path", str(tiny_model),
-                   "--model-name", "tiny", "--namespace", namespace, "--host", "127.0.0.1",
-                   *WORKER_FLAGS], env=VLLM_ENV)
-    front = Proc(["-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace])
-    try:
-        worker.wait_ready(WORKER_START)
-        front.wait_ready(60)
-        deadline = time.monotonic() + 60
-        while "tiny" not in {m["id"] for m in json.loads(fetch(f"{front.address}/v1/models"))
-                             ["data"]}:
-            assert time.monotonic() < deadline, "model never listed"
-            time.sleep(0.2)
-        yield front.address
-    finally:
-        front.stop()
-        worker.stop()
+    with vllm_stack(tiny_model) as stack:
+        wait_listed(stack.url)
+        yield stack.url
 
 
 def check(calls) -> None:
