@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import struct
+import time
 from typing import Any
 
 import msgspec
@@ -25,10 +26,14 @@ from ..llm import (
     StopConditions,
 )
 from ..resources import cancel_and_wait
+from . import errors as http_errors
+from ._asgi import ClientGone, Receive, Send, error, reply, watch_disconnect
+from ._deadline import Deadline
 from ._embed_protocol import EmbeddingRequest
+from .metrics import FrontendMetrics
 from .models import ModelEntry
 
-__all__ = ["embed_all", "embedding_requests", "embeddings_body"]
+__all__ = ["embed_all", "embedding_requests", "embeddings_body", "serve_embeddings"]
 
 
 def embedding_requests(
@@ -126,3 +131,49 @@ def embeddings_body(model: str, outputs: list[LLMEngineOutput], encoding: str) -
     usage = {"prompt_tokens": tokens, "total_tokens": tokens}
     return msgspec.json.encode({"object": "list", "data": data, "model": model, "usage": usage})
 
+
+async def serve_embeddings(
+    m: FrontendMetrics,
+    entry: ModelEntry,
+    req: EmbeddingRequest,
+    requests: list[PreprocessedRequest],
+    ctx: Context,
+    receive: Receive,
+    send: Send,
+    routing: dict[str, Any],
+    timeout: float | None,
+) -> None:
+    """Send a parsed embeddings request's ``requests`` (``routing``: the router's keyword
+    arguments) and answer, with the request's deadline, disconnect watch and metrics as for a
+    generation."""
+    endpoint = "embeddings"
+    model = entry.name
+    m.inflight.labels(model).inc()
+    m.isl.labels(model).observe(sum(len(r.token_ids) for r in requests))
+    watcher = asyncio.create_task(watch_disconnect(receive, ctx), name=f"disconnect-{ctx.id()}")
+    started = time.monotonic()
+    deadline = None if timeout is None else Deadline(ctx, timeout)
+    status = "error"
+    try:
+        outputs = await embed_all(entry.router, requests, ctx, routing)
+        await reply(send, 200, embeddings_body(model, outputs, req.encoding_format))
+        status = "success"
+    except errors.DynamoError as exc:
+        if deadline is not None and deadline.expired:
+            await error(send, deadline.error())
+        elif ctx.is_killed():
+            status = "disconnected"
+        else:
+            await error(send, http_errors.from_dynamo(exc))
+    except ClientGone:
+        ctx.kill()
+        status = "disconnected"
+    finally:
+        if deadline is not None:
+            deadline.cancel()
+        await cancel_and_wait((watcher,))
+        if status == "disconnected":
+            m.disconnected.labels(model).inc()
+        m.requests.labels(model, endpoint, "unary", status).inc()
+        m.inflight.labels(model).dec()
+        m.duration.labels(model).observe(time.monotonic() - started)

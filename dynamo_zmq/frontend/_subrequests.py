@@ -10,12 +10,13 @@ from typing import Any
 
 import msgspec
 
-from ..llm import PreprocessedRequest, RoutingHints
+from ..llm import Capability, PreprocessedRequest, RoutingHints
 from ._logprobs import ChoiceLogprobs
+from .models import ModelEntry
 from .preprocess import Preprocessor, Require
 from .protocol import CompletionRequest, prompts
 
-__all__ = ["SubRequest", "completion_prompts", "fan_out"]
+__all__ = ["SubRequest", "completion_prompts", "completion_work", "fan_out"]
 
 _I64 = 2**64
 _I64_MAX = 2**63 - 1
@@ -95,3 +96,26 @@ def completion_prompts(
             )
         out.append((pre, echo))
     return out
+
+
+def completion_work(
+    entry: ModelEntry, req: CompletionRequest
+) -> tuple[PreprocessedRequest | list[SubRequest], int]:
+    """A completion's one request, or its sub-requests (several prompts, ``n``, ``best_of`` or
+    ``echo``), and its choices per prompt.
+
+    Raises:
+        HttpError: 400 for what the serving engine lacks (``best_of`` needs logprobs, ``echo``
+            with ``logprobs`` prompt logprobs), or what preprocessing refuses.
+    """
+    n = req.n or 1
+    best_of = req.best_of or n
+    prompt = req.prompt
+    one_prompt = isinstance(prompt, str) or isinstance(prompt[0], int)
+    if n == 1 and best_of == 1 and not req.echo and one_prompt:
+        return entry.preprocessor.completion(req, entry.require), 1
+    if best_of > n:
+        entry.require(Capability.LOGPROBS, "best_of")
+    if req.echo and req.logprobs is not None:
+        entry.require(Capability.PROMPT_LOGPROBS, "echo")
+    return fan_out(completion_prompts(entry.preprocessor, req, entry.require), n, best_of), n

@@ -42,10 +42,10 @@ from ._asgi import (
 from ._clear_kv import clear_kv_blocks, parse_clear_request
 from ._deadline import Deadline, request_timeout
 from ._embed_protocol import parse_embedding
-from ._embeddings import embed_all, embedding_requests, embeddings_body
+from ._embeddings import embedding_requests, serve_embeddings
 from ._fanout import FanOut
 from ._generation import Generation
-from ._subrequests import SubRequest, completion_prompts, fan_out
+from ._subrequests import SubRequest, completion_work, fan_out
 from ._tools import apply_tools
 from .errors import HttpError
 from .metrics import FrontendMetrics
@@ -205,7 +205,7 @@ class FrontendApp:
             else:
                 req = completion = parse_completion(body)
                 entry = self._entry(completion.model)
-                work, n = self._completion_work(entry, completion)
+                work, n = completion_work(entry, completion)
             if req.logit_bias:
                 entry.require(Capability.LOGIT_BIAS, "logit_bias")
             first = work if isinstance(work, PreprocessedRequest) else work[0].pre
@@ -250,57 +250,10 @@ class FrontendApp:
             m.requests.labels("", endpoint, "unknown", "error").inc()
             await error(send, exc)
             return
-        model = entry.name
-        m.inflight.labels(model).inc()
-        m.isl.labels(model).observe(sum(len(r.token_ids) for r in requests))
-        watcher = asyncio.create_task(watch_disconnect(receive, ctx), name=f"disconnect-{ctx.id()}")
-        started = time.monotonic()
-        deadline = None if timeout is None else Deadline(ctx, timeout)
         routing: dict[str, Any] = {"instance_id": target, "idle_timeout": self.idle_timeout}
         if timeout is not None:
             routing["timeout"] = timeout
-        status = "error"
-        try:
-            outputs = await embed_all(entry.router, requests, ctx, routing)
-            await reply(send, 200, embeddings_body(model, outputs, req.encoding_format))
-            status = "success"
-        except errors.DynamoError as exc:
-            if deadline is not None and deadline.expired:
-                await error(send, deadline.error())
-            elif ctx.is_killed():
-                status = "disconnected"
-            else:
-                await error(send, http_errors.from_dynamo(exc))
-        except ClientGone:
-            ctx.kill()
-            status = "disconnected"
-        finally:
-            if deadline is not None:
-                deadline.cancel()
-            await cancel_and_wait((watcher,))
-            if status == "disconnected":
-                m.disconnected.labels(model).inc()
-            m.requests.labels(model, endpoint, "unary", status).inc()
-            m.inflight.labels(model).dec()
-            m.duration.labels(model).observe(time.monotonic() - started)
-
-    @staticmethod
-    def _completion_work(
-        entry: ModelEntry, req: CompletionRequest
-    ) -> tuple[PreprocessedRequest | list[SubRequest], int]:
-        """A completion's one request, or its sub-requests (several prompts, ``n``, ``best_of``
-        or ``echo``), and its choices per prompt."""
-        n = req.n or 1
-        best_of = req.best_of or n
-        prompt = req.prompt
-        one_prompt = isinstance(prompt, str) or isinstance(prompt[0], int)
-        if n == 1 and best_of == 1 and not req.echo and one_prompt:
-            return entry.preprocessor.completion(req, entry.require), 1
-        if best_of > n:
-            entry.require(Capability.LOGPROBS, "best_of")
-        if req.echo and req.logprobs is not None:
-            entry.require(Capability.PROMPT_LOGPROBS, "echo")
-        return fan_out(completion_prompts(entry.preprocessor, req, entry.require), n, best_of), n
+        await serve_embeddings(m, entry, req, requests, ctx, receive, send, routing, timeout)
 
     def _entry(self, model: str) -> ModelEntry:
         assert self.manager is not None
