@@ -1,0 +1,137 @@
+"""``python -m dynamo_zmq.keys`` through the real CLI: keypairs, the trusted set, and clear
+errors for missing, malformed or too widely readable key files; the files work as ZeroMQ
+CURVE certificates with pyzmq's own ZAP authenticator (an authorized client is served, an
+unknown one is not)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+from dynamo_zmq.tools.keys import KeyFileError, authorized_keys, load_keypair
+from tests.support.procs import pythonpath
+
+
+def keys(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "dynamo_zmq.keys", *args], capture_output=True, text=True,
+        timeout=60, env={**os.environ, "PYTHONPATH": pythonpath()}, check=False,
+    )
+
+
+def test_create_print_authorize_list_and_revoke(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    made = keys("create", str(a))
+    assert made.returncode == 0, made.stderr
+    public = made.stdout.strip()
+    assert len(public) == 40
+    assert keys("public", str(a)).stdout.strip() == public
+    assert (a / "node.key_secret").stat().st_mode & 0o777 == 0o600
+    again = keys("create", str(a))  # never overwrites a key
+    assert again.returncode == 1 and "already exists" in again.stderr
+    assert keys("public", str(a)).stdout.strip() == public
+
+    other = keys("create", str(b), "--name", "worker1").stdout.strip()
+    assert keys("authorize", str(a), str(b / "worker1.key")).stdout.strip() == "authorized worker1"
+    assert keys("authorize", str(a), public, "--as", "self").returncode == 0
+    listed = keys("list", str(a)).stdout.split("\n")
+    assert sorted(line for line in listed if line) == sorted(
+        [f"self {public}", f"worker1 {other}"]
+    )
+    assert authorized_keys(a) == {"self": public.encode(), "worker1": other.encode()}
+    clash = keys("authorize", str(a), public, "--as", "worker1")
+    assert clash.returncode == 1 and "already authorized as 'worker1'" in clash.stderr
+    assert keys("revoke", str(a), other).stdout.strip() == "revoked worker1"
+    assert set(authorized_keys(a)) == {"self"}
+    missing = keys("revoke", str(a), "nobody")
+    assert missing.returncode == 1 and "no authorized key matches" in missing.stderr
+
+
+def test_bad_key_files_get_one_clear_line(tmp_path: Path) -> None:
+    home = tmp_path / "k"
+    absent = keys("public", str(home))
+    assert absent.returncode == 1 and "no key file at" in absent.stderr
+    assert "Traceback" not in absent.stderr
+    assert keys("create", str(home)).returncode == 0
+    secret = home / "node.key_secret"
+    secret.chmod(0o644)
+    loose = keys("public", str(home))
+    assert loose.returncode == 1 and "readable by others (mode 0644)" in loose.stderr
+    assert "chmod 600" in loose.stderr
+    secret.chmod(0o600)
+    secret.write_text('curve\n    public-key = "short"\n')
+    bad = keys("public", str(home))
+    assert bad.returncode == 1 and "malformed public key" in bad.stderr
+    secret.write_text("hello\n")
+    assert "not a CURVE key file" in keys("public", str(home)).stderr
+    for junk in ("not-a-key", "~" * 40, "x" * 39, ""):
+        out = keys("authorize", str(home), junk)
+        assert out.returncode == 1 and "is not a CURVE public key" in out.stderr, out.stderr
+    (home / "authorized" / "typo.key").write_text("garbage\n")
+    with pytest.raises(KeyFileError, match=r"typo\.key is not a CURVE key file"):
+        authorized_keys(home)  # one bad file is an error, never skipped
+    secret.unlink()
+    os.mkdir(secret)  # unreadable as a file
+    assert "cannot read key file" in keys("public", str(home)).stderr
+
+
+def test_the_files_are_zeromq_curve_certificates(tmp_path: Path) -> None:
+    """pyzmq's ZAP authenticator serves the ``authorized`` directory as it is: a client whose
+    key is there gets an answer, an unknown one does not, and the server goes on serving."""
+    server_dir, client_dir, stranger_dir = (tmp_path / n for n in ("srv", "cli", "bad"))
+    for d in (server_dir, client_dir, stranger_dir):
+        assert keys("create", str(d)).returncode == 0
+    assert keys("authorize", str(server_dir), str(client_dir / "node.key")).returncode == 0
+    assert zmq.auth.load_certificates(str(server_dir / "authorized"))  # pyzmq reads them
+
+    ctx = zmq.Context()
+    auth = ThreadAuthenticator(ctx)
+    auth.start()
+    stop = threading.Event()
+    thread: threading.Thread | None = None
+    try:
+        auth.configure_curve(domain="*", location=str(server_dir / "authorized"))
+        server = ctx.socket(zmq.REP)
+        server.curve_publickey, server.curve_secretkey = load_keypair(server_dir)
+        server.curve_server = True
+        server.linger = 0
+        port = server.bind_to_random_port("tcp://127.0.0.1")
+
+        def serve() -> None:
+            while not stop.is_set():
+                if server.poll(50):
+                    server.recv()
+                    server.send(b"pong")
+
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+
+        def ask(client_home: Path, wait_ms: int) -> bytes | None:
+            sock = ctx.socket(zmq.REQ)
+            sock.linger = 0
+            sock.curve_publickey, sock.curve_secretkey = load_keypair(client_home)
+            sock.curve_serverkey = load_keypair(server_dir)[0]
+            sock.connect(f"tcp://127.0.0.1:{port}")
+            sock.send(b"ping")
+            try:
+                return sock.recv() if sock.poll(wait_ms) else None
+            finally:
+                sock.close()
+
+        assert ask(client_dir, 10_000) == b"pong"
+        assert ask(stranger_dir, 2_000) is None  # the handshake is refused: no answer
+        assert ask(client_dir, 10_000) == b"pong"  # and the server still serves
+    finally:
+        stop.set()
+        if thread is not None:
+            thread.join(10)
+        auth.stop()
+        ctx.destroy(linger=0)
