@@ -54,20 +54,22 @@ def stack(tiny_model):
                        "--model-name", "tiny", "--namespace", namespace, "--host", "127.0.0.1",
                        "--metrics-port", "0", *WORKER_FLAGS], env=VLLM_ENV)
         procs.append(worker)
+        # One at a time: each vLLM worker picks free ports for its KV sockets that vLLM binds
+        # later, and a process starting meanwhile could take them.
+        worker.wait_ready(WORKER_START)
         native = Proc(["-m", "dynamo_zmq.worker", "--engine", "vllm",
                        "--model-path", str(tiny_model),
                        "--model-name", "tiny-native", "--native-processing",
                        "--namespace", namespace, "--host", "127.0.0.1", *WORKER_FLAGS],
                       env=VLLM_ENV)
         procs.append(native)
+        native.wait_ready(WORKER_START)
         fronts = {}
         for mode in ("round-robin", "kv"):
             proc = Proc(["-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
                          "--router-mode", mode])
             procs.append(proc)
             fronts[mode] = proc
-        worker.wait_ready(WORKER_START)
-        native.wait_ready(WORKER_START)
         for proc in fronts.values():
             proc.wait_ready(60)
         yield worker, {mode: proc.address for mode, proc in fronts.items()}
