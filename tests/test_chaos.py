@@ -7,16 +7,13 @@ cannot pass without exercising what it checks."""
 
 from __future__ import annotations
 
-import pytest
-
 from dynamo_zmq.tools.chaos import ChaosConfig, run_chaos
 from dynamo_zmq.tools.chaos_report import reference_problems, stats
-from dynamo_zmq.tools.netns import cluster_supported
+from tests.support.cluster import require_cluster
 
 
-@pytest.mark.skipif(cluster_supported() is not None,
-                    reason=f"no network namespaces: {cluster_supported()}")
 def test_a_short_chaos_run_loses_nothing(tiny_model):
+    require_cluster()
     config = ChaosConfig(
         worker_hosts=2, workers_per_host=2, concurrency=12, duration=20.0, fault_interval=4.0,
         pool=48, speedup=0.2, baseline=False, model_path=str(tiny_model), seed=1,

@@ -28,19 +28,25 @@ __all__ = [
     "complete",
     "frontend",
     "mocker_worker",
+    "require_cluster",
     "served_by",
     "wait_until",
 ]
 
 
-@contextlib.contextmanager
-def cluster(*hosts: str) -> Iterator[Cluster]:
-    """A cluster of ``hosts``, torn down (processes by pid, namespaces by name) on exit."""
+def require_cluster() -> None:
+    """Skip the test where namespaces cannot be made; under ``CI=true`` that is a failure."""
     why = cluster_supported()
     if why is not None:
         if os.environ.get("CI") == "true":
             pytest.fail(f"cannot build a multi-host cluster in CI: {why}")
         pytest.skip(f"multi-host cluster unavailable: {why}")
+
+
+@contextlib.contextmanager
+def cluster(*hosts: str) -> Iterator[Cluster]:
+    """A cluster of ``hosts``, torn down (processes by pid, namespaces by name) on exit."""
+    require_cluster()
     with Cluster(hosts, env={"PYTHONPATH": pythonpath()}, cwd=ROOT) as built:
         yield built
 
