@@ -234,6 +234,52 @@ async def test_client_disconnect_stops_the_engine(namespace, spawn, tiny_model):
         await asyncio.sleep(0.1)
 
 
+async def test_a_disconnect_ends_a_document_style_handler_as_a_cancellation(
+    namespace, spawn, tiny_model
+):
+    """The cancellation document's handler (``if context.is_stopped(): raise CancelledError``)
+    behind the frontend: a client that goes away mid-stream is counted as disconnected (499
+    semantics), never as an error or a 503, and the worker counts a cancellation, not a
+    failure."""
+    proc = worker(spawn, namespace, tiny_model, "--metrics-port", "0", name="doc",
+                  engine="tests.support.engines:DocumentStopPatternEngine")
+    front, url = frontend(spawn, namespace)
+    await wait_models(url, {"doc"})
+    host, port = re.match(r"http://([^:]+):(\d+)", url).groups()
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    body = json.dumps({"model": "doc", "prompt": "word " * 20, "max_tokens": 1000,
+                       "stream": True})
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    assert resp.readline().startswith(b"data: ")
+    conn.sock.close()
+    conn.close()
+    mport = int(next(line.split()[-1] for line in proc.logs().splitlines()
+                     if "metrics and health on port" in line))
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 10
+    while True:
+        _, page = await asyncio.to_thread(get, f"{url}/metrics")
+        _, wpage = await asyncio.to_thread(get, f"http://127.0.0.1:{mport}/metrics")
+        front_page, worker_page = page.decode(), wpage.decode()
+        if (sample(front_page, "dynamo_frontend_disconnected_clients_total", model="doc") == 1
+                and sample(worker_page, "dynamo_component_cancellation_total", model="doc") == 1
+                and sample(worker_page, "dynamo_component_inflight_requests", model="doc") == 0):
+            break
+        assert loop.time() < deadline, (front_page, worker_page)
+        await asyncio.sleep(0.1)
+    assert sample(front_page, "dynamo_frontend_requests_total", model="doc", endpoint="completions",
+                  request_type="stream", status="disconnected") == 1
+    assert sample(front_page, "dynamo_frontend_requests_total", model="doc", endpoint="completions",
+                  request_type="stream", status="error") in (None, 0)
+    assert not [line for line in worker_page.splitlines()
+                if line.startswith("dynamo_component_errors_total{") and 'model="doc"' in line
+                and not line.endswith(" 0.0")], worker_page
+    logs = front.logs() + proc.logs()
+    assert "EngineShutdown" not in logs and "Traceback" not in logs, logs
+
+
 async def test_dead_worker_gives_503_and_a_new_one_serves(namespace, spawn, tiny_model):
     first = worker(spawn, namespace, tiny_model)
     _, url = frontend(spawn, namespace)

@@ -5,7 +5,8 @@ tests, a mocker whose health a test breaks from outside (``FlakyMocker``), one w
 end with ``EngineShutdown`` part-way (``ShuttingDownMocker``), an echo engine with
 deterministic log-probabilities (``ScoredEchoEngine``, for ``best_of``), and one that emits
 scripted text token by token (``ScriptedEngine``, for the worker's tool-call and reasoning
-parsing)."""
+parsing), and one that ends on a stop by raising ``CancelledError`` as the cancellation
+document's handler does (``DocumentStopPatternEngine``)."""
 
 from __future__ import annotations
 
@@ -403,3 +404,16 @@ class ScriptedEngine(LLMEngine):
 
     async def cleanup(self) -> None:
         pass
+
+
+class DocumentStopPatternEngine(EchoEngine):
+    """Echo, but ends on a stop the way the cancellation document's handler does:
+    ``if context.is_stopped(): raise asyncio.CancelledError`` between outputs."""
+
+    async def generate(self, request: PreprocessedRequest, ctx: Context):
+        for tok in request.token_ids * 100:
+            if ctx.is_stopped():
+                raise asyncio.CancelledError
+            yield LLMEngineOutput([tok])
+            await asyncio.sleep(self.delay or 0.02)
+        yield LLMEngineOutput([], finish_reason="length")
