@@ -18,7 +18,7 @@ import msgspec
 
 from ..transport import PeerConnection
 from ..wire import EndpointInfo
-from ._engine import EngineConfig
+from ._messages import EngineConfig
 from ._model_card import ModelCard
 
 __all__ = ["ModelAdvert", "ServedModel", "advert_of", "served_models", "serves"]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import msgspec
 
-from ._engine import EngineLoad
+from ._messages import EngineLoad
 
 __all__ = [
     "LOAD_TOPIC",

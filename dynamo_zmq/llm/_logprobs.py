@@ -13,7 +13,7 @@ import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ._engine import LLMEngineOutput
+from ._messages import LLMEngineOutput
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer

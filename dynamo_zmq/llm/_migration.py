@@ -28,7 +28,7 @@ import msgspec
 
 from .. import errors
 from ..context import Context
-from ._engine import PreprocessedRequest, Resume, RoutingHints
+from ._messages import PreprocessedRequest, Resume, RoutingHints
 from ._routing import ModelRouter, OutputStream
 
 __all__ = [

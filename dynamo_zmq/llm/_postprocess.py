@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING
 
 from tokenizers.decoders import DecodeStream
 
-from ._engine import FinishReason, LLMEngineOutput, PreprocessedRequest, Usage
 from ._logprobs import TokenTexts, with_logprob_texts
+from ._messages import FinishReason, LLMEngineOutput, PreprocessedRequest, Usage
 from .parsers import output_parser
 
 if TYPE_CHECKING:

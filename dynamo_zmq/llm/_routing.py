@@ -18,7 +18,7 @@ from ..context import Context
 from ..runtime import Client, RouterMode
 from ..transport import ItemStream
 from ._advert import ModelAdvert
-from ._engine import LLMEngineOutput, PreprocessedRequest
+from ._messages import LLMEngineOutput, PreprocessedRequest
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry

@@ -15,7 +15,7 @@ import inspect
 from collections.abc import AsyncGenerator, AsyncIterator
 
 from ..errors import DynamoError
-from ._engine import FinishReason, LLMEngineOutput
+from ._messages import FinishReason, LLMEngineOutput
 
 __all__ = [
     "BadFinishReason",

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .._engine import FinishReason, LLMEngineOutput, PreprocessedRequest
+from .._messages import FinishReason, LLMEngineOutput, PreprocessedRequest
 from ._families import (
     HermesToolParser,
     Llama3JsonToolParser,

@@ -3,7 +3,7 @@ object, streamed as the arguments of one call."""
 
 from __future__ import annotations
 
-from .._engine import ToolCallDelta
+from .._messages import ToolCallDelta
 from ._tool_base import ToolParser, new_call_id
 
 __all__ = ["NamedToolParser"]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import uuid
 from typing import ClassVar, NamedTuple
 
-from .._engine import ToolCallDelta
+from .._messages import ToolCallDelta
 
 __all__ = ["Region", "ToolParser", "new_call_id"]
 
