@@ -4,6 +4,7 @@
         [--router-mode round-robin|random|direct|kv|approx] [--namespace dynamo]
         [--discovery mdns|static] [--static-workers tcp://h:p,...] [--request-timeout S]
         [--idle-timeout S] [--migration-limit N]
+        [--api-key KEY | --api-key-file F] [--tls-cert-file C --tls-key-file K]
         [router plugin flags, e.g. --kv-overlap-score-weight 1.0 --router-temperature 0.0]
 
 Every flag has a ``DYN_*`` variable (``--http-port`` -> ``DYN_HTTP_PORT``). Prints
@@ -22,6 +23,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import uvicorn
 
@@ -36,6 +38,7 @@ from ..runtime import (
     run_main,
     setup_logging,
 )
+from ._http_security import ApiKeyGuard, HttpSecurity, add_http_security_args, http_security
 from .app import FrontendApp
 from .models import ModelManager
 
@@ -82,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--model-cache", default=env("DYN_MODEL_CACHE"),
                         help="where fetched tokenizer files are kept [DYN_MODEL_CACHE]")
+    add_http_security_args(parser)
     add_discovery_args(parser)
     modes_of: dict[type[RouterPlugin], list[str]] = {}
     for mode in plugin_names(ROUTERS):
@@ -106,7 +110,10 @@ def routing_plugin(args: argparse.Namespace) -> RouterPlugin | None:
     return plugin_class.from_args(args.router_mode, args)
 
 
-async def serve(args: argparse.Namespace, plugin: RouterPlugin | None) -> int:
+async def serve(
+    args: argparse.Namespace, plugin: RouterPlugin | None, security: HttpSecurity
+) -> int:
+    keys, exempt, tls = security
     runtime = DistributedRuntime(config=RuntimeConfig(discovery=DiscoveryConfig.from_args(args)))
     app: FrontendApp
 
@@ -125,9 +132,13 @@ async def serve(args: argparse.Namespace, plugin: RouterPlugin | None) -> int:
         start, stop, request_timeout=args.request_timeout, idle_timeout=args.idle_timeout,
         migration_limit=args.migration_limit,
     )
+    asgi: Any = app
+    if keys.enabled:
+        asgi = ApiKeyGuard(app, keys, exempt, app.metrics.unauthorized.inc)
     config = uvicorn.Config(
-        app, host=args.http_host, port=args.http_port, loop="none", http="httptools",
+        asgi, host=args.http_host, port=args.http_port, loop="none", http="httptools",
         lifespan="on", log_level="warning", access_log=False, timeout_graceful_shutdown=5,
+        ssl_certfile=tls.cert if tls else None, ssl_keyfile=tls.key if tls else None,
     )
     server = uvicorn.Server(config)
     loop = asyncio.get_running_loop()
@@ -151,7 +162,7 @@ async def serve(args: argparse.Namespace, plugin: RouterPlugin | None) -> int:
                   "(why is logged above)", file=sys.stderr)
         return 1
     host, port = server.servers[0].sockets[0].getsockname()[:2]
-    print(f"READY http://{host}:{port}", flush=True)
+    print(f"READY {'https' if tls else 'http'}://{host}:{port}", flush=True)
     await task
     return 0
 
@@ -164,6 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if discovery.backend == "static" and discovery.static_file is not None:
             read_static_file(discovery.static_file)  # unreadable: say so now, not as a failed start
         plugin = routing_plugin(args)
+        security = http_security(args)
         check_name(args.namespace, "namespace")
         if not 0 <= args.http_port <= 65535:
             raise errors.InvalidArgument(f"--http-port must be 0-65535, got {args.http_port}")
@@ -177,7 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except errors.DynamoError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2
-    return run_main(serve(args, plugin))
+    return run_main(serve(args, plugin, security))
 
 
 if __name__ == "__main__":

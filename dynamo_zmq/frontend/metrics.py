@@ -46,6 +46,10 @@ class FrontendMetrics:
             "dynamo_frontend_disconnected_clients", "Clients that went away mid-request",
             ["model"], registry=r,
         )
+        self.unauthorized = Counter(
+            "dynamo_frontend_unauthorized_requests",
+            "Requests refused with 401: no API key, or not an accepted one", registry=r,
+        )
         self.migrations = Counter(
             "dynamo_frontend_migrations",
             "Requests moved to another worker mid-stream, by model and the error that lost the "
