@@ -38,7 +38,13 @@ from ..runtime import (
     run_main,
     setup_logging,
 )
-from ._http_security import ApiKeyGuard, HttpSecurity, add_http_security_args, http_security
+from ._http_security import (
+    ApiKeyGuard,
+    HttpSecurity,
+    add_http_security_args,
+    http_security,
+    is_loopback,
+)
 from .app import FrontendApp
 from .models import ModelManager
 
@@ -135,6 +141,9 @@ async def serve(
     asgi: Any = app
     if keys.enabled:
         asgi = ApiKeyGuard(app, keys, exempt, app.metrics.unauthorized.inc)
+    elif not is_loopback(args.http_host):
+        log.warning("serving HTTP on %s without API keys: anyone who can reach it may use it "
+                    "(--api-key or --api-key-file; docs/security.md)", args.http_host)
     config = uvicorn.Config(
         asgi, host=args.http_host, port=args.http_port, loop="none", http="httptools",
         lifespan="on", log_level="warning", access_log=False, timeout_graceful_shutdown=5,

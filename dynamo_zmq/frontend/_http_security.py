@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import hmac
+import ipaddress
 import logging
 import os
 import ssl
@@ -34,6 +35,7 @@ __all__ = [
     "TlsFiles",
     "add_http_security_args",
     "http_security",
+    "is_loopback",
 ]
 
 log = logging.getLogger(__name__)
@@ -213,3 +215,13 @@ def http_security(args: argparse.Namespace) -> HttpSecurity:
     if bad:
         raise errors.InvalidArgument(f"--api-key-exempt routes must start with '/': {bad}")
     return keys, exempt, _tls(args)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) reaches this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
