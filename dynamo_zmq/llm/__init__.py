@@ -73,6 +73,10 @@ from ._routing import ModelRouter as ModelRouter
 from ._routing import OutputStream as OutputStream
 from ._routing import RouterPlugin as RouterPlugin
 from ._routing import RoutingTarget as RoutingTarget
+from ._stop_strings import MAX_STOP_LENGTH as MAX_STOP_LENGTH
+from ._stop_strings import MAX_STOP_STRINGS as MAX_STOP_STRINGS
+from ._stop_strings import StopStringMatcher as StopStringMatcher
+from ._stop_strings import stop_bounds_error as stop_bounds_error
 from ._stream_contract import BadFinishReason as BadFinishReason
 from ._stream_contract import ChunkAfterTerminal as ChunkAfterTerminal
 from ._stream_contract import ConformanceError as ConformanceError
@@ -81,10 +85,6 @@ from ._stream_contract import NotAnOutput as NotAnOutput
 from ._stream_contract import NotAStream as NotAStream
 from ._stream_contract import NoTerminalChunk as NoTerminalChunk
 from ._stream_contract import StreamContractError as StreamContractError
-from ._stop_strings import MAX_STOP_LENGTH as MAX_STOP_LENGTH
-from ._stop_strings import MAX_STOP_STRINGS as MAX_STOP_STRINGS
-from ._stop_strings import StopStringMatcher as StopStringMatcher
-from ._stop_strings import stop_bounds_error as stop_bounds_error
 from ._stream_contract import validate_stream as validate_stream
 
 __all__ = [
