@@ -182,7 +182,7 @@ def kv_event_frames(rng: random.Random, seq: int) -> list[bytes]:
     if pick == 0:
         return [_noise(rng, 8) for _ in range(rng.choice([1, 2, 4, 5]))]
     if pick == 1:
-        return [b"kv", _noise(rng, rng.choice([0, 7, 9])), _noise(rng)]  # seq not 8 bytes
+        return [b"kv", rng.randbytes(rng.choice([0, 7, 9])), _noise(rng)]  # seq not 8 bytes
     head = [b"kv", seq.to_bytes(8, "big")]
     payloads: list[Callable[[], bytes]] = [
         lambda: _noise(rng),
