@@ -140,7 +140,7 @@ async def test_replay_port(worker, namespace, make_runtime, zctx) -> None:
     assert "Traceback" not in log_text(worker), log_text(worker)[-3000:]
 
 
-async def test_router_kv_event_and_load_subscribers(zctx) -> None:
+async def test_router_kv_event_and_load_subscribers(zctx, caplog) -> None:
     kv_pub, load_pub = zctx.socket(zmq.PUB), zctx.socket(zmq.PUB)
     kv_port = kv_pub.bind_to_random_port("tcp://127.0.0.1")
     load_port = load_pub.bind_to_random_port("tcp://127.0.0.1")
@@ -199,6 +199,10 @@ async def test_router_kv_event_and_load_subscribers(zctx) -> None:
         assert (index.find_matches(prompt), tracker.load((WID, 0))) == view
         assert kv.stats.gaps == 0 and kv.stats.state_drops == 0, kv.stats
         assert kv.stats.decode_errors > 0 and load.stats.decode_errors > 0
+        # Garbage is logged as one line per kind per 10 s (this run takes a few seconds).
+        for name in ("router.subscriber", "router.load"):
+            lines = [r for r in caplog.records if r.name == name]
+            assert len(lines) <= 4, [r.getMessage() for r in lines]
         # Still following: a valid batch and report after the garbage apply.
         applied = kv.stats.applied, load.stats.applied
         publish_valid()
