@@ -38,7 +38,7 @@ from typing import Protocol
 import zmq
 
 from dynamo_zmq.resources import Resources
-from dynamo_zmq.transport import AsyncSocket, SendResult, make_socket
+from dynamo_zmq.transport import AsyncSocket, BadInput, SendResult, make_socket
 
 from .events import EventBatch, EventDecodeError, decode_batch
 from .metrics import RouterMetrics
@@ -138,6 +138,8 @@ class KvEventSubscriber:
         #: Seq of the last batch accounted for; None: no baseline yet.
         self.last_seq: int | None = None
         self.stats = SubscriberStats()
+        #: Undecodable input from the worker: logged at most once per 10 s per kind.
+        self._bad_input = BadInput(log)
         self._sock: AsyncSocket | None = None
         self._task: asyncio.Task[None] | None = None
         self._progress = asyncio.Event()
@@ -309,11 +311,11 @@ class KvEventSubscriber:
             self._metrics.state_drops.labels(self._model).inc()
         log.warning("worker %x: KV event state dropped; rebuilding from new events", self.worker_id)
 
-    def _count_decode_error(self, msg: str, *args: object) -> None:
+    def _count_decode_error(self, msg: str, *args: object, kind: str = "kv_event") -> None:
         self.stats.decode_errors += 1
         if self._metrics is not None:
             self._metrics.decode_errors.labels(self._model).inc()
-        log.warning("worker %x: " + msg, self.worker_id, *args)
+        self._bad_input.note(kind, "worker %x: " + msg, self.worker_id, *args)
 
     def _count_replay(self, result: str) -> None:
         if result == "ok":
@@ -359,7 +361,8 @@ class KvEventSubscriber:
                         await asyncio.wait_for(sock.wait_readable(), remaining)
                     continue
                 if len(frames) != 4 or frames[0] != b"" or len(frames[2]) != 8:
-                    log.warning("worker %x: malformed KV replay message", self.worker_id)
+                    self._count_decode_error("malformed KV replay message (%d frames)",
+                                             len(frames), kind="kv_replay")
                     return None
                 seq = int.from_bytes(frames[2], "big")
                 if seq == END_SEQ:

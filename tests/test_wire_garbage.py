@@ -181,14 +181,14 @@ def assert_invalid(frames: list[bytes], request_ids: tuple[int, ...]) -> Error:
 
 
 def _request_id_hint(payload: bytes) -> int:
-    """The id a reader can see in a bad payload: a positive int first in an array, else 0."""
+    """The id a reader can see in a bad payload: a positive int first in an array, else 0
+    (the array's other elements are not decoded: a string of invalid UTF-8 there still lets
+    the id be seen)."""
     try:
-        value = msgspec.msgpack.decode(payload)
+        value = msgspec.msgpack.decode(msgspec.msgpack.decode(payload, type=list[msgspec.Raw])[0])
     except Exception:
         return 0
-    if isinstance(value, list) and value and type(value[0]) is int and value[0] > 0:
-        return value[0]
-    return 0
+    return value if type(value) is int and value > 0 else 0
 
 
 def expected_answer(frames: list[bytes]) -> tuple[str, Any]:
@@ -198,7 +198,7 @@ def expected_answer(frames: list[bytes]) -> tuple[str, Any]:
     kind, payload = frames
     try:
         msg = msgspec.msgpack.decode(payload, type=CLIENT_KINDS[kind])
-    except (msgspec.DecodeError, RecursionError):
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
         return "error", (0, _request_id_hint(payload))
     if kind == Kind.REQUEST:  # never names the served endpoint: always refused, id echoed
         return "error", (msg.request_id,)

@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from ..llm import stop_bounds_error
 from ._prompts import MAX_PROMPTS, parse_prompt, prompt_list
 from ._structured import constraint
 from ._tool_choice import validate_tool_choice
@@ -232,6 +233,9 @@ def _validate_common(req: _BaseRequest) -> None:
             raise bad_request(
                 "'stop' strings must not be empty", param="stop", code="invalid_value"
             )
+        too_many = stop_bounds_error(stops)
+        if too_many is not None:
+            raise bad_request(f"'stop': {too_many}", param="stop", code="invalid_value")
     if (
         req.stop_token_ids
         and not 0 <= min(req.stop_token_ids) <= max(req.stop_token_ids) <= _I64_MAX

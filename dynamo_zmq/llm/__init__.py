@@ -64,7 +64,6 @@ from ._plugins import load_plugin as load_plugin
 from ._plugins import plugin_names as plugin_names
 from ._postprocess import IncrementalDetokenizer as IncrementalDetokenizer
 from ._postprocess import PostProcessor as PostProcessor
-from ._postprocess import StopStringMatcher as StopStringMatcher
 from ._postprocess import postprocess as postprocess
 from ._postprocess import resumed_usage as resumed_usage
 from ._postprocess import with_resumed_usage as with_resumed_usage
@@ -74,6 +73,10 @@ from ._routing import ModelRouter as ModelRouter
 from ._routing import OutputStream as OutputStream
 from ._routing import RouterPlugin as RouterPlugin
 from ._routing import RoutingTarget as RoutingTarget
+from ._stop_strings import MAX_STOP_LENGTH as MAX_STOP_LENGTH
+from ._stop_strings import MAX_STOP_STRINGS as MAX_STOP_STRINGS
+from ._stop_strings import StopStringMatcher as StopStringMatcher
+from ._stop_strings import stop_bounds_error as stop_bounds_error
 from ._stream_contract import BadFinishReason as BadFinishReason
 from ._stream_contract import ChunkAfterTerminal as ChunkAfterTerminal
 from ._stream_contract import ConformanceError as ConformanceError
@@ -94,6 +97,8 @@ __all__ = [
     "LOAD_VERSION",
     "MAX_LOAD_INTERVAL",
     "MAX_REPORT_BYTES",
+    "MAX_STOP_LENGTH",
+    "MAX_STOP_STRINGS",
     "MEDIUM_GPU",
     "ROUTERS",
     "TOKENIZERS",
@@ -159,6 +164,7 @@ __all__ = [
     "resumed_usage",
     "served_models",
     "serves",
+    "stop_bounds_error",
     "stop_output",
     "validate_stream",
     "with_resumed_usage",

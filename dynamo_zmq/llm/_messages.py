@@ -63,6 +63,9 @@ class FinishReason:
 
 
 _WIRE = {"omit_defaults": True, "forbid_unknown_fields": False}
+#: A prompt token id: tokenizers and engines take 32-bit unsigned ids, so one outside that
+#: range is refused when the request is decoded (InvalidArgument), not deep in an engine.
+TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**32)]
 
 
 class SamplingOptions(msgspec.Struct, **_WIRE):
@@ -156,7 +159,7 @@ class ToolOptions(msgspec.Struct, **_WIRE):
 class PreprocessedRequest(msgspec.Struct, **_WIRE):
     """A tokenized request, as the frontend sends it to a worker."""
 
-    token_ids: list[int]
+    token_ids: list[TokenId]
     model: str = ""
     request_id: str = ""
     sampling: SamplingOptions = msgspec.field(default_factory=SamplingOptions)

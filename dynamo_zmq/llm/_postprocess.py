@@ -6,8 +6,8 @@ alone:
 
 - ``IncrementalDetokenizer``: token ids -> text deltas (``tokenizers.decoders.DecodeStream``),
   never emitting half a UTF-8 character that a later token completes.
-- ``StopStringMatcher``: text deltas -> text deltas cut at the first stop string, holding back
-  only what could still become a stop string.
+- ``StopStringMatcher`` (``_stop_strings``): text deltas -> text deltas cut at the first stop
+  string, holding back only what could still become a stop string.
 - ``postprocess(stream, request, tokenizer, stop_engine)``: wraps an engine stream; each engine
   chunk becomes one chunk with ``token_ids`` and a ``text`` delta, and the stream ends with
   exactly one terminal. A stop string ends it early with ``finish_reason="stop"`` and
@@ -30,6 +30,7 @@ from tokenizers.decoders import DecodeStream
 
 from ._logprobs import TokenTexts, with_logprob_texts
 from ._messages import FinishReason, LLMEngineOutput, PreprocessedRequest, Usage
+from ._stop_strings import StopStringMatcher
 from .parsers import output_parser
 
 if TYPE_CHECKING:
@@ -38,7 +39,6 @@ if TYPE_CHECKING:
 __all__ = [
     "IncrementalDetokenizer",
     "PostProcessor",
-    "StopStringMatcher",
     "postprocess",
     "resumed_usage",
     "with_resumed_usage",
@@ -110,61 +110,6 @@ class IncrementalDetokenizer:
         text = full[len(base) :] if full.startswith(base) else self._decode(self._pending)
         self._done, self._pending = self._pending, []
         return text
-
-
-class StopStringMatcher:
-    """Cuts a text stream at the first stop string, never emitting part of one.
-
-    ``feed`` holds back the longest tail of the text that is a proper prefix of some stop string
-    (at most ``max(len(stop)) - 1`` characters). The first stop string to *complete* wins (on a
-    tie, the longer one), so the result does not depend on how the text was split into deltas.
-
-    Args:
-        stops: the stop strings; empty ones are ignored.
-        include_stop_str: emit the matched stop string too.
-    """
-
-    __slots__ = ("_buf", "_include", "_max_hold", "_prefixes", "matched", "stops")
-
-    def __init__(self, stops: Sequence[str], include_stop_str: bool = False) -> None:
-        #: The distinct, non-empty stop strings.
-        self.stops = tuple(dict.fromkeys(s for s in stops if s))
-        self._include = include_stop_str
-        self._prefixes = frozenset(s[:k] for s in self.stops for k in range(1, len(s)))
-        self._max_hold = max((len(s) for s in self.stops), default=1) - 1
-        self._buf = ""
-        #: The stop string that matched, once one has.
-        self.matched: str | None = None
-
-    def feed(self, delta: str) -> tuple[str, bool]:
-        """Add text; returns ``(text_to_emit, matched)``. After a match, returns ``("", True)``."""
-        if self.matched is not None:
-            return "", True
-        buf = self._buf + delta
-        best: tuple[int, int] | None = None  # (end, start) of the first stop string to complete
-        for stop in self.stops:
-            start = buf.find(stop)
-            if start >= 0:
-                key = (start + len(stop), start)
-                if best is None or key < best:
-                    best, self.matched = key, stop
-        if best is not None:
-            self._buf = ""
-            return buf[: best[0] if self._include else best[1]], True
-        hold = self._hold(buf)
-        self._buf = buf[len(buf) - hold :]
-        return buf[: len(buf) - hold], False
-
-    def flush(self) -> str:
-        """The held-back text, at the end of a stream that did not match."""
-        text, self._buf = self._buf, ""
-        return text
-
-    def _hold(self, buf: str) -> int:
-        for k in range(min(len(buf), self._max_hold), 0, -1):
-            if buf[-k:] in self._prefixes:
-                return k
-        return 0
 
 
 class PostProcessor:

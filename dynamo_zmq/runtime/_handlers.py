@@ -32,7 +32,7 @@ def adapt_handler(
             request = decode(payload)
         except msgspec.ValidationError as exc:
             raise errors.InvalidArgument(f"invalid request: {exc}") from exc
-        except (msgspec.DecodeError, RecursionError) as exc:
+        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
             raise errors.InvalidArgument(f"request is not valid MessagePack: {exc}") from exc
         result = handler(request, ctx) if wants_context else handler(request)
         if hasattr(result, "__aiter__"):

@@ -1,5 +1,7 @@
 """ZMQ sockets of the request plane: the ROUTER server and the per-peer DEALER connection."""
 
+from ._bad_input import BadInput as BadInput
+from ._bad_input import bad_input_totals as bad_input_totals
 from ._sockets import AsyncSocket as AsyncSocket
 from ._sockets import SendResult as SendResult
 from ._sockets import make_socket as make_socket
@@ -21,6 +23,7 @@ from .server import Server as Server
 __all__ = [
     "DEFAULT_WINDOW",
     "AsyncSocket",
+    "BadInput",
     "Handler",
     "ItemDecoder",
     "ItemStream",
@@ -32,6 +35,7 @@ __all__ = [
     "SendResult",
     "Server",
     "StreamHost",
+    "bad_input_totals",
     "item_decoder",
     "make_socket",
     "plain_items",

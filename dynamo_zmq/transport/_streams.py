@@ -73,13 +73,13 @@ def decode_items(
     items before it are still delivered (decoded one by one to find it)."""
     try:
         return decode(raw), None
-    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
         pass
     good: list[T] = []
     try:
         for item in _raw_items(raw):
             good.extend(decode(msgspec.Raw(b"\x91" + bytes(item))))  # a one-item array
-    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
         return good, errors.Unknown(f"undecodable response item: {exc}")
     return good, errors.Unknown("undecodable response items")
 

@@ -258,7 +258,7 @@ class PeerConnection:
         kind = frames[0]
         try:
             msg = _decoders[kind].decode(frames[1])
-        except (msgspec.DecodeError, RecursionError) as exc:
+        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
             log.warning("undecodable %r frame from %s: %s", kind, self.address, exc)
             return
         # the frame's kind chose the decoder, so the decoded type tells the kind
@@ -296,7 +296,7 @@ class PeerConnection:
         st.expected_seq += 1
         try:
             st.items.extend(st.decode(msg.items))
-        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
             items, error = decode_items(st.decode, msg.items)
             st.items.extend(items)
             if error is not None:  # the items before it are still delivered

@@ -37,6 +37,7 @@ from ..wire import (
     Request,
     encode,
 )
+from ._bad_input import BadInput
 from ._ending import cancelled_terminal, on_deadline, on_kill
 from ._outbox import OpenStream, Outbox
 from ._sockets import AsyncSocket, SendResult, make_socket
@@ -112,7 +113,9 @@ class Server:
         )
         self._idle = asyncio.Event()
         self._idle.set()
-        self.malformed_frames = 0
+        #: Malformed frames ("frame") and requests a handler refused as invalid ("request"):
+        #: counted, and logged one line per kind per ``LOG_EVERY`` seconds.
+        self.bad_input = BadInput(log)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -214,7 +217,8 @@ class Server:
             return
         try:
             msg = decoder.decode(payload)
-        except (msgspec.DecodeError, RecursionError) as exc:  # deep nesting raises RecursionError
+        # Deep nesting raises RecursionError, a str field of invalid UTF-8 UnicodeDecodeError.
+        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
             self._malformed(identity, f"bad {kind!r} payload: {exc}", _request_id_of(payload))
             return
         # the frame's kind chose the decoder, so the decoded type tells the kind
@@ -239,9 +243,13 @@ class Server:
         elif isinstance(msg, Describe):
             self._send_nowait(identity, Kind.INFO, encode(self._describe()))
 
+    @property
+    def malformed_frames(self) -> int:
+        """Frames refused as malformed so far."""
+        return self.bad_input.counts.get("frame", 0)
+
     def _malformed(self, identity: bytes, reason: str, request_id: int = 0) -> None:
-        self.malformed_frames += 1
-        log.warning("malformed frame from peer %s: %s", identity.hex(), reason)
+        self.bad_input.note("frame", "malformed frame from peer %s: %s", identity.hex(), reason)
         if request_id and (identity, request_id) in self._streams:
             request_id = 0  # never inject a second terminal into a live stream
         err = Error(request_id, 0, errors.InvalidArgument.kind, f"malformed frame: {reason}")
@@ -251,6 +259,9 @@ class Server:
         key = (identity, req.request_id)
 
         def reject(exc: errors.DynamoError, request_id: int = req.request_id) -> None:
+            if isinstance(exc, errors.InvalidArgument):
+                self.bad_input.note("request", "request %d from peer %s refused: %s",
+                                    req.request_id, identity.hex(), exc.message)
             err = Error(request_id, 0, exc.kind, exc.message)
             self._send_nowait(identity, Kind.ERROR, encode(err))
 
@@ -312,6 +323,9 @@ class Server:
             err = errors.from_exception(exc)
             if isinstance(err, errors.Unknown):
                 log.exception("handler for request %d failed", st.request_id)
+            elif isinstance(err, errors.InvalidArgument):
+                self.bad_input.note("request", "request %d from peer %s refused: %s",
+                                    st.request_id, st.identity.hex(), err.message)
             terminal = Error(st.request_id, 0, err.kind, _wire_text(err.message))
         finally:
             st.finishing = True  # from here on a KILL no longer cancels this task
@@ -384,13 +398,16 @@ def _wire_text(text: object) -> str:
     return str(text).encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+#: Splits an array-like payload into its elements without decoding them (strings of invalid
+#: UTF-8 included), so a request whose other fields are bad still has its id echoed.
+_elements = msgspec.msgpack.Decoder(list[msgspec.Raw])
+
+
 def _request_id_of(payload: bytes) -> int:
     """Best effort: the first element of an array-like payload, if it is a positive int."""
     try:
-        value = msgspec.msgpack.decode(payload)
+        value = msgspec.msgpack.decode(_elements.decode(payload)[0])
     except Exception:
         return 0
     # type() rather than isinstance(): a bool is not an id (and would encode as true, not an int).
-    if isinstance(value, list) and value and type(value[0]) is int and value[0] > 0:
-        return value[0]
-    return 0
+    return value if type(value) is int and value > 0 else 0

@@ -12,6 +12,10 @@ Dynamo's work-handler metrics, labelled ``dynamo_namespace``, ``dynamo_component
     dynamo_component_kvstats_total_blocks        gauge      KV blocks in all
     dynamo_component_kvstats_gpu_cache_usage_percent  gauge  active / total (0.0-1.0)
     dynamo_component_uptime_seconds              gauge      seconds since the worker started
+    dynamo_component_malformed_input_total{kind}  counter   bad input from peers, by kind
+        (``frame``: a request-plane frame refused as malformed; ``request``: a request refused
+        as invalid, e.g. an undecodable payload; ``kv_replay_request``: a malformed KV replay
+        request to the mocker); each kind is also logged at most once per 10 s
 
 and this project's own, under the same prefix and labels: ``time_to_first_token_seconds``,
 ``inter_token_latency_seconds``, ``output_tokens_total`` and ``healthy`` (1 while the health
@@ -26,6 +30,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+from ..transport import bad_input_totals
 
 __all__ = ["ModelMetrics", "WorkerMetrics"]
 
@@ -92,6 +100,8 @@ class WorkerMetrics:
             lambda: time.monotonic() - started
         )
 
+        r.register(_MalformedInput(self.labels))
+
     def register_engine(self, collector: Any) -> None:
         """Serve an engine's own metrics (a prometheus_client collector) beside these."""
         self.registry.register(collector)
@@ -145,3 +155,20 @@ class ModelMetrics:
     itl: Any
     output_tokens: Any
     engine_errors: Any
+
+
+class _MalformedInput(Collector):
+    """``dynamo_component_malformed_input_total{kind}``, read from the process's bad-input
+    counts (``transport.bad_input_totals``) at each scrape."""
+
+    def __init__(self, labels: tuple[str, ...]) -> None:
+        self._labels = labels
+
+    def collect(self) -> Any:
+        family = CounterMetricFamily(
+            f"{_P}malformed_input", "Bad input from peers (malformed frames, invalid requests)",
+            labels=[*_LABELS, "kind"],
+        )
+        for kind, n in sorted(bad_input_totals().items()):
+            family.add_metric([*self._labels, kind], n)
+        yield family

@@ -44,6 +44,7 @@ from ..llm import (
     PreprocessedRequest,
     build_card,
     read_card_file,
+    stop_bounds_error,
     validate_stream,
     with_resumed_usage,
 )
@@ -278,6 +279,8 @@ class Worker:
                 f"resume.generated ({request.resume.generated}) exceeds the prompt's "
                 f"{len(request.token_ids)} tokens"
             )
+        if (stop_error := stop_bounds_error(request.stop.stop)) is not None:
+            raise errors.InvalidArgument(f"stop: {stop_error}")  # a frontend answers 400 first
         if request.embedding is not None:  # /v1/embeddings, routed as a generation is
             try:
                 async for out in serve_embedding(

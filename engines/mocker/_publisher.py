@@ -14,7 +14,7 @@ import logging
 import zmq
 
 from dynamo_zmq.resources import Resources
-from dynamo_zmq.transport import AsyncSocket, SendResult, make_socket
+from dynamo_zmq.transport import AsyncSocket, BadInput, SendResult, make_socket
 
 from ._kv_events import KvEvent, encode_batch
 
@@ -47,6 +47,8 @@ class KvEventPublisher:
         self.events_port = 0
         self.replay_port = 0
         self.dropped = 0
+        #: Malformed replay requests: counted, logged at most once per 10 s.
+        self.bad_input = BadInput(log)
 
     @property
     def next_seq(self) -> int:
@@ -113,7 +115,8 @@ class KvEventPublisher:
             or (len(frames) == 3 and frames[1] != b"")
             or len(frames[-1]) != 8
         ):
-            log.warning("ignoring malformed KV replay request: %r", frames[:4])
+            self.bad_input.note("kv_replay_request", "ignoring malformed KV replay request: %.200r",
+                                frames[:4])
             return
         identity, prefix = frames[0], [frames[0], b""] if len(frames) == 3 else [frames[0]]
         start = int.from_bytes(frames[-1], "big")
