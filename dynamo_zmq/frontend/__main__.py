@@ -3,7 +3,7 @@
     python -m dynamo_zmq.frontend [--http-host 127.0.0.1] [--http-port 8000]
         [--router-mode round-robin|random|direct|kv|approx] [--namespace dynamo]
         [--discovery mdns|static] [--static-workers tcp://h:p,...] [--request-timeout S]
-        [--idle-timeout S] [--migration-limit N]
+        [--idle-timeout S] [--migration-limit N] [--max-body-bytes N] [--body-timeout S]
         [router plugin flags, e.g. --kv-overlap-score-weight 1.0 --router-temperature 0.0]
 
 Every flag has a ``DYN_*`` variable (``--http-port`` -> ``DYN_HTTP_PORT``). Prints
@@ -36,6 +36,7 @@ from ..runtime import (
     run_main,
     setup_logging,
 )
+from ._limits import HttpLimits
 from .app import FrontendApp
 from .models import ModelManager
 
@@ -79,6 +80,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="how many times a request may move to another worker when the one serving it "
              "dies, hangs or shuts down mid-stream (0 = never; a model's workers may advertise "
              "their own with the worker's --migration-limit) [DYN_MIGRATION_LIMIT]",
+    )
+    parser.add_argument(
+        "--max-body-bytes", type=int, default=env("DYN_HTTP_MAX_BODY_BYTES", str(32 * 2**20)),
+        help="largest request body, in bytes; 413 beyond [DYN_HTTP_MAX_BODY_BYTES]",
+    )
+    parser.add_argument(
+        "--body-timeout", type=float, default=env("DYN_HTTP_BODY_TIMEOUT", "30"),
+        help="seconds a request's body may take to arrive once its headers have; 408 and the "
+             "connection closed after [DYN_HTTP_BODY_TIMEOUT]",
     )
     parser.add_argument("--model-cache", default=env("DYN_MODEL_CACHE"),
                         help="where fetched tokenizer files are kept [DYN_MODEL_CACHE]")
@@ -124,6 +134,7 @@ async def serve(args: argparse.Namespace, plugin: RouterPlugin | None) -> int:
     app = FrontendApp(
         start, stop, request_timeout=args.request_timeout, idle_timeout=args.idle_timeout,
         migration_limit=args.migration_limit,
+        limits=HttpLimits(max_body=args.max_body_bytes, body_timeout=args.body_timeout),
     )
     config = uvicorn.Config(
         app, host=args.http_host, port=args.http_port, loop="none", http="httptools",
@@ -170,6 +181,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.request_timeout is not None:
             check_number("--request-timeout", args.request_timeout, positive=True)
         check_number("--idle-timeout", args.idle_timeout, positive=True)
+        check_number("--body-timeout", args.body_timeout, positive=True)
+        if args.max_body_bytes < 1:
+            raise errors.InvalidArgument(
+                f"--max-body-bytes must be >= 1, got {args.max_body_bytes}"
+            )
         if args.migration_limit < 0:
             raise errors.InvalidArgument(
                 f"--migration-limit must be >= 0, got {args.migration_limit}"

@@ -45,8 +45,8 @@ from ._embed_protocol import parse_embedding
 from ._embeddings import embedding_requests, serve_embeddings
 from ._fanout import FanOut
 from ._generation import Generation
-from ._subrequests import SubRequest, completion_work, fan_out
-from ._tools import apply_tools
+from ._limits import HttpLimits, Offload, note_rejected, prompt_chars, text_chars
+from ._subrequests import SubRequest, chat_work, completion_work
 from .errors import HttpError
 from .metrics import FrontendMetrics
 from .models import ModelEntry, ModelManager
@@ -85,6 +85,7 @@ class FrontendApp:
         idle_timeout: seconds to wait for a worker's next output (504 after; None: forever).
         migration_limit: how many times a request may move to another worker mid-stream
             (``llm.Migration``; 0: never); a model's workers may advertise their own.
+        limits: body size and body-read timeout (``_limits.HttpLimits``).
     """
 
     def __init__(
@@ -94,6 +95,7 @@ class FrontendApp:
         request_timeout: float | None = None,
         idle_timeout: float | None = None,
         migration_limit: int = DEFAULT_MIGRATION_LIMIT,
+        limits: HttpLimits | None = None,
     ) -> None:
         self._manager_factory = manager_factory
         self._on_shutdown = on_shutdown
@@ -102,6 +104,8 @@ class FrontendApp:
         self.migration_limit = migration_limit
         self.manager: ModelManager | None = None
         self.metrics = FrontendMetrics()
+        self.limits = limits or HttpLimits()
+        self._offload = Offload()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -122,6 +126,7 @@ class FrontendApp:
                     return
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
+                self._offload.close()
                 await self._on_shutdown()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
@@ -144,7 +149,7 @@ class FrontendApp:
             elif path == "/metrics" and method == "GET":
                 await reply(send, 200, self.metrics.render(), _METRICS_TYPE)
             elif path == "/clear_kv_blocks" and method == "POST":
-                await self._clear_kv_blocks(receive, send)
+                await self._clear_kv_blocks(scope, receive, send)
             elif path in _ROUTES:
                 message = f"{method} is not allowed on {path}"
                 await error(send, HttpError(405, "invalid_request_error", message))
@@ -173,10 +178,10 @@ class FrontendApp:
         }
         await reply(send, 200 if live else 503, msgspec.json.encode(body))
 
-    async def _clear_kv_blocks(self, receive: Receive, send: Send) -> None:
+    async def _clear_kv_blocks(self, scope: Scope, receive: Receive, send: Send) -> None:
         assert self.manager is not None
         try:
-            model = parse_clear_request(await read_body(receive))
+            model = parse_clear_request(await read_body(receive, scope, self.limits))
             body = await clear_kv_blocks(self.manager, model)
         except HttpError as exc:
             await error(send, exc)
@@ -188,24 +193,21 @@ class FrontendApp:
     async def _generate(self, scope: Scope, receive: Receive, send: Send, endpoint: str) -> None:
         assert self.manager is not None
         try:
-            body = await read_body(receive)
+            body = await read_body(receive, scope, self.limits)
             target = self._target(scope)
             timeout = request_timeout(scope, self.timeout)
             req: ChatCompletionRequest | CompletionRequest
             work: PreprocessedRequest | list[SubRequest]
-            n = 1
             if endpoint == "chat":
-                req = chat = parse_chat(body)
-                entry = self._entry(chat.model)
-                work = entry.preprocessor.chat(chat, entry.require)
-                apply_tools(chat, entry, work)
-                if chat.n is not None and chat.n > 1:
-                    n = chat.n
-                    work = fan_out([(work, "")], n, n)
+                req = parse_chat(body)
+                entry = self._entry(req.model)
+                chars = prompt_chars(entry.preprocessor, req)
+                work, n = await self._offload.run(chars, chat_work, entry, req)
             else:
-                req = completion = parse_completion(body)
-                entry = self._entry(completion.model)
-                work, n = completion_work(entry, completion)
+                req = parse_completion(body)
+                entry = self._entry(req.model)
+                chars = prompt_chars(entry.preprocessor, req)
+                work, n = await self._offload.run(chars, completion_work, entry, req)
             if req.logit_bias:
                 entry.require(Capability.LOGIT_BIAS, "logit_bias")
             first = work if isinstance(work, PreprocessedRequest) else work[0].pre
@@ -218,8 +220,8 @@ class FrontendApp:
             if not entry.router.instance_ids():
                 raise http_errors.no_worker(f"no live worker serves model {req.model!r}")
         except HttpError as exc:
-            model = getattr(exc, "model", "")
-            self.metrics.requests.labels(model, endpoint, "unknown", "error").inc()
+            self.metrics.requests.labels("", endpoint, "unknown", "error").inc()
+            note_rejected(self.metrics, endpoint, exc)
             await error(send, exc)
             return
         fmt = ChatFormatter(entry.name) if endpoint == "chat" else CompletionFormatter(entry.name)
@@ -237,17 +239,24 @@ class FrontendApp:
         with the request's deadline, disconnect watch and metrics as for a generation."""
         m, endpoint = self.metrics, "embeddings"
         try:
-            body = await read_body(receive)
+            body = await read_body(receive, scope, self.limits)
             target = self._target(scope)
             timeout = request_timeout(scope, self.timeout)
             req, inputs = parse_embedding(body)
             entry = self._entry(req.model)
             ctx = Context(f"embd-{uuid.uuid4().hex}")
-            requests = embedding_requests(entry, req, inputs, ctx.id())
+            chars = text_chars(entry.preprocessor, [
+                ("input" if len(inputs) == 1 else f"input[{i}]", t)
+                for i, t in enumerate(inputs) if isinstance(t, str)
+            ])
+            requests = await self._offload.run(
+                chars, embedding_requests, entry, req, inputs, ctx.id()
+            )
             if not entry.router.instance_ids():
                 raise http_errors.no_worker(f"no live worker serves model {req.model!r}")
         except HttpError as exc:
             m.requests.labels("", endpoint, "unknown", "error").inc()
+            note_rejected(m, endpoint, exc)
             await error(send, exc)
             return
         routing: dict[str, Any] = {"instance_id": target, "idle_timeout": self.idle_timeout}
