@@ -45,7 +45,9 @@ from ._embed_protocol import parse_embedding
 from ._embeddings import embedding_requests, serve_embeddings
 from ._fanout import FanOut
 from ._generation import Generation
+from ._health import health, models_body
 from ._limits import HttpLimits, Offload, note_rejected, prompt_chars, text_chars
+from ._logprobs import asks_logprobs
 from ._subrequests import SubRequest, chat_work, completion_work
 from .errors import HttpError
 from .metrics import FrontendMetrics
@@ -66,13 +68,6 @@ _ROUTES = (
     "/clear_kv_blocks", "/v1/embeddings",
 )
 _METRICS_TYPE = [(b"content-type", b"text/plain; version=0.0.4")]
-
-
-def _asks_logprobs(req: ChatCompletionRequest | CompletionRequest) -> bool:
-    """Whether the client asked for logprobs in its response."""
-    if isinstance(req, ChatCompletionRequest):
-        return bool(req.logprobs)
-    return req.logprobs is not None
 
 
 class FrontendApp:
@@ -143,9 +138,10 @@ class FrontendApp:
             elif path == "/v1/embeddings" and method == "POST":
                 await self._embeddings(scope, receive, send)
             elif path == "/v1/models" and method == "GET":
-                await reply(send, 200, self._models())
+                assert self.manager is not None
+                await reply(send, 200, models_body(self.manager))
             elif path in ("/health", "/live") and method == "GET":
-                await self._health(send, path)
+                await reply(send, *health(self.manager, path))
             elif path == "/metrics" and method == "GET":
                 await reply(send, 200, self.metrics.render(), _METRICS_TYPE)
             elif path == "/clear_kv_blocks" and method == "POST":
@@ -157,26 +153,6 @@ class FrontendApp:
                 await error(send, http_errors.not_found(f"no route {path}"))
         except ClientGone:
             pass
-
-    def _models(self) -> bytes:
-        assert self.manager is not None
-        data = [
-            {"id": m.name, "object": "model", "created": m.created, "owned_by": "dynamo-zmq"}
-            for m in self.manager.live()
-        ]
-        return msgspec.json.encode({"object": "list", "data": data})
-
-    async def _health(self, send: Send, path: str) -> None:
-        if path == "/live":
-            await reply(send, 200, b'{"status":"live"}')
-            return
-        assert self.manager is not None
-        live = self.manager.live()
-        body = {
-            "status": "healthy" if live else "no_workers",
-            "models": {m.name: [f"{i:x}" for i in m.router.instance_ids()] for m in live},
-        }
-        await reply(send, 200 if live else 503, msgspec.json.encode(body))
 
     async def _clear_kv_blocks(self, scope: Scope, receive: Receive, send: Send) -> None:
         assert self.manager is not None
@@ -212,7 +188,7 @@ class FrontendApp:
                 entry.require(Capability.LOGIT_BIAS, "logit_bias")
             first = work if isinstance(work, PreprocessedRequest) else work[0].pre
             # (best_of asks its sub-requests for logprobs it does not return: required above)
-            logprobs = first.output.logprobs if _asks_logprobs(req) else None
+            logprobs = first.output.logprobs if asks_logprobs(req) else None
             if logprobs is not None:
                 entry.require(Capability.LOGPROBS, "logprobs")
             if Capability.EMBEDDINGS_ONLY in entry.capabilities:

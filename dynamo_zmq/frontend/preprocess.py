@@ -30,6 +30,7 @@ from ..llm import (
 from ._chat_template import RESERVED, continue_final, function_dict, message_dict
 from ._chat_template import template_environment as template_environment
 from ._limits import OFFLOAD_CHARS, text_chars
+from ._logprobs import requested_logprobs
 from ._model_files import SPECIAL_TOKENS, id_list, longest_token, read_json, token_text, unique
 from ._structured import constraint
 from .errors import bad_request, prompt_too_long
@@ -386,7 +387,7 @@ class Preprocessor:
                 include_stop_str_in_output=bool(req.include_stop_str_in_output),
             ),
             output=OutputOptions(
-                logprobs=_logprobs(req),
+                logprobs=requested_logprobs(req),
                 skip_special_tokens=req.skip_special_tokens is not False,
                 detokenize=self.native is not None,
             ),
@@ -394,12 +395,3 @@ class Preprocessor:
             mdcsum=self.card.checksum,
             guided=guided.guided if guided is not None else None,
         )
-
-
-
-def _logprobs(req: ChatCompletionRequest | CompletionRequest) -> int | None:
-    """``OutputOptions.logprobs``: the top alternatives per token asked for (0: the sampled
-    token's only), None when the request wants no logprobs."""
-    if isinstance(req, CompletionRequest):
-        return req.logprobs
-    return (req.top_logprobs or 0) if req.logprobs else None
