@@ -151,7 +151,9 @@ def embeddings_only(model: str, engine: str) -> HttpError:
 
 
 def model_not_found(model: str) -> HttpError:
-    """404: no model of that name is served."""
+    """404: no model of that name is served (a long name is cut in the message)."""
+    if len(model) > 256:
+        model = model[:256] + "..."
     return HttpError(
         404,
         INVALID_REQUEST,
