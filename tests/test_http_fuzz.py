@@ -94,6 +94,23 @@ async def test_a_body_left_short_of_its_length_gets_408_and_the_connection_close
     await still_serves(url)
 
 
+@pytest.mark.parametrize("sent", [b"", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"],
+                         ids=["nothing", "half-headers"])
+async def test_headers_that_never_end_get_408_and_the_connection_closes(served, sent):
+    """uvicorn alone keeps such a connection open for ever (its keep-alive timeout starts only
+    after a response); the frontend's protocol answers 408 after --body-timeout and closes."""
+    host, port, url = served
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(sent)
+    await writer.drain()
+    raw = await asyncio.wait_for(reader.read(), 30)  # returns at EOF: the frontend closed
+    writer.close()
+    head, _, payload = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408") and b"connection: close" in head, raw
+    assert openai_error(payload)["code"] == "request_timeout"
+    await still_serves(url)
+
+
 async def test_a_body_over_the_cap_is_refused_from_its_content_length(served):
     """A Content-Length over --max-body-bytes gets 413 before any of the body is read."""
     host, port, url = served

@@ -36,6 +36,7 @@ from ..runtime import (
     run_main,
     setup_logging,
 )
+from ._http_protocol import header_timeout_protocol
 from ._limits import HttpLimits
 from .app import FrontendApp
 from .models import ModelManager
@@ -87,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--body-timeout", type=float, default=env("DYN_HTTP_BODY_TIMEOUT", "30"),
-        help="seconds a request's body may take to arrive once its headers have; 408 and the "
+        help="seconds a request's headers may take to arrive, and then its body; 408 and the "
              "connection closed after [DYN_HTTP_BODY_TIMEOUT]",
     )
     parser.add_argument("--model-cache", default=env("DYN_MODEL_CACHE"),
@@ -137,7 +138,8 @@ async def serve(args: argparse.Namespace, plugin: RouterPlugin | None) -> int:
         limits=HttpLimits(max_body=args.max_body_bytes, body_timeout=args.body_timeout),
     )
     config = uvicorn.Config(
-        app, host=args.http_host, port=args.http_port, loop="none", http="httptools",
+        app, host=args.http_host, port=args.http_port, loop="none",
+        http=header_timeout_protocol(args.body_timeout),
         lifespan="on", log_level="warning", access_log=False, timeout_graceful_shutdown=5,
     )
     server = uvicorn.Server(config)
