@@ -4,9 +4,10 @@
 ``prompt_chars`` measures the text a request would tokenize and refuses, with 413 before any
 template or tokenizer runs, a prompt longer than ``Preprocessor.max_prompt_chars`` (the model's
 context length times its longest vocabulary entry: no tokenization of a longer text fits).
-``Offload`` runs the preprocessing of a request with more than ``OFFLOAD_CHARS`` characters of
-text in a small thread pool, so a big prompt does not stall the event loop; smaller requests
-stay on the loop, as cheap as before. ``note_rejected`` counts a refused request and logs it as
+``Offload`` runs the preprocessing of a request whose body is over ``OFFLOAD_CHARS`` bytes (no
+fewer than the characters of text it holds, tools and template arguments included) in a small
+thread pool, so a big prompt does not stall the event loop; smaller requests stay on the loop,
+as cheap as before. ``note_rejected`` counts a refused request and logs it as
 one rate-limited line (never a traceback).
 """
 
@@ -41,9 +42,9 @@ __all__ = [
 log = logging.getLogger("dynamo_zmq.frontend")
 T = TypeVar("T")
 
-#: Requests with more characters of text than this are preprocessed in a thread (and their
-#: text tokenized with the tokenizer call that releases the GIL); a thread hop costs more than
-#: tokenizing a text this short on the loop.
+#: Requests with a body of more bytes than this are preprocessed in a thread, and texts of more
+#: characters than this tokenized with the tokenizer call that releases the GIL; a thread hop
+#: costs more than tokenizing a text this short on the loop.
 OFFLOAD_CHARS = 8192
 #: Seconds between two log lines about refused requests (the counter counts every one).
 _LOG_EVERY = 10.0
@@ -126,9 +127,10 @@ class Offload:
         self._workers = workers or min(4, os.cpu_count() or 1)
         self._pool: ThreadPoolExecutor | None = None
 
-    async def run(self, chars: int, fn: Callable[..., T], *args: object) -> T:
-        """``fn(*args)``: on the loop for ``chars`` up to ``OFFLOAD_CHARS``, else in the pool."""
-        if chars <= OFFLOAD_CHARS:
+    async def run(self, size: int, fn: Callable[..., T], *args: object) -> T:
+        """``fn(*args)``: on the loop for a request body of ``size`` bytes up to
+        ``OFFLOAD_CHARS``, else in the pool."""
+        if size <= OFFLOAD_CHARS:
             return fn(*args)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="preprocess")

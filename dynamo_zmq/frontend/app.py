@@ -177,13 +177,13 @@ class FrontendApp:
             if endpoint == "chat":
                 req = parse_chat(body)
                 entry = self._entry(req.model)
-                chars = prompt_chars(entry.preprocessor, req)
-                work, n = await self._offload.run(chars, chat_work, entry, req)
+                prompt_chars(entry.preprocessor, req)
+                work, n = await self._offload.run(len(body), chat_work, entry, req)
             else:
                 req = parse_completion(body)
                 entry = self._entry(req.model)
-                chars = prompt_chars(entry.preprocessor, req)
-                work, n = await self._offload.run(chars, completion_work, entry, req)
+                prompt_chars(entry.preprocessor, req)
+                work, n = await self._offload.run(len(body), completion_work, entry, req)
             if req.logit_bias:
                 entry.require(Capability.LOGIT_BIAS, "logit_bias")
             first = work if isinstance(work, PreprocessedRequest) else work[0].pre
@@ -221,12 +221,12 @@ class FrontendApp:
             req, inputs = parse_embedding(body)
             entry = self._entry(req.model)
             ctx = Context(f"embd-{uuid.uuid4().hex}")
-            chars = text_chars(entry.preprocessor, [
+            text_chars(entry.preprocessor, [
                 ("input" if len(inputs) == 1 else f"input[{i}]", t)
                 for i, t in enumerate(inputs) if isinstance(t, str)
             ])
             requests = await self._offload.run(
-                chars, embedding_requests, entry, req, inputs, ctx.id()
+                len(body), embedding_requests, entry, req, inputs, ctx.id()
             )
             if not entry.router.instance_ids():
                 raise http_errors.no_worker(f"no live worker serves model {req.model!r}")
