@@ -9,6 +9,7 @@ import asyncio
 import json
 import random
 import shutil
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import openai
@@ -30,7 +31,7 @@ BAD_UTF8 = [b"\xff", b"\xc0\x80", b"\xed\xa0\x80", b"\xf5\x80\x80\x80"]
 @pytest.fixture
 async def served(namespace, spawn, tiny_model):
     """A mocker worker serving 'tiny' (embeddings too) and a frontend with a short body timeout
-    and a 2 MiB body cap; yields (host, port, url)."""
+    and a 2 MiB body cap; yields (host, port, url, frontend process)."""
     worker(spawn, namespace, tiny_model, "--mock-embedding-dim", "8")
     proc = spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
                  "--body-timeout", BODY_TIMEOUT, "--max-body-bytes", str(2 * 2**20), ready=False)
@@ -38,7 +39,7 @@ async def served(namespace, spawn, tiny_model):
     await wait_models(url, {"tiny"})
     parts = urlsplit(url)
     assert parts.hostname is not None and parts.port is not None
-    yield parts.hostname, parts.port, url
+    yield parts.hostname, parts.port, url, proc
 
 
 async def still_serves(url: str) -> None:
@@ -60,7 +61,7 @@ def openai_error(body: bytes) -> dict:
 @pytest.mark.parametrize("path", JSON_ROUTES)
 async def test_invalid_utf8_in_a_string_is_a_400(served, path, bad):
     """Issue 20 item 1: msgspec raises UnicodeDecodeError for these; it is a 400 now."""
-    host, port, url = served
+    host, port, url, _ = served
     field = {"/v1/chat/completions": b'"messages": [{"role": "user", "content": "a',
              "/v1/completions": b'"prompt": "a', "/v1/embeddings": b'"input": "a'}[path]
     closing = b'"}]}' if path.endswith("chat/completions") else b'"}'
@@ -76,7 +77,7 @@ async def test_invalid_utf8_in_a_string_is_a_400(served, path, bad):
 async def test_a_body_left_short_of_its_length_gets_408_and_the_connection_closes(served):
     """Issue 20 item 5: half the body, then silence: 408 after --body-timeout, in OpenAI's
     error shape, and the frontend closes the connection (the read reaches EOF)."""
-    host, port, url = served
+    host, port, url, _ = served
     body = b'{"model": "tiny", "prompt": "hello", "max_tokens": 2}'
     reader, writer = await asyncio.open_connection(host, port)
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json"
@@ -99,7 +100,7 @@ async def test_a_body_left_short_of_its_length_gets_408_and_the_connection_close
 async def test_headers_that_never_end_get_408_and_the_connection_closes(served, sent):
     """uvicorn alone keeps such a connection open for ever (its keep-alive timeout starts only
     after a response); the frontend's protocol answers 408 after --body-timeout and closes."""
-    host, port, url = served
+    host, port, url, _ = served
     reader, writer = await asyncio.open_connection(host, port)
     writer.write(sent)
     await writer.drain()
@@ -113,7 +114,7 @@ async def test_headers_that_never_end_get_408_and_the_connection_closes(served, 
 
 async def test_a_body_over_the_cap_is_refused_from_its_content_length(served):
     """A Content-Length over --max-body-bytes gets 413 before any of the body is read."""
-    host, port, url = served
+    host, port, url, _ = served
     answer = await send(host, port, Case("huge", "/v1/completions", b"{", declared=3 * 2**20))
     assert answer.status == 413, answer
     assert openai_error(answer.body)["code"] == "request_too_large"
@@ -125,7 +126,7 @@ async def test_a_huge_prompt_is_refused_before_tokenizing(served, path):
     """A 1.5 MB prompt, far over what tiny's 2048-token context can hold (2048 x its longest
     vocabulary entry, in characters), is a 413 naming the characters, not the tokens: it was
     never tokenized."""
-    host, port, url = served
+    host, port, url, _ = served
     text = "hello world " * 125_000
     body = {"/v1/chat/completions": {"messages": [{"role": "user", "content": text}]},
             "/v1/completions": {"prompt": ["short", text]},
@@ -146,8 +147,9 @@ async def test_a_huge_prompt_is_refused_before_tokenizing(served, path):
 
 async def test_fuzzed_bodies_get_no_5xx_and_no_hang(served):
     """Hypothesis draws bodies of every family (``http_fuzz.FAMILIES``) for every JSON route:
-    each is answered, none with a 5xx; then the frontend still serves a chat completion."""
-    host, port, url = served
+    each is answered, none with a 5xx; then the frontend still serves a chat completion. The
+    refusals are counted, and logged as a line now and then, never a traceback."""
+    host, port, url, proc = served
     loop = asyncio.get_running_loop()
     seen: dict[str, set[int]] = {}
 
@@ -164,6 +166,12 @@ async def test_fuzzed_bodies_get_no_5xx_and_no_hang(served):
     await asyncio.to_thread(check)
     assert {"utf8", "depth", "short", "valid"} <= set(seen), seen
     await still_serves(url)
+    _, metrics = await asyncio.to_thread(get, f"{url}/metrics")
+    refused = sample(metrics.decode(), "dynamo_frontend_rejected_requests_total", status="400")
+    assert refused is not None and refused >= 20
+    logs = await asyncio.to_thread(Path(proc.log.name).read_text, errors="replace")  # all
+    lines = logs.count("refused a ")
+    assert "Traceback" not in logs and 1 <= lines < refused / 4, (lines, refused, logs[-3000:])
 
 
 @pytest.fixture

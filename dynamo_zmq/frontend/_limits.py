@@ -7,7 +7,7 @@ context length times its longest vocabulary entry: no tokenization of a longer t
 ``Offload`` runs the preprocessing of a request whose body is over ``OFFLOAD_CHARS`` bytes (no
 fewer than the characters of text it holds, tools and template arguments included) in a small
 thread pool, so a big prompt does not stall the event loop; smaller requests stay on the loop,
-as cheap as before. ``note_rejected`` counts a refused request and logs it as
+as cheap as before. ``Rejections`` counts a refused request and logs it as
 one rate-limited line (never a traceback).
 """
 
@@ -33,8 +33,8 @@ __all__ = [
     "OFFLOAD_CHARS",
     "HttpLimits",
     "Offload",
+    "Rejections",
     "chat_chars",
-    "note_rejected",
     "prompt_chars",
     "text_chars",
 ]
@@ -143,19 +143,23 @@ class Offload:
             self._pool = None
 
 
-_last_log = 0.0
-_unlogged = 0
+class Rejections:
+    """Counts refused requests (``dynamo_frontend_rejected_requests_total``) and logs one line
+    about them at most every ``_LOG_EVERY`` seconds, saying how many went unlogged."""
 
+    def __init__(self, metrics: FrontendMetrics) -> None:
+        self._counter = metrics.rejected
+        self._last_log = -_LOG_EVERY
+        self._unlogged = 0
 
-def note_rejected(metrics: FrontendMetrics, endpoint: str, exc: HttpError) -> None:
-    """Count a refused request; log one line about it at most every ``_LOG_EVERY`` seconds."""
-    global _last_log, _unlogged
-    metrics.rejected.labels(endpoint, str(exc.status)).inc()
-    now = time.monotonic()
-    if now - _last_log < _LOG_EVERY:
-        _unlogged += 1
-        return
-    more = f" (and {_unlogged} more since the last such line)" if _unlogged else ""
-    log.info("refused a %s request: %d %s: %.200s%s", endpoint, exc.status, exc.code or exc.type,
-             exc.message, more)
-    _last_log, _unlogged = now, 0
+    def note(self, endpoint: str, exc: HttpError) -> None:
+        """Count ``exc``, answered to a request on ``endpoint``; log it unless one was lately."""
+        self._counter.labels(endpoint, str(exc.status)).inc()
+        now = time.monotonic()
+        if now - self._last_log < _LOG_EVERY:
+            self._unlogged += 1
+            return
+        more = f" (and {self._unlogged} more since the last such line)" if self._unlogged else ""
+        log.info("refused a %s request: %d %s: %.200s%s", endpoint, exc.status,
+                 exc.code or exc.type, exc.message, more)
+        self._last_log, self._unlogged = now, 0

@@ -46,7 +46,7 @@ from ._embeddings import embedding_requests, serve_embeddings
 from ._fanout import FanOut
 from ._generation import Generation
 from ._health import health, models_body
-from ._limits import HttpLimits, Offload, note_rejected, prompt_chars, text_chars
+from ._limits import HttpLimits, Offload, Rejections, prompt_chars, text_chars
 from ._logprobs import asks_logprobs
 from ._subrequests import SubRequest, chat_work, completion_work
 from .errors import HttpError
@@ -101,6 +101,7 @@ class FrontendApp:
         self.metrics = FrontendMetrics()
         self.limits = limits or HttpLimits()
         self._offload = Offload()
+        self._rejections = Rejections(self.metrics)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -197,7 +198,7 @@ class FrontendApp:
                 raise http_errors.no_worker(f"no live worker serves model {req.model!r}")
         except HttpError as exc:
             self.metrics.requests.labels("", endpoint, "unknown", "error").inc()
-            note_rejected(self.metrics, endpoint, exc)
+            self._rejections.note(endpoint, exc)
             await error(send, exc)
             return
         fmt = ChatFormatter(entry.name) if endpoint == "chat" else CompletionFormatter(entry.name)
@@ -232,7 +233,7 @@ class FrontendApp:
                 raise http_errors.no_worker(f"no live worker serves model {req.model!r}")
         except HttpError as exc:
             m.requests.labels("", endpoint, "unknown", "error").inc()
-            note_rejected(m, endpoint, exc)
+            self._rejections.note(endpoint, exc)
             await error(send, exc)
             return
         routing: dict[str, Any] = {"instance_id": target, "idle_timeout": self.idle_timeout}
