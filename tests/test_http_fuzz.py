@@ -9,6 +9,8 @@ import asyncio
 import json
 import random
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -235,3 +237,16 @@ async def test_big_prompts_are_tokenized_off_the_event_loop(long_context):
     assert json.loads(health)["models"]["tiny"] == workers
     assert " down: " not in proc.logs()
     await still_serves(url)
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--body-timeout", "0"], "--body-timeout must be a finite number > 0"),
+    (["--body-timeout", "inf"], "--body-timeout must be a finite number > 0"),
+    (["--max-body-bytes", "0"], "--max-body-bytes must be >= 1"),
+])
+def test_bad_limit_flags_are_usage_errors(flags, message):
+    res = subprocess.run(
+        [sys.executable, "-m", "dynamo_zmq.frontend", "--discovery", "static", *flags],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr
