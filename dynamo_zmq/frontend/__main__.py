@@ -3,7 +3,7 @@
     python -m dynamo_zmq.frontend [--http-host 127.0.0.1] [--http-port 8000]
         [--router-mode round-robin|random|direct|kv|approx] [--namespace dynamo]
         [--discovery mdns|static] [--static-workers tcp://h:p,...] [--request-timeout S]
-        [--idle-timeout S] [--migration-limit N]
+        [--idle-timeout S] [--migration-limit N] [--max-body-bytes N] [--body-timeout S]
         [--api-key KEY | --api-key-file F] [--tls-cert-file C --tls-key-file K]
         [router plugin flags, e.g. --kv-overlap-score-weight 1.0 --router-temperature 0.0]
 
@@ -38,6 +38,7 @@ from ..runtime import (
     run_main,
     setup_logging,
 )
+from ._http_protocol import header_timeout_protocol
 from ._http_security import (
     ApiKeyGuard,
     HttpSecurity,
@@ -45,6 +46,7 @@ from ._http_security import (
     http_security,
     is_loopback,
 )
+from ._limits import HttpLimits
 from .app import FrontendApp
 from .models import ModelManager
 
@@ -88,6 +90,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="how many times a request may move to another worker when the one serving it "
              "dies, hangs or shuts down mid-stream (0 = never; a model's workers may advertise "
              "their own with the worker's --migration-limit) [DYN_MIGRATION_LIMIT]",
+    )
+    parser.add_argument(
+        "--max-body-bytes", type=int, default=env("DYN_HTTP_MAX_BODY_BYTES", str(32 * 2**20)),
+        help="largest request body, in bytes; 413 beyond [DYN_HTTP_MAX_BODY_BYTES]",
+    )
+    parser.add_argument(
+        "--body-timeout", type=float, default=env("DYN_HTTP_BODY_TIMEOUT", "30"),
+        help="seconds a request's headers may take to arrive, and then its body; 408 and the "
+             "connection closed after [DYN_HTTP_BODY_TIMEOUT]",
     )
     parser.add_argument("--model-cache", default=env("DYN_MODEL_CACHE"),
                         help="where fetched tokenizer files are kept [DYN_MODEL_CACHE]")
@@ -137,6 +148,7 @@ async def serve(
     app = FrontendApp(
         start, stop, request_timeout=args.request_timeout, idle_timeout=args.idle_timeout,
         migration_limit=args.migration_limit,
+        limits=HttpLimits(max_body=args.max_body_bytes, body_timeout=args.body_timeout),
     )
     asgi: Any = app
     if keys.enabled:
@@ -145,7 +157,8 @@ async def serve(
         log.warning("serving HTTP on %s without API keys: anyone who can reach it may use it "
                     "(--api-key or --api-key-file; docs/security.md)", args.http_host)
     config = uvicorn.Config(
-        asgi, host=args.http_host, port=args.http_port, loop="none", http="httptools",
+        asgi, host=args.http_host, port=args.http_port, loop="none",
+        http=header_timeout_protocol(args.body_timeout),
         lifespan="on", log_level="warning", access_log=False, timeout_graceful_shutdown=5,
         ssl_certfile=tls.cert if tls else None, ssl_keyfile=tls.key if tls else None,
     )
@@ -191,6 +204,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.request_timeout is not None:
             check_number("--request-timeout", args.request_timeout, positive=True)
         check_number("--idle-timeout", args.idle_timeout, positive=True)
+        check_number("--body-timeout", args.body_timeout, positive=True)
+        if args.max_body_bytes < 1:
+            raise errors.InvalidArgument(
+                f"--max-body-bytes must be >= 1, got {args.max_body_bytes}"
+            )
         if args.migration_limit < 0:
             raise errors.InvalidArgument(
                 f"--migration-limit must be >= 0, got {args.migration_limit}"

@@ -3,16 +3,17 @@ shape, and noticing that the client went away."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ..context import Context
-from .errors import HttpError
+from ._limits import HttpLimits
+from .errors import HttpError, body_timeout, body_too_large
 
 __all__ = [
     "JSON",
-    "MAX_BODY",
     "SSE",
     "ClientGone",
     "Receive",
@@ -30,9 +31,8 @@ Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
-#: Largest request body read, in bytes (413 beyond).
-MAX_BODY = 32 * 1024 * 1024
 JSON = [(b"content-type", b"application/json")]
+_CLOSE = [*JSON, (b"connection", b"close")]
 SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 
 
@@ -57,7 +57,26 @@ async def watch_disconnect(receive: Receive, ctx: Context) -> None:
             return
 
 
-async def read_body(receive: Receive) -> bytes:
+async def read_body(receive: Receive, scope: Scope, limits: HttpLimits) -> bytes:
+    """The request's whole body, within ``limits`` (size, and time to arrive).
+
+    Raises:
+        ClientGone: the client disconnected first.
+        HttpError: 413 for a body (or a ``Content-Length``) over ``limits.max_body``, 408 when
+            it did not arrive within ``limits.body_timeout``; both close the connection.
+    """
+    max_body = limits.max_body
+    length = header(scope, b"content-length")
+    if length is not None and length.isdigit() and int(length) > max_body:
+        raise body_too_large(max_body)
+    try:
+        async with asyncio.timeout(limits.body_timeout):
+            return await _read(receive, max_body)
+    except TimeoutError:
+        raise body_timeout(limits.body_timeout or 0.0) from None
+
+
+async def _read(receive: Receive, max_body: int) -> bytes:
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -66,9 +85,8 @@ async def read_body(receive: Receive) -> bytes:
             raise ClientGone
         body = message.get("body", b"")
         size += len(body)
-        if size > MAX_BODY:
-            raise HttpError(413, "invalid_request_error",
-                            f"request body larger than {MAX_BODY} bytes", code="request_too_large")
+        if size > max_body:
+            raise body_too_large(max_body)
         chunks.append(body)
         if not message.get("more_body", False):
             return b"".join(chunks)
@@ -92,6 +110,7 @@ async def reply(
 
 
 async def error(send: Send, exc: HttpError) -> None:
-    """``exc`` in OpenAI's error shape (nothing if the client is already gone)."""
+    """``exc`` in OpenAI's error shape (nothing if the client is already gone); the connection
+    is closed after it when ``exc.close`` (a body left unread)."""
     with contextlib.suppress(ClientGone):
-        await reply(send, exc.status, exc.to_json())
+        await reply(send, exc.status, exc.to_json(), _CLOSE if exc.close else None)

@@ -47,7 +47,7 @@ def parse_clear_request(body: bytes) -> str | None:
         return None
     try:
         return msgspec.json.decode(body, type=_ClearRequest).model
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
         message = f'expected an empty body or {{"model": NAME}}: {exc}'
         raise http_errors.bad_request(message) from exc
 

@@ -14,8 +14,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..llm import LLMEngineOutput
+from .protocol import ChatCompletionRequest, CompletionRequest
 
-__all__ = ["ChoiceLogprobs"]
+__all__ = ["ChoiceLogprobs", "asks_logprobs", "requested_logprobs"]
 
 _FLOOR = -9999.0
 
@@ -110,3 +111,18 @@ class ChoiceLogprobs:
         """Completions' ``logprobs`` of every chunk seen."""
         return {"text_offset": self._offsets, "token_logprobs": self._values,
                 "tokens": self._tokens, "top_logprobs": self._tops}
+
+
+def requested_logprobs(req: ChatCompletionRequest | CompletionRequest) -> int | None:
+    """``OutputOptions.logprobs``: the top alternatives per token asked for (0: the sampled
+    token's only), None when the request wants no logprobs."""
+    if isinstance(req, CompletionRequest):
+        return req.logprobs
+    return (req.top_logprobs or 0) if req.logprobs else None
+
+
+def asks_logprobs(req: ChatCompletionRequest | CompletionRequest) -> bool:
+    """Whether the client asked for logprobs in its response."""
+    if isinstance(req, ChatCompletionRequest):
+        return bool(req.logprobs)
+    return req.logprobs is not None

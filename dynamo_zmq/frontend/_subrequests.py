@@ -12,11 +12,12 @@ import msgspec
 
 from ..llm import Capability, PreprocessedRequest, RoutingHints
 from ._logprobs import ChoiceLogprobs
+from ._tools import apply_tools
 from .models import ModelEntry
 from .preprocess import Preprocessor, Require
-from .protocol import CompletionRequest, prompts
+from .protocol import ChatCompletionRequest, CompletionRequest, prompts
 
-__all__ = ["SubRequest", "completion_prompts", "completion_work", "fan_out"]
+__all__ = ["SubRequest", "chat_work", "completion_prompts", "completion_work", "fan_out"]
 
 _I64 = 2**64
 _I64_MAX = 2**63 - 1
@@ -119,3 +120,19 @@ def completion_work(
     if req.echo and req.logprobs is not None:
         entry.require(Capability.PROMPT_LOGPROBS, "echo")
     return fan_out(completion_prompts(entry.preprocessor, req, entry.require), n, best_of), n
+
+
+def chat_work(
+    entry: ModelEntry, req: ChatCompletionRequest
+) -> tuple[PreprocessedRequest | list[SubRequest], int]:
+    """A chat request's one request (its tools applied), or its ``n`` sub-requests, and its
+    choices.
+
+    Raises:
+        HttpError: what preprocessing refuses.
+    """
+    work = entry.preprocessor.chat(req, entry.require)
+    apply_tools(req, entry, work)
+    if req.n is not None and req.n > 1:
+        return fan_out([(work, "")], req.n, req.n), req.n
+    return work, 1

@@ -45,8 +45,10 @@ from ._embed_protocol import parse_embedding
 from ._embeddings import embedding_requests, serve_embeddings
 from ._fanout import FanOut
 from ._generation import Generation
-from ._subrequests import SubRequest, completion_work, fan_out
-from ._tools import apply_tools
+from ._health import health, models_body
+from ._limits import HttpLimits, Offload, Rejections, prompt_chars, text_chars
+from ._logprobs import asks_logprobs
+from ._subrequests import SubRequest, chat_work, completion_work
 from .errors import HttpError
 from .metrics import FrontendMetrics
 from .models import ModelEntry, ModelManager
@@ -68,13 +70,6 @@ _ROUTES = (
 _METRICS_TYPE = [(b"content-type", b"text/plain; version=0.0.4")]
 
 
-def _asks_logprobs(req: ChatCompletionRequest | CompletionRequest) -> bool:
-    """Whether the client asked for logprobs in its response."""
-    if isinstance(req, ChatCompletionRequest):
-        return bool(req.logprobs)
-    return req.logprobs is not None
-
-
 class FrontendApp:
     """ASGI app. ``on_startup``/``on_shutdown`` run in the server's event loop (lifespan).
 
@@ -85,6 +80,7 @@ class FrontendApp:
         idle_timeout: seconds to wait for a worker's next output (504 after; None: forever).
         migration_limit: how many times a request may move to another worker mid-stream
             (``llm.Migration``; 0: never); a model's workers may advertise their own.
+        limits: body size and body-read timeout (``_limits.HttpLimits``).
     """
 
     def __init__(
@@ -94,6 +90,7 @@ class FrontendApp:
         request_timeout: float | None = None,
         idle_timeout: float | None = None,
         migration_limit: int = DEFAULT_MIGRATION_LIMIT,
+        limits: HttpLimits | None = None,
     ) -> None:
         self._manager_factory = manager_factory
         self._on_shutdown = on_shutdown
@@ -102,6 +99,9 @@ class FrontendApp:
         self.migration_limit = migration_limit
         self.manager: ModelManager | None = None
         self.metrics = FrontendMetrics()
+        self.limits = limits or HttpLimits()
+        self._offload = Offload()
+        self._rejections = Rejections(self.metrics)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -122,6 +122,7 @@ class FrontendApp:
                     return
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
+                self._offload.close()
                 await self._on_shutdown()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
@@ -138,13 +139,14 @@ class FrontendApp:
             elif path == "/v1/embeddings" and method == "POST":
                 await self._embeddings(scope, receive, send)
             elif path == "/v1/models" and method == "GET":
-                await reply(send, 200, self._models())
+                assert self.manager is not None
+                await reply(send, 200, models_body(self.manager))
             elif path in ("/health", "/live") and method == "GET":
-                await self._health(send, path)
+                await reply(send, *health(self.manager, path))
             elif path == "/metrics" and method == "GET":
                 await reply(send, 200, self.metrics.render(), _METRICS_TYPE)
             elif path == "/clear_kv_blocks" and method == "POST":
-                await self._clear_kv_blocks(receive, send)
+                await self._clear_kv_blocks(scope, receive, send)
             elif path in _ROUTES:
                 message = f"{method} is not allowed on {path}"
                 await error(send, HttpError(405, "invalid_request_error", message))
@@ -153,30 +155,10 @@ class FrontendApp:
         except ClientGone:
             pass
 
-    def _models(self) -> bytes:
-        assert self.manager is not None
-        data = [
-            {"id": m.name, "object": "model", "created": m.created, "owned_by": "dynamo-zmq"}
-            for m in self.manager.live()
-        ]
-        return msgspec.json.encode({"object": "list", "data": data})
-
-    async def _health(self, send: Send, path: str) -> None:
-        if path == "/live":
-            await reply(send, 200, b'{"status":"live"}')
-            return
-        assert self.manager is not None
-        live = self.manager.live()
-        body = {
-            "status": "healthy" if live else "no_workers",
-            "models": {m.name: [f"{i:x}" for i in m.router.instance_ids()] for m in live},
-        }
-        await reply(send, 200 if live else 503, msgspec.json.encode(body))
-
-    async def _clear_kv_blocks(self, receive: Receive, send: Send) -> None:
+    async def _clear_kv_blocks(self, scope: Scope, receive: Receive, send: Send) -> None:
         assert self.manager is not None
         try:
-            model = parse_clear_request(await read_body(receive))
+            model = parse_clear_request(await read_body(receive, scope, self.limits))
             body = await clear_kv_blocks(self.manager, model)
         except HttpError as exc:
             await error(send, exc)
@@ -188,29 +170,26 @@ class FrontendApp:
     async def _generate(self, scope: Scope, receive: Receive, send: Send, endpoint: str) -> None:
         assert self.manager is not None
         try:
-            body = await read_body(receive)
+            body = await read_body(receive, scope, self.limits)
             target = self._target(scope)
             timeout = request_timeout(scope, self.timeout)
             req: ChatCompletionRequest | CompletionRequest
             work: PreprocessedRequest | list[SubRequest]
-            n = 1
             if endpoint == "chat":
-                req = chat = parse_chat(body)
-                entry = self._entry(chat.model)
-                work = entry.preprocessor.chat(chat, entry.require)
-                apply_tools(chat, entry, work)
-                if chat.n is not None and chat.n > 1:
-                    n = chat.n
-                    work = fan_out([(work, "")], n, n)
+                req = parse_chat(body)
+                entry = self._entry(req.model)
+                prompt_chars(entry.preprocessor, req)
+                work, n = await self._offload.run(len(body), chat_work, entry, req)
             else:
-                req = completion = parse_completion(body)
-                entry = self._entry(completion.model)
-                work, n = completion_work(entry, completion)
+                req = parse_completion(body)
+                entry = self._entry(req.model)
+                prompt_chars(entry.preprocessor, req)
+                work, n = await self._offload.run(len(body), completion_work, entry, req)
             if req.logit_bias:
                 entry.require(Capability.LOGIT_BIAS, "logit_bias")
             first = work if isinstance(work, PreprocessedRequest) else work[0].pre
             # (best_of asks its sub-requests for logprobs it does not return: required above)
-            logprobs = first.output.logprobs if _asks_logprobs(req) else None
+            logprobs = first.output.logprobs if asks_logprobs(req) else None
             if logprobs is not None:
                 entry.require(Capability.LOGPROBS, "logprobs")
             if Capability.EMBEDDINGS_ONLY in entry.capabilities:
@@ -218,8 +197,8 @@ class FrontendApp:
             if not entry.router.instance_ids():
                 raise http_errors.no_worker(f"no live worker serves model {req.model!r}")
         except HttpError as exc:
-            model = getattr(exc, "model", "")
-            self.metrics.requests.labels(model, endpoint, "unknown", "error").inc()
+            self.metrics.requests.labels("", endpoint, "unknown", "error").inc()
+            self._rejections.note(endpoint, exc)
             await error(send, exc)
             return
         fmt = ChatFormatter(entry.name) if endpoint == "chat" else CompletionFormatter(entry.name)
@@ -237,17 +216,24 @@ class FrontendApp:
         with the request's deadline, disconnect watch and metrics as for a generation."""
         m, endpoint = self.metrics, "embeddings"
         try:
-            body = await read_body(receive)
+            body = await read_body(receive, scope, self.limits)
             target = self._target(scope)
             timeout = request_timeout(scope, self.timeout)
             req, inputs = parse_embedding(body)
             entry = self._entry(req.model)
             ctx = Context(f"embd-{uuid.uuid4().hex}")
-            requests = embedding_requests(entry, req, inputs, ctx.id())
+            text_chars(entry.preprocessor, [
+                ("input" if len(inputs) == 1 else f"input[{i}]", t)
+                for i, t in enumerate(inputs) if isinstance(t, str)
+            ])
+            requests = await self._offload.run(
+                len(body), embedding_requests, entry, req, inputs, ctx.id()
+            )
             if not entry.router.instance_ids():
                 raise http_errors.no_worker(f"no live worker serves model {req.model!r}")
         except HttpError as exc:
             m.requests.labels("", endpoint, "unknown", "error").inc()
+            self._rejections.note(endpoint, exc)
             await error(send, exc)
             return
         routing: dict[str, Any] = {"instance_id": target, "idle_timeout": self.idle_timeout}

@@ -8,7 +8,9 @@ Every failure a client sees is an ``HttpError``; its body is exactly OpenAI's::
     400     invalid_request_error      malformed JSON, wrong types, bad values, unsupported options
     404     invalid_request_error      unknown model (code ``model_not_found``, as OpenAI sends it)
     404     not_found_error            unknown route
-    413     invalid_request_error      prompt too long (code ``context_length_exceeded``)
+    408     invalid_request_error      the body did not arrive in time (``--body-timeout``)
+    413     invalid_request_error      prompt too long (code ``context_length_exceeded``), or
+                                       the body over ``--max-body-bytes``
     499     client_closed_request      the client went away (or the request was cancelled)
     503     service_unavailable_error  no live worker, or the worker is draining
     504     timeout_error              connecting or waiting for the next token took too long
@@ -28,6 +30,8 @@ from .. import errors
 __all__ = [
     "HttpError",
     "bad_request",
+    "body_timeout",
+    "body_too_large",
     "client_closed",
     "embeddings_only",
     "engine_error",
@@ -68,7 +72,12 @@ class HttpError(Exception):
         message: human-readable text for the client.
         code: OpenAI's machine-readable code, e.g. ``context_length_exceeded``.
         param: the request field at fault, e.g. ``temperature``.
+
+    Attributes:
+        close: close the connection after answering (the request's body was left unread).
     """
+
+    close = False
 
     def __init__(
         self,
@@ -103,6 +112,22 @@ def bad_request(message: str, *, param: str | None = None, code: str | None = No
     return HttpError(400, INVALID_REQUEST, message, code=code, param=param)
 
 
+def body_too_large(limit: int) -> HttpError:
+    """413: the request body is larger than ``limit`` bytes (the connection is closed)."""
+    err = HttpError(413, INVALID_REQUEST, f"request body larger than {limit} bytes",
+                    code="request_too_large")
+    err.close = True
+    return err
+
+
+def body_timeout(seconds: float) -> HttpError:
+    """408: the request body did not arrive within ``seconds`` (the connection is closed)."""
+    err = HttpError(408, INVALID_REQUEST, f"the request body did not arrive within {seconds:g} s",
+                    code="request_timeout")
+    err.close = True
+    return err
+
+
 def unsupported(param: str, detail: str = "") -> HttpError:
     """400: a valid OpenAI option this server does not support yet (never silently ignored)."""
     message = f"'{param}' is not supported yet" + (f": {detail}" if detail else "")
@@ -126,7 +151,9 @@ def embeddings_only(model: str, engine: str) -> HttpError:
 
 
 def model_not_found(model: str) -> HttpError:
-    """404: no model of that name is served."""
+    """404: no model of that name is served (a long name is cut in the message)."""
+    if len(model) > 256:
+        model = model[:256] + "..."
     return HttpError(
         404,
         INVALID_REQUEST,

@@ -57,6 +57,12 @@ class FrontendMetrics:
             ["model", "reason"], registry=r,
         )
 
+        self.rejected = Counter(
+            "dynamo_frontend_rejected_requests",
+            "Requests refused before reaching a worker (bad input, limits), by endpoint and "
+            "HTTP status", ["endpoint", "status"], registry=r,
+        )
+
         self._children: dict[str, tuple[Any, Any]] = {}
 
     def token_metrics(self, model: str) -> tuple[Any, Any]:

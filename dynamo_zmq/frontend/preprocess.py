@@ -12,8 +12,7 @@ serving another card refuses it.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -30,6 +29,9 @@ from ..llm import (
 )
 from ._chat_template import RESERVED, continue_final, function_dict, message_dict
 from ._chat_template import template_environment as template_environment
+from ._limits import OFFLOAD_CHARS, text_chars
+from ._logprobs import requested_logprobs
+from ._model_files import SPECIAL_TOKENS, id_list, longest_token, read_json, token_text, unique
 from ._structured import constraint
 from .errors import bad_request, prompt_too_long
 from .protocol import ChatCompletionRequest, CompletionRequest
@@ -38,46 +40,6 @@ __all__ = ["Preprocessor", "Require", "template_environment"]
 
 #: ``ModelEntry.require``: refuses a parameter whose capability the serving engine lacks.
 Require = Callable[[str, str], None]
-
-_SPECIAL_TOKENS = (
-    "bos_token",
-    "eos_token",
-    "unk_token",
-    "sep_token",
-    "pad_token",
-    "cls_token",
-    "mask_token",
-    "additional_special_tokens",
-)
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    data = json.loads(path.read_text(encoding="utf-8"))
-    return data if isinstance(data, dict) else {}
-
-
-def _token_text(value: Any) -> Any:
-    """A special token as tokenizer_config stores it: a string or an AddedToken dict."""
-    if isinstance(value, dict):
-        return value.get("content")
-    if isinstance(value, list):
-        return [_token_text(v) for v in value]
-    return value
-
-
-def _ids(value: Any) -> list[int]:
-    if isinstance(value, int) and not isinstance(value, bool):
-        return [value]
-    if isinstance(value, list):
-        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
-    return []
-
-
-def _unique(values: Iterable[int]) -> list[int]:
-    return list(dict.fromkeys(values))
-
 
 class NativeTokenizerLike(Protocol):
     """The tokenizer-adapter interface of native processing: an engine's own tokenizer and chat
@@ -104,6 +66,9 @@ class Preprocessor:
         eos_token_ids: end-of-sequence ids (generation_config, config, then the tokenizer's).
         bos_token / eos_token: the special tokens' text, or None.
         context_length: the maximum of prompt plus output tokens (0 when unknown: no limit).
+        max_prompt_chars: the longest text that can tokenize within the context length (its
+            length times the longest vocabulary entry; 0: no limit); longer is refused
+            untokenized (``_limits``).
         vocab_size: token ids at or above it are rejected in token prompts.
     """
 
@@ -113,25 +78,25 @@ class Preprocessor:
         self.model = card.name
         self.native: NativeTokenizerLike | None = None
         self.tokenizer = Tokenizer.from_file(str(root / "tokenizer.json"))
-        tok_config = _read_json(root / "tokenizer_config.json")
-        special_map = _read_json(root / "special_tokens_map.json")
-        gen_config = _read_json(root / "generation_config.json")
-        config = _read_json(root / "config.json")
+        tok_config = read_json(root / "tokenizer_config.json")
+        special_map = read_json(root / "special_tokens_map.json")
+        gen_config = read_json(root / "generation_config.json")
+        config = read_json(root / "config.json")
 
         self.special_tokens: dict[str, Any] = {}
-        for name in _SPECIAL_TOKENS:
-            value = _token_text(tok_config.get(name, special_map.get(name)))
+        for name in SPECIAL_TOKENS:
+            value = token_text(tok_config.get(name, special_map.get(name)))
             if value is not None:
                 self.special_tokens[name] = value
         self.bos_token: str | None = self.special_tokens.get("bos_token")
         self.eos_token: str | None = self.special_tokens.get("eos_token")
 
-        eos = _ids(gen_config.get("eos_token_id")) + _ids(config.get("eos_token_id"))
+        eos = id_list(gen_config.get("eos_token_id")) + id_list(config.get("eos_token_id"))
         if isinstance(self.eos_token, str):
             tok_eos = self.tokenizer.token_to_id(self.eos_token)
             if tok_eos is not None:
                 eos.append(tok_eos)
-        self.eos_token_ids: list[int] = _unique(eos)
+        self.eos_token_ids: list[int] = unique(eos)
 
         max_pos = config.get("max_position_embeddings")
         self.context_length: int = card.context_length or (
@@ -142,6 +107,7 @@ class Preprocessor:
             self.tokenizer.get_vocab_size(with_added_tokens=True),
             vocab if isinstance(vocab, int) else 0,
         )
+        self.max_prompt_chars: int = self.context_length * longest_token(self.tokenizer)
 
         self._env = template_environment()
         self._templates: dict[str, jinja2.Template] = {}
@@ -228,6 +194,7 @@ class Preprocessor:
             token_ids = self._native_chat(req)
         else:
             text = self.render(req)
+            text_chars(self, [("messages", text)])  # tools and template add text: 413 here
             token_ids = self._encode(text, bool(req.add_special_tokens), "messages")
         max_tokens = req.max_completion_tokens
         name = "max_completion_tokens"
@@ -330,8 +297,15 @@ class Preprocessor:
     # -- shared ---------------------------------------------------------------------------------
 
     def _encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        tok = self.tokenizer
         try:
-            ids: list[int] = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+            # A long text is tokenized in a thread (_limits.Offload): encode_batch releases the
+            # GIL while it works, encode does not.
+            if len(text) > OFFLOAD_CHARS:
+                enc = tok.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+            else:
+                enc = tok.encode(text, add_special_tokens=add_special_tokens)
+            ids: list[int] = enc.ids
         except Exception as exc:  # tokenizers raises plain exceptions on odd input
             raise bad_request(f"The {param} could not be tokenized: {exc}", param=param) from exc
         if not ids:
@@ -413,7 +387,7 @@ class Preprocessor:
                 include_stop_str_in_output=bool(req.include_stop_str_in_output),
             ),
             output=OutputOptions(
-                logprobs=_logprobs(req),
+                logprobs=requested_logprobs(req),
                 skip_special_tokens=req.skip_special_tokens is not False,
                 detokenize=self.native is not None,
             ),
@@ -421,12 +395,3 @@ class Preprocessor:
             mdcsum=self.card.checksum,
             guided=guided.guided if guided is not None else None,
         )
-
-
-
-def _logprobs(req: ChatCompletionRequest | CompletionRequest) -> int | None:
-    """``OutputOptions.logprobs``: the top alternatives per token asked for (0: the sampled
-    token's only), None when the request wants no logprobs."""
-    if isinstance(req, CompletionRequest):
-        return req.logprobs
-    return (req.top_logprobs or 0) if req.logprobs else None

@@ -197,6 +197,11 @@ def _decode(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
         raise bad_request(
             f"The request body is not valid JSON: {exc}", code="invalid_json"
         ) from exc
+    except UnicodeDecodeError as exc:  # msgspec checks UTF-8 inside strings, and raises this
+        raise bad_request(
+            f"The request body is not valid UTF-8: {exc.reason} at byte {exc.start}",
+            code="invalid_json",
+        ) from exc
     except RecursionError as exc:
         raise bad_request("The request body is nested too deeply", code="invalid_json") from exc
 
