@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from dynamo_zmq.frontend.models import ModelManager
 from tests.support.procs import ROOT, pythonpath
@@ -32,11 +33,14 @@ async def test_the_model_manager_closes_while_a_peer_appears(make_runtime, names
 
 
 def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(p) for p in f.read().split()]
-    except FileNotFoundError:
-        return []
+    """The child processes of ``pid`` (each thread's: a thread may have started them)."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(p) for p in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
 
 
 def _alive(pid: int) -> bool:
