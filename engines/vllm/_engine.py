@@ -45,7 +45,9 @@ from ._options import (
     import_vllm,
     options_from_args,
 )
+from ._parent_watch import install as install_parent_watch
 from ._sampling import sampling_params, to_output
+from ._start import kv_ports, start_llm
 from ._stats import RankStats, make_stat_logger, vllm_metrics
 
 if TYPE_CHECKING:
@@ -92,6 +94,7 @@ class VllmEngine(LLMEngine):
         self._state = "new"  # new -> starting -> started -> closed
         #: What the engine can do; a pooling runner (``--runner pooling``) only embeds.
         self._caps: frozenset[str] = GENERATE_CAPABILITIES
+        self._args: Any = None  # the engine args vLLM was started with
 
     # -- construction ----------------------------------------------------------------------
 
@@ -132,11 +135,18 @@ class VllmEngine(LLMEngine):
             # The uni executor keeps the model in vLLM's engine-core process (no extra worker
             # process); vLLM's CPU platform only allows it with this set. Inherited by the child.
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        args = self._build_engine_args(cpu)
+        install_parent_watch()  # engine-core processes end with this one
+
+        def build() -> tuple[Any, tuple[int, ...]]:
+            args = self._build_engine_args(cpu)
+            return args, kv_ports(args)
+
+        def create(args: Any) -> Any:
+            self._args = args
+            return AsyncLLM.from_engine_args(args, stat_loggers=[make_stat_logger(self._stats)])
+
         try:
-            llm = await asyncio.to_thread(
-                AsyncLLM.from_engine_args, args, stat_loggers=[make_stat_logger(self._stats)]
-            )
+            llm = await start_llm(build, create)
         except Exception as exc:
             self._state = "new"
             raise errors.EngineShutdown(f"vLLM failed to start: {exc}") from exc
@@ -147,7 +157,7 @@ class VllmEngine(LLMEngine):
         self._state = "started"
         if llm.vllm_config.model_config.runner_type == "pooling":
             self._caps = await pooling_capabilities(llm)
-        self.engine_config = self._engine_config(llm, args)
+        self.engine_config = self._engine_config(llm, self._args)
         return self.engine_config
 
     def capabilities(self) -> frozenset[str]:
