@@ -16,7 +16,9 @@ import time
 from pathlib import Path
 
 from dynamo_zmq.frontend.models import ModelManager
+from tests.support.churn import wait_live, worker
 from tests.support.procs import ROOT, pythonpath
+from tests.support.stuck_router import install_stuck_router
 
 
 async def test_the_model_manager_closes_while_a_peer_appears(make_runtime, namespace):
@@ -30,6 +32,21 @@ async def test_the_model_manager_closes_while_a_peer_appears(make_runtime, names
     closing = asyncio.ensure_future(manager.close())
     done, _ = await asyncio.wait({closing}, timeout=10)
     assert closing in done, "ModelManager.close() never returned"
+
+
+async def test_a_shutdown_that_does_not_finish_ends_at_its_deadline(
+    namespace, spawn, tiny_model, tmp_path
+):
+    """A router whose close never returns (a plugin's): the frontend still exits, at its
+    shutdown deadline, saying so."""
+    proc = worker(spawn, namespace, tiny_model)
+    plugins = install_stuck_router(tmp_path / "plugins")
+    front = spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
+                  "--router-mode", "stuck-close", env={"PYTHONPATH": str(plugins)})
+    await wait_live(front.address, lambda live: live == {f"{proc.instance_id:x}"})
+    front.signal(signal.SIGTERM)
+    assert await asyncio.to_thread(front.wait, 40) == 1
+    assert "shutdown did not finish within 10s: exiting anyway" in front.logs(), front.logs()
 
 
 def _children(pid: int) -> list[int]:
