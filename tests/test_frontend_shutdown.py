@@ -3,7 +3,8 @@ bind its HTTP port hung for ever in its lifespan shutdown when a worker was disc
 moment. Its model manager's follow loop waited for peer changes with ``asyncio.wait_for``, which
 on Python 3.10/3.11 loses a cancellation that arrives as the awaited event is set: the loop ran
 on and ``close()`` waited for it for ever. Here the same race, made deterministic on a real
-runtime; and the quickstart's worker and frontend die with it."""
+runtime; a shutdown that still does not finish (a router plugin's close that never returns) ends
+at the frontend's deadline; and the quickstart's worker and frontend die with it."""
 
 from __future__ import annotations
 
