@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 import zmq
 
-__all__ = ["Resources", "cancel_and_wait", "process_zmq_context"]
+__all__ = ["Resources", "cancel_and_wait", "process_zmq_context", "wait_event"]
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +158,23 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Task[Any]]) -> None:
         task.cancel()
     if pending:
         await asyncio.wait(pending)
+
+
+async def wait_event(event: asyncio.Event, timeout: float | None) -> bool:
+    """Wait until ``event`` is set or ``timeout`` seconds pass; True if it is set.
+
+    Unlike ``asyncio.wait_for(event.wait(), timeout)`` on Python 3.10/3.11, a cancellation
+    that arrives just as the event is set is never lost (``wait_for`` then returns instead of
+    raising, and a loop around it runs on: a task its owner can no longer close).
+    """
+    if event.is_set():
+        return True
+    waiter = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait((waiter,), timeout=timeout)
+    finally:
+        waiter.cancel()
+    return event.is_set()
 
 
 def process_zmq_context() -> zmq.Context[zmq.Socket[bytes]]:

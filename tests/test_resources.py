@@ -8,7 +8,7 @@ import threading
 import pytest
 import zmq
 
-from dynamo_zmq.resources import Resources, cancel_and_wait, process_zmq_context
+from dynamo_zmq.resources import Resources, cancel_and_wait, process_zmq_context, wait_event
 
 
 async def test_close_cancels_tasks_then_runs_closers_newest_first_then_is_idempotent() -> None:
@@ -153,3 +153,23 @@ def test_one_zmq_context_per_process() -> None:
     assert seen == [process_zmq_context()] and Resources("a").zctx is Resources("b").zctx
     assert process_zmq_context() is zmq.Context.instance()
     assert process_zmq_context().get(zmq.MAX_SOCKETS) >= 32768
+
+
+async def test_wait_event_never_loses_a_cancellation_that_comes_as_the_event_is_set():
+    # asyncio.wait_for (Python 3.10/3.11) returns instead of raising here, and a loop around it
+    # runs on: the frontend's shutdown hung on such a loop (issue 20, CI flake).
+    event = asyncio.Event()
+    waiting = asyncio.ensure_future(wait_event(event, 10))
+    await asyncio.sleep(0.01)
+    event.set()
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+
+
+async def test_wait_event_says_whether_the_event_was_set():
+    event = asyncio.Event()
+    assert await wait_event(event, 0.01) is False
+    asyncio.get_running_loop().call_later(0.01, event.set)
+    assert await wait_event(event, 10) is True
+    assert await wait_event(event, 0) is True

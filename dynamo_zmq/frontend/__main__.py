@@ -52,6 +52,9 @@ from .models import ModelManager
 
 log = logging.getLogger("dynamo_zmq.frontend")
 
+#: Seconds the frontend's shutdown (model routers, runtime) may take before it exits anyway.
+SHUTDOWN_DEADLINE = 10.0
+
 
 def router_modes() -> list[str]:
     """The ``--router-mode`` choices: the built-in modes, then every installed plugin's."""
@@ -140,10 +143,21 @@ async def serve(
         await manager.start()
         return manager
 
-    async def stop() -> None:
+    async def close() -> None:
         if app.manager is not None:
             await app.manager.close()
         await runtime.close()
+
+    async def stop() -> None:
+        # Bounded: a close that never returns must not keep the process alive for ever.
+        closing = asyncio.ensure_future(close())
+        await asyncio.wait((closing,), timeout=SHUTDOWN_DEADLINE)
+        if not closing.done():
+            log.error("shutdown did not finish within %gs: exiting anyway", SHUTDOWN_DEADLINE)
+            logging.shutdown()
+            sys.stderr.flush()
+            os._exit(1)
+        await closing  # its failure, if any, as before
 
     app = FrontendApp(
         start, stop, request_timeout=args.request_timeout, idle_timeout=args.idle_timeout,

@@ -138,7 +138,7 @@ class ModelManager:
         return [m for _, m in sorted(self.models.items()) if m.router.instance_ids()]
 
     async def _follow(self) -> None:
-        while True:
+        while not self._res.closed:
             try:
                 await self._refresh()
             except Exception:

@@ -8,12 +8,11 @@ lets callers wait for that answer to change.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 
 from ..discovery import Discovery, PeerAdded, PeerRemoved
-from ..resources import Resources
+from ..resources import Resources, wait_event
 from ..transport import PeerConnection, PeerState
 
 __all__ = ["PeerPool"]
@@ -67,8 +66,7 @@ class PeerPool:
     async def wait_changed(self, timeout: float | None = None) -> None:
         """Wait for the next change of any peer (or the timeout)."""
         self._changed.clear()
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._changed.wait(), timeout)
+        await wait_event(self._changed, timeout)  # never loses a cancellation (a closing owner)
 
     def add(self, address: str) -> PeerConnection:
         """Connect to ``address`` unless already connected."""

@@ -18,11 +18,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ChildProcess"]
+__all__ = ["ChildProcess", "die_with_parent_hook"]
 
 _PR_SET_PDEATHSIG = 1
 # Loaded here, in the parent: after fork only the prctl call itself runs (no dlopen).
@@ -37,6 +37,13 @@ if sys.platform == "linux":
 def _die_with_parent() -> None:
     """In the child, before exec: ask the kernel for SIGTERM when the parent dies."""
     _libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+
+
+def die_with_parent_hook() -> Callable[[], None] | None:
+    """A ``preexec_fn`` for ``subprocess.Popen`` that has the kernel SIGTERM the child when this
+    process dies (None where that is not available: not Linux). Start such children from the
+    main thread: the kernel signals them when the thread that started them ends."""
+    return _die_with_parent if _libc is not None else None
 
 
 class ChildProcess:
@@ -64,7 +71,7 @@ class ChildProcess:
             stderr=self.log,
             env=dict(env) if env is not None else None,
             cwd=cwd,
-            preexec_fn=_die_with_parent if die_with_parent and _libc is not None else None,
+            preexec_fn=die_with_parent_hook() if die_with_parent else None,
         )
         self.pid = self.popen.pid
         #: The first word after READY: a worker's request-plane address, a frontend's URL.

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -23,23 +24,36 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+from .child_process import die_with_parent_hook
 from .tiny_model import build_tiny_model
 
 MODEL = "tiny-llama"
 
 
 def _start(args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, *args], env=env, stdout=subprocess.PIPE)
+    # Killed with this process (even by SIGKILL): no worker or frontend is left behind.
+    return subprocess.Popen(
+        [sys.executable, *args], env=env, stdout=subprocess.PIPE,
+        preexec_fn=die_with_parent_hook(),
+    )
 
 
 def _wait_ready(proc: subprocess.Popen[bytes], what: str, timeout: float = 60.0) -> str:
+    """The address on ``proc``'s READY line; RuntimeError if it exits first, TimeoutError if it
+    says nothing for ``timeout`` seconds (a child that hangs cannot hang this process)."""
     assert proc.stdout is not None
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while (left := deadline - time.monotonic()) > 0:
+        if not select.select([proc.stdout], [], [], left)[0]:
+            break
         line = proc.stdout.readline().decode()
         if line.startswith("READY "):
             return line.split()[1]
-        if not line and proc.poll() is not None:
+        if not line:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                break
             raise RuntimeError(f"{what} exited with {proc.returncode}")
     raise TimeoutError(f"{what} not ready after {timeout}s")
 

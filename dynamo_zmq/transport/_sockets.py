@@ -17,6 +17,7 @@ from typing import cast
 import zmq
 
 from .. import errors
+from ..resources import wait_event
 
 __all__ = ["AsyncSocket", "SendResult", "make_socket"]
 
@@ -182,10 +183,9 @@ class AsyncSocket:
                 return SendResult.FULL
             # POLLOUT on a ROUTER means "some peer has room", not this one: back off as well.
             self._writable.clear()
-            try:
-                await asyncio.wait_for(self._writable.wait(), backoff)
-            except asyncio.TimeoutError:
-                pass
+            # Not asyncio.wait_for: it can lose a cancellation (Python 3.10/3.11), and this loop
+            # would then run on until the deadline, or for ever without one.
+            await wait_event(self._writable, backoff)
             backoff = min(backoff * 2, 0.02)
 
     def close(self, linger_ms: int = 0) -> None:

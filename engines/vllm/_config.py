@@ -1,0 +1,118 @@
+"""vLLM's engine args from the adapter's settings, and the ``EngineConfig`` a started vLLM
+reports."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from dynamo_zmq import errors
+from dynamo_zmq.llm import EngineConfig
+
+from ._endpoints import advertise, free_port, offset, vllm_version
+from ._options import STRUCTURED_OUTPUTS_CONFIG, VllmOptions
+
+__all__ = ["CPU_BLOCK_SIZE", "KV_TOPIC", "build_engine_args", "reported_config"]
+
+#: Topic of the KV-event PUB frames (``[topic, seq, payload]``).
+KV_TOPIC = "kv-events"
+#: Tokens per KV block on the CPU when not given (vLLM's CPU backend wants multiples of 32).
+CPU_BLOCK_SIZE = 32
+
+
+def build_engine_args(given: Any, opts: VllmOptions, cpu: bool) -> Any:
+    """vLLM's ``AsyncEngineArgs`` from the adapter's engine args (``AsyncEngineArgs`` or a dict)
+    and options, with the CPU-friendly defaults and KV events on (free ports where not given).
+
+    Raises:
+        InvalidArgument: unknown or invalid engine args, or no model.
+    """
+    from vllm.config import KVEventsConfig, StructuredOutputsConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    fields = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+    if isinstance(given, AsyncEngineArgs):
+        kw = {name: getattr(given, name) for name in fields}
+    else:
+        unknown = sorted(set(given) - fields)
+        if unknown:
+            raise errors.InvalidArgument(f"unknown vLLM engine args: {', '.join(unknown)}")
+        kw = dict(given)
+    if not kw.get("model"):
+        raise errors.InvalidArgument("the vllm engine needs a model (--model-path)")
+    if kw.get("enforce_eager") is None:
+        kw["enforce_eager"] = cpu  # torch.compile on a CPU costs minutes at start
+    if cpu and kw.get("block_size") is None:
+        kw["block_size"] = CPU_BLOCK_SIZE
+    world = (kw.get("tensor_parallel_size") or 1) * (kw.get("pipeline_parallel_size") or 1)
+    if kw.get("distributed_executor_backend") is None and world == 1:
+        kw["distributed_executor_backend"] = "uni"
+    if kw.get("structured_outputs_config") is None:
+        kw["structured_outputs_config"] = StructuredOutputsConfig(**STRUCTURED_OUTPUTS_CONFIG)
+    if kw.get("enable_prefix_caching") is None:
+        kw["enable_prefix_caching"] = True
+    if opts.kv_events and kw.get("kv_events_config") is None:
+        events = opts.kv_events_port or free_port()
+        replay = opts.kv_replay_port or free_port(exclude=events)
+        # vLLM binds only endpoints with a wildcard ("*"); it connects to any other.
+        kw["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq",
+            endpoint=f"tcp://*:{events}", replay_endpoint=f"tcp://*:{replay}",
+            buffer_steps=opts.kv_buffer_steps, hwm=100_000, topic=KV_TOPIC,
+        )
+    try:
+        return AsyncEngineArgs(**kw)
+    except (ValueError, TypeError) as exc:
+        raise errors.InvalidArgument(f"invalid vLLM engine args: {exc}") from exc
+
+def reported_config(llm: Any, options: VllmOptions) -> EngineConfig:
+    """The ``EngineConfig`` a started ``AsyncLLM`` reports (served name, sizes, KV-event
+    endpoints as routers reach them)."""
+    cfg = llm.vllm_config
+    model, cache, sched, par = (
+        cfg.model_config, cfg.cache_config, cfg.scheduler_config, cfg.parallel_config
+    )
+    # vLLM's served name defaults to the model path; a local directory serves as its name.
+    served = model.served_model_name
+    if isinstance(served, (list, tuple)):
+        served = served[0] if served else None
+    model_id = str(model.model)
+    if not served or served == model_id:
+        served = Path(model_id).name if Path(model_id).is_dir() else model_id
+    events = replay = None
+    endpoints: list[str] = []
+    kv = cfg.kv_events_config
+    if kv is not None and kv.enable_kv_cache_events and kv.publisher == "zmq":
+        host = options.advertised_host()
+        events = advertise(kv.endpoint, host)
+        replay = advertise(kv.replay_endpoint, host) if kv.replay_endpoint else None
+        # vLLM offsets the ports of data-parallel rank r by r.
+        endpoints = (
+            [offset(events, r) for r in range(par.data_parallel_size)] if events else []
+        )
+    return EngineConfig(
+        model_name=model_id,
+        served_model_name=served,
+        context_length=int(model.max_model_len),
+        kv_block_size=int(cache.block_size),
+        total_kv_blocks=int(cache.num_gpu_blocks or 0),
+        max_num_seqs=int(sched.max_num_seqs),
+        max_num_batched_tokens=int(sched.max_num_batched_tokens),
+        data_parallel_size=int(par.data_parallel_size),
+        data_parallel_start_rank=int(getattr(par, "data_parallel_rank", 0) or 0),
+        kv_events_endpoint=events,
+        kv_replay_endpoint=replay,
+        extra={
+            "engine": "vllm",
+            "vllm_version": vllm_version(),
+            "native_processing": options.native_processing,
+            # The frontend's tokenizer for native processing: a dynamo_zmq.tokenizers plugin.
+            "native_tokenizer": "vllm",
+            "enable_prefix_caching": bool(cache.enable_prefix_caching),
+            "kv_events_topic": kv.topic if kv is not None else None,
+            "kv_events_format": "vllm",
+            "kv_events_endpoints": endpoints,
+            "model_path": str(model.model),
+        },
+    )
