@@ -31,6 +31,8 @@ from ..llm import BUILTIN_MODES, ROUTERS, RouterPlugin, load_plugin, plugin_name
 from ..runtime import (
     DistributedRuntime,
     RuntimeConfig,
+    add_auth_args,
+    auth_from_args,
     check_name,
     check_number,
     run_main,
@@ -83,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model-cache", default=env("DYN_MODEL_CACHE"),
                         help="where fetched tokenizer files are kept [DYN_MODEL_CACHE]")
     add_discovery_args(parser)
+    add_auth_args(parser)
     modes_of: dict[type[RouterPlugin], list[str]] = {}
     for mode in plugin_names(ROUTERS):
         try:
@@ -107,7 +110,9 @@ def routing_plugin(args: argparse.Namespace) -> RouterPlugin | None:
 
 
 async def serve(args: argparse.Namespace, plugin: RouterPlugin | None) -> int:
-    runtime = DistributedRuntime(config=RuntimeConfig(discovery=DiscoveryConfig.from_args(args)))
+    runtime = DistributedRuntime(config=RuntimeConfig(
+        discovery=DiscoveryConfig.from_args(args), **auth_from_args(args)
+    ))
     app: FrontendApp
 
     async def start() -> ModelManager:

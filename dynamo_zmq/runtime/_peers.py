@@ -14,7 +14,7 @@ import time
 
 from ..discovery import Discovery, PeerAdded, PeerRemoved
 from ..resources import Resources
-from ..transport import PeerConnection, PeerState
+from ..transport import CurveRefused, PeerConnection, PeerState
 
 __all__ = ["PeerPool"]
 
@@ -22,6 +22,8 @@ log = logging.getLogger(__name__)
 
 #: A withdrawn (cleanly unregistered) peer with no open streams is closed after this long.
 WITHDRAWN_LINGER = 2.0
+#: Refused adverts remembered (each logged once); past this many, more are refused silently.
+MAX_REFUSED = 1024
 
 
 class PeerPool:
@@ -40,6 +42,8 @@ class PeerPool:
         #: instance id, components; a static list: nothing but the address).
         self.hints: dict[str, PeerAdded] = {}
         self._withdrawn: dict[str, float] = {}
+        #: (address, key) adverts refused for their key (auth on), each logged once.
+        self._refused: set[tuple[str, bytes | None]] = set()
         self._watching: set[str | None] = set()
         self._changed = asyncio.Event()
         self._closed = False
@@ -70,14 +74,26 @@ class PeerPool:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._changed.wait(), timeout)
 
-    def add(self, address: str) -> PeerConnection:
-        """Connect to ``address`` unless already connected."""
+    def add(self, address: str, key: bytes | None = None) -> PeerConnection | None:
+        """Connect to ``address`` unless already connected. With auth on, only with its
+        advertised CURVE ``key`` and only if that key is authorized: else None, said once."""
         self._withdrawn.pop(address, None)
         conn = self.peers.get(address)
         if conn is None:
-            conn = PeerConnection(self._res, address, on_change=self._on_peer_change)
+            try:
+                conn = PeerConnection(
+                    self._res, address, on_change=self._on_peer_change, server_key=key
+                )
+                conn.start()
+            except CurveRefused as exc:
+                if (address, key) not in self._refused and len(self._refused) < MAX_REFUSED:
+                    self._refused.add((address, key))
+                    hint = self.hints.get(address)
+                    iid = f"instance {hint.instance_id:x} at " if hint and hint.instance_id else ""
+                    log.warning("not connecting to %s%s: %s (a spoofed or unauthorized advert)",
+                                iid, address, exc.message)
+                return None
             self.peers[address] = conn
-            conn.start()
         self._changed.set()
         return conn
 
@@ -97,7 +113,7 @@ class PeerPool:
         async for event in self._discovery.watch(namespace):
             if isinstance(event, PeerAdded):
                 self.hints[event.address] = event
-                self.add(event.address)
+                self.add(event.address, event.key)
             elif isinstance(event, PeerRemoved) and event.address in self.peers:
                 conn = self.peers[event.address]
                 if event.instance_id is None or event.instance_id in (0, conn.instance_id):

@@ -1,5 +1,11 @@
 """ZMQ sockets of the request plane: the ROUTER server and the per-peer DEALER connection."""
 
+from ._curve import CurveAuth as CurveAuth
+from ._curve import CurveRefused as CurveRefused
+from ._curve import current_curve as current_curve
+from ._curve import disable_curve as disable_curve
+from ._curve import enable_curve as enable_curve
+from ._curve import peer_key as peer_key
 from ._sockets import AsyncSocket as AsyncSocket
 from ._sockets import SendResult as SendResult
 from ._sockets import make_socket as make_socket
@@ -21,6 +27,8 @@ from .server import Server as Server
 __all__ = [
     "DEFAULT_WINDOW",
     "AsyncSocket",
+    "CurveAuth",
+    "CurveRefused",
     "Handler",
     "ItemDecoder",
     "ItemStream",
@@ -32,8 +40,12 @@ __all__ = [
     "SendResult",
     "Server",
     "StreamHost",
+    "current_curve",
+    "disable_curve",
+    "enable_curve",
     "item_decoder",
     "make_socket",
+    "peer_key",
     "plain_items",
     "response_items",
 ]

@@ -17,6 +17,7 @@ from typing import cast
 import zmq
 
 from .. import errors
+from ._curve import current_curve
 
 __all__ = ["AsyncSocket", "SendResult", "make_socket"]
 
@@ -41,14 +42,25 @@ def make_socket(
     connect: str | None = None,
     hwm: int = DEFAULT_HWM,
     heartbeat_ms: int = 500,
+    server_key: bytes | None = None,
 ) -> zmq.Socket[bytes]:
     """Create a socket with the project's standard options, bound or connected.
 
     ``bind`` may end in ``:0`` or ``:*`` for an ephemeral port; read it back with
     ``LAST_ENDPOINT``. An address that cannot be bound raises ``errors.InvalidArgument``.
+
+    With auth on (``_curve.enable_curve``), a bound socket is a CURVE server and any other a
+    CURVE client of ``server_key`` (the Z85 public key of what it will connect to), which must
+    be authorized, else ``CurveRefused`` (an ``errors.CannotConnect``) is raised.
     """
     sock = zctx.socket(socket_type)
     try:
+        curve = current_curve()
+        if curve is not None:
+            if bind is not None:
+                curve.make_server(sock)
+            else:
+                curve.make_client(sock, server_key, connect or "")
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, hwm)
         sock.setsockopt(zmq.RCVHWM, hwm)
