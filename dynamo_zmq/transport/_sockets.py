@@ -43,6 +43,7 @@ def make_socket(
     hwm: int = DEFAULT_HWM,
     heartbeat_ms: int = 500,
     server_key: bytes | None = None,
+    curve: bool = True,
 ) -> zmq.Socket[bytes]:
     """Create a socket with the project's standard options, bound or connected.
 
@@ -51,16 +52,20 @@ def make_socket(
 
     With auth on (``_curve.enable_curve``), a bound socket is a CURVE server and any other a
     CURVE client of ``server_key`` (the Z85 public key of what it will connect to), which must
-    be authorized, else ``CurveRefused`` (an ``errors.CannotConnect``) is raised.
+    be authorized, else ``CurveRefused`` (an ``errors.CannotConnect``) is raised. ``curve=False``
+    keeps a socket plaintext even then, for loopback only (a process's own plaintext peers,
+    e.g. vLLM's KV-event sockets): any other address raises ``errors.InvalidArgument``.
     """
+    if not curve and not all(_loopback(a) for a in (bind, connect) if a is not None):
+        raise errors.InvalidArgument(f"a plaintext socket may only use loopback: {bind or connect}")
     sock = zctx.socket(socket_type)
     try:
-        curve = current_curve()
-        if curve is not None:
+        auth = current_curve() if curve else None
+        if auth is not None:
             if bind is not None:
-                curve.make_server(sock)
+                auth.make_server(sock)
             else:
-                curve.make_client(sock, server_key, connect or "")
+                auth.make_client(sock, server_key, connect or "")
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, hwm)
         sock.setsockopt(zmq.RCVHWM, hwm)
@@ -93,6 +98,10 @@ def make_socket(
         sock.close(linger=0)
         raise
     return sock
+
+
+def _loopback(address: str) -> bool:
+    return address.startswith(("tcp://127.", "ipc://", "inproc://"))
 
 
 class SendResult:

@@ -34,6 +34,7 @@ from dynamo_zmq.llm import (
     error_output,
 )
 from dynamo_zmq.resources import Resources, cancel_and_wait
+from dynamo_zmq.transport import current_curve
 
 from ._embed import embed, pooling_capabilities
 from ._endpoints import advertise, free_port, offset, vllm_version
@@ -45,6 +46,7 @@ from ._options import (
     import_vllm,
     options_from_args,
 )
+from ._relay import KvRelay
 from ._sampling import sampling_params, to_output
 from ._stats import RankStats, make_stat_logger, vllm_metrics
 
@@ -92,6 +94,8 @@ class VllmEngine(LLMEngine):
         self._state = "new"  # new -> starting -> started -> closed
         #: What the engine can do; a pooling runner (``--runner pooling``) only embeds.
         self._caps: frozenset[str] = GENERATE_CAPABILITIES
+        #: Relays vLLM's KV events over CURVE when auth is on (``_relay.py``).
+        self._relay: KvRelay | None = None
 
     # -- construction ----------------------------------------------------------------------
 
@@ -133,12 +137,17 @@ class VllmEngine(LLMEngine):
             # process); vLLM's CPU platform only allows it with this set. Inherited by the child.
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         args = self._build_engine_args(cpu)
+        if self._relay is not None:
+            self._relay.start()  # before vLLM: its PUB connects to the relay's loopback SUB
         try:
             llm = await asyncio.to_thread(
                 AsyncLLM.from_engine_args, args, stat_loggers=[make_stat_logger(self._stats)]
             )
         except Exception as exc:
             self._state = "new"
+            if self._relay is not None:
+                relay, self._relay = self._relay, None
+                await relay.close()
             raise errors.EngineShutdown(f"vLLM failed to start: {exc}") from exc
         if self._state == "closed":  # cleanup ran while vLLM was loading
             await asyncio.to_thread(llm.shutdown, self.options.shutdown_timeout)
@@ -185,14 +194,23 @@ class VllmEngine(LLMEngine):
             kw["enable_prefix_caching"] = True
         opts = self.options
         if opts.kv_events and kw.get("kv_events_config") is None:
-            events = opts.kv_events_port or free_port()
-            replay = opts.kv_replay_port or free_port(exclude=events)
-            # vLLM binds only endpoints with a wildcard ("*"); it connects to any other.
+            if current_curve() is not None:  # auth on: vLLM on loopback, relayed over CURVE
+                self._relay = KvRelay(self._res, kw.get("data_parallel_size") or 1,
+                                      opts.kv_events_port, opts.kv_replay_port)
+                endpoint, replay_endpoint = self._relay.vllm_events, self._relay.vllm_replay
+            else:
+                events = opts.kv_events_port or free_port()
+                replay = opts.kv_replay_port or free_port(exclude=events)
+                # vLLM binds only endpoints with a wildcard ("*"); it connects to any other.
+                endpoint, replay_endpoint = f"tcp://*:{events}", f"tcp://*:{replay}"
             kw["kv_events_config"] = KVEventsConfig(
                 enable_kv_cache_events=True, publisher="zmq",
-                endpoint=f"tcp://*:{events}", replay_endpoint=f"tcp://*:{replay}",
+                endpoint=endpoint, replay_endpoint=replay_endpoint,
                 buffer_steps=opts.kv_buffer_steps, hwm=100_000, topic=KV_TOPIC,
             )
+        elif (kv := kw.get("kv_events_config")) is not None and current_curve() is not None:
+            log.warning("auth is on but vLLM's own kv_events_config (%s) publishes in plaintext:"
+                        " anyone who can reach it reads the KV events", kv.endpoint)
         try:
             return AsyncEngineArgs(**kw)
         except (ValueError, TypeError) as exc:
@@ -213,7 +231,12 @@ class VllmEngine(LLMEngine):
         events = replay = None
         endpoints: list[str] = []
         kv = cfg.kv_events_config
-        if kv is not None and kv.enable_kv_cache_events and kv.publisher == "zmq":
+        if self._relay is not None:  # auth on: the relay's CURVE sockets
+            host = self.options.advertised_host()
+            endpoints = [f"tcp://{host}:{port}" for port in self._relay.events_ports]
+            events = endpoints[0]
+            replay = f"tcp://{host}:{self._relay.replay_ports[0]}"
+        elif kv is not None and kv.enable_kv_cache_events and kv.publisher == "zmq":
             host = self.options.advertised_host()
             events = advertise(kv.endpoint, host)
             replay = advertise(kv.replay_endpoint, host) if kv.replay_endpoint else None
