@@ -365,3 +365,37 @@ def test_static_entry_form() -> None:
             split_entry(bad)
     with pytest.raises(InvalidArgument):
         DiscoveryConfig(backend="static", static_addresses=("tcp://a:1 key=" + "~" * 40,))
+
+
+async def test_router_service_with_keys(spawn, namespace, tiny_model, keys) -> None:
+    w = worker(spawn, namespace, tiny_model, keys.cluster, "worker").wait_ready()
+    router = spawn("-m", "router", "--namespace", namespace, "--host", "127.0.0.1",
+                   "--wait-for-workers", "1", "--metrics-port", "0",
+                   "--auth-keys", str(keys.cluster), "--auth-key-name", "front", ready=False)
+    router.wait_ready(60)  # READY only once it follows the worker (over CURVE)
+    client = load_keypair(keys.cluster, "client")
+    front_key = keys_cli("public", str(keys.cluster), "--name", "front")
+    assert await asyncio.to_thread(describe, router.address, front_key, client) == Kind.INFO
+    assert await asyncio.to_thread(describe, router.address, None, None) is None
+    port = re.search(r"metrics on port (\d+)", log_of(router))
+    assert port is not None, log_of(router)[-3000:]
+
+    async def loads() -> bool:
+        _, body = await asyncio.to_thread(get, f"http://127.0.0.1:{port.group(1)}/metrics")
+        return f'worker="{w.instance_id:x}"' in body.decode()
+
+    await eventually(loads, 15, "the router following the worker's load reports")
+
+
+@pytest.mark.parametrize("module", ["dynamo_zmq.worker", "dynamo_zmq.frontend", "router"])
+def test_bad_keys_are_one_line_errors(module, tmp_path, tiny_model) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    extra = ["--engine", "mocker", "--model-path", str(tiny_model)] if "worker" in module else []
+    done = subprocess.run([sys.executable, "-m", module, *extra, "--auth-keys",
+                           str(tmp_path / "none")], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"error: no key file at {tmp_path / 'none' / 'node.key_secret'}"
+    ), done.stderr[-2000:]
+    assert "Traceback" not in done.stderr

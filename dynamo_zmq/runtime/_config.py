@@ -22,6 +22,7 @@ from typing import Any
 from ..discovery import DiscoveryConfig, add_discovery_args, reachable_ipv4
 from ..errors import InvalidArgument
 from ..transport._keyfiles import DEFAULT_NAME as DEFAULT_KEY_NAME
+from ..transport._keyfiles import authorized_keys, load_keypair
 from ..transport.server import KILL_GRACE
 from ._canary import CanaryConfig
 
@@ -54,6 +55,9 @@ class RuntimeConfig:
             raise InvalidArgument(f"port {self.port} out of range")
         if not self.kill_grace >= 0:
             raise InvalidArgument(f"kill_grace must be >= 0 seconds, got {self.kill_grace}")
+        if self.auth_keys:  # a missing or bad key is a configuration error, said at once
+            load_keypair(self.auth_keys, self.auth_key_name)
+            authorized_keys(self.auth_keys)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> RuntimeConfig:
