@@ -399,3 +399,38 @@ def test_bad_keys_are_one_line_errors(module, tmp_path, tiny_model) -> None:
         f"error: no key file at {tmp_path / 'none' / 'node.key_secret'}"
     ), done.stderr[-2000:]
     assert "Traceback" not in done.stderr
+
+
+async def test_frontend_follows_key_changes(spawn, namespace, tiny_model, keys,
+                                            tmp_path) -> None:
+    """A worker refused for its key is used once the key is authorized, and dropped from
+    routing when it is revoked, without restarting the frontend."""
+    late_dir = tmp_path / "late"
+    keys_cli("create", str(late_dir), "--name", "late")
+    keys_cli("authorize", str(late_dir), str(keys.cluster / "front.key"))
+    real = worker(spawn, namespace, tiny_model, keys.cluster, "worker")
+    late = worker(spawn, namespace, tiny_model, late_dir, "late")
+    front = frontend(spawn, namespace, keys.cluster)
+    for proc in (real, late, front):
+        proc.wait_ready()
+    real_id, late_id = f"{real.instance_id:x}", f"{late.instance_id:x}"
+
+    async def serving(ids: set[str]):
+        async def check() -> bool:
+            return set((await health_models(front.address)).get("tiny", [])) == ids
+        return check
+
+    async def refused() -> bool:
+        return f"instance {late_id}" in log_of(front)
+
+    await eventually(refused, 30, "the late worker refused")
+    await eventually(await serving({real_id}), 30, "only the real worker serving")
+
+    keys_cli("authorize", str(keys.cluster), str(late_dir / "late.key"))
+    await eventually(await serving({real_id, late_id}), 30, "the late worker used")
+
+    keys_cli("revoke", str(keys.cluster), "late")
+    await eventually(await serving({real_id}), 30, "the late worker dropped")
+    for i in range(4):
+        prompt = [(5 * i + j) % 400 + 10 for j in range(2 * BLOCK)]
+        assert await asyncio.to_thread(complete, front.address, prompt) == real_id
