@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -25,6 +28,8 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
 import zmq
 
 from dynamo_zmq.tools.keys import authorize, create_keypair, load_keypair
+from tests.support.http_calls import get
+from tests.support.vllm_stack import VLLM_ENV, WORKER_FLAGS, WORKER_START, wait_listed
 
 
 def _sub(endpoint: str, keypair: tuple[bytes, bytes] | None, server: bytes) -> list[bytes] | None:
@@ -91,3 +96,46 @@ def test_vllm_kv_events_are_relayed_over_curve_only(spawn, tmp_path: Path) -> No
     assert all(a[1] == b"kv-events" for a in answers[:-1])
     seqs = [int.from_bytes(a[2], "big") for a in answers[:-1]]
     assert seqs == sorted(seqs) and seqs[0] == 0
+
+
+
+def test_vllm_worker_with_auth_feeds_a_kv_router(spawn, tiny_model, namespace,
+                                                 tmp_path: Path) -> None:
+    """A real vLLM worker with --auth-keys: a KV-routing frontend with keys indexes its blocks
+    and replays its events, through the relay's CURVE sockets."""
+    keydir = tmp_path / "keys"
+    for name in ("worker", "front"):
+        create_keypair(keydir, name)
+        authorize(keydir, str(keydir / f"{name}.key"))
+    auth = ("--auth-keys", str(keydir), "--auth-key-name")
+    worker = spawn("-m", "dynamo_zmq.worker", "--engine", "vllm", "--model-path",
+                   str(tiny_model), "--model-name", "tiny", "--namespace", namespace,
+                   "--host", "127.0.0.1", *WORKER_FLAGS, *auth, "worker", env=VLLM_ENV,
+                   ready=False)
+    front = spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
+                  "--router-mode", "kv", *auth, "front", ready=False)
+    worker.wait_ready(WORKER_START)
+    front.wait_ready(60)
+    wait_listed(front.address)
+    assert "KV events of vLLM relayed over CURVE" in Path(worker.log.name).read_text()
+
+    body = json.dumps({"model": "tiny", "prompt": list(range(10, 138)), "max_tokens": 2})
+    req = urllib.request.Request(f"{front.address}/v1/completions", body.encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        assert resp.status == 200
+
+    wid = f"{worker.instance_id:x}"
+    deadline = time.monotonic() + 30
+    while True:
+        text = get(f"{front.address}/metrics")[1].decode()
+        blocks = [float(v) for v in re.findall(
+            rf'^dynamo_router_kv_index_blocks\{{[^}}]*worker="{wid}"[^}}]*\}} (\S+)$', text,
+            re.MULTILINE)]
+        replays = re.search(
+            r'^dynamo_router_kv_event_replays_total\{[^}]*result="ok"[^}]*\} (\S+)$', text,
+            re.MULTILINE)
+        if blocks and sum(blocks) > 0 and replays and float(replays.group(1)) >= 1:
+            break
+        assert time.monotonic() < deadline, text[-3000:]
+        time.sleep(0.5)
