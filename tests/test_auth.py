@@ -85,9 +85,16 @@ def log_of(proc: Proc) -> str:
 
 
 def describe(address: str, server_key: str | None, keypair: tuple[bytes, bytes] | None,
-             timeout_ms: int = 1500) -> bytes | None:
-    """Send DESCRIBE from a fresh DEALER (plaintext when ``keypair`` is None); the answer's
-    kind, or None when nothing came back."""
+             timeout_ms: int = 1500, payload: list[bytes] | None = None) -> bytes | None:
+    """Send DESCRIBE (or ``payload``) from a fresh DEALER (plaintext when ``keypair`` is
+    None); the answer's first frame, or None when nothing came back."""
+    frames = describe_frames(address, server_key, keypair, timeout_ms, payload)
+    return None if frames is None else frames[0]
+
+
+def describe_frames(address: str, server_key: str | None,
+                    keypair: tuple[bytes, bytes] | None, timeout_ms: int = 1500,
+                    payload: list[bytes] | None = None) -> list[bytes] | None:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.linger = 0
@@ -96,10 +103,10 @@ def describe(address: str, server_key: str | None, keypair: tuple[bytes, bytes] 
             sock.curve_publickey, sock.curve_secretkey = keypair
             sock.curve_serverkey = (server_key or "").encode()
         sock.connect(address)
-        sock.send_multipart([Kind.DESCRIBE, encode(Describe(1))])
+        sock.send_multipart(payload or [Kind.DESCRIBE, encode(Describe(1))])
         if not sock.poll(timeout_ms):
             return None
-        return sock.recv_multipart()[0]
+        return sock.recv_multipart()
     finally:
         sock.close(0)
         ctx.term()
@@ -185,6 +192,20 @@ async def test_only_authorized_clients_get_answers(spawn, namespace, tiny_model,
     assert await asyncio.to_thread(first_report, client)
     assert not await asyncio.to_thread(first_report, None)
     assert not await asyncio.to_thread(first_report, rogue)
+
+    # The mocker's KV replay ROUTER (advertised in the description) refuses them as well.
+    info = await asyncio.to_thread(describe_frames, w.address, keys.worker, client)
+    assert info is not None
+    replay = re.search(rb"tcp://127\.0\.0\.1:\d+", info[1].split(b"kv_replay_endpoint", 1)[1])
+    assert replay is not None
+
+    def replay_answers(keypair: tuple[bytes, bytes] | None) -> bool:
+        return describe(replay.group().decode(), keys.worker, keypair,
+                        payload=[b"", (0).to_bytes(8, "big")]) is not None
+
+    assert await asyncio.to_thread(replay_answers, client)
+    assert not await asyncio.to_thread(replay_answers, None)
+    assert not await asyncio.to_thread(replay_answers, rogue)
 
 
 # -- (b), (c) spoofed workers ------------------------------------------------------------------
