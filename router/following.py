@@ -15,6 +15,7 @@ import logging
 
 import zmq
 
+from dynamo_zmq import errors
 from dynamo_zmq.llm import EngineLoad, ModelAdvert, advert_of
 from dynamo_zmq.resources import Resources
 from dynamo_zmq.runtime import Client, DistributedRuntime
@@ -238,7 +239,7 @@ def _started(sub: KvEventSubscriber | LoadSubscriber, iid: int, what: str, endpo
     vLLM's bind form, is the likely one) is the worker's mistake: warn, and go on without it."""
     try:
         sub.start()
-    except zmq.ZMQError as exc:
+    except (zmq.ZMQError, errors.CannotConnect) as exc:  # CannotConnect: its key (auth on)
         log.warning("instance %x advertises %s at %r, which the router cannot connect to (%s): "
                     "routing it without them", iid, what, endpoint, exc)
         return False

@@ -24,7 +24,7 @@ import zmq
 
 from dynamo_zmq.llm import LOAD_TOPIC, EngineLoad, LoadDecodeError, decode_report
 from dynamo_zmq.resources import Resources
-from dynamo_zmq.transport import AsyncSocket, make_socket
+from dynamo_zmq.transport import AsyncSocket, make_socket, peer_key
 
 from .metrics import RouterMetrics
 
@@ -143,7 +143,8 @@ class LoadSubscriber:
         """Connect and start following (needs a running event loop; returns at once)."""
         if self._sock is not None or self._closed:
             raise RuntimeError("load subscriber already started or closed")
-        sock = make_socket(self._owner.zctx, zmq.SUB, hwm=SUB_HWM, heartbeat_ms=0)
+        sock = make_socket(self._owner.zctx, zmq.SUB, hwm=SUB_HWM, heartbeat_ms=0,
+                           server_key=peer_key(self.worker_id))
         try:
             sock.setsockopt(zmq.SUBSCRIBE, LOAD_TOPIC)
             sock.connect(self.endpoint)

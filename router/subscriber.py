@@ -37,8 +37,9 @@ from typing import Protocol
 
 import zmq
 
+from dynamo_zmq import errors
 from dynamo_zmq.resources import Resources
-from dynamo_zmq.transport import AsyncSocket, BadInput, SendResult, make_socket
+from dynamo_zmq.transport import AsyncSocket, BadInput, SendResult, make_socket, peer_key
 
 from .events import EventBatch, EventDecodeError, decode_batch
 from .metrics import RouterMetrics
@@ -155,7 +156,8 @@ class KvEventSubscriber:
         """Connect and start following (needs a running event loop; returns at once)."""
         if self._sock is not None or self._closed:
             raise RuntimeError("subscriber already started or closed")
-        sock = make_socket(self._owner.zctx, zmq.SUB, hwm=SUB_HWM, heartbeat_ms=0)
+        sock = make_socket(self._owner.zctx, zmq.SUB, hwm=SUB_HWM, heartbeat_ms=0,
+                           server_key=peer_key(self.worker_id))
         try:
             sock.setsockopt(zmq.SUBSCRIBE, b"")
             sock.connect(self.events_endpoint)
@@ -335,9 +337,10 @@ class KvEventSubscriber:
         try:
             sock = AsyncSocket(make_socket(
                 self._owner.zctx, zmq.DEALER, connect=self.replay_endpoint, hwm=SUB_HWM,
-                heartbeat_ms=0,
+                heartbeat_ms=0, server_key=peer_key(self.worker_id),
             ))
-        except zmq.ZMQError as exc:  # e.g. vLLM's bind form tcp://*:N advertised by mistake
+        except (zmq.ZMQError, errors.CannotConnect) as exc:
+            # e.g. vLLM's bind form tcp://*:N advertised by mistake, or its key not authorized
             log.warning("worker %x advertises KV replay at %r, which the router cannot connect to "
                         "(%s): following its events without replay", self.worker_id,
                         self.replay_endpoint, exc)

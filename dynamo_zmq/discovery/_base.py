@@ -26,6 +26,8 @@ class Advert:
     addresses: tuple[str, ...]
     components: tuple[str, ...] = ()
     protocol_version: int = PROTOCOL_VERSION
+    #: The CURVE public key (Z85) its sockets prove; empty when auth is off.
+    public_key: str = ""
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,8 @@ class PeerAdded:
     namespace: str | None = None
     instance_id: int | None = None
     components: tuple[str, ...] = field(default=())
+    #: The CURVE public key (Z85) advertised with the address; None: none was.
+    key: bytes | None = None
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,10 @@
 DYN_DISCOVERY         mdns | static                    (--discovery)
 DYN_STATIC_WORKERS    tcp://host:port,tcp://host:port  (--static-workers)
 DYN_STATIC_FILE       path, one address a line, '#' comments  (--static-file)
+
+With auth on, a static entry names the peer's CURVE public key after its address:
+``tcp://host:port key=<40 characters of Z85>`` (the key may hold '#': a comment starts only
+where a '#' begins a word).
 DYN_MDNS_INTERFACES   comma-separated IPv4 addresses   (--mdns-interfaces)
 """
 
@@ -11,9 +15,12 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+from zmq.utils import z85
 
 from ..errors import InvalidArgument
 
@@ -26,7 +33,8 @@ class DiscoveryConfig:
 
     Attributes:
         backend: ``"mdns"`` (advertise and browse on the LAN) or ``"static"`` (a fixed list).
-        static_addresses: ``tcp://host:port`` peers for the static backend.
+        static_addresses: ``tcp://host:port`` peers for the static backend, each optionally
+            followed by `` key=<Z85 public key>``.
         static_file: a file of peers for the static backend, re-read when it changes.
         mdns_interfaces: IPv4 addresses to pin mDNS to; ``None`` (or empty) uses all interfaces.
     """
@@ -41,8 +49,8 @@ class DiscoveryConfig:
             raise InvalidArgument(
                 f"unknown discovery backend {self.backend!r}; expected one of {', '.join(BACKENDS)}"
             )
-        for address in self.static_addresses:
-            validate_address(address)
+        for entry in self.static_addresses:
+            split_entry(entry)
         # A static list may be empty: a serving process in static mode needs no peers.
         for ip in self.mdns_interfaces or ():
             _validate_ipv4(ip)
@@ -138,14 +146,59 @@ def validate_address(address: str) -> str:
     return address
 
 
-def parse_static_file(text: str) -> tuple[str, ...]:
-    """Addresses in a static file's text: one a line, blank lines and ``#`` comments skipped.
+def split_entry(entry: str) -> tuple[str, bytes | None]:
+    """``(address, key or None)`` of a static entry ``tcp://host:port [key=<Z85>]``.
 
     Raises:
-        InvalidArgument: a line is not a valid address.
+        InvalidArgument: the address is invalid, or the key is not 40 characters of Z85.
     """
-    lines = (line.split("#", 1)[0].strip() for line in text.splitlines())
-    return _unique(validate_address(line) for line in lines if line)
+    address, *rest = entry.split()
+    key: bytes | None = None
+    for word in rest:
+        name, sep, value = word.partition("=")
+        if name != "key" or not sep or key is not None:
+            raise InvalidArgument(f"invalid peer entry {entry!r}: expected tcp://host:port "
+                                  "[key=<Z85 public key>]")
+        key = _z85_key(value, entry)
+    return validate_address(address), key
+
+
+def _z85_key(value: str, entry: str) -> bytes:
+    raw = value.encode("ascii", "replace")
+    try:
+        valid = len(raw) == 40 and len(z85.decode(raw)) == 32
+    except (ValueError, KeyError, TypeError, struct.error):
+        valid = False
+    if not valid:
+        raise InvalidArgument(f"invalid key in peer entry {entry!r}: expected 40 characters of "
+                              "Z85 (python -m dynamo_zmq.keys public DIR prints one)")
+    return raw
+
+
+def parse_static_file(text: str) -> tuple[str, ...]:
+    """Entries in a static file's text: one a line, blank lines and ``#`` comments skipped
+    (a key is 40 characters and may hold a ``#``: a comment after it starts at character 41).
+
+    Raises:
+        InvalidArgument: a line is not a valid entry.
+    """
+    entries = []
+    for line in text.splitlines():
+        words: list[str] = []
+        for word in line.split():
+            if word.startswith("key=") and words:
+                word, comment = word[:44], word[44:]
+            else:
+                word, _, comment = word.partition("#")
+            if word:
+                words.append(word)
+            if comment or not word:
+                break
+        if words:
+            entry = " ".join(words)
+            split_entry(entry)
+            entries.append(entry)
+    return _unique(entries)
 
 
 def read_static_file(path: str) -> tuple[str, ...]:

@@ -146,7 +146,10 @@ class Watch:
         if ip is None or not info.port:
             return None
         comps = tuple(c for c in (props.get("comps") or "").split(",") if c)
-        return PeerAdded(f"tcp://{ip}:{info.port}", ns, instance_id, comps)
+        key = props.get("key")
+        return PeerAdded(
+            f"tcp://{ip}:{info.port}", ns, instance_id, comps, key.encode() if key else None
+        )
 
     def _publish(self, name: str, event: PeerAdded | None) -> None:
         old = self._known.get(name)

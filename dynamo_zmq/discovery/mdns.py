@@ -1,13 +1,14 @@
 """mDNS discovery: advertise instances as ``_dynamo-zmq._tcp.local.`` services, browse for peers.
 
 One ``AsyncZeroconf`` per ``MdnsDiscovery`` owns the sockets. Each advert is one service named
-``<namespace>-<instance id as 16 hex>``; its TXT carries only ``ns``, ``iid``, ``v`` and
-``comps``. Each ``watch()`` is a ``_mdns_watch.Watch``: one browser, the resolve tasks it
-starts, a periodic query for peers whose announcements were missed, and the queue it yields
-from. Zeroconf failures after ``start()`` are logged, never raised into the caller's
-loop. Which IPv4 addresses are published and dialled is ``_mdns_addresses.py``'s; what the
-network says about our own services (conflicts, goodbyes we did not send) ``_mdns_guard.py``'s,
-and ``renew`` (the runtime's lease keep-alive) acts on it.
+``<namespace>-<instance id as 16 hex>``; its TXT carries only ``ns``, ``iid``, ``v``,
+``comps`` and, with auth on, ``key`` (the instance's CURVE public key). Each ``watch()`` is
+a ``_mdns_watch.Watch``: one browser, the resolve tasks it starts, a periodic query for
+peers whose announcements were missed, and the queue it yields from. Zeroconf failures
+after ``start()`` are logged, never raised into the caller's loop. Which IPv4 addresses are
+published and dialled is ``_mdns_addresses.py``'s; what the network says about our own
+services (conflicts, goodbyes we did not send) ``_mdns_guard.py``'s, and ``renew`` (the
+runtime's lease keep-alive) acts on it.
 """
 
 from __future__ import annotations
@@ -270,6 +271,7 @@ class MdnsDiscovery(Discovery):
                 "iid": f"{advert.instance_id:016x}",
                 "v": str(advert.protocol_version),
                 "comps": _join_limited(advert.components, _MAX_TXT_VALUE),
+                **({"key": advert.public_key} if advert.public_key else {}),
             },
             server=name.removesuffix(SERVICE_TYPE) + "local.",
             host_ttl=_TTL,

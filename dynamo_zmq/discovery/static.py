@@ -1,7 +1,8 @@
 """Static discovery: a fixed list of peer addresses, optionally from a file that is re-read.
 
 Static peers are configured on the watching side, so ``advertise``/``withdraw`` do nothing and
-events carry no hints (namespace, instance id, components): the handshake fetches those.
+events carry no hints (namespace, instance id, components): the handshake fetches those. An
+entry may carry the peer's CURVE key (``tcp://host:port key=<Z85>``), which the event carries.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import AsyncIterator
 
 from ..errors import InvalidArgument
 from ._base import Advert, Discovery, DiscoveryEvent, PeerAdded, PeerRemoved
-from ._config import DiscoveryConfig, read_static_file
+from ._config import DiscoveryConfig, read_static_file, split_entry
 
 __all__ = ["StaticDiscovery"]
 
@@ -60,10 +61,10 @@ class StaticDiscovery(Discovery):
         path = self._cfg.static_file
         stamp, from_file = self._load(path, None, ())
         current = _merge(self._cfg.static_addresses, from_file)
-        for address in current:
+        for entry in current:
             if self._closed.is_set():
                 return
-            yield PeerAdded(address)
+            yield _added(entry)
         if path is None:
             await self._closed.wait()
             return
@@ -73,12 +74,12 @@ class StaticDiscovery(Discovery):
                 return
             stamp, from_file = self._load(path, stamp, from_file)
             new = _merge(self._cfg.static_addresses, from_file)
-            for address in current:
-                if address not in new:
-                    yield PeerRemoved(address)
-            for address in new:
-                if address not in current:
-                    yield PeerAdded(address)
+            for entry in current:
+                if entry not in new:
+                    yield PeerRemoved(split_entry(entry)[0])
+            for entry in new:
+                if entry not in current:
+                    yield _added(entry)
             current = new
 
     async def close(self) -> None:
@@ -106,6 +107,11 @@ class StaticDiscovery(Discovery):
         except InvalidArgument as exc:
             log.warning("ignoring edit to static discovery file: %s", exc.message)
             return new_stamp, previous
+
+
+def _added(entry: str) -> PeerAdded:
+    address, key = split_entry(entry)
+    return PeerAdded(address, key=key)
 
 
 def _merge(first: tuple[str, ...], second: tuple[str, ...]) -> tuple[str, ...]:

@@ -33,6 +33,8 @@ from ..llm import BUILTIN_MODES, ROUTERS, RouterPlugin, load_plugin, plugin_name
 from ..runtime import (
     DistributedRuntime,
     RuntimeConfig,
+    add_auth_args,
+    auth_from_args,
     check_name,
     check_number,
     run_main,
@@ -107,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="where fetched tokenizer files are kept [DYN_MODEL_CACHE]")
     add_http_security_args(parser)
     add_discovery_args(parser)
+    add_auth_args(parser)
     modes_of: dict[type[RouterPlugin], list[str]] = {}
     for mode in plugin_names(ROUTERS):
         try:
@@ -134,7 +137,9 @@ async def serve(
     args: argparse.Namespace, plugin: RouterPlugin | None, security: HttpSecurity
 ) -> int:
     keys, exempt, tls = security
-    runtime = DistributedRuntime(config=RuntimeConfig(discovery=DiscoveryConfig.from_args(args)))
+    runtime = DistributedRuntime(config=RuntimeConfig(
+        discovery=DiscoveryConfig.from_args(args), **auth_from_args(args)
+    ))
     app: FrontendApp
 
     async def start() -> ModelManager:
@@ -210,6 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         discovery = DiscoveryConfig.from_args(args)
         if discovery.backend == "static" and discovery.static_file is not None:
             read_static_file(discovery.static_file)  # unreadable: say so now, not as a failed start
+        RuntimeConfig(**auth_from_args(args))  # the keys load, or say why now
         plugin = routing_plugin(args)
         security = http_security(args)
         check_name(args.namespace, "namespace")

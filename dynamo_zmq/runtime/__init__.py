@@ -16,7 +16,9 @@ from ._cli import setup_logging as setup_logging
 from ._client import Client as Client
 from ._client import RouterMode as RouterMode
 from ._config import RuntimeConfig as RuntimeConfig
+from ._config import add_auth_args as add_auth_args
 from ._config import add_runtime_args as add_runtime_args
+from ._config import auth_from_args as auth_from_args
 from ._decorators import dynamo_endpoint as dynamo_endpoint
 from ._decorators import dynamo_worker as dynamo_worker
 from ._lease import Lease as Lease
@@ -44,7 +46,9 @@ __all__ = [
     "RouterMode",
     "RuntimeConfig",
     "StatusServer",
+    "add_auth_args",
     "add_runtime_args",
+    "auth_from_args",
     "check_name",
     "check_number",
     "dynamo_endpoint",

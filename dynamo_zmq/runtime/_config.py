@@ -3,6 +3,9 @@
 DYN_HOST    address to bind the request plane on (--host); default 0.0.0.0, or the first pinned
             mDNS interface when DYN_MDNS_INTERFACES is set
 DYN_PORT    port to bind (--port); 0 picks a free one
+DYN_AUTH_KEYS   a key directory (--auth-keys): CURVE on every socket, peers' keys checked against
+                DIR/authorized (``python -m dynamo_zmq.keys``); unset: auth off
+DYN_AUTH_KEY_NAME  which keypair of that directory is this process's (--auth-key-name)
 DYN_HEALTH_CHECK_ENABLED, DYN_CANARY_WAIT_TIME, DYN_HEALTH_CHECK_REQUEST_TIMEOUT
             health canaries of endpoints served with a ``health_check_payload``
 plus the discovery variables of ``dynamo_zmq.discovery`` (DYN_DISCOVERY, ...).
@@ -14,13 +17,16 @@ import argparse
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..discovery import DiscoveryConfig, add_discovery_args, reachable_ipv4
 from ..errors import InvalidArgument
+from ..transport._keyfiles import DEFAULT_NAME as DEFAULT_KEY_NAME
+from ..transport._keyfiles import authorized_keys, load_keypair
 from ..transport.server import KILL_GRACE
 from ._canary import CanaryConfig
 
-__all__ = ["RuntimeConfig", "add_runtime_args"]
+__all__ = ["RuntimeConfig", "add_auth_args", "add_runtime_args", "auth_from_args"]
 
 
 @dataclass(frozen=True)
@@ -40,12 +46,18 @@ class RuntimeConfig:
     #: Seconds a handler whose request was killed (or whose caller dropped its stream) has to
     #: see ``is_stopped()`` / ``is_killed()`` and return before it is cancelled where it waits.
     kill_grace: float = KILL_GRACE
+    #: Key directory turning CURVE on for every socket (None: auth off), and the keypair's name.
+    auth_keys: str | None = None
+    auth_key_name: str = DEFAULT_KEY_NAME
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise InvalidArgument(f"port {self.port} out of range")
         if not self.kill_grace >= 0:
             raise InvalidArgument(f"kill_grace must be >= 0 seconds, got {self.kill_grace}")
+        if self.auth_keys:  # a missing or bad key is a configuration error, said at once
+            load_keypair(self.auth_keys, self.auth_key_name)
+            authorized_keys(self.auth_keys)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> RuntimeConfig:
@@ -57,6 +69,8 @@ class RuntimeConfig:
             host=environ.get("DYN_HOST") or None,
             port=int(port),
             canary=CanaryConfig.from_env(environ),
+            auth_keys=environ.get("DYN_AUTH_KEYS") or None,
+            auth_key_name=environ.get("DYN_AUTH_KEY_NAME") or DEFAULT_KEY_NAME,
         )
 
     @classmethod
@@ -66,6 +80,7 @@ class RuntimeConfig:
             host=getattr(args, "host", None) or None,
             port=int(getattr(args, "port", 0) or 0),
             canary=CanaryConfig.from_env(),
+            **auth_from_args(args),
         )
 
     @property
@@ -101,4 +116,29 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
         help="bind port, 0 = any [DYN_PORT]",
     )
     add_discovery_args(parser)
+    add_auth_args(parser)
+
+
+def add_auth_args(parser: argparse.ArgumentParser) -> None:
+    """Add ``--auth-keys`` and ``--auth-key-name`` (defaults: ``DYN_AUTH_KEYS``,
+    ``DYN_AUTH_KEY_NAME``)."""
+    group = parser.add_argument_group("auth")
+    group.add_argument(
+        "--auth-keys", default=os.environ.get("DYN_AUTH_KEYS") or None, metavar="DIR",
+        help="key directory: CURVE on every socket, peers checked against DIR/authorized "
+             "(python -m dynamo_zmq.keys) [DYN_AUTH_KEYS; default off]",
+    )
+    group.add_argument(
+        "--auth-key-name", default=os.environ.get("DYN_AUTH_KEY_NAME") or DEFAULT_KEY_NAME,
+        metavar="NAME", help="this process's keypair in DIR [DYN_AUTH_KEY_NAME; default "
+                             "%(default)s]",
+    )
+
+
+def auth_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``RuntimeConfig`` auth fields from flags of ``add_auth_args`` (absent: off)."""
+    return {
+        "auth_keys": getattr(args, "auth_keys", None) or None,
+        "auth_key_name": getattr(args, "auth_key_name", None) or DEFAULT_KEY_NAME,
+    }
 

@@ -13,7 +13,7 @@ import time
 
 from ..discovery import Discovery, PeerAdded, PeerRemoved
 from ..resources import Resources, wait_event
-from ..transport import PeerConnection, PeerState
+from ..transport import CurveAuth, CurveRefused, PeerConnection, PeerState, current_curve
 
 __all__ = ["PeerPool"]
 
@@ -21,6 +21,8 @@ log = logging.getLogger(__name__)
 
 #: A withdrawn (cleanly unregistered) peer with no open streams is closed after this long.
 WITHDRAWN_LINGER = 2.0
+#: Refused adverts remembered (each logged once); past this many, more are refused silently.
+MAX_REFUSED = 1024
 
 
 class PeerPool:
@@ -39,6 +41,10 @@ class PeerPool:
         #: instance id, components; a static list: nothing but the address).
         self.hints: dict[str, PeerAdded] = {}
         self._withdrawn: dict[str, float] = {}
+        #: (address, key) adverts refused for their key (auth on), each logged once.
+        self._refused: set[tuple[str, bytes | None]] = set()
+        #: The latest refused advert's key per address, retried when the authorized set changes.
+        self._refused_adverts: dict[str, bytes | None] = {}
         self._watching: set[str | None] = set()
         self._changed = asyncio.Event()
         self._closed = False
@@ -68,14 +74,29 @@ class PeerPool:
         self._changed.clear()
         await wait_event(self._changed, timeout)  # never loses a cancellation (a closing owner)
 
-    def add(self, address: str) -> PeerConnection:
-        """Connect to ``address`` unless already connected."""
+    def add(self, address: str, key: bytes | None = None) -> PeerConnection | None:
+        """Connect to ``address`` unless already connected. With auth on, only with its
+        advertised CURVE ``key`` and only if that key is authorized: else None, said once."""
         self._withdrawn.pop(address, None)
         conn = self.peers.get(address)
         if conn is None:
-            conn = PeerConnection(self._res, address, on_change=self._on_peer_change)
+            try:
+                conn = PeerConnection(
+                    self._res, address, on_change=self._on_peer_change, server_key=key
+                )
+                conn.start()
+            except CurveRefused as exc:
+                if len(self._refused_adverts) < MAX_REFUSED:
+                    self._refused_adverts[address] = key  # accepted once its key is authorized
+                if (address, key) not in self._refused and len(self._refused) < MAX_REFUSED:
+                    self._refused.add((address, key))
+                    hint = self.hints.get(address)
+                    iid = f"instance {hint.instance_id:x} at " if hint and hint.instance_id else ""
+                    log.warning("not connecting to %s%s: %s (a spoofed or unauthorized advert)",
+                                iid, address, exc.message)
+                return None
             self.peers[address] = conn
-            conn.start()
+        self._refused_adverts.pop(address, None)
         self._changed.set()
         return conn
 
@@ -95,7 +116,9 @@ class PeerPool:
         async for event in self._discovery.watch(namespace):
             if isinstance(event, PeerAdded):
                 self.hints[event.address] = event
-                self.add(event.address)
+                self.add(event.address, event.key)
+            elif isinstance(event, PeerRemoved) and event.address in self._refused_adverts:
+                del self._refused_adverts[event.address]
             elif isinstance(event, PeerRemoved) and event.address in self.peers:
                 conn = self.peers[event.address]
                 if event.instance_id is None or event.instance_id in (0, conn.instance_id):
@@ -103,9 +126,12 @@ class PeerPool:
                     self._changed.set()
 
     async def _janitor_loop(self) -> None:
-        """Close peers that withdrew and have nothing in flight, or are withdrawn and down."""
+        """Close peers that withdrew and have nothing in flight, or are withdrawn and down;
+        with auth on, follow changes of the authorized set."""
         while True:
             await asyncio.sleep(0.5)
+            if (curve := current_curve()) is not None:
+                await self._recheck_keys(curve)
             now = time.monotonic()
             for address, since in list(self._withdrawn.items()):
                 conn = self.peers.get(address)
@@ -119,3 +145,19 @@ class PeerPool:
                     self.hints.pop(address, None)
                     await conn.close()
                     self._changed.set()
+
+    async def _recheck_keys(self, curve: CurveAuth) -> None:
+        """Connect to refused adverts whose key is now authorized; drop connections whose key
+        was revoked (their streams end with ``Disconnected``; nothing new is routed there)."""
+        for address, key in list(self._refused_adverts.items()):
+            if key is not None and curve.is_authorized(key):
+                log.info("the key of %s is authorized now: connecting", address)
+                self.add(address, key)
+        for address, conn in list(self.peers.items()):
+            if conn.server_key is not None and not curve.is_authorized(conn.server_key):
+                log.warning("the key of %r was revoked: disconnecting", conn)
+                del self.peers[address]
+                self._withdrawn.pop(address, None)
+                self._refused_adverts[address] = conn.server_key
+                await conn.close()
+                self._changed.set()

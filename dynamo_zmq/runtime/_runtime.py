@@ -39,7 +39,7 @@ from .. import errors
 from ..discovery import Advert, Discovery, make_discovery
 from ..resources import Resources, cancel_and_wait
 from ..transport import Handler as TransportHandler
-from ..transport import PeerConnection, Server
+from ..transport import PeerConnection, Server, enable_curve
 from ..wire import PROTOCOL_VERSION, Description, EndpointInfo
 from ._canary import EndpointCanary
 from ._config import RuntimeConfig
@@ -93,6 +93,11 @@ class DistributedRuntime:
         self.started_at = time.time()
         self.metadata: dict[str, Any] = {}
         self.resources = resources if resources is not None else Resources("runtime")
+        #: CURVE on every socket of the process (``--auth-keys``); before any socket is made.
+        self._curve = (
+            enable_curve(config.auth_keys, config.auth_key_name, self.resources.zctx)
+            if config.auth_keys else None
+        )
         self._discovery: Discovery = make_discovery(config.discovery)
         self._discovery_started = False
         self._server: Server | None = None
@@ -254,6 +259,7 @@ class DistributedRuntime:
             instance_id=self.instance_id,
             addresses=tuple(f"tcp://{h}:{port}" for h in self.config.advertised_hosts()),
             components=components,
+            public_key=self._curve.public.decode() if self._curve is not None else "",
         )
         if self._advertised.get(namespace) != advert:
             await self._ensure_discovery()

@@ -26,6 +26,7 @@ from typing import Any
 from ..discovery import DiscoveryConfig
 from ..errors import DynamoError
 from ..runtime import Context, DistributedRuntime, RuntimeConfig, add_runtime_args, check_number
+from .keys import load_keypair
 
 ENDPOINT = "demo.backend.generate"
 TEXT = (
@@ -79,6 +80,8 @@ async def start_worker(args: argparse.Namespace, config: RuntimeConfig) -> tuple
         flags += ["--mdns-interfaces", ",".join(config.discovery.mdns_interfaces)]
     if config.host:
         flags += ["--host", config.host]
+    if config.auth_keys:
+        flags += ["--auth-keys", config.auth_keys, "--auth-key-name", config.auth_key_name]
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "dynamo_zmq", "demo", "--worker-only", *flags,
         stdout=asyncio.subprocess.PIPE,
@@ -157,7 +160,15 @@ async def run_demo(args: argparse.Namespace, config: RuntimeConfig) -> None:
     try:
         if config.discovery.backend == "static" and not config.discovery.static_addresses:
             # The client's static list is the worker just started.
-            config = RuntimeConfig(discovery=_with_static(config.discovery, address))
+            # With auth on the worker's key is this process's own (same key files).
+            entry = address
+            if config.auth_keys:
+                key = load_keypair(config.auth_keys, config.auth_key_name)[0]
+                entry = f"{address} key={key.decode()}"
+            config = RuntimeConfig(
+                discovery=_with_static(config.discovery, entry), auth_keys=config.auth_keys,
+                auth_key_name=config.auth_key_name,
+            )
         request = {"prompt": args.prompt, "delay": args.delay}
         await call_worker(config, proc, instance_id, request, args.timeout)
     finally:

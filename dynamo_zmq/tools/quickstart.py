@@ -98,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = build_tiny_model(Path(args.model_dir))
     namespace = f"quickstart{uuid.uuid4().hex[:8]}"
     env = {**os.environ, "DYN_MDNS_INTERFACES": os.environ.get("DYN_MDNS_INTERFACES", "127.0.0.1")}
+    # One machine, loopback only: auth stays off whatever the environment says.
+    env = {k: v for k, v in env.items() if k not in ("DYN_AUTH_KEYS", "DYN_AUTH_KEY_NAME")}
     worker = _start(
         ["-m", "dynamo_zmq.worker", "--engine", "mocker", "--model-path", str(model_dir),
          "--model-name", MODEL, "--namespace", namespace, "--speedup-ratio", "10"],

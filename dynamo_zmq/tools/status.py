@@ -27,7 +27,14 @@ from typing import Any
 
 from ..discovery import DiscoveryConfig, PeerAdded, add_discovery_args
 from ..errors import DynamoError
-from ..runtime import DistributedRuntime, PeerPool, RuntimeConfig, check_number
+from ..runtime import (
+    DistributedRuntime,
+    PeerPool,
+    RuntimeConfig,
+    add_auth_args,
+    auth_from_args,
+    check_number,
+)
 from ..transport import PeerConnection, PeerState
 
 __all__ = ["collect_rows", "format_age", "format_table", "main"]
@@ -141,7 +148,8 @@ async def _wait_for_peers(
 
 
 async def collect_rows(
-    discovery: DiscoveryConfig, namespace: str | None = None, wait: float = 2.0
+    discovery: DiscoveryConfig, namespace: str | None = None, wait: float = 2.0,
+    auth: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Discover peers and check each; returns the rows, sorted.
 
@@ -150,8 +158,9 @@ async def collect_rows(
         namespace: only rows of this namespace (static peers that did not answer are always
             listed).
         wait: seconds to browse mDNS, or to wait for static peers to answer.
+        auth: ``RuntimeConfig`` auth fields (``auth_from_args``); None: auth off.
     """
-    runtime = DistributedRuntime(config=RuntimeConfig(discovery=discovery))
+    runtime = DistributedRuntime(config=RuntimeConfig(discovery=discovery, **(auth or {})))
     try:
         pool = await runtime.peer_pool(namespace)
         peers = await _wait_for_peers(runtime, pool, wait, discovery.backend == "static")
@@ -212,6 +221,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--json", action="store_true", help="print a JSON list of rows")
     add_discovery_args(parser)
+    add_auth_args(parser)
     return parser
 
 
@@ -225,7 +235,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(exc.message)
     try:
         discovery = DiscoveryConfig.from_args(args)
-        rows = asyncio.run(collect_rows(discovery, args.namespace, args.wait))
+        rows = asyncio.run(
+            collect_rows(discovery, args.namespace, args.wait, auth_from_args(args))
+        )
     except DynamoError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2

@@ -2,6 +2,12 @@
 
 from ._bad_input import BadInput as BadInput
 from ._bad_input import bad_input_totals as bad_input_totals
+from ._curve import CurveAuth as CurveAuth
+from ._curve import CurveRefused as CurveRefused
+from ._curve import current_curve as current_curve
+from ._curve import disable_curve as disable_curve
+from ._curve import enable_curve as enable_curve
+from ._curve import peer_key as peer_key
 from ._sockets import AsyncSocket as AsyncSocket
 from ._sockets import SendResult as SendResult
 from ._sockets import make_socket as make_socket
@@ -24,6 +30,8 @@ __all__ = [
     "DEFAULT_WINDOW",
     "AsyncSocket",
     "BadInput",
+    "CurveAuth",
+    "CurveRefused",
     "Handler",
     "ItemDecoder",
     "ItemStream",
@@ -36,8 +44,12 @@ __all__ = [
     "Server",
     "StreamHost",
     "bad_input_totals",
+    "current_curve",
+    "disable_curve",
+    "enable_curve",
     "item_decoder",
     "make_socket",
+    "peer_key",
     "plain_items",
     "response_items",
 ]

@@ -18,6 +18,7 @@ import zmq
 
 from .. import errors
 from ..resources import wait_event
+from ._curve import current_curve
 
 __all__ = ["AsyncSocket", "SendResult", "make_socket"]
 
@@ -42,14 +43,30 @@ def make_socket(
     connect: str | None = None,
     hwm: int = DEFAULT_HWM,
     heartbeat_ms: int = 500,
+    server_key: bytes | None = None,
+    curve: bool = True,
 ) -> zmq.Socket[bytes]:
     """Create a socket with the project's standard options, bound or connected.
 
     ``bind`` may end in ``:0`` or ``:*`` for an ephemeral port; read it back with
     ``LAST_ENDPOINT``. An address that cannot be bound raises ``errors.InvalidArgument``.
+
+    With auth on (``_curve.enable_curve``), a bound socket is a CURVE server and any other a
+    CURVE client of ``server_key`` (the Z85 public key of what it will connect to), which must
+    be authorized, else ``CurveRefused`` (an ``errors.CannotConnect``) is raised. ``curve=False``
+    keeps a socket plaintext even then, for loopback only (a process's own plaintext peers,
+    e.g. vLLM's KV-event sockets): any other address raises ``errors.InvalidArgument``.
     """
+    if not curve and not all(_loopback(a) for a in (bind, connect) if a is not None):
+        raise errors.InvalidArgument(f"a plaintext socket may only use loopback: {bind or connect}")
     sock = zctx.socket(socket_type)
     try:
+        auth = current_curve() if curve else None
+        if auth is not None:
+            if bind is not None:
+                auth.make_server(sock)
+            else:
+                auth.make_client(sock, server_key, connect or "")
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, hwm)
         sock.setsockopt(zmq.RCVHWM, hwm)
@@ -82,6 +99,10 @@ def make_socket(
         sock.close(linger=0)
         raise
     return sock
+
+
+def _loopback(address: str) -> bool:
+    return address.startswith(("tcp://127.", "ipc://", "inproc://"))
 
 
 class SendResult:

@@ -40,6 +40,7 @@ from ..wire import (
     Request,
     encode,
 )
+from ._curve import current_curve
 from ._sockets import AsyncSocket, SendResult, make_socket
 from ._streams import ItemDecoder, ResponseStream, _StreamState, decode_items
 
@@ -64,6 +65,11 @@ T = TypeVar("T")
 
 _request_ids = itertools.count(1)
 
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+
 #: Items a server may send on a stream before the caller grants more credit.
 DEFAULT_WINDOW = 1024
 
@@ -82,6 +88,8 @@ class PeerConnection:
         resources: the owner of its tasks (a child is made for them) and of the ZMQ context.
         address: ``tcp://host:port`` of the peer's ROUTER socket.
         on_change: called (synchronously) whenever state, description or draining changes.
+        server_key: the peer's advertised CURVE public key (Z85); with auth on, the connection
+            is made only with it and only if it is authorized (``CurveRefused`` from start).
         ping_interval: seconds between application pings.
         liveness_timeout: a READY peer silent for this long is marked DOWN.
     """
@@ -93,9 +101,13 @@ class PeerConnection:
         on_change: Callable[[PeerConnection], None] | None = None,
         ping_interval: float = 0.25,
         liveness_timeout: float = 1.5,
+        *,
+        server_key: bytes | None = None,
     ) -> None:
         self._res = resources.child(f"peer {address}")
         self.address = address
+        self.server_key = server_key
+        self._handshake_failed = False
         self._on_change = on_change
         self._ping_interval = ping_interval
         self._liveness_timeout = liveness_timeout
@@ -132,10 +144,11 @@ class PeerConnection:
 
     def start(self) -> None:
         """Create the socket and start connecting (never blocks; see ``wait_described``)."""
-        sock = make_socket(self._res.zctx, zmq.DEALER)
+        sock = make_socket(self._res.zctx, zmq.DEALER, server_key=self.server_key)
         # Monitor before connecting, or a fast handshake is over before anyone listens.
         monitor = sock.get_monitor_socket(
             zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+            | _HANDSHAKE_FAILED
         )
         sock.connect(self.address)
         self._sock = AsyncSocket(sock)
@@ -346,6 +359,8 @@ class PeerConnection:
             # Same address, new process: the old instance's streams cannot complete.
             self._fail_streams(errors.Disconnected(f"instance {old.instance_id:x} was replaced"))
         self.description = desc
+        if self.server_key is not None and (curve := current_curve()) is not None:
+            curve.remember(desc.instance_id, self.server_key)
         self.draining = desc.draining
         self.state = PeerState.READY
         self._described.set()
@@ -383,6 +398,12 @@ class PeerConnection:
                     # data socket: deliver them first, so finished streams end cleanly.
                     self._drain_pending()
                     self._mark_down("disconnected")
+                elif event & _HANDSHAKE_FAILED and not self._handshake_failed:
+                    # A wrong server key, a peer without CURVE, or one that refuses our key:
+                    # ZMQ retries, we say it once.
+                    self._handshake_failed = True
+                    log.warning("%s: the CURVE handshake failed (its key is not the advertised "
+                                "one, or it does not accept ours)", self.address)
             await mon.wait_readable()
 
     async def _ping_loop(self) -> None:

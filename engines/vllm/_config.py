@@ -4,16 +4,22 @@ reports."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 from typing import Any
 
 from dynamo_zmq import errors
 from dynamo_zmq.llm import EngineConfig
+from dynamo_zmq.resources import Resources
+from dynamo_zmq.transport import current_curve
 
 from ._endpoints import advertise, free_port, offset, vllm_version
 from ._options import STRUCTURED_OUTPUTS_CONFIG, VllmOptions
+from ._relay import KvRelay
 
-__all__ = ["CPU_BLOCK_SIZE", "KV_TOPIC", "build_engine_args", "reported_config"]
+__all__ = ["CPU_BLOCK_SIZE", "KV_TOPIC", "build_engine_args", "relay_for", "reported_config"]
+
+log = logging.getLogger(__name__)
 
 #: Topic of the KV-event PUB frames (``[topic, seq, payload]``).
 KV_TOPIC = "kv-events"
@@ -21,9 +27,31 @@ KV_TOPIC = "kv-events"
 CPU_BLOCK_SIZE = 32
 
 
-def build_engine_args(given: Any, opts: VllmOptions, cpu: bool) -> Any:
+def _given(given: Any, name: str) -> Any:
+    """One of the adapter's engine args (an ``AsyncEngineArgs`` or a dict)."""
+    return given.get(name) if isinstance(given, dict) else getattr(given, name, None)
+
+
+def relay_for(given: Any, opts: VllmOptions, resources: Resources) -> KvRelay | None:
+    """With auth on, the relay that republishes vLLM's plaintext KV events over CURVE (vLLM's
+    own sockets then stay on loopback); None with auth off or a ``kv_events_config`` of the
+    caller's own (used as given, with a warning that it is plaintext)."""
+    if not opts.kv_events or current_curve() is None:
+        return None
+    own = _given(given, "kv_events_config")
+    if own is not None:
+        log.warning("auth is on but vLLM's own kv_events_config (%s) publishes in plaintext:"
+                    " anyone who can reach it reads the KV events", own.endpoint)
+        return None
+    dp_size = _given(given, "data_parallel_size") or 1
+    return KvRelay(resources, dp_size, opts.kv_events_port, opts.kv_replay_port)
+
+
+def build_engine_args(given: Any, opts: VllmOptions, cpu: bool,
+                      relay: KvRelay | None = None) -> Any:
     """vLLM's ``AsyncEngineArgs`` from the adapter's engine args (``AsyncEngineArgs`` or a dict)
-    and options, with the CPU-friendly defaults and KV events on (free ports where not given).
+    and options, with the CPU-friendly defaults and KV events on (free ports where not given;
+    the relay's loopback endpoints when there is one).
 
     Raises:
         InvalidArgument: unknown or invalid engine args, or no model.
@@ -53,12 +81,16 @@ def build_engine_args(given: Any, opts: VllmOptions, cpu: bool) -> Any:
     if kw.get("enable_prefix_caching") is None:
         kw["enable_prefix_caching"] = True
     if opts.kv_events and kw.get("kv_events_config") is None:
-        events = opts.kv_events_port or free_port()
-        replay = opts.kv_replay_port or free_port(exclude=events)
-        # vLLM binds only endpoints with a wildcard ("*"); it connects to any other.
+        if relay is not None:  # auth on: vLLM on loopback, relayed over CURVE
+            endpoint, replay_endpoint = relay.vllm_events, relay.vllm_replay
+        else:
+            events = opts.kv_events_port or free_port()
+            replay = opts.kv_replay_port or free_port(exclude=events)
+            # vLLM binds only endpoints with a wildcard ("*"); it connects to any other.
+            endpoint, replay_endpoint = f"tcp://*:{events}", f"tcp://*:{replay}"
         kw["kv_events_config"] = KVEventsConfig(
             enable_kv_cache_events=True, publisher="zmq",
-            endpoint=f"tcp://*:{events}", replay_endpoint=f"tcp://*:{replay}",
+            endpoint=endpoint, replay_endpoint=replay_endpoint,
             buffer_steps=opts.kv_buffer_steps, hwm=100_000, topic=KV_TOPIC,
         )
     try:
@@ -66,9 +98,9 @@ def build_engine_args(given: Any, opts: VllmOptions, cpu: bool) -> Any:
     except (ValueError, TypeError) as exc:
         raise errors.InvalidArgument(f"invalid vLLM engine args: {exc}") from exc
 
-def reported_config(llm: Any, options: VllmOptions) -> EngineConfig:
+def reported_config(llm: Any, options: VllmOptions, relay: KvRelay | None = None) -> EngineConfig:
     """The ``EngineConfig`` a started ``AsyncLLM`` reports (served name, sizes, KV-event
-    endpoints as routers reach them)."""
+    endpoints as routers reach them: the relay's CURVE sockets when there is one)."""
     cfg = llm.vllm_config
     model, cache, sched, par = (
         cfg.model_config, cfg.cache_config, cfg.scheduler_config, cfg.parallel_config
@@ -83,7 +115,12 @@ def reported_config(llm: Any, options: VllmOptions) -> EngineConfig:
     events = replay = None
     endpoints: list[str] = []
     kv = cfg.kv_events_config
-    if kv is not None and kv.enable_kv_cache_events and kv.publisher == "zmq":
+    if relay is not None:
+        host = options.advertised_host()
+        endpoints = [f"tcp://{host}:{port}" for port in relay.events_ports]
+        events = endpoints[0]
+        replay = f"tcp://{host}:{relay.replay_ports[0]}"
+    elif kv is not None and kv.enable_kv_cache_events and kv.publisher == "zmq":
         host = options.advertised_host()
         events = advertise(kv.endpoint, host)
         replay = advertise(kv.replay_endpoint, host) if kv.replay_endpoint else None

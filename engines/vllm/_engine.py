@@ -33,7 +33,7 @@ from dynamo_zmq.llm import (
 )
 from dynamo_zmq.resources import Resources, cancel_and_wait
 
-from ._config import KV_TOPIC, build_engine_args, reported_config
+from ._config import KV_TOPIC, build_engine_args, relay_for, reported_config
 from ._embed import embed, pooling_capabilities
 from ._options import (
     VllmOptions,
@@ -43,6 +43,7 @@ from ._options import (
     options_from_args,
 )
 from ._parent_watch import install as install_parent_watch
+from ._relay import KvRelay
 from ._sampling import sampling_params, to_output
 from ._start import kv_ports, start_llm
 from ._stats import RankStats, make_stat_logger, vllm_metrics
@@ -87,6 +88,8 @@ class VllmEngine(LLMEngine):
         self._state = "new"  # new -> starting -> started -> closed
         #: What the engine can do; a pooling runner (``--runner pooling``) only embeds.
         self._caps: frozenset[str] = GENERATE_CAPABILITIES
+        #: Relays vLLM's KV events over CURVE when auth is on (``_relay.py``).
+        self._relay: KvRelay | None = None
 
     # -- construction ----------------------------------------------------------------------
 
@@ -128,9 +131,12 @@ class VllmEngine(LLMEngine):
             # process); vLLM's CPU platform only allows it with this set. Inherited by the child.
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         install_parent_watch()  # engine-core processes end with this one
+        self._relay = relay_for(self.engine_args, self.options, self._res)
+        if self._relay is not None:
+            self._relay.start()  # before vLLM: its PUB connects to the relay's loopback SUB
 
         def build() -> tuple[Any, tuple[int, ...]]:
-            args = build_engine_args(self.engine_args, self.options, cpu)
+            args = build_engine_args(self.engine_args, self.options, cpu, self._relay)
             return args, kv_ports(args)
 
         def create(args: Any) -> Any:
@@ -140,6 +146,9 @@ class VllmEngine(LLMEngine):
             llm = await start_llm(build, create)
         except Exception as exc:
             self._state = "new"
+            if self._relay is not None:
+                relay, self._relay = self._relay, None
+                await relay.close()
             raise errors.EngineShutdown(f"vLLM failed to start: {exc}") from exc
         if self._state == "closed":  # cleanup ran while vLLM was loading
             await asyncio.to_thread(llm.shutdown, self.options.shutdown_timeout)
@@ -148,7 +157,7 @@ class VllmEngine(LLMEngine):
         self._state = "started"
         if llm.vllm_config.model_config.runner_type == "pooling":
             self._caps = await pooling_capabilities(llm)
-        self.engine_config = reported_config(llm, self.options)
+        self.engine_config = reported_config(llm, self.options, self._relay)
         return self.engine_config
 
     def capabilities(self) -> frozenset[str]:
