@@ -5,7 +5,9 @@
 #   scripts/bench_vs_dynamo.sh [--only dynamo|ours] [bench_e2e.py flags...]
 #
 # Env: ROUNDS (2: dynamo, ours, dynamo, ours), SPEEDUP (1e6), DYN_PORT / OURS_PORT / OURS_WORKER_PORT
-# (18100 / 18200 / 18201), OURS_PY (.venv/bin/python), BASE_PY (python3, builds the Dynamo venv).
+# (18100 / 18200 / 18201), OURS_PY (.venv/bin/python), BASE_PY (python3, builds the Dynamo venv),
+# OURS_AUTH_KEYS (a key directory: ours runs with CURVE on, --auth-keys DIR, one keypair "node"
+# that authorizes itself; made by `python -m dynamo_zmq.keys` if missing).
 # Default load: --concurrency 1,16,64 --requests-per-level 1000 --max-seconds 20, 100 output
 # tokens, 100-500-token prompts; later flags override.
 #
@@ -121,15 +123,23 @@ run_dynamo() {  # run_dynamo ROUND
 }
 
 run_ours() {  # run_ours ROUND
-  local fpid wpid
-  echo "== dynamo-zmq, round $1" >&2
+  local fpid wpid auth=() key=""
+  echo "== dynamo-zmq, round $1${OURS_AUTH_KEYS:+ (CURVE on)}" >&2
+  if [[ -n "${OURS_AUTH_KEYS:-}" ]]; then
+    if [[ ! -f "$OURS_AUTH_KEYS/node.key" ]]; then
+      "$OURS_PY" -m dynamo_zmq.keys create "$OURS_AUTH_KEYS" >/dev/null
+      "$OURS_PY" -m dynamo_zmq.keys authorize "$OURS_AUTH_KEYS" "$OURS_AUTH_KEYS/node.key" >/dev/null
+    fi
+    auth=(--auth-keys "$OURS_AUTH_KEYS")
+    key=" key=$("$OURS_PY" -m dynamo_zmq.keys public "$OURS_AUTH_KEYS")"
+  fi
   start "$OUT/ours-worker-r$1.log" env DYN_MDNS_INTERFACES=127.0.0.1 "$OURS_PY" -m dynamo_zmq.worker \
     --engine mocker --model-path "$MODEL" --model-name "$MODEL_NAME" --speedup-ratio "$SPEEDUP" \
-    --host 127.0.0.1 --port "$OURS_WORKER_PORT" --discovery static
+    --host 127.0.0.1 --port "$OURS_WORKER_PORT" --discovery static "${auth[@]}"
   wpid=$LAST_PID
   start "$OUT/ours-frontend-r$1.log" env DYN_MDNS_INTERFACES=127.0.0.1 "$OURS_PY" -m dynamo_zmq.frontend \
     --http-host 127.0.0.1 --http-port "$OURS_PORT" --discovery static \
-    --static-workers "tcp://127.0.0.1:$OURS_WORKER_PORT"
+    --static-workers "tcp://127.0.0.1:$OURS_WORKER_PORT$key" "${auth[@]}"
   fpid=$LAST_PID
   wait_model "$OURS_PORT" "$fpid" "$OUT/ours-frontend-r$1.log"
   bench "ours-r$1" "$OURS_PORT" "$fpid" "$wpid"
