@@ -44,8 +44,21 @@ T = TypeVar("T")
 
 #: Requests with a body of more bytes than this are preprocessed in a thread, and texts of more
 #: characters than this tokenized with the tokenizer call that releases the GIL; a thread hop
-#: costs more than tokenizing a text this short on the loop.
-OFFLOAD_CHARS = 8192
+#: costs more than tokenizing a text this short on the loop (docs/benchmarks.md measures it:
+#: ``DYN_PREPROCESS_OFFLOAD_BYTES=0`` sends every request through the thread pool).
+def _offload_bytes(default: int = 8192) -> int:
+    value = os.environ.get("DYN_PREPROCESS_OFFLOAD_BYTES")
+    if value is None:
+        return default
+    try:
+        return max(0, int(value))
+    except ValueError:
+        log.warning("DYN_PREPROCESS_OFFLOAD_BYTES=%r is not a number of bytes: using %d",
+                    value, default)
+        return default
+
+
+OFFLOAD_CHARS = _offload_bytes()
 #: Seconds between two log lines about refused requests (the counter counts every one).
 _LOG_EVERY = 10.0
 
