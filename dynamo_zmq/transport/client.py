@@ -2,8 +2,8 @@
 
 A ``PeerConnection`` connects to one address, learns who is there (DESCRIBE), keeps checking
 that it is alive (socket monitor events, ZMTP heartbeats, and application pings that also catch a
-stuck event loop), and multiplexes any number of response streams over the socket. When the peer
-goes away every open stream ends with ``Disconnected``, never a hang.
+stuck event loop: ``_peer_liveness.py``), and multiplexes any number of response streams over
+the socket. When the peer goes away every open stream ends with ``Disconnected``, never a hang.
 """
 
 from __future__ import annotations
