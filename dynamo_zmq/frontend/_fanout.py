@@ -35,7 +35,7 @@ from . import errors as http_errors
 from ._asgi import JSON, SSE, ClientGone, Send, error, reply, send_message
 from ._deadline import Deadline
 from ._logprobs import ChoiceLogprobs
-from ._subrequests import SubRequest
+from ._subrequests import SubRequest, best_choices
 from .errors import HttpError
 from .metrics import FrontendMetrics
 from .responses import (
@@ -345,7 +345,7 @@ class FanOut:
                 self._gathered(s), reasoning="".join(s.thoughts) if s.thoughts else None,
                 tool_calls=[s.calls[i] for i in sorted(s.calls)] or None,
             )
-            for s in sorted(self._chosen(), key=lambda s: s.index)
+            for s in sorted(best_choices(self.subs, self.n, self.best_of), key=lambda s: s.index)
         ]
         prompt, completion, cached = self._usage()
         await reply(send, 200, fmt.full_choices(choices, prompt, completion, cached),
@@ -383,20 +383,6 @@ class FanOut:
         if lp is None:
             return None
         return lp.chat_full() if isinstance(self.fmt, ChatFormatter) else lp.completion_full()
-
-    def _chosen(self) -> list[SubRequest]:
-        """The sub-requests whose choices are returned: all, or with ``best_of > n`` the ``n``
-        of each prompt with the highest score, indexed best first."""
-        if self.best_of == self.n:
-            return self.subs
-        chosen: list[SubRequest] = []
-        for p in range(len(self.subs) // self.best_of):
-            group = self.subs[p * self.best_of : (p + 1) * self.best_of]
-            best = sorted(group, key=lambda s: (-s.score, s.number))[: self.n]
-            for rank, sub in enumerate(best):
-                sub.index = p * self.n + rank
-            chosen += best
-        return chosen
 
 
 class _Failed(Exception):

@@ -1,6 +1,7 @@
 """The sub-requests of a request of several sequences (``n > 1``, ``best_of``, ``echo``, a batch
 of prompts): one ``PreprocessedRequest`` per sequence, ``sampling.n = 1``, sequence ``j`` of a
-prompt seeded ``seed + j`` (``FanOut`` sends and merges them)."""
+prompt seeded ``seed + j`` (``FanOut`` sends and merges them), and which of them ``best_of``
+keeps."""
 
 from __future__ import annotations
 
@@ -17,7 +18,14 @@ from .models import ModelEntry
 from .preprocess import Preprocessor, Require
 from .protocol import ChatCompletionRequest, CompletionRequest, prompts
 
-__all__ = ["SubRequest", "chat_work", "completion_prompts", "completion_work", "fan_out"]
+__all__ = [
+    "SubRequest",
+    "best_choices",
+    "chat_work",
+    "completion_prompts",
+    "completion_work",
+    "fan_out",
+]
 
 _I64 = 2**64
 _I64_MAX = 2**63 - 1
@@ -136,3 +144,18 @@ def chat_work(
     if req.n is not None and req.n > 1:
         return fan_out([(work, "")], req.n, req.n), req.n
     return work, 1
+
+
+def best_choices(subs: list[SubRequest], n: int, best_of: int) -> list[SubRequest]:
+    """The sub-requests whose choices are returned: all, or with ``best_of > n`` the ``n`` of
+    each prompt with the highest score, indexed best first."""
+    if best_of == n:
+        return subs
+    chosen: list[SubRequest] = []
+    for p in range(len(subs) // best_of):
+        group = subs[p * best_of : (p + 1) * best_of]
+        best = sorted(group, key=lambda s: (-s.score, s.number))[:n]
+        for rank, sub in enumerate(best):
+            sub.index = p * n + rank
+        chosen += best
+    return chosen

@@ -26,7 +26,6 @@ lease withdraws them and shuts the runtime down.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import os
@@ -46,13 +45,12 @@ from ._config import RuntimeConfig
 from ._lease import Lease
 from ._naming import Endpoint, Namespace, check_name
 from ._peers import PeerPool
+from ._registrations import Registrations
 
 __all__ = ["DistributedRuntime"]
 
 log = logging.getLogger(__name__)
 
-#: Seconds between renewals of the runtime's registrations (its lease keep-alive).
-LEASE_KEEPALIVE = 0.5
 #: Seconds ``hand_over`` waits for the handed-over requests' terminals to go out.
 HAND_OVER_FLUSH = 2.0
 
@@ -107,14 +105,15 @@ class DistributedRuntime:
         #: (so no caller routes new work to them) until the check passes again.
         self._unhealthy: dict[str, EndpointInfo] = {}
         self._canaries: dict[str, asyncio.Task[None]] = {}
-        self._advertised: dict[str, Advert] = {}
         self._peers: PeerPool | None = None
         self._shutdown = asyncio.Event()
         self._closed = False
         self._lock = asyncio.Lock()
         self._lease = Lease(self.instance_id)
         self._lease.add_listener(self._on_lease_lost)
-        self._keeping_lease = False
+        self._registrations = Registrations(
+            self._discovery, self._lease, self.resources, self._ensure_discovery
+        )
 
     # -- naming ----------------------------------------------------------------------------
 
@@ -205,9 +204,7 @@ class DistributedRuntime:
         if any(e.namespace == info.namespace for e in self._served()):
             await self._advertise(info.namespace)
         else:
-            advert = self._advertised.pop(info.namespace, None)
-            if advert is not None:
-                await self._discovery.withdraw(advert)
+            await self._registrations.withdraw(info.namespace)
 
     def set_endpoint_health(self, path: str, healthy: bool) -> None:
         """Whether callers may route new work to endpoint ``path`` (its health check's verdict).
@@ -261,13 +258,7 @@ class DistributedRuntime:
             components=components,
             public_key=self._curve.public.decode() if self._curve is not None else "",
         )
-        if self._advertised.get(namespace) != advert:
-            await self._ensure_discovery()
-            await self._discovery.advertise(advert)
-            self._advertised[namespace] = advert
-        if not self._keeping_lease:
-            self._keeping_lease = True
-            self.resources.spawn(self._keep_lease(), "lease-keepalive")
+        await self._registrations.advertise(advert)
 
     # -- the lease -------------------------------------------------------------------------
 
@@ -281,21 +272,6 @@ class DistributedRuntime:
         """The primary lease id: the instance id in every registration (Dynamo's name)."""
         return self._lease.id()
 
-    async def _keep_lease(self) -> None:
-        """Renew every registration until the lease ends (Dynamo's lease keep-alive task)."""
-        while self._lease.is_valid():
-            await asyncio.sleep(LEASE_KEEPALIVE)
-            for advert in list(self._advertised.values()):
-                if advert not in self._advertised.values():
-                    continue  # withdrawn meanwhile: nothing to keep
-                try:
-                    reason = await self._discovery.renew(advert)
-                except Exception as exc:  # Dynamo: a failed keep-alive task ends the lease too
-                    reason = f"renewing failed: {exc!r}"
-                if reason is not None and advert in self._advertised.values():
-                    self._lease.revoke(f"registration in {advert.namespace!r} lost: {reason}")
-                    return
-
     def _on_lease_lost(self, reason: str) -> None:
         """What etcd does when a lease ends: the registrations vanish, then the runtime stops."""
         self.shutdown()
@@ -303,14 +279,7 @@ class DistributedRuntime:
             return
         if self._server is not None:
             self._server.set_draining()  # connected clients route elsewhere at once
-        self.resources.spawn(self._withdraw_all(), "lease-lost")
-
-    async def _withdraw_all(self) -> None:
-        adverts = list(self._advertised.values())
-        self._advertised.clear()  # first, so the keep-alive renews none of them
-        for advert in adverts:
-            with contextlib.suppress(Exception):
-                await self._discovery.withdraw(advert)
+        self.resources.spawn(self._registrations.withdraw_all(), "lease-lost")
 
     # -- calling ---------------------------------------------------------------------------
 
@@ -358,7 +327,7 @@ class DistributedRuntime:
         """The first half of ``drain``: withdraw the adverts and tell connected clients to route
         elsewhere, wait the grace period, then refuse new requests (``EngineShutdown``).
         In-flight requests keep running."""
-        await self._withdraw_all()
+        await self._registrations.withdraw_all()
         if self._server is None:
             return
         self._server.set_draining()
@@ -398,7 +367,7 @@ class DistributedRuntime:
             return
         self._closed = True
         self._shutdown.set()
-        await self._withdraw_all()
+        await self._registrations.withdraw_all()
         if self._server is not None:
             await self._server.close()
         if self._peers is not None:

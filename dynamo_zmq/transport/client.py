@@ -2,15 +2,14 @@
 
 A ``PeerConnection`` connects to one address, learns who is there (DESCRIBE), keeps checking
 that it is alive (socket monitor events, ZMTP heartbeats, and application pings that also catch a
-stuck event loop), and multiplexes any number of response streams over the socket. When the peer
-goes away every open stream ends with ``Disconnected``, never a hang.
+stuck event loop: ``_peer_liveness.py``), and multiplexes any number of response streams over
+the socket. When the peer goes away every open stream ends with ``Disconnected``, never a hang.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import itertools
 import logging
 import time
@@ -19,7 +18,6 @@ from typing import TypeVar
 
 import msgspec
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from .. import errors
 from ..context import Context
@@ -33,7 +31,6 @@ from ..wire import (
     Error,
     Kind,
     Notice,
-    Ping,
     Pong,
     RawBatch,
     RawData,
@@ -41,6 +38,13 @@ from ..wire import (
     encode,
 )
 from ._curve import current_curve
+from ._peer_liveness import (
+    HANDSHAKE_FAILED,
+    PeerState,
+    check_silence,
+    monitor_loop,
+    ping_loop,
+)
 from ._sockets import AsyncSocket, SendResult, make_socket
 from ._streams import ItemDecoder, ResponseStream, _StreamState, decode_items
 
@@ -65,20 +69,8 @@ T = TypeVar("T")
 
 _request_ids = itertools.count(1)
 
-_HANDSHAKE_FAILED = (
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-)
-
 #: Items a server may send on a stream before the caller grants more credit.
 DEFAULT_WINDOW = 1024
-
-
-class PeerState(enum.Enum):
-    CONNECTING = "connecting"  # no handshake yet, or handshake done but not described yet
-    READY = "ready"  # described and answering pings
-    DOWN = "down"  # lost: disconnected or not answering; ZMQ keeps reconnecting
-    CLOSED = "closed"
 
 
 class PeerConnection:
@@ -148,15 +140,15 @@ class PeerConnection:
         # Monitor before connecting, or a fast handshake is over before anyone listens.
         monitor = sock.get_monitor_socket(
             zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
-            | _HANDSHAKE_FAILED
+            | HANDSHAKE_FAILED
         )
         sock.connect(self.address)
         self._sock = AsyncSocket(sock)
         self._monitor = AsyncSocket(monitor)
         name = f"peer-{self.address}"
         self._res.spawn(self._recv_loop(), f"{name}-recv")
-        self._res.spawn(self._monitor_loop(), f"{name}-monitor")
-        self._res.spawn(self._ping_loop(), f"{name}-ping")
+        self._res.spawn(monitor_loop(self), f"{name}-monitor")
+        self._res.spawn(ping_loop(self), f"{name}-ping")
 
     async def wait_described(self, timeout: float) -> Description:
         """Wait for the first DESCRIBE answer; raises ConnectionTimeout."""
@@ -382,61 +374,9 @@ class PeerConnection:
             self.state = PeerState.DOWN
             self._changed()
 
-    async def _monitor_loop(self) -> None:
-        mon = self._monitor
-        assert mon is not None
-        while not mon.closed:
-            while (frames := mon.recv_nowait()) is not None:
-                event = parse_monitor_message(frames)["event"]
-                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                    self._connected = True
-                    self._last_rx = time.monotonic()
-                    self._request_description()
-                elif event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
-                    self._connected = False
-                    # Frames that arrived before the connection dropped are still queued on the
-                    # data socket: deliver them first, so finished streams end cleanly.
-                    self._drain_pending()
-                    self._mark_down("disconnected")
-                elif event & _HANDSHAKE_FAILED and not self._handshake_failed:
-                    # A wrong server key, a peer without CURVE, or one that refuses our key:
-                    # ZMQ retries, we say it once.
-                    self._handshake_failed = True
-                    log.warning("%s: the CURVE handshake failed (its key is not the advertised "
-                                "one, or it does not accept ours)", self.address)
-            await mon.wait_readable()
-
-    async def _ping_loop(self) -> None:
-        last = time.monotonic()
-        while True:
-            await asyncio.sleep(self._ping_interval)
-            now = time.monotonic()
-            if now - last - self._ping_interval > self._liveness_timeout / 3:
-                # This process woke late: it (or the whole machine) stalled, and the peer may
-                # have stalled with it. Give it a few pings' time to answer before judging.
-                self._quiet_until = now + 2 * self._ping_interval
-            last = now
-            if self.description is None:
-                self._request_description()  # dropped harmlessly while not connected
-                continue
-            if not self._connected:
-                continue
-            self.send_control(Kind.PING, Ping(next(self._nonce)))
-            self._check_silence()
-
     def _check_silence(self) -> None:
         """Mark the peer down if nothing came from it for the liveness timeout."""
-        if self.state is not PeerState.READY:
-            return
-        now = time.monotonic()
-        if now - self._last_rx <= self._liveness_timeout or now < self._quiet_until:
-            return
-        # After a stall of this process (GC, a busy loop, CPU starvation) this can run before
-        # the receive loop has read what arrived meanwhile: that proves the peer alive.
-        self._drain_pending()
-        silent = time.monotonic() - self._last_rx
-        if silent > self._liveness_timeout:
-            self._mark_down(f"silent for {silent:.1f}s")
+        check_silence(self)
 
     def _changed(self) -> None:
         if self._on_change is not None:

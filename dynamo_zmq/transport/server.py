@@ -38,6 +38,7 @@ from ..wire import (
     encode,
 )
 from ._bad_input import BadInput
+from ._client_frames import DECODERS, request_id_of
 from ._ending import cancelled_terminal, on_deadline, on_kill
 from ._outbox import OpenStream, Outbox
 from ._sockets import AsyncSocket, SendResult, make_socket
@@ -60,20 +61,6 @@ CLOSE_GRACE = 2.0
 #: gone) has to notice (``is_stopped()`` / ``is_killed()`` between awaits, or its waiters) and
 #: return before its task is cancelled. What it yields meanwhile is dropped.
 KILL_GRACE = 1.0
-
-_FromClient = Request | Control | Credit | Ping | Describe
-"""What a client sends; each frame kind decodes to one of these types (STOP and KILL to
-``Control``)."""
-
-_decoders: dict[bytes, msgspec.msgpack.Decoder[_FromClient]] = {
-    Kind.REQUEST: msgspec.msgpack.Decoder(Request),
-    Kind.STOP: msgspec.msgpack.Decoder(Control),
-    Kind.KILL: msgspec.msgpack.Decoder(Control),
-    Kind.CREDIT: msgspec.msgpack.Decoder(Credit),
-    Kind.PING: msgspec.msgpack.Decoder(Ping),
-    Kind.DESCRIBE: msgspec.msgpack.Decoder(Describe),
-}
-
 
 class Server:
     """Binds the process's ROUTER socket and serves every registered endpoint on it.
@@ -211,7 +198,7 @@ class Server:
             )
             return
         kind, payload = frames[1], frames[2]
-        decoder = _decoders.get(kind)
+        decoder = DECODERS.get(kind)
         if decoder is None:
             self._malformed(identity, f"unknown frame kind {kind!r}")
             return
@@ -219,7 +206,7 @@ class Server:
             msg = decoder.decode(payload)
         # Deep nesting raises RecursionError, a str field of invalid UTF-8 UnicodeDecodeError.
         except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
-            self._malformed(identity, f"bad {kind!r} payload: {exc}", _request_id_of(payload))
+            self._malformed(identity, f"bad {kind!r} payload: {exc}", request_id_of(payload))
             return
         # the frame's kind chose the decoder, so the decoded type tells the kind
         if isinstance(msg, Request):
@@ -396,18 +383,3 @@ def _wire_text(text: object) -> str:
     make the terminal unencodable: the client would wait forever. Escape them instead.
     """
     return str(text).encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-#: Splits an array-like payload into its elements without decoding them (strings of invalid
-#: UTF-8 included), so a request whose other fields are bad still has its id echoed.
-_elements = msgspec.msgpack.Decoder(list[msgspec.Raw])
-
-
-def _request_id_of(payload: bytes) -> int:
-    """Best effort: the first element of an array-like payload, if it is a positive int."""
-    try:
-        value = msgspec.msgpack.decode(_elements.decode(payload)[0])
-    except Exception:
-        return 0
-    # type() rather than isinstance(): a bool is not an id (and would encode as true, not an int).
-    return value if type(value) is int and value > 0 else 0

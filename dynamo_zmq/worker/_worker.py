@@ -32,7 +32,6 @@ from tokenizers import Tokenizer
 from .. import errors
 from ..context import Context
 from ..llm import (
-    CHUNK,
     Capability,
     EngineConfig,
     FinishReason,
@@ -43,7 +42,6 @@ from ..llm import (
     PostProcessor,
     PreprocessedRequest,
     build_card,
-    read_card_file,
     stop_bounds_error,
     validate_stream,
     with_resumed_usage,
@@ -56,6 +54,7 @@ from ._embed import serve_embedding
 from ._health import Health, embedding_payload
 from ._load_publisher import LoadPublisher
 from ._metrics import ModelMetrics, WorkerMetrics
+from ._side_endpoints import SideEndpoints
 
 __all__ = ["Worker"]
 
@@ -224,8 +223,9 @@ class Worker:
             capabilities=sorted(engine.capabilities()),
             tool_call_parser=self.tool_parser, reasoning_parser=self.reasoning_parser,
         )
-        await component.endpoint("model_files").start_serving(self._model_files)
-        await component.endpoint("clear_kv_blocks").start_serving(self._clear_kv_blocks)
+        side = SideEndpoints(engine, args.model_path, self.card)
+        await component.endpoint("model_files").start_serving(side.model_files)
+        await component.endpoint("clear_kv_blocks").start_serving(side.clear_kv_blocks)
         await generate.start_serving(
             self._generate, metadata=advert.to_metadata(), request_type=PreprocessedRequest
         )
@@ -380,27 +380,6 @@ class Worker:
             return None
         reason = self.engine.dead_reason()
         return None if reason is None else errors.EngineShutdown(f"the engine died: {reason}")
-
-    async def _model_files(self, request: dict[str, Any]) -> AsyncIterator[bytes]:
-        """Stream one file the model card lists: ``{"name": "tokenizer.json"}``."""
-        model_dir = self.settings.model_path
-        assert self.card is not None and model_dir is not None
-        name = request.get("name") if isinstance(request, dict) else None
-        if not isinstance(name, str):
-            raise errors.InvalidArgument('model_files expects {"name": FILE}')
-        try:
-            data = await asyncio.to_thread(read_card_file, model_dir, self.card, name)
-        except ValueError as exc:
-            raise errors.InvalidArgument(str(exc)) from exc
-        for offset in range(0, len(data), CHUNK):
-            yield data[offset : offset + CHUNK]
-
-    async def _clear_kv_blocks(self, request: Any) -> AsyncIterator[dict[str, Any]]:
-        """Dynamo's ``clear_kv_blocks`` endpoint: the engine drops its prefix cache (and tells
-        routers, through its KV events). An engine without the hook answers ``Unsupported``."""
-        await self.engine.clear_kv_blocks()
-        log.info("KV blocks cleared on request")
-        yield {"status": "success", "message": "KV cache cleared"}
 
     def _health(self) -> tuple[bool, dict[str, Any]]:
         if self.health is None:
