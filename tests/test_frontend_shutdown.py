@@ -14,11 +14,10 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from dynamo_zmq.frontend.models import ModelManager
 from tests.support.churn import wait_live, worker
-from tests.support.procs import ROOT, pythonpath
+from tests.support.procs import ROOT, children, pythonpath
 from tests.support.stuck_router import install_stuck_router
 
 
@@ -50,16 +49,6 @@ async def test_a_shutdown_that_does_not_finish_ends_at_its_deadline(
     assert "shutdown did not finish within 10s: exiting anyway" in front.logs(), front.logs()
 
 
-def _children(pid: int) -> list[int]:
-    """The child processes of ``pid`` (each thread's: a thread may have started them)."""
-    out: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            out += [int(p) for p in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return out
-
 
 def _alive(pid: int) -> bool:
     try:
@@ -76,7 +65,7 @@ def test_the_quickstarts_children_die_with_it(tmp_path):
          "--model-dir", str(tmp_path / "model")],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=ROOT, env=env, text=True,
     )
-    children: list[int] = []
+    kids: list[int] = []
     try:
         assert proc.stdout is not None
         deadline = time.monotonic() + 120
@@ -84,16 +73,16 @@ def test_the_quickstarts_children_die_with_it(tmp_path):
             if "Ctrl-C stops" in line:
                 break
             assert time.monotonic() < deadline
-        children = _children(proc.pid)
-        assert len(children) == 2, children  # the worker and the frontend
+        kids = children(proc.pid)
+        assert len(kids) == 2, kids  # the worker and the frontend
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
         deadline = time.monotonic() + 30
-        while any(_alive(c) for c in children):
-            assert time.monotonic() < deadline, [c for c in children if _alive(c)]
+        while any(_alive(c) for c in kids):
+            assert time.monotonic() < deadline, [c for c in kids if _alive(c)]
             time.sleep(0.1)
     finally:
-        for pid in [proc.pid, *children]:
+        for pid in [proc.pid, *kids]:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
         proc.wait(10)

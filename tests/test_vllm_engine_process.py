@@ -20,7 +20,6 @@ import signal
 import socket
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -35,7 +34,7 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
 
 from engines.vllm._endpoints import free_port
 from tests.support.churn import read_stream
-from tests.support.procs import Proc
+from tests.support.procs import Proc, children
 from tests.support.vllm_stack import VLLM_ENV, WORKER_FLAGS, WORKER_START
 from tests.support.waiting import until
 
@@ -45,16 +44,6 @@ pytestmark = [pytest.mark.timeout(900)]
 #: 5 s later where vLLM's own shutdown does not finish).
 ORPHAN_DEADLINE = 30
 
-
-def children(pid: int) -> list[int]:
-    """The child processes of ``pid`` (each thread's: a thread may have started them)."""
-    out: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            out += [int(p) for p in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return out
 
 
 def descendants(pid: int) -> list[int]:

@@ -4,20 +4,8 @@ core ends with its worker: tests/test_vllm_engine_process.py)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from tests.support.churn import frontend, wait_live, worker
-
-
-def children(pid: int) -> list[int]:
-    """The child processes of ``pid`` (each thread's: a thread may have started them)."""
-    out: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            out += [int(p) for p in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return out
+from tests.support.procs import children
 
 
 async def test_a_serving_mocker_worker_has_no_child_processes(

@@ -16,6 +16,17 @@ def pythonpath(env: dict[str, str] | None = None) -> str:
     return str(ROOT) + os.pathsep + {**os.environ, **(env or {})}.get("PYTHONPATH", "")
 
 
+def children(pid: int) -> list[int]:
+    """The child processes of ``pid`` (each thread's: a thread may have started them)."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(p) for p in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
 class Proc(ChildProcess):
     """A child Python process that prints ``READY <address> <instance hex>`` when serving."""
 
