@@ -15,6 +15,7 @@ import pytest
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
 
 from dynamo_zmq.tools.keys import KeyFileError, authorized_keys, load_keypair
 from tests.support.procs import pythonpath
@@ -53,6 +54,17 @@ def test_create_print_authorize_list_and_revoke(tmp_path: Path) -> None:
     assert set(authorized_keys(a)) == {"self"}
     missing = keys("revoke", str(a), "nobody")
     assert missing.returncode == 1 and "no authorized key matches" in missing.stderr
+
+
+def test_a_key_that_starts_with_a_dash_is_a_key_not_an_option(tmp_path: Path) -> None:
+    # Z85 has "-" in its alphabet, so one public key in 85 starts with it.
+    public = z85.encode(bytes([0xC5]) + os.urandom(31)).decode()
+    assert public.startswith("-")
+    made = keys("authorize", str(tmp_path), public, "--as", "dash")
+    assert made.returncode == 0, made.stderr
+    assert authorized_keys(tmp_path) == {"dash": public.encode()}
+    assert keys("revoke", str(tmp_path), public).stdout.strip() == "revoked dash"
+    assert authorized_keys(tmp_path) == {}
 
 
 def test_bad_key_files_get_one_clear_line(tmp_path: Path) -> None:

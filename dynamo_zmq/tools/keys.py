@@ -71,9 +71,29 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _keys_as_positionals(argv: list[str]) -> list[str]:
+    """Shield a Z85 key that starts with ``-`` (1 key in 85) from argparse's option parsing.
+
+    argparse takes any word that starts with ``-`` for an option; a leading space makes it a
+    positional again, and the key is stripped after parsing.
+    """
+    def shielded(word: str) -> str:
+        if not word.startswith("-") or len(word) != 40:
+            return word
+        try:
+            parse_public_key(word)
+        except KeyFileError:
+            return word
+        return " " + word
+
+    return [shielded(word) for word in argv]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command; 0 on success, 1 with one line on stderr for a key error."""
-    args = _parser().parse_args(argv)
+    args = _parser().parse_args(_keys_as_positionals(sys.argv[1:] if argv is None else argv))
+    if hasattr(args, "key"):
+        args.key = args.key.strip()
     try:
         if args.command == "create":
             print(create_keypair(args.dir, args.name).decode())
