@@ -6,6 +6,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from ..histogram import Histogram as TokenHistogram
+
 __all__ = ["FrontendMetrics"]
 
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -22,11 +24,11 @@ class FrontendMetrics:
         self.inflight = Gauge(
             "dynamo_frontend_inflight_requests", "Requests in flight", ["model"], registry=r
         )
-        self.ttft = Histogram(
+        self.ttft = TokenHistogram(
             "dynamo_frontend_time_to_first_token_seconds", "Time to first token", ["model"],
             buckets=_LATENCY, registry=r,
         )
-        self.itl = Histogram(
+        self.itl = TokenHistogram(
             "dynamo_frontend_inter_token_latency_seconds", "Inter-token latency", ["model"],
             buckets=_LATENCY, registry=r,
         )

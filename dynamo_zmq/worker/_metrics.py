@@ -33,6 +33,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
+from ..histogram import Histogram as TokenHistogram
 from ..transport import bad_input_totals
 
 __all__ = ["ModelMetrics", "WorkerMetrics"]
@@ -77,11 +78,11 @@ class WorkerMetrics:
         self.cancellations = Counter(
             f"{_P}cancellation_total", "Requests the caller stopped or killed", names, registry=r
         )
-        self.ttft = Histogram(
+        self.ttft = TokenHistogram(
             f"{_P}time_to_first_token_seconds", "Time to first token", names,
             buckets=_LATENCY_BUCKETS, registry=r,
         )
-        self.itl = Histogram(
+        self.itl = TokenHistogram(
             f"{_P}inter_token_latency_seconds", "Time between chunks", names,
             buckets=_LATENCY_BUCKETS, registry=r,
         )
