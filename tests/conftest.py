@@ -106,3 +106,14 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     cached = os.environ.get("DYN_TINY_MODEL_DIR")
     out = Path(cached) if cached else tmp_path_factory.mktemp("tiny_model") / "model"
     return build_tiny_model(out)
+
+
+@pytest.fixture(scope="session")
+def tiny_vllm_stack(tiny_model: Path) -> Iterator[Any]:
+    """One vLLM worker serving the tiny model as ``tiny`` (default flags) and a frontend,
+    shared by the vLLM modules that only send requests through them (a vLLM start costs
+    20-60 s on a CI box); started by the first test that asks, stopped at the session's end."""
+    from tests.support.vllm_stack import vllm_stack
+
+    with vllm_stack(tiny_model) as stack:
+        yield stack

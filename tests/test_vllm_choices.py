@@ -26,7 +26,7 @@ import openai
 import pytest_asyncio
 from tokenizers import Tokenizer
 
-from tests.support.vllm_stack import vllm_stack, wait_models
+from tests.support.vllm_stack import wait_models
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(600)]
 
@@ -36,10 +36,9 @@ FORCED = 296
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_model):
-    """One vLLM worker ('tiny') and a frontend."""
-    with vllm_stack(tiny_model) as stack:
-        yield stack.url
+def stack(tiny_vllm_stack):
+    """One vLLM worker ('tiny') and a frontend (the session's shared pair)."""
+    return tiny_vllm_stack.url
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

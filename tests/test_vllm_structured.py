@@ -34,7 +34,7 @@ import pytest_asyncio
 
 from dynamo_zmq.frontend.protocol import parse_chat
 from tests.conftest import runtime_factory
-from tests.support.vllm_stack import vllm_stack, wait_models
+from tests.support.vllm_stack import wait_models
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(600)]
 
@@ -60,10 +60,11 @@ MESSAGES = [{"role": "user", "content": "Describe a thing as JSON."}]
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_model):
-    """One vLLM worker (the default processing) and a frontend on its namespace."""
-    with vllm_stack(tiny_model) as stack:
-        yield stack.namespace, stack.worker, stack.url
+def stack(tiny_vllm_stack):
+    """One vLLM worker (the default processing) and a frontend on its namespace (the
+    session's shared pair)."""
+    s = tiny_vllm_stack
+    return s.namespace, s.worker, s.url
 
 
 @pytest_asyncio.fixture(loop_scope="module")

@@ -24,7 +24,7 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
 
 import openai
 
-from tests.support.vllm_stack import vllm_stack, wait_listed
+from tests.support.vllm_stack import wait_listed
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(600)]
 
@@ -41,10 +41,10 @@ ENUMS = {"get_weather": ("unit", {"c", "f"}), "get_time": ("zone", {"utc", "cet"
 
 
 @pytest.fixture(scope="module")
-def url(tiny_model):
-    with vllm_stack(tiny_model) as stack:
-        wait_listed(stack.url)
-        yield stack.url
+def url(tiny_vllm_stack):
+    """The session's shared vLLM worker and frontend."""
+    wait_listed(tiny_vllm_stack.url)
+    return tiny_vllm_stack.url
 
 
 def check(calls) -> None:
