@@ -254,3 +254,69 @@ def test_bad_disagg_flags_exit_2() -> None:
 
     assert main(["--disagg-max-prefill-queue", "-1"]) == 2
     assert main(["--disagg-prefill-timeout", "0"]) == 2
+
+
+async def test_kv_mode_routes_prefills_by_the_prefill_workers_cached_blocks(
+    namespace, spawn, tiny_model, client_of
+):
+    prefills = [Worker(spawn, namespace, tiny_model, "prefill") for _ in range(2)]
+    Worker(spawn, namespace, tiny_model, "decode")
+    url = frontend(spawn, namespace, "--router-mode", "kv", "--disagg-mode", "always")
+    await wait_pools(url, prefill=1)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 30
+    while True:  # until the prefill pool's KV router follows both prefill workers
+        _, page = await asyncio.to_thread(get, f"{url}/metrics")
+        if all(sample(page.decode(), "dynamo_router_kv_index_blocks",
+                      worker=f"{p.proc.instance_id:x}") is not None for p in prefills):
+            break
+        assert loop.time() < deadline
+        await asyncio.sleep(0.05)
+    client = client_of(url)
+
+    await chat(client, LONG)
+    counts = [await p.metric("requests_total") for p in prefills]
+    assert sorted(counts) == [0, 1], counts
+    first = prefills[counts.index(1)]
+    deadline = loop.time() + 30
+    while not await frontend_metric(  # the prefill pool's router indexed its KV events
+        url, "dynamo_router_kv_index_blocks", worker=f"{first.proc.instance_id:x}"
+    ):
+        assert loop.time() < deadline
+        await asyncio.sleep(0.05)
+
+    for _ in range(3):  # round-robin would alternate; the KV overlap keeps the cached worker
+        await chat(client, LONG)
+    assert await first.metric("requests_total") == 4
+    assert sum([await p.metric("requests_total") for p in prefills]) == 4
+
+
+async def test_a_decode_worker_lost_mid_stream_migrates_the_request(
+    namespace, spawn, tiny_model, client_of
+):
+    Worker(spawn, namespace, tiny_model, "prefill")
+    decodes = [Worker(spawn, namespace, tiny_model, "decode", speedup="1") for _ in range(2)]
+    url = frontend(spawn, namespace, "--disagg-mode", "always")
+    await wait_pools(url, prefill=1)
+    by_id = {f"{w.proc.instance_id:x}": w for w in decodes}
+
+    raw = await client_of(url).chat.completions.with_raw_response.create(
+        model="tiny", messages=[{"role": "user", "content": "Hello there"}], max_tokens=300,
+        stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    )
+    serving = by_id[raw.headers["x-dynamo-worker"].split("/")[0]]
+    chunks, finish, usage = 0, None, None
+    async for chunk in raw.parse():
+        if chunk.choices:
+            chunks += 1
+            finish = chunk.choices[0].finish_reason or finish
+            if chunks == 5:
+                serving.proc.signal(signal.SIGKILL)
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert finish == "length" and usage.completion_tokens == 300
+    assert await frontend_metric(url, "dynamo_frontend_migrations_total") == 1
+    assert await frontend_metric(url, "dynamo_frontend_remote_prefills_total") == 1
+    assert await frontend_metric(
+        url, "dynamo_frontend_local_prefills_total", reason="migrated"
+    ) == 1
