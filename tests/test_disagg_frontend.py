@@ -320,3 +320,45 @@ async def test_a_decode_worker_lost_mid_stream_migrates_the_request(
     assert await frontend_metric(
         url, "dynamo_frontend_local_prefills_total", reason="migrated"
     ) == 1
+
+
+async def test_conditional_mode_prefills_locally_while_the_prefill_pool_is_busy(
+    namespace, spawn, tiny_model, client_of
+):
+    prefill = Worker(spawn, namespace, tiny_model, "prefill", speedup="0.005")  # a slow prefill
+    decode = Worker(spawn, namespace, tiny_model, "decode")
+    url = frontend(spawn, namespace, "--disagg-mode", "conditional",
+                   "--disagg-max-local-prefill-tokens", "0", "--disagg-max-prefill-queue", "0")
+    await wait_pools(url, prefill=1)
+    client = client_of(url)
+
+    slow = asyncio.create_task(chat(client, LONG))
+    await prefill.wait_metric("inflight_requests", 1)
+    # One remote prefill in flight is more than 0 per prefill worker: the pool is busy.
+    _, finish, _ = await chat(client, LONG + "again")
+    assert finish == "length"
+    assert await frontend_metric(url, "dynamo_frontend_local_prefills_total", reason="busy") == 1
+    assert await prefill.metric("requests_total") == 1
+
+    _, finish, _ = await asyncio.wait_for(slow, 60)
+    assert finish == "length"
+    await decode.wait_metric("requests_total", 2)
+    assert await frontend_metric(url, "dynamo_frontend_remote_prefills_total") == 1
+
+
+async def test_a_prefill_past_its_timeout_falls_back_to_the_decode_worker(
+    namespace, spawn, tiny_model, client_of
+):
+    prefill = Worker(spawn, namespace, tiny_model, "prefill", speedup="0.005")  # a slow prefill
+    decode = Worker(spawn, namespace, tiny_model, "decode")
+    url = frontend(spawn, namespace, "--disagg-mode", "always", "--disagg-prefill-timeout", "1")
+    await wait_pools(url, prefill=1)
+
+    _, finish, usage = await asyncio.wait_for(chat(client_of(url), LONG, max_tokens=4), 60)
+    assert finish == "length" and usage.completion_tokens == 4
+    await decode.wait_metric("requests_total", 1)
+    await prefill.wait_metric("inflight_requests", 0)  # the prefill worker let it go
+    assert await frontend_metric(
+        url, "dynamo_frontend_local_prefills_total", reason="failed"
+    ) == 1
+    assert await frontend_metric(url, "dynamo_frontend_remote_prefills_total") == 0
