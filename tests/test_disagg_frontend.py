@@ -362,3 +362,13 @@ async def test_a_prefill_past_its_timeout_falls_back_to_the_decode_worker(
         url, "dynamo_frontend_local_prefills_total", reason="failed"
     ) == 1
     assert await frontend_metric(url, "dynamo_frontend_remote_prefills_total") == 0
+
+
+def test_the_role_is_not_part_of_the_cards_identity(tiny_model) -> None:
+    """Prefill and decode workers of one model directory take each other's requests: the
+    checksum a request carries (``mdcsum``) does not depend on the worker's role."""
+    from dynamo_zmq.llm import build_card
+
+    cards = [build_card(tiny_model, "tiny", role=role) for role in ("agg", "prefill", "decode")]
+    assert len({c.checksum for c in cards}) == 1
+    assert [c.role for c in cards] == ["agg", "prefill", "decode"]

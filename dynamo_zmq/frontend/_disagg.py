@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 
 #: ``--disagg-mode`` values.
 DISAGG_MODES = ("conditional", "always", "never")
-#: Roles whose workers serve a model's requests (generation pool) and do remote prefills.
+#: Roles of the generation pool (serves a model's requests) and of its prefill pool.
 GENERATION_ROLES = frozenset({"agg", "decode"})
 PREFILL_ROLES = frozenset({"prefill"})
 #: Why a request of a model with a prefill pool was prefilled on its decode worker.
