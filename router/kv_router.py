@@ -275,12 +275,12 @@ class KvRouter:
         return block_hashes(token_ids, self.block_size)
 
     def _decide(
-        self, hashes: list[int], exclude: set[int] | frozenset[int]
+        self, hashes: list[int], exclude: set[int] | frozenset[int], overlap: bool = True
     ) -> tuple[Decision, Selection]:
         candidates = self.candidates(exclude)
         if not candidates:
             raise errors.CannotConnect(f"no live instance of {self.path}")
-        matches = self.indexer.find_matches_for_hashes(hashes)
+        matches = self.indexer.find_matches_for_hashes(hashes) if overlap else {}
         sel = self.scheduler.select(candidates, len(hashes), matches, self.loads.load)
         live = set(candidates)
         decision = Decision(
@@ -293,7 +293,11 @@ class KvRouter:
         self, request: PreprocessedRequest, hashes: list[int], exclude: set[int]
     ) -> tuple[Decision, Route]:
         started = time.perf_counter()
-        decision, sel = self._decide(hashes, exclude)
+        # A decode worker that pulls the prompt's KV from a prefill worker (disaggregation)
+        # prefills nothing: cached blocks earn it no credit, it is chosen by load.
+        params = request.disaggregated_params
+        remote = params is not None and bool(params.get("do_remote_prefill"))
+        decision, sel = self._decide(hashes, exclude, not remote)
         request.routing.dp_rank = decision.dp_rank
         request.routing.overlap_blocks = decision.overlap_blocks
         route = self.loads.add(sel.candidate, hashes, self._expected_output_blocks(request))

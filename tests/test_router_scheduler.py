@@ -450,6 +450,33 @@ async def test_excluded_workers_are_not_routed_to_whatever_they_hold(
         await router.close()
 
 
+async def test_a_decode_request_with_a_remote_prefill_earns_no_overlap_credit(
+    namespace, spawn, make_runtime, tiny_model
+):
+    """A request whose KV comes from a prefill worker (``do_remote_prefill``, disaggregation)
+    is routed by load alone: what the workers hold of its prompt is not counted."""
+    proc = spawn("-m", "dynamo_zmq.worker", "--engine", "mocker", "--model-path",
+                 str(tiny_model), "--model-name", "tiny", "--namespace", namespace, "--host",
+                 "127.0.0.1", "--discovery", "static", "--block-size", "16",
+                 "--speedup-ratio", "100", "--no-kv-events")
+    rt = make_runtime(static=(proc.address,))
+    client = await rt.endpoint(f"{namespace}.backend.generate").client()
+    await until_instances(client, 1)
+    router = await KvRouter(client, 16, KvRouterConfig(use_kv_events=False), runtime=rt).start()
+    try:
+        prefix = list(range(100, 164))  # 4 blocks
+        [_ async for _ in await router.generate(_request([*prefix, 1], 2))]
+        local = _request([*prefix, 2], 2)
+        await (await router.generate(local)).aclose()
+        assert local.routing.overlap_blocks == 4
+        remote = _request([*prefix, 3], 2)
+        remote.disaggregated_params = {"do_remote_prefill": True}
+        await (await router.generate(remote)).aclose()
+        assert remote.routing.overlap_blocks == 0
+    finally:
+        await router.close()
+
+
 async def until_instances(client, count: int) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 15

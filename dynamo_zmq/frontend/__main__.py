@@ -5,6 +5,8 @@
         [--discovery mdns|static] [--static-workers tcp://h:p,...] [--request-timeout S]
         [--idle-timeout S] [--migration-limit N] [--max-body-bytes N] [--body-timeout S]
         [--api-key KEY | --api-key-file F] [--tls-cert-file C --tls-key-file K]
+        [--disagg-mode conditional|always|never] [--disagg-max-local-prefill-tokens N]
+        [--disagg-max-prefill-queue N] [--disagg-prefill-timeout S]
         [router plugin flags, e.g. --kv-overlap-score-weight 1.0 --router-temperature 0.0]
 
 Every flag has a ``DYN_*`` variable (``--http-port`` -> ``DYN_HTTP_PORT``). Prints
@@ -40,6 +42,7 @@ from ..runtime import (
     run_main,
     setup_logging,
 )
+from ._disagg import DisaggConfig, add_disagg_args, disagg_config
 from ._http_protocol import header_timeout_protocol
 from ._http_security import (
     ApiKeyGuard,
@@ -108,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model-cache", default=env("DYN_MODEL_CACHE"),
                         help="where fetched tokenizer files are kept [DYN_MODEL_CACHE]")
     add_http_security_args(parser)
+    add_disagg_args(parser)
     add_discovery_args(parser)
     add_auth_args(parser)
     modes_of: dict[type[RouterPlugin], list[str]] = {}
@@ -134,7 +138,10 @@ def routing_plugin(args: argparse.Namespace) -> RouterPlugin | None:
 
 
 async def serve(
-    args: argparse.Namespace, plugin: RouterPlugin | None, security: HttpSecurity
+    args: argparse.Namespace,
+    plugin: RouterPlugin | None,
+    security: HttpSecurity,
+    disagg: DisaggConfig | None = None,
 ) -> int:
     keys, exempt, tls = security
     runtime = DistributedRuntime(config=RuntimeConfig(
@@ -144,7 +151,7 @@ async def serve(
 
     async def start() -> ModelManager:
         manager = ModelManager(runtime, args.namespace, args.router_mode, plugin,
-                               args.model_cache, app.metrics.registry)
+                               args.model_cache, app.metrics.registry, disagg)
         await manager.start()
         return manager
 
@@ -218,6 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         RuntimeConfig(**auth_from_args(args))  # the keys load, or say why now
         plugin = routing_plugin(args)
         security = http_security(args)
+        disagg = disagg_config(args)
         check_name(args.namespace, "namespace")
         if not 0 <= args.http_port <= 65535:
             raise errors.InvalidArgument(f"--http-port must be 0-65535, got {args.http_port}")
@@ -236,7 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except errors.DynamoError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2
-    return run_main(serve(args, plugin, security))
+    return run_main(serve(args, plugin, security, disagg))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,11 @@ instances advertising that card; each other card gets one warning. The first car
 any live instance serves it (a newcomer with another card cannot take a model over, and
 requests never flip between tokenizers); once none does, the card of a live instance replaces
 it (a rolling upgrade). Workers refuse requests preprocessed for another card (``mdcsum``).
+
+Workers of one model come in disaggregation roles (the card's ``role``, not part of its
+checksum): the model's router sends requests only to its ``agg`` and ``decode`` workers; once a
+``prefill`` worker of the model's card appears, the router becomes a ``_disagg.DisaggRouter``
+over both pools (prefill there first, then decode), and stays one.
 """
 
 from __future__ import annotations
@@ -44,7 +49,8 @@ from ..llm import (
     served_models,
     serves,
 )
-from ..runtime import DistributedRuntime
+from ..runtime import DistributedRuntime, RouterMode
+from ._disagg import GENERATION_ROLES, PREFILL_ROLES, DisaggConfig, DisaggMetrics, DisaggRouter
 from .errors import engine_lacks
 from .preprocess import Preprocessor
 
@@ -92,6 +98,7 @@ class ModelManager:
         plugin: the router plugin for a plugin mode (None for a built-in one).
         cache_dir: where fetched tokenizer files are kept (``DYN_MODEL_CACHE``, else a temp dir).
         registry: where routers put their metrics (the frontend's).
+        disagg: when a model with prefill workers is prefilled remotely.
     """
 
     def __init__(
@@ -102,6 +109,7 @@ class ModelManager:
         plugin: RouterPlugin | None = None,
         cache_dir: str | Path | None = None,
         registry: CollectorRegistry | None = None,
+        disagg: DisaggConfig | None = None,
     ) -> None:
         if plugin is None and mode not in BUILTIN_MODES:
             raise errors.InvalidArgument(f"router mode {mode!r} needs its plugin")
@@ -110,6 +118,10 @@ class ModelManager:
         self.mode = mode
         self._plugin = plugin
         self._registry = registry
+        self.disagg = disagg or DisaggConfig()
+        self._disagg_metrics: DisaggMetrics | None = None
+        #: Models whose prefill pool's router is being built.
+        self._adding: set[str] = set()
         default_cache = (
             os.environ.get("DYN_MODEL_CACHE") or Path(tempfile.gettempdir()) / "dynamo-zmq-models"
         )
@@ -154,9 +166,11 @@ class ModelManager:
             if known is not None and any(s.advert.checksum == known.card.checksum
                                          for s in instances):
                 self._warn_other_cards(known, instances)
+                if not isinstance(known.router, DisaggRouter) and name not in self._adding:
+                    self._follow_prefill(known, instances)
             elif name not in self._loading:  # a new model, or its card is served no more
                 self._loading.add(name)
-                self._res.spawn(self._load(instances[0]), f"load-model-{name}")
+                self._res.spawn(self._load(instances[0], instances), f"load-model-{name}")
         for entry in self.models.values():
             entry.instance_ids = entry.router.instance_ids()
         self.changed.set()
@@ -178,7 +192,36 @@ class ModelManager:
                 entry.name,
             )
 
-    async def _load(self, served: ServedModel) -> None:
+    def _follow_prefill(self, entry: ModelEntry, instances: list[ServedModel]) -> None:
+        """Start building ``entry``'s prefill pool router if a prefill worker of its card is
+        among ``instances``."""
+        for served in instances:
+            advert = served.advert
+            if advert.role in PREFILL_ROLES and advert.checksum == entry.card.checksum:
+                self._adding.add(entry.name)
+                self._res.spawn(self._add_prefill(entry, served), f"prefill-pool-{entry.name}")
+                return
+
+    async def _add_prefill(self, entry: ModelEntry, served: ServedModel) -> None:
+        """Wrap ``entry``'s router in a ``DisaggRouter`` over its prefill pool."""
+        try:
+            prefill = await self._router(served, PREFILL_ROLES)
+            if self.models.get(entry.name) is not entry or isinstance(entry.router, DisaggRouter):
+                await _close_router(prefill)  # replaced meanwhile
+                return
+            if self._disagg_metrics is None:
+                self._disagg_metrics = DisaggMetrics(self._registry)
+            entry.router = DisaggRouter(
+                entry.router, prefill, self.disagg, self._disagg_metrics, entry.name
+            )
+            log.info("model %r has prefill workers: disaggregated prefill (%s)", entry.name,
+                     self.disagg.mode)
+        except Exception as exc:
+            log.warning("could not follow the prefill workers of model %r: %s", entry.name, exc)
+        finally:
+            self._adding.discard(entry.name)
+
+    async def _load(self, served: ServedModel, instances: list[ServedModel]) -> None:
         card, advert = served.advert.model_card, served.advert
         try:
             model_dir = await self._fetch_files(served.instance_id, served.endpoint.component, card)
@@ -187,7 +230,7 @@ class ModelManager:
                 native = load_plugin(TOKENIZERS, advert.native_tokenizer)
                 preprocessor.use_native(await asyncio.to_thread(native, model_dir))
                 log.info("model %r uses the engine's native processing", card.name)
-            router = await self._router(served)
+            router = await self._router(served, GENERATION_ROLES)
             old = self.models.get(card.name)
             self.models[card.name] = ModelEntry(
                 card.name, card, preprocessor, router, int(time.time()),
@@ -204,6 +247,8 @@ class ModelManager:
                                 old.card.checksum[:12])
                     self._warned = {w for w in self._warned if w[0] != card.name}
             log.info("model %r available (checksum %s)", card.name, card.checksum[:12])
+            if card.name not in self._adding:
+                self._follow_prefill(self.models[card.name], instances)
             self.changed.set()
         except Exception as exc:
             log.warning("could not load model %r from instance %x: %s",
@@ -211,14 +256,18 @@ class ModelManager:
         finally:
             self._loading.discard(card.name)
 
-    async def _router(self, served: ServedModel) -> ModelRouter:
+    async def _router(self, served: ServedModel, roles: frozenset[str]) -> ModelRouter:
         """The model's router in the frontend's mode, over a client of the instances serving
-        the model with this card on its endpoint."""
+        the model with this card on its endpoint in one of ``roles`` (one pool)."""
         path, name = served.endpoint.path, served.advert.name
         endpoint = self.runtime.endpoint(path)
-        select = serves(name, path, served.advert.checksum)  # only the card preprocessed for
+        # Only the card preprocessed for, and only the pool's roles.
+        select = serves(name, path, served.advert.checksum, roles)
         if self._plugin is None:
-            client = await endpoint.client(BUILTIN_MODES[self.mode], select=select)
+            mode = BUILTIN_MODES[self.mode]
+            if mode == RouterMode.Direct and roles == PREFILL_ROLES:
+                mode = RouterMode.RoundRobin  # a direct request names its decode worker
+            client = await endpoint.client(mode, select=select)
             return ClientRouter(client)
         client = await endpoint.client(select=select)
         target = RoutingTarget(self.runtime, client, served.advert, self._registry)

@@ -169,11 +169,15 @@ def served_models(conns: Iterable[PeerConnection], namespace: str) -> list[Serve
 
 
 def serves(
-    model: str, path: str, checksum: str | None = None
+    model: str,
+    path: str,
+    checksum: str | None = None,
+    roles: frozenset[str] | None = None,
 ) -> Callable[[PeerConnection], bool]:
     """Whether an instance serves ``model`` on endpoint ``path`` (instances of one endpoint
     may serve different models), with the card ``checksum`` when one is given (instances of one
-    model name may serve different cards): a ``Client``'s ``select``."""
+    model name may serve different cards), in one of ``roles`` (disaggregation roles: ``agg``,
+    ``prefill``, ``decode``) when given: a ``Client``'s ``select``."""
 
     def select(conn: PeerConnection) -> bool:
         advert = advert_of(conn, path)
@@ -181,6 +185,7 @@ def serves(
             advert is not None
             and advert.name == model
             and (checksum is None or advert.checksum == checksum)
+            and (roles is None or advert.role in roles)
         )
 
     return select

@@ -11,6 +11,10 @@ process until its TTL runs out, and a static list names addresses, not live proc
   answer, or another instance now holds the address): a crashed worker shows so at once;
 - ``unreachable``: no answer before the deadline (host down, filtered, or a hung process).
 
+A row whose component serves a model also says which (``model``) and the worker's
+disaggregation role (``role``: ``agg``, ``prefill`` or ``decode``), so a model's prefill and
+decode pools are both visible; the table shows MODEL and ROLE columns when any row has a model.
+
     python -m dynamo_zmq status --namespace demo
     python -m dynamo_zmq status --discovery static --static-workers tcp://10.0.0.5:5555 --json
 """
@@ -27,6 +31,7 @@ from typing import Any
 
 from ..discovery import DiscoveryConfig, PeerAdded, add_discovery_args
 from ..errors import DynamoError
+from ..llm import advert_of
 from ..runtime import (
     DistributedRuntime,
     PeerPool,
@@ -51,6 +56,8 @@ COLUMNS = (
     ("AGE", "age_human"),
     ("STATE", "state"),
 )
+#: Columns added when any row serves a model.
+MODEL_COLUMNS = (("MODEL", "model"), ("ROLE", "role"))
 
 
 def format_age(seconds: float | None) -> str:
@@ -80,6 +87,8 @@ def _row(
         "hostname": None,
         "pid": None,
         "rev": None,
+        "model": None,
+        "role": None,
     }
 
 
@@ -97,9 +106,12 @@ def _rows_of(
         rows.append(_row(conn.address, "gone", hint))
     state = "draining" if conn.draining else conn.state.value
     groups: dict[tuple[str, str], list[str]] = {}
+    models: dict[tuple[str, str], dict[str, str]] = {}  # group -> model name -> role
     for ep in desc.endpoints:
         if namespace is None or ep.namespace == namespace:
             groups.setdefault((ep.namespace, ep.component), []).append(ep.name)
+            if (advert := advert_of(conn, ep.path)) is not None:
+                models.setdefault((ep.namespace, ep.component), {})[advert.name] = advert.role
     if not groups and namespace is None:
         groups[("", "")] = []  # answering but serving nothing (yet): still worth a row
     age = max(0.0, now - desc.started_at)
@@ -115,6 +127,8 @@ def _rows_of(
             "hostname": desc.hostname,
             "pid": desc.pid,
             "rev": desc.rev,
+            "model": ",".join(sorted(models.get((ns, comp), {}))) or None,
+            "role": ",".join(r for _, r in sorted(models.get((ns, comp), {}).items())) or None,
         }
         for (ns, comp), names in sorted(groups.items())
     ]
@@ -189,7 +203,10 @@ async def collect_rows(
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
     """The rows as an aligned text table."""
-    cells = [[header for header, _ in COLUMNS]]
+    columns: tuple[tuple[str, str], ...] = COLUMNS
+    if any(row.get("model") for row in rows):
+        columns += MODEL_COLUMNS
+    cells = [[header for header, _ in columns]]
     for row in rows:
         shown = {
             **row,
@@ -197,9 +214,10 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
             "age_human": format_age(row["age"]),
         }
         cells.append(
-            [str(shown[key]) if shown[key] not in (None, "") else "-" for _, key in COLUMNS]
+            [str(shown.get(key)) if shown.get(key) not in (None, "") else "-"
+             for _, key in columns]
         )
-    widths = [max(len(line[i]) for line in cells) for i in range(len(COLUMNS))]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
     return "\n".join(
         "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
         for line in cells
