@@ -97,6 +97,8 @@ class KvTransferClient:
                 batch = await self._next(sock, t, seq, stop, deadline)
                 self.metrics.received_bytes.inc(sum(len(b) for b in batch.blocks))
                 yield batch.blocks
+                if stop.done():  # stopped while the consumer had the batch: release, no ack
+                    raise errors.Cancelled(f"KV transfer {t.transfer_id} cancelled")
                 sock.try_send([encode(Ack(t.transfer_id, seq))])
                 seq += 1
                 if batch.last:

@@ -91,13 +91,19 @@ def encode(msg: Pull | Ack | Release | Batch | Failure) -> bytes:
 
 def decode_client(data: bytes) -> Pull | Ack | Release:
     """A client's message. Raises ``msgspec.DecodeError`` (or ``ValidationError``) on garbage."""
-    msg: Pull | Ack | Release = _client.decode(data)
+    try:
+        msg: Pull | Ack | Release = _client.decode(data)
+    except UnicodeDecodeError as exc:  # msgspec lets a non-UTF-8 tag through as this
+        raise msgspec.DecodeError(str(exc)) from exc
     return msg
 
 
 def decode_server(data: bytes) -> Batch | Failure:
     """A server's message. Raises ``msgspec.DecodeError`` (or ``ValidationError``) on garbage."""
-    msg: Batch | Failure = _server.decode(data)
+    try:
+        msg: Batch | Failure = _server.decode(data)
+    except UnicodeDecodeError as exc:  # msgspec lets a non-UTF-8 tag through as this
+        raise msgspec.DecodeError(str(exc)) from exc
     return msg
 
 
