@@ -7,8 +7,10 @@ prefill with the same output. The workers' metrics show each part."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -16,10 +18,15 @@ import time
 import urllib.request
 from pathlib import Path
 
+import msgspec
 import pytest
 import zmq
+import zmq.asyncio
 
 from dynamo_zmq.kv_transfer import Pull, encode
+from dynamo_zmq.llm import BlockStored
+from engines.mocker._hashing import chain_hashes
+from router.events import decode_batch
 from tests.support.metrics import sample
 from tests.support.procs import ROOT, Proc
 
@@ -76,6 +83,29 @@ def value(proc: Proc, name: str, **labels: str) -> float:
     return sample(metrics(proc), name, **labels) or 0.0
 
 
+async def stored_hashes(client) -> list[int]:
+    """Every block hash the worker behind ``client`` published as stored (its KV-event replay
+    from the first batch)."""
+    desc = json.dumps(msgspec.to_builtins(client.instances()[0].description))
+    match = re.search(r'"kv_replay_endpoint": "([^"]+)"', desc)
+    assert match, desc
+    zctx = zmq.asyncio.Context()
+    dealer = zctx.socket(zmq.DEALER)
+    dealer.linger = 0
+    dealer.connect(match.group(1))
+    stored: list[int] = []
+    try:
+        await dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        while (frames := await asyncio.wait_for(dealer.recv_multipart(), 10))[1]:
+            for event in decode_batch(frames[3]).events:
+                if isinstance(event, BlockStored):
+                    stored.extend(event.block_hashes)
+    finally:
+        dealer.close()
+        zctx.term()
+    return stored
+
+
 async def eventually(check, timeout: float = 15.0, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout
     while not await asyncio.to_thread(check):
@@ -116,6 +146,11 @@ async def test_a_decode_worker_pulls_the_prefilled_kv_and_streams_the_same_outpu
     await eventually(lambda: value(pw, "dynamo_component_kv_transfer_held") == 0,
                      what="the prefill worker releasing the transfer")
     assert value(pw, "dynamo_component_kv_transfer_held_bytes") == 0
+    # Both workers published the prompt's full blocks as stored: the prefill worker from its
+    # prefill, the decode worker from the transfer.
+    full = chain_hashes(PROMPT, BLOCK)
+    assert set(full) <= set(await stored_hashes(p))
+    assert set(full) <= set(await stored_hashes(d))
     # The same request served aggregated (the decode worker prefills it) streams the same.
     again = await generate(d, PROMPT, 8)
     assert tokens(again) == tokens(chunks)

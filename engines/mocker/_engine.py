@@ -154,7 +154,7 @@ class MockerEngine(LLMEngine):
         seq = self._sequence(request)
         params, kv = request.disaggregated_params, self.kv_transfer
         if params and kv is not None:
-            if params.get("do_remote_prefill") and kv.client is not None:
+            if params.get("do_remote_prefill") and "transfer_id" in params and kv.client:
                 try:
                     await pull_prompt_kv(kv.client, params, seq, self.config, ctx, self._disagg)
                 except errors.Cancelled:
