@@ -335,3 +335,37 @@ async def test_with_auth_keys_the_transfer_uses_curve_and_refuses_unauthorized_c
         for rt in runtimes:
             await rt.close()
         disable_curve()
+
+
+async def test_stopping_a_decode_request_mid_pull_releases_the_transfer_on_the_prefill_worker(
+    namespace, spawn, make_runtime, model
+):
+    from dynamo_zmq.context import Context
+
+    pw = worker(spawn, namespace, model, "prefill", "--kv-bytes-per-token", "1000",
+                "--kv-transfer-batch-blocks", "1")
+    dw = worker(spawn, namespace, model, "decode", "--kv-transfer-bandwidth", "0.00001",
+                "--kv-transfer-credit", "1", "--speedup-ratio", "10")
+    p, d = await client_of(make_runtime, pw, namespace, "prefill"), await client_of(
+        make_runtime, dw, namespace, "decode")
+    handoff = await prefill(p)
+    assert handoff is not None
+    ctx = Context("stop-mid-pull")
+    req = {"token_ids": PROMPT, "stop": {"max_tokens": 6},
+           "disaggregated_params": {"do_remote_prefill": True, **handoff}}
+    stream = await d.generate(req, context=ctx)
+    reading = asyncio.ensure_future(_collect(stream))
+    await eventually(
+        lambda: value(dw, "dynamo_component_kv_transfer_received_bytes_total") > 0,
+        what="the pull starting")
+    ctx.stop()
+    chunks = await asyncio.wait_for(reading, 30)
+    assert chunks[-1]["finish_reason"] == "cancelled" and not tokens(chunks)
+    await eventually(lambda: value(pw, "dynamo_component_kv_transfer_held") == 0,
+                     what="the prefill worker releasing the transfer")
+    assert value(pw, "dynamo_component_kv_transfer_expired_total") == 0  # released, not expired
+    assert value(dw, "mocker_remote_prefill_fallbacks_total") == 0
+
+
+async def _collect(stream) -> list[dict]:
+    return [r.data() async for r in stream]

@@ -1,6 +1,7 @@
 """``Worker``: owns one engine and serves it on the request plane.
 
-Start: ``engine.start`` -> model card and ``ModelAdvert`` -> metrics and system status server ->
+Start: ``engine.start`` -> model card -> metrics -> KV transfer of a prefill or decode worker
+(``_kv_transfer.py``) -> ``ModelAdvert`` and system status server ->
 load publisher -> ``model_files``, ``clear_kv_blocks`` and generate endpoints -> health canary
 -> ``READY``. The generate endpoint also serves embedding requests (``request.embedding`` set:
 ``engine.embed``, see ``_embed.py``). While the canary fails, the generate endpoint is
