@@ -318,7 +318,8 @@ class RankScheduler:
                 error: str | None = None, emit: bool = True) -> None:
         """End ``seq`` (already out of the queues): free its blocks (unless it keeps them for a
         KV transfer: a normal end of a ``hold_on_finish`` one), queue its terminal chunk."""
-        keep = seq.hold_on_finish and reason in (FinishReason.STOP, FinishReason.LENGTH)
+        keep = (seq.hold_on_finish and reason in (FinishReason.STOP, FinishReason.LENGTH)
+                and seq.num_computed >= seq.num_prompt)  # a whole prompt's KV, nothing less
         if seq.block_ids and not keep:
             self.blocks.free(seq.block_ids)
             seq.block_ids = []
