@@ -15,6 +15,7 @@ PACKAGES = [
     "dynamo_zmq",
     "dynamo_zmq.discovery",
     "dynamo_zmq.frontend",
+    "dynamo_zmq.kv_transfer",
     "dynamo_zmq.llm",
     "dynamo_zmq.llm.parsers",
     "dynamo_zmq.runtime",

@@ -32,3 +32,8 @@ class Capability:
     EMBEDDINGS_ONLY = "embeddings_only"
     #: ``dimensions`` of ``/v1/embeddings`` (a matryoshka model: truncated and renormalised).
     EMBEDDING_DIMENSIONS = "embedding_dimensions"
+    #: Disaggregated serving: as a prefill worker the engine offers a prompt's KV
+    #: (``disaggregated_params={"do_remote_decode": True}``) and returns the handoff; as a
+    #: decode worker it pulls it (``do_remote_prefill``). A worker started with
+    #: ``--disaggregation-mode prefill|decode`` refuses to start without it.
+    DISAGGREGATION = "disaggregation"

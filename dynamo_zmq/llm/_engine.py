@@ -22,6 +22,10 @@ Lifecycle (numbered as Dynamo's backend-common numbers it):
    (the worker's ``clear_kv_blocks`` endpoint); default: ``errors.Unsupported``.
    ``metrics_collector()`` (optional): the engine's own Prometheus metrics, served on the
    worker's ``/metrics``.
+   ``kv_transfer`` (an attribute, set by the worker after ``start`` and before the first
+   request of a ``prefill`` or ``decode`` worker; None otherwise): the worker's KV-transfer
+   ends (``dynamo_zmq.kv_transfer.KvTransfer``) for an engine with
+   ``Capability.DISAGGREGATION``.
    ``await embed(request, ctx) -> list[float]`` (optional, any time after ``start``, any
    number concurrently): the embedding of ``request.token_ids`` (a request whose
    ``embedding`` is set; ``/v1/embeddings`` sends one per input). Engines that embed declare
@@ -49,11 +53,14 @@ from __future__ import annotations
 import abc
 import argparse
 from collections.abc import AsyncIterator
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from .. import errors
 from ..context import Context
 from ._messages import EngineConfig, EngineLoad, LLMEngineOutput, PreprocessedRequest
+
+if TYPE_CHECKING:
+    from ..kv_transfer import KvTransfer
 
 __all__ = ["LLMEngine"]
 
@@ -67,6 +74,8 @@ class LLMEngine(abc.ABC):
     #: Whether the engine can do its own pre- and post-processing (tokenizer, chat template,
     #: detokenizer, stop strings): ``--native-framework-processing`` is refused otherwise.
     supports_native_processing: ClassVar[bool] = False
+    #: The worker's KV-transfer ends in a disaggregated role (see the module docstring).
+    kv_transfer: KvTransfer | None = None
 
     @classmethod  # noqa: B027 (optional hook)
     def add_args(cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:

@@ -27,6 +27,7 @@ from typing import Any, TypeVar, overload
 import msgspec
 
 from .. import errors
+from ..kv_transfer import add_kv_transfer_args
 from ..llm import (
     ENGINES,
     MAX_LOAD_INTERVAL,
@@ -196,6 +197,9 @@ def build_parser(
              "(default: from the model's chat template, else none) [DYN_REASONING_PARSER]",
     )
     add_runtime_args(parser)
+    add_kv_transfer_args(
+        parser.add_argument_group("KV transfer (--disaggregation-mode prefill|decode)")
+    )
     if engine_cls is not None:
         group = parser.add_argument_group(f"{engine_cls.name or engine_cls.__name__} engine")
         engine_cls.add_args(group)

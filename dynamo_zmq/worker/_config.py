@@ -8,6 +8,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ..errors import InvalidArgument
+from ..kv_transfer import KvTransferConfig
 from ..llm import MAX_LOAD_INTERVAL, PreprocessedRequest
 from ..llm.parsers import REASONING_PARSERS, TOOL_PARSERS
 from ..runtime import RuntimeConfig, check_name
@@ -56,6 +57,8 @@ class WorkerConfig:
     #: Reasoning parser (``llm.parsers.REASONING_PARSERS``; None: from the chat template).
     reasoning_parser: str | None = None
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    #: KV transfer of a ``prefill`` or ``decode`` worker (``--kv-transfer-*``).
+    kv_transfer: KvTransferConfig = field(default_factory=KvTransferConfig)
 
     def __post_init__(self) -> None:
         for what in ("namespace", "component", "endpoint"):
@@ -111,4 +114,5 @@ class WorkerConfig:
             tool_call_parser=getattr(args, "tool_call_parser", None) or None,
             reasoning_parser=getattr(args, "reasoning_parser", None) or None,
             runtime=runtime,
+            kv_transfer=KvTransferConfig.from_namespace(args),
         )

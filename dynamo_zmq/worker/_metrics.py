@@ -12,6 +12,9 @@ Dynamo's work-handler metrics, labelled ``dynamo_namespace``, ``dynamo_component
     dynamo_component_kvstats_total_blocks        gauge      KV blocks in all
     dynamo_component_kvstats_gpu_cache_usage_percent  gauge  active / total (0.0-1.0)
     dynamo_component_uptime_seconds              gauge      seconds since the worker started
+    dynamo_component_kv_transfer_*               KV transfer of a prefill or decode worker
+        (``dynamo_zmq.kv_transfer.KvTransferMetrics``: bytes sent and received, transfers and
+        bytes held, expired, refused and failed transfers, pull seconds)
     dynamo_component_malformed_input_total{kind}  counter   bad input from peers, by kind
         (``frame``: a request-plane frame refused as malformed; ``request``: a request refused
         as invalid, e.g. an undecodable payload; ``kv_replay_request``: a malformed KV replay
@@ -36,12 +39,14 @@ from prometheus_client.registry import Collector
 from ..histogram import Histogram as TokenHistogram
 from ..transport import bad_input_totals
 
-__all__ = ["ModelMetrics", "WorkerMetrics"]
+__all__ = ["METRIC_LABELS", "ModelMetrics", "WorkerMetrics"]
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _P = "dynamo_component_"
 _LABELS = ("dynamo_namespace", "dynamo_component", "dynamo_endpoint", "model")
+#: The label names of every worker metric (``WorkerMetrics.labels`` holds their values).
+METRIC_LABELS = _LABELS
 
 
 class WorkerMetrics:

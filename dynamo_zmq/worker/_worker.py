@@ -1,6 +1,7 @@
 """``Worker``: owns one engine and serves it on the request plane.
 
-Start: ``engine.start`` -> model card and ``ModelAdvert`` -> metrics and system status server ->
+Start: ``engine.start`` -> model card -> metrics -> KV transfer of a prefill or decode worker
+(``_kv_transfer.py``) -> ``ModelAdvert`` and system status server ->
 load publisher -> ``model_files``, ``clear_kv_blocks`` and generate endpoints -> health canary
 -> ``READY``. The generate endpoint also serves embedding requests (``request.embedding`` set:
 ``engine.embed``, see ``_embed.py``). While the canary fails, the generate endpoint is
@@ -52,6 +53,7 @@ from ..runtime import DistributedRuntime, StatusServer
 from ._config import WorkerConfig
 from ._embed import serve_embedding
 from ._health import Health, embedding_payload
+from ._kv_transfer import start_kv_transfer
 from ._load_publisher import LoadPublisher
 from ._metrics import ModelMetrics, WorkerMetrics
 from ._side_endpoints import SideEndpoints
@@ -196,6 +198,8 @@ class Worker:
             self.reasoning_parser = self.reasoning_parser or reasoning
         self.metrics = metrics = WorkerMetrics(name, args.namespace, args.component, args.endpoint)
         self._model_metrics = metrics.for_model()
+        await start_kv_transfer(self.engine, self.settings, self.runtime.config, metrics,
+                                self._res)
         engine_metrics = self.engine.metrics_collector()
         if engine_metrics is not None:
             metrics.register_engine(engine_metrics)

@@ -50,6 +50,11 @@ class MockerConfig:
     #: Dimensions of the mocker's deterministic embeddings (``/v1/embeddings``); 0: it
     #: cannot embed.
     embedding_dim: int = 0
+    #: Bytes of KV cache one token takes (the transfer size a disaggregated request models;
+    #: default: Llama-3-8B in bf16, 2 x 32 layers x 8 KV heads x 128 dims x 2 bytes).
+    kv_bytes_per_token: int = 131072
+    #: Modeled KV transfer bandwidth between a prefill and a decode worker, in GB/s.
+    kv_transfer_bandwidth: float = 25.0
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "context_length", "block_size", "num_gpu_blocks", "max_num_seqs",
@@ -62,6 +67,12 @@ class MockerConfig:
         for name in ("kv_events_port", "kv_replay_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{name} out of range: {getattr(self, name)}")
+        if self.kv_bytes_per_token < 0:
+            raise ValueError(f"kv_bytes_per_token must be >= 0, got {self.kv_bytes_per_token}")
+        if not self.kv_transfer_bandwidth > 0:
+            raise ValueError(
+                f"kv_transfer_bandwidth must be > 0, got {self.kv_transfer_bandwidth}"
+            )
         if self.embedding_dim < 0:
             raise ValueError(f"embedding_dim must be >= 0, got {self.embedding_dim}")
 
@@ -102,6 +113,10 @@ def add_mocker_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -
     add("--no-kv-events", action="store_true", default=False, help="do not publish KV events")
     add("--mock-embedding-dim", type=int, default=0,
         help="serve deterministic embeddings of this many dimensions (0 = no embeddings)")
+    add("--kv-bytes-per-token", type=int, default=131072,
+        help="KV bytes per token a disaggregated transfer models (default: Llama-3-8B bf16)")
+    add("--kv-transfer-bandwidth", type=float, default=25.0,
+        help="modeled KV transfer bandwidth from a prefill worker, GB/s")
 
 
 def read_model_dir(path: str | Path) -> dict[str, Any]:
@@ -163,6 +178,8 @@ def _config_from_args(args: argparse.Namespace) -> MockerConfig:
         host=host,
         advertise=advertise,
         embedding_dim=get("mock_embedding_dim", 0),
+        kv_bytes_per_token=get("kv_bytes_per_token", 131072),
+        kv_transfer_bandwidth=get("kv_transfer_bandwidth", 25.0),
         **from_dir,
     )
 

@@ -27,8 +27,10 @@ from dynamo_zmq.llm import (
 )
 
 from ._config import MockerConfig, add_mocker_args, config_from_args
+from ._disagg import DisaggStats, offer_prompt_kv, pull_prompt_kv
 from ._embed import mock_embedding
 from ._kv_events import KvEvent
+from ._metrics import MockerCollector
 from ._publisher import TOPIC, KvEventPublisher
 from ._scheduler import RankScheduler
 from ._sequence import SeqStatus, Sequence
@@ -60,6 +62,10 @@ class MockerEngine(LLMEngine):
         #: Live sequences by context id (for ``abort``).
         self._live: dict[str, list[tuple[RankScheduler, Sequence]]] = {}
         self._state = "new"  # new -> started -> closed
+        self._disagg = DisaggStats()
+        self._collector = MockerCollector(
+            lambda: sum(r.num_prefill_tokens for r in self._ranks), self._disagg
+        )
 
     @classmethod
     def add_args(cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -146,6 +152,16 @@ class MockerEngine(LLMEngine):
             return
         sched = self._pick_rank(request.routing.dp_rank)
         seq = self._sequence(request)
+        params, kv = request.disaggregated_params, self.kv_transfer
+        if params and kv is not None:
+            if params.get("do_remote_prefill") and "transfer_id" in params and kv.client:
+                try:
+                    await pull_prompt_kv(kv.client, params, seq, self.config, ctx, self._disagg)
+                except errors.Cancelled:
+                    yield cancelled_output(Usage(len(request.token_ids), 0, 0))
+                    return
+            elif params.get("do_remote_decode") and kv.server is not None:
+                seq.hold_on_finish = True
         key = ctx.id()
         entry = (sched, seq)
         self._live.setdefault(key, []).append(entry)
@@ -164,6 +180,11 @@ class MockerEngine(LLMEngine):
                 if chunk.finish_reason is not None:
                     if chunk.finish_reason == FinishReason.ERROR and sched.crashed is not None:
                         raise errors.EngineShutdown(sched.crashed)
+                    if seq.hold_on_finish and kv is not None and kv.server is not None:
+                        chunk.disaggregated_params = offer_prompt_kv(
+                            kv.server, sched, seq, self.config, self._disagg
+                        )
+                        seq.hold_on_finish = False  # offered (or released): not ours to free
                     yield chunk
                     return
                 yield chunk
@@ -176,6 +197,8 @@ class MockerEngine(LLMEngine):
                     del self._live[key]
             if seq.status is not SeqStatus.FINISHED:
                 sched.cancel(seq, emit=False)
+            elif seq.hold_on_finish:  # finished, but its terminal was never read: no handoff
+                sched.release_held(seq)
 
     def _check(self, request: PreprocessedRequest) -> str | None:
         """Why ``request`` cannot run, or None."""
@@ -229,9 +252,9 @@ class MockerEngine(LLMEngine):
 
     def capabilities(self) -> frozenset[str]:
         """Logprobs (well-formed made-up values: see ``Sequence.with_logprobs``),
-        ``logit_bias`` (its sampling weighs each token by ``exp(bias)`` against 1), and
-        embeddings when ``--mock-embedding-dim`` is set."""
-        caps = {Capability.LOGPROBS, Capability.LOGIT_BIAS}
+        ``logit_bias`` (its sampling weighs each token by ``exp(bias)`` against 1),
+        disaggregation (``_disagg``), and embeddings when ``--mock-embedding-dim`` is set."""
+        caps = {Capability.LOGPROBS, Capability.LOGIT_BIAS, Capability.DISAGGREGATION}
         if self.config.embedding_dim:
             caps.add(Capability.EMBEDDINGS)
         return frozenset(caps)
@@ -279,6 +302,10 @@ class MockerEngine(LLMEngine):
             )
             for r in self._ranks
         ]
+
+    def metrics_collector(self) -> MockerCollector:
+        """The ``mocker_*`` counters (prefill tokens computed, KV handoffs and pulls)."""
+        return self._collector
 
     def stats(self) -> dict[str, float]:
         """KV blocks in use and sequences held, summed over the ranks (for worker metrics)."""

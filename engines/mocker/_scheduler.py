@@ -79,6 +79,8 @@ class RankScheduler:
         self.running: list[Sequence] = []
         self.num_steps = 0
         self.num_preemptions = 0
+        #: Prompt tokens computed by prefill steps (a pulled prompt adds none).
+        self.num_prefill_tokens = 0
         self._publish = publish
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
@@ -136,6 +138,14 @@ class RankScheduler:
         self._finish(seq, FinishReason.CANCELLED, emit=emit)
         if not self.waiting and not self.running:
             self._idle.set()
+
+    def release_held(self, seq: Sequence) -> None:
+        """Free the blocks a finished ``hold_on_finish`` sequence kept for its KV transfer:
+        they stay cached for prefix reuse, like any finished sequence's. Idempotent."""
+        if seq.status is SeqStatus.FINISHED and seq.block_ids:
+            self.blocks.free(seq.block_ids)
+            seq.block_ids = []
+            self._wake.set()  # a waiting sequence may fit now
 
     def reset_prefix_cache(self) -> bool:
         """Drop all cached blocks (published at once); False while sequences hold blocks."""
@@ -206,6 +216,10 @@ class RankScheduler:
                 # The last prompt token is always computed (its logits give the next token).
                 hits = self.blocks.match_prefix(seq.block_hashes((seq.num_tokens - 1) // size))
             computed = len(hits) * size
+            # A pulled prompt (decode role): its KV is all here; the step only samples.
+            remote = seq.remote_kv
+            if remote:
+                computed = seq.num_tokens
             n = min(seq.num_tokens - computed, budget)
             blocks = self.blocks.allocate(_cdiv(computed + n, size) - len(hits), hits)
             if blocks is None:
@@ -219,9 +233,10 @@ class RankScheduler:
             seq.block_ids = blocks
             seq.num_computed = computed
             seq.num_hashed_blocks = len(hits)
-            seq.in_prefill = True
+            seq.in_prefill = not remote
+            seq.remote_kv = False  # preempted later, it is recomputed here
             if seq.cached_tokens is None:
-                seq.cached_tokens = computed
+                seq.cached_tokens = len(hits) * size if remote else computed
             self.running.append(seq)
             plan.add(seq, n)
             budget -= n
@@ -261,6 +276,7 @@ class RankScheduler:
         """Account the computed tokens, cache newly full blocks and sample one token for every
         sequence whose known tokens are all computed."""
         self.num_steps += 1
+        self.num_prefill_tokens += plan.prefill_tokens
         finished = False
         for seq, n in plan.scheduled:
             if seq.status is not SeqStatus.RUNNING:
@@ -300,8 +316,11 @@ class RankScheduler:
 
     def _finish(self, seq: Sequence, reason: str, token_ids: Seq[int] = (),
                 error: str | None = None, emit: bool = True) -> None:
-        """End ``seq`` (already out of the queues): free its blocks, queue its terminal chunk."""
-        if seq.block_ids:
+        """End ``seq`` (already out of the queues): free its blocks (unless it keeps them for a
+        KV transfer: a normal end of a ``hold_on_finish`` one), queue its terminal chunk."""
+        keep = (seq.hold_on_finish and reason in (FinishReason.STOP, FinishReason.LENGTH)
+                and seq.num_computed >= seq.num_prompt)  # a whole prompt's KV, nothing less
+        if seq.block_ids and not keep:
             self.blocks.free(seq.block_ids)
             seq.block_ids = []
         seq.status = SeqStatus.FINISHED

@@ -79,6 +79,10 @@ class Sequence:
         #: Prompt tokens served from the prefix cache at the first admission.
         self.cached_tokens: int | None = None
         self.num_preemptions = 0
+        #: Prefill role: keep the blocks when finished, for a KV transfer (``release_held``).
+        self.hold_on_finish = False
+        #: Decode role: the prompt's KV was pulled; the next admission computes none of it.
+        self.remote_kv = False
         self.outbox: collections.deque[LLMEngineOutput] = collections.deque()
         #: The stream's consumer waiting for ``outbox`` (a bare future: an Event costs more per
         #: token, and there is one waiter).
