@@ -39,6 +39,12 @@ class Worker:
         assert status == 200
         return sample(page.decode(), f"dynamo_component_{name}", model="tiny") or 0.0
 
+    async def engine_metric(self, name: str) -> float:
+        """One of the mocker engine's own counters (``mocker_*``, no labels)."""
+        status, page = await asyncio.to_thread(get, f"http://127.0.0.1:{self.port}/metrics")
+        assert status == 200
+        return sample(page.decode(), name) or 0.0
+
     async def wait_metric(self, name: str, value: float, timeout: float = 30.0) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -115,6 +121,8 @@ async def test_disaggregated_request_streams_and_each_worker_does_its_part(
     url = frontend(spawn, namespace, "--router-mode", mode, "--disagg-mode", "always")
     await wait_pools(url, prefill=1)
     client = client_of(url)
+    # (health canaries prefill a token now and then: count from here)
+    prefilled = {w: await w.engine_metric("mocker_prefill_tokens_total") for w in (prefill, decode)}
 
     raw = await client.chat.completions.with_raw_response.create(
         model="tiny", messages=[{"role": "user", "content": "Hello there"}], max_tokens=7,
@@ -137,6 +145,15 @@ async def test_disaggregated_request_streams_and_each_worker_does_its_part(
     await decode.wait_metric("requests_total", 1)
     await decode.wait_metric("output_tokens_total", 7)
     assert await frontend_metric(url, "dynamo_frontend_remote_prefills_total") == 1
+    # The prompt's KV was computed on the prefill worker and pulled by the decode worker,
+    # which computed none of the prompt itself.
+    assert await prefill.engine_metric("mocker_kv_handoffs_total") == 1
+    computed = {w: await w.engine_metric("mocker_prefill_tokens_total") - prefilled[w]
+                for w in (prefill, decode)}
+    assert computed[prefill] >= usage.prompt_tokens and computed[decode] < usage.prompt_tokens
+    assert await decode.engine_metric("mocker_remote_prefills_total") == 1
+    pulled = await decode.metric("kv_transfer_received_bytes_total")
+    assert pulled > 0 and pulled == await prefill.metric("kv_transfer_sent_bytes_total")
     assert await frontend_metric(url, "dynamo_frontend_prefill_seconds_count") == 1
     assert await frontend_metric(url, "dynamo_frontend_local_prefills_total") == 0
 
