@@ -232,6 +232,8 @@ class LLMEngineOutput(msgspec.Struct, **_WIRE):
     tool_calls: list[ToolCallDelta] | None = None
     #: Reasoning text the worker's reasoning parser moved out of ``text``.
     reasoning: str | None = None
+    #: On a prefill worker's terminal: the KV handoff for the decode worker (engine-defined).
+    disaggregated_params: dict[str, Any] | None = None
 
     @property
     def is_terminal(self) -> bool:

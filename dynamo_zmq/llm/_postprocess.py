@@ -237,6 +237,7 @@ class PostProcessor:
         return LLMEngineOutput(
             ids, text="".join(parts), finish_reason=reason, usage=usage, error=out.error,
             log_probs=out.log_probs, stop_reason=stop_reason,
+            disaggregated_params=out.disaggregated_params,
         )
 
     def _usage(self, engine: Usage | None) -> Usage:

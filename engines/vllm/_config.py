@@ -17,12 +17,15 @@ from ._endpoints import advertise, free_port, offset, vllm_version
 from ._options import STRUCTURED_OUTPUTS_CONFIG, VllmOptions
 from ._relay import KvRelay
 
-__all__ = ["CPU_BLOCK_SIZE", "KV_TOPIC", "build_engine_args", "relay_for", "reported_config"]
+__all__ = ["CPU_BLOCK_SIZE", "KV_TOPIC", "build_engine_args", "disagg_transfer_config",
+           "relay_for", "reported_config"]
 
 log = logging.getLogger(__name__)
 
 #: Topic of the KV-event PUB frames (``[topic, seq, payload]``).
 KV_TOPIC = "kv-events"
+#: Worker roles that transfer KV (``--disaggregation-mode``).
+DISAGG_ROLES = ("prefill", "decode")
 #: Tokens per KV block on the CPU when not given (vLLM's CPU backend wants multiples of 32).
 CPU_BLOCK_SIZE = 32
 
@@ -80,6 +83,10 @@ def build_engine_args(given: Any, opts: VllmOptions, cpu: bool,
         kw["structured_outputs_config"] = StructuredOutputsConfig(**STRUCTURED_OUTPUTS_CONFIG)
     if kw.get("enable_prefix_caching") is None:
         kw["enable_prefix_caching"] = True
+    if opts.disaggregation_mode in DISAGG_ROLES and kw.get("kv_transfer_config") is None:
+        kw["kv_transfer_config"] = disagg_transfer_config(opts)
+        if kw.get("disable_hybrid_kv_cache_manager") is None:
+            kw["disable_hybrid_kv_cache_manager"] = True  # our connector has one KV group
     if opts.kv_events and kw.get("kv_events_config") is None:
         if relay is not None:  # auth on: vLLM on loopback, relayed over CURVE
             endpoint, replay_endpoint = relay.vllm_events, relay.vllm_replay
@@ -97,6 +104,26 @@ def build_engine_args(given: Any, opts: VllmOptions, cpu: bool,
         return AsyncEngineArgs(**kw)
     except (ValueError, TypeError) as exc:
         raise errors.InvalidArgument(f"invalid vLLM engine args: {exc}") from exc
+
+def disagg_transfer_config(opts: VllmOptions) -> Any:
+    """vLLM's ``KVTransferConfig`` for a prefill or decode worker: our ZeroMQ connector
+    (``_kv_connector.py``) by module path, either direction, and a failed pull recomputed
+    locally."""
+    from vllm.config import KVTransferConfig
+
+    host = opts.advertised_host()
+    bind = opts.host if opts.host else host
+    return KVTransferConfig(
+        kv_connector="DynamoZmqConnector",
+        kv_connector_module_path="engines.vllm._kv_connector",
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config={
+            "host": host, "bind": "*" if bind in ("0.0.0.0", "*", "") else bind,
+            "port": opts.kv_transfer_port or free_port(), "ttl": opts.kv_transfer_ttl,
+        },
+    )
+
 
 def reported_config(llm: Any, options: VllmOptions, relay: KvRelay | None = None) -> EngineConfig:
     """The ``EngineConfig`` a started ``AsyncLLM`` reports (served name, sizes, KV-event
