@@ -3,8 +3,8 @@ a prompt's KV and hands it off; a decode-role worker pulls the blocks through ou
 (engines/vllm/_kv_connector.py, ZeroMQ worker to worker) and generates. Greedy output equals the
 aggregated output; the decode worker really pulled the blocks (its connector's log line names the
 blocks and bytes, and vLLM counts the pulled prompt as computed); a handoff already used, or one
-whose blocks expired on the prefill worker, makes the decode worker prefill locally, with the
-same output.
+whose blocks expired on the prefill worker, or one whose prefill worker is gone, makes the
+decode worker prefill locally, with the same output.
 
 The workers are driven through the runtime API client (no frontend). Runs only where vLLM is
 installed (skipped otherwise, failed in CI: see tests/test_vllm.py).
@@ -31,6 +31,7 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
     print(f"SKIP tests/test_vllm_disagg.py: {_why}", file=sys.stderr)
     pytest.skip(_why, allow_module_level=True)
 
+from engines.vllm._endpoints import free_port
 from tests.support.churn import read_stream
 from tests.support.procs import Proc
 from tests.support.vllm_stack import VLLM_ENV, WORKER_FLAGS, WORKER_START
@@ -161,3 +162,13 @@ async def test_expired_handoff_falls_back_to_local_prefill(workers, make_runtime
     )
     assert tokens == reference, terminal
     assert dproc.logs().count("prefilling it locally") == failed_before + 1
+
+    # A prefill worker gone (nothing listens at the handoff's address): no reply within the
+    # pull's timeout, and the decode worker prefills locally.
+    gone = [(i * 29) % 230 + 11 for i in range(BLOCK + 9)]
+    reference, _ = await run(pclient, request(gone, MAX_TOKENS))
+    handoff = {**await prefill(pclient, gone), "remote_port": free_port()}
+    tokens, _ = await run(dclient, request(gone, MAX_TOKENS, {"do_remote_prefill": True,
+                                                              **handoff}))
+    assert tokens == reference
+    assert dproc.logs().count("prefilling it locally") == failed_before + 2

@@ -256,14 +256,21 @@ class WorkerSide:
             raise PullError(f"{len(frames)} layers received, this engine has {len(self._layers)}")
         idx = torch.tensor(local, dtype=torch.long)
         total = 0
-        for t, frame in zip(self._layers, frames, strict=True):
-            buf = frame.buffer
-            shape = (len(local), *t.shape[1:])
-            if len(buf) != t.element_size() * len(local) * t[0].numel():
-                raise PullError(f"a layer of {len(buf)} bytes does not fit blocks of {shape}")
-            with warnings.catch_warnings():  # read only: the buffer is not written
-                warnings.simplefilter("ignore", UserWarning)
-                src = torch.frombuffer(buf, dtype=torch.uint8)
-            t.index_copy_(0, idx, src.view(t.dtype).view(shape))
-            total += len(buf)
+        # As the model runner does: the caches may be inference tensors.
+        with torch.inference_mode():
+            for t, frame in zip(self._layers, frames, strict=True):
+                total += self._write_layer(t, idx, frame)
         return total
+
+    @staticmethod
+    def _write_layer(t: torch.Tensor, idx: torch.Tensor, frame: Any) -> int:
+        """Write one layer's frame into blocks ``idx`` of ``t``; its byte count."""
+        buf = frame.buffer
+        shape = (len(idx), *t.shape[1:])
+        if len(buf) != t.element_size() * len(idx) * t[0].numel():
+            raise PullError(f"a layer of {len(buf)} bytes does not fit blocks of {shape}")
+        with warnings.catch_warnings():  # read only: the buffer is not written
+            warnings.simplefilter("ignore", UserWarning)
+            src = torch.frombuffer(buf, dtype=torch.uint8)
+        t.index_copy_(0, idx, src.view(t.dtype).view(shape))
+        return len(buf)
