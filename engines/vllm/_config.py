@@ -13,7 +13,14 @@ from dynamo_zmq.llm import EngineConfig
 from dynamo_zmq.resources import Resources
 from dynamo_zmq.transport import current_curve
 
-from ._endpoints import advertise, free_port, offset, vllm_version
+from ._endpoints import (
+    KV_CONNECTOR,
+    KV_CONNECTOR_MODULE,
+    advertise,
+    free_port,
+    offset,
+    vllm_version,
+)
 from ._options import STRUCTURED_OUTPUTS_CONFIG, VllmOptions
 from ._relay import KvRelay
 
@@ -114,8 +121,8 @@ def disagg_transfer_config(opts: VllmOptions) -> Any:
     host = opts.advertised_host()
     bind = opts.host if opts.host else host
     return KVTransferConfig(
-        kv_connector="DynamoZmqConnector",
-        kv_connector_module_path="engines.vllm._kv_connector",
+        kv_connector=KV_CONNECTOR,
+        kv_connector_module_path=KV_CONNECTOR_MODULE,
         kv_role="kv_both",
         kv_load_failure_policy="recompute",
         kv_connector_extra_config={
