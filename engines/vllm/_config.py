@@ -120,15 +120,19 @@ def disagg_transfer_config(opts: VllmOptions) -> Any:
 
     host = opts.advertised_host()
     bind = opts.host if opts.host else host
+    extra: dict[str, Any] = {
+        "host": host, "bind": "*" if bind in ("0.0.0.0", "*", "") else bind,
+        "port": opts.kv_transfer_port or free_port(), "ttl": opts.kv_transfer_ttl,
+    }
+    curve = current_curve()
+    if curve is not None:  # the folder and name only: vLLM logs its config
+        extra.update(auth_keys=str(curve.key_dir), auth_key_name=curve.name)
     return KVTransferConfig(
         kv_connector=KV_CONNECTOR,
         kv_connector_module_path=KV_CONNECTOR_MODULE,
         kv_role="kv_both",
         kv_load_failure_policy="recompute",
-        kv_connector_extra_config={
-            "host": host, "bind": "*" if bind in ("0.0.0.0", "*", "") else bind,
-            "port": opts.kv_transfer_port or free_port(), "ttl": opts.kv_transfer_ttl,
-        },
+        kv_connector_extra_config=extra,
     )
 
 

@@ -14,7 +14,9 @@ copies) ``_kv_worker.py``.
 ``kv_connector_extra_config``: ``host`` (advertised in handoffs), ``port``, ``bind`` (the
 server's bind host; default ``host``), ``ttl`` (seconds a finished prefill's blocks wait for
 their pull; default 60), ``batch_blocks`` (blocks per read; default 16), ``timeout`` (seconds
-one read may take; default 10).
+one read may take; default 10), ``auth_keys`` and ``auth_key_name`` (the worker's
+``--auth-keys`` folder and key name: CURVE on both sockets, the prefill engine's public key in
+the handoff as ``remote_curve_key``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
 )
+
+from dynamo_zmq.transport import CurveAuth
 
 from ._kv_scheduler import SchedulerSide, ZmqConnectorMetadata
 from ._kv_worker import WorkerSide
@@ -59,16 +63,21 @@ class DynamoZmqConnector(KVConnectorBase_V1):
         port = int(extra["port"])
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        # Auth on: the key folder and name (never the keys: vLLM logs its config); the
+        # engine-core process loads the keypair from them.
+        curve = (CurveAuth(extra["auth_keys"], str(extra["auth_key_name"]))
+                 if extra.get("auth_keys") else None)
         if role == KVConnectorRole.SCHEDULER:
             self._sched = SchedulerSide(
                 str(cfg.engine_id), host, port, vllm_config.cache_config.block_size,
                 float(extra.get("ttl", DEFAULT_TTL)),
+                curve.public.decode() if curve is not None else None,
             )
         else:
             self._worker = WorkerSide(
                 f"{extra.get('bind') or host}:{port}", kv_cache_config.num_blocks,
                 int(extra.get("batch_blocks", DEFAULT_BATCH_BLOCKS)),
-                float(extra.get("timeout", DEFAULT_TIMEOUT)),
+                float(extra.get("timeout", DEFAULT_TIMEOUT)), curve,
             )
         self._failed: set[str] = set()
 

@@ -34,6 +34,8 @@ class PullJob:
     port: int
     remote_req_id: str
     pairs: list[tuple[int, int]]
+    #: The prefill engine's CURVE public key (z85), when it serves with auth on.
+    curve_key: str | None = None
 
 
 @dataclass
@@ -56,8 +58,11 @@ def _pullable(params: dict[str, Any] | None) -> bool:
 class SchedulerSide:
     """The connector's scheduler-role half (see the module docstring)."""
 
-    def __init__(self, engine_id: str, host: str, port: int, block_size: int, ttl: float) -> None:
+    def __init__(self, engine_id: str, host: str, port: int, block_size: int, ttl: float,
+                 curve_key: str | None = None) -> None:
         self.engine_id = engine_id
+        #: This engine's CURVE public key (z85; None: auth off), for decode engines to check.
+        self.curve_key = curve_key
         self.host, self.port = host, port
         self.block_size = block_size
         #: Seconds a finished prefill's blocks wait for their pull before they are freed.
@@ -96,7 +101,7 @@ class SchedulerSide:
     def _add_pull(self, req_id: str, params: dict[str, Any], pairs: list[tuple[int, int]]) -> None:
         self._meta.pulls.append(PullJob(
             req_id, str(params["remote_host"]), int(params["remote_port"]),
-            str(params["remote_request_id"]), pairs,
+            str(params["remote_request_id"]), pairs, params.get("remote_curve_key") or None,
         ))
         params["do_remote_prefill"] = False  # one transfer per request
 
@@ -124,7 +129,7 @@ class SchedulerSide:
                                   RequestStatus.FINISHED_STOPPED) or not block_ids:
             return False, None
         self._meta.sends[request.request_id] = (list(block_ids), time.monotonic() + self.ttl)
-        return True, {
+        handoff = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_engine_id": self.engine_id,
@@ -134,3 +139,6 @@ class SchedulerSide:
             "remote_block_ids": list(block_ids),
             "remote_num_tokens": int(request.num_computed_tokens),
         }
+        if self.curve_key:
+            handoff["remote_curve_key"] = self.curve_key
+        return True, handoff

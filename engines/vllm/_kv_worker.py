@@ -10,6 +10,9 @@ batch, one batch in flight (the prefill engine's reply is the flow control), and
 batch into its KV cache; a pull that fails is reported to vLLM as failed, and vLLM
 (``kv_load_failure_policy="recompute"``) prefills that request locally.
 
+With auth on (the worker's ``--auth-keys``) both sockets are CURVE: the block server admits
+only authorized keys, and a pull connects only to the key the handoff names, if authorized.
+
 Wire (msgpack): ``["read", seq, request id, [block ids]]`` -> ``[{"seq", "ok": true}, layer
 frames...]`` (each layer's blocks, raw bytes in the cache's dtype and layout);
 ``["done", seq, request id]`` -> ``[{"seq", "ok": true}]``; a refusal is ``{"seq", "ok": false,
@@ -29,6 +32,8 @@ from typing import Any
 import msgspec
 import torch
 import zmq
+
+from dynamo_zmq.transport import CurveAuth
 
 from ._kv_scheduler import PullJob, ZmqConnectorMetadata
 
@@ -55,8 +60,12 @@ class WorkerSide:
         timeout: seconds one reply may take, and an unregistered request is retried.
     """
 
-    def __init__(self, bind: str, num_blocks: int, batch_blocks: int, timeout: float) -> None:
+    def __init__(self, bind: str, num_blocks: int, batch_blocks: int, timeout: float,
+                 curve: CurveAuth | None = None) -> None:
         self._bind = bind
+        #: With auth on: both sockets are CURVE (the server checks clients against the
+        #: authorized folder; a pull checks the prefill engine's key named in the handoff).
+        self._curve = curve
         self._num_blocks = num_blocks
         self._batch = max(1, batch_blocks)
         self._timeout = timeout
@@ -91,6 +100,9 @@ class WorkerSide:
         self._layers = layers
         server = self._zmq.socket(zmq.ROUTER)
         server.setsockopt(zmq.LINGER, 0)
+        if self._curve is not None:
+            self._curve.start(self._zmq)
+            self._curve.make_server(server)
         server.bind(f"tcp://{self._bind}")
         for target, args, name in ((self._serve, (server,), "kv-serve"),
                                    (self._pull_loop, (), "kv-pull")):
@@ -105,6 +117,8 @@ class WorkerSide:
         self._jobs.put(None)
         for th in self._threads:
             th.join(timeout=2)
+        if self._curve is not None:
+            self._curve.stop()
         self._zmq.destroy(linger=0)
 
     # -- the engine's step -------------------------------------------------------------------
@@ -195,9 +209,17 @@ class WorkerSide:
             try:
                 sock = socks.get(addr)
                 if sock is None:
-                    sock = socks[addr] = self._zmq.socket(zmq.DEALER)
+                    sock = self._zmq.socket(zmq.DEALER)
                     sock.setsockopt(zmq.LINGER, 0)
+                    if self._curve is not None:
+                        key = job.curve_key.encode() if job.curve_key else None
+                        try:
+                            self._curve.make_client(sock, key, f"KV pull from {addr}")
+                        except Exception:
+                            sock.close(linger=0)
+                            raise
                     sock.connect(addr)
+                    socks[addr] = sock
                 pairs = job.pairs
                 for i in range(0, len(pairs), self._batch):
                     batch = pairs[i:i + self._batch]
