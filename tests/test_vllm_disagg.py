@@ -2,9 +2,9 @@
 a prompt's KV and hands it off; a decode-role worker pulls the blocks through our KV connector
 (engines/vllm/_kv_connector.py, ZeroMQ worker to worker) and generates. Greedy output equals the
 aggregated output; the decode worker really pulled the blocks (its connector's log line names the
-blocks and bytes, and vLLM counts the pulled prompt as computed); a handoff already used, or one
-whose blocks expired on the prefill worker, or one whose prefill worker is gone, makes the
-decode worker prefill locally, with the same output.
+blocks and bytes, and vLLM counts the pulled prompt as computed); a handoff already used, one for
+another prompt, one whose blocks expired on the prefill worker, or one whose prefill worker is
+gone, makes the decode worker prefill locally, with the same output.
 
 The workers are driven through the runtime API client (no frontend). Runs only where vLLM is
 installed (skipped otherwise, failed in CI: see tests/test_vllm.py).
@@ -133,14 +133,25 @@ async def test_disaggregated_greedy_output_equals_aggregated(workers, make_runti
                                                            **handoff2}))
     assert ok == ref2
     assert len(pulls(dproc)) == len(before) + 2
-    third = [t + 2 for t in PROMPT]
-    ref3, _ = await run(pclient, request(third, MAX_TOKENS))
-    # ``other``'s handoff again, for ``third``: had the blocks of ``other`` been loaded, the
-    # output would be ``other``'s continuation; refused, ``third`` is prefilled locally.
-    tokens3, _ = await run(dclient, request(third, MAX_TOKENS, {"do_remote_prefill": True,
-                                                                **handoff2}))
-    assert tokens3 == ref3
+    # ``other``'s handoff again: the decode worker has ``other``'s full blocks cached now, and
+    # pulls the last (partial) one, which the prefill worker released after the first pull:
+    # refused, and ``other`` is prefilled locally.
+    again, _ = await run(dclient, request(other, MAX_TOKENS, {"do_remote_prefill": True,
+                                                              **handoff2}))
+    assert again == ref2
     assert "prefilling it locally" in dproc.logs(), dproc.logs()[-3000:]
+
+    # A live handoff of another prompt (same length): not pulled (the prompt digest differs),
+    # the remote blocks are released, and the prompt is prefilled locally.
+    fourth = [t + 3 for t in PROMPT]
+    ref4, _ = await run(pclient, request(fourth, MAX_TOKENS))
+    handoff5 = await prefill(pclient, [t + 4 for t in PROMPT])
+    npulls = len(pulls(dproc))
+    tokens4, _ = await run(dclient, request(fourth, MAX_TOKENS, {"do_remote_prefill": True,
+                                                                 **handoff5}))
+    assert tokens4 == ref4
+    assert len(pulls(dproc)) == npulls
+    assert "the handoff's KV is not for this prompt" in dproc.logs()
 
 
 async def test_expired_handoff_falls_back_to_local_prefill(workers, make_runtime):

@@ -7,14 +7,16 @@ worker side (``_kv_worker.py``) as ``ZmqConnectorMetadata``, once per engine ste
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-__all__ = ["HANDOFF_KEYS", "PullJob", "SchedulerSide", "ZmqConnectorMetadata"]
+__all__ = ["HANDOFF_KEYS", "PullJob", "SchedulerSide", "ZmqConnectorMetadata", "prompt_hash"]
 
 #: Under "vllm": logs of vLLM's engine-core process reach stderr through vLLM's handler.
 log = logging.getLogger("vllm.dynamo_zmq.kv")
@@ -49,6 +51,12 @@ class ZmqConnectorMetadata(KVConnectorMetadata):
     sends: dict[str, tuple[list[int], float]] = field(default_factory=dict)
 
 
+def prompt_hash(tokens: Any, n: int) -> str:
+    """A digest of the first ``n`` prompt tokens: a decode engine pulls only KV computed for
+    the prompt it serves."""
+    return hashlib.blake2b(array("q", list(tokens)[:n]).tobytes(), digest_size=16).hexdigest()
+
+
 def _pullable(params: dict[str, Any] | None) -> bool:
     return bool(params) and bool(params.get("do_remote_prefill")) and all(  # type: ignore[union-attr]
         k in params for k in HANDOFF_KEYS  # type: ignore[operator]
@@ -77,7 +85,13 @@ class SchedulerSide:
             return 0, False
         remote = min(int(params.get("remote_num_tokens") or 0), request.num_prompt_tokens)
         count = remote - num_computed
-        return (count, True) if count > 0 else (0, False)
+        if count <= 0:
+            return 0, False
+        if params.get("remote_prompt_hash") != prompt_hash(request.prompt_token_ids or (), remote):
+            log.warning("request %s: the handoff's KV is not for this prompt: prefilling locally",
+                        request.request_id)
+            return 0, False  # update_state_after_alloc then only releases the remote blocks
+        return count, True
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
         """Order the pull of a decode request's blocks (once: the handoff is then marked used)."""
@@ -138,6 +152,8 @@ class SchedulerSide:
             "remote_port": self.port,
             "remote_block_ids": list(block_ids),
             "remote_num_tokens": int(request.num_computed_tokens),
+            "remote_prompt_hash": prompt_hash(request.prompt_token_ids or (),
+                                              int(request.num_computed_tokens)),
         }
         if self.curve_key:
             handoff["remote_curve_key"] = self.curve_key

@@ -231,8 +231,12 @@ class WorkerSide:
                 self._call(sock, ["done", seq, job.remote_req_id], seq)
                 ok = True
             except Exception as exc:
-                log.warning("KV pull of request %s from %s failed (%s): prefilling it locally",
-                            job.req_id, addr, exc)
+                if job.pairs:
+                    log.warning("KV pull of request %s from %s failed (%s): prefilling it"
+                                " locally", job.req_id, addr, exc)
+                else:
+                    log.info("KV of request %s at %s not released (%s): it expires there",
+                             job.req_id, addr, exc)
                 stale = socks.pop(addr, None)  # a late reply must not meet the next call
                 if stale is not None:
                     stale.close(linger=0)
