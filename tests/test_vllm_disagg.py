@@ -183,3 +183,16 @@ async def test_expired_handoff_falls_back_to_local_prefill(workers, make_runtime
                                                               **handoff}))
     assert tokens == reference
     assert dproc.logs().count("prefilling it locally") == failed_before + 2
+
+
+def test_a_disaggregated_worker_with_several_ranks_is_refused(tiny_model):
+    proc = Proc(["-m", "dynamo_zmq.worker", "--engine", "vllm", "--model-path", str(tiny_model),
+                 "--namespace", f"t{uuid.uuid4().hex[:12]}", "--host", "127.0.0.1",
+                 "--disaggregation-mode", "decode", "--data-parallel-size", "2", *WORKER_FLAGS],
+                env=VLLM_ENV)
+    try:
+        assert proc.wait(WORKER_START) != 0
+        assert "--disaggregation-mode decode with the vllm engine needs one rank: " \
+               "data_parallel_size=2" in proc.logs(), proc.logs()[-3000:]
+    finally:
+        proc.stop()

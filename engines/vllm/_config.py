@@ -91,6 +91,14 @@ def build_engine_args(given: Any, opts: VllmOptions, cpu: bool,
     if kw.get("enable_prefix_caching") is None:
         kw["enable_prefix_caching"] = True
     if opts.disaggregation_mode in DISAGG_ROLES and kw.get("kv_transfer_config") is None:
+        sizes = {name: kw.get(name) or 1 for name in
+                 ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size")}
+        if any(size != 1 for size in sizes.values()):
+            # One block server per engine: more ranks would share its port and split the cache.
+            raise errors.InvalidArgument(
+                f"--disaggregation-mode {opts.disaggregation_mode} with the vllm engine needs one"
+                f" rank: {', '.join(f'{k}={v}' for k, v in sizes.items() if v != 1)}"
+            )
         kw["kv_transfer_config"] = disagg_transfer_config(opts)
         if kw.get("disable_hybrid_kv_cache_manager") is None:
             kw["disable_hybrid_kv_cache_manager"] = True  # our connector has one KV group
