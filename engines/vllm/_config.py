@@ -13,16 +13,26 @@ from dynamo_zmq.llm import EngineConfig
 from dynamo_zmq.resources import Resources
 from dynamo_zmq.transport import current_curve
 
-from ._endpoints import advertise, free_port, offset, vllm_version
+from ._endpoints import (
+    KV_CONNECTOR,
+    KV_CONNECTOR_MODULE,
+    advertise,
+    free_port,
+    offset,
+    vllm_version,
+)
 from ._options import STRUCTURED_OUTPUTS_CONFIG, VllmOptions
 from ._relay import KvRelay
 
-__all__ = ["CPU_BLOCK_SIZE", "KV_TOPIC", "build_engine_args", "relay_for", "reported_config"]
+__all__ = ["CPU_BLOCK_SIZE", "KV_TOPIC", "build_engine_args", "disagg_transfer_config",
+           "relay_for", "reported_config"]
 
 log = logging.getLogger(__name__)
 
 #: Topic of the KV-event PUB frames (``[topic, seq, payload]``).
 KV_TOPIC = "kv-events"
+#: Worker roles that transfer KV (``--disaggregation-mode``).
+DISAGG_ROLES = ("prefill", "decode")
 #: Tokens per KV block on the CPU when not given (vLLM's CPU backend wants multiples of 32).
 CPU_BLOCK_SIZE = 32
 
@@ -80,6 +90,18 @@ def build_engine_args(given: Any, opts: VllmOptions, cpu: bool,
         kw["structured_outputs_config"] = StructuredOutputsConfig(**STRUCTURED_OUTPUTS_CONFIG)
     if kw.get("enable_prefix_caching") is None:
         kw["enable_prefix_caching"] = True
+    if opts.disaggregation_mode in DISAGG_ROLES and kw.get("kv_transfer_config") is None:
+        sizes = {name: kw.get(name) or 1 for name in
+                 ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size")}
+        if any(size != 1 for size in sizes.values()):
+            # One block server per engine: more ranks would share its port and split the cache.
+            raise errors.InvalidArgument(
+                f"--disaggregation-mode {opts.disaggregation_mode} with the vllm engine needs one"
+                f" rank: {', '.join(f'{k}={v}' for k, v in sizes.items() if v != 1)}"
+            )
+        kw["kv_transfer_config"] = disagg_transfer_config(opts)
+        if kw.get("disable_hybrid_kv_cache_manager") is None:
+            kw["disable_hybrid_kv_cache_manager"] = True  # our connector has one KV group
     if opts.kv_events and kw.get("kv_events_config") is None:
         if relay is not None:  # auth on: vLLM on loopback, relayed over CURVE
             endpoint, replay_endpoint = relay.vllm_events, relay.vllm_replay
@@ -97,6 +119,30 @@ def build_engine_args(given: Any, opts: VllmOptions, cpu: bool,
         return AsyncEngineArgs(**kw)
     except (ValueError, TypeError) as exc:
         raise errors.InvalidArgument(f"invalid vLLM engine args: {exc}") from exc
+
+def disagg_transfer_config(opts: VllmOptions) -> Any:
+    """vLLM's ``KVTransferConfig`` for a prefill or decode worker: our ZeroMQ connector
+    (``_kv_connector.py``) by module path, either direction, and a failed pull recomputed
+    locally."""
+    from vllm.config import KVTransferConfig
+
+    host = opts.advertised_host()
+    bind = opts.host if opts.host else host
+    extra: dict[str, Any] = {
+        "host": host, "bind": "*" if bind in ("0.0.0.0", "*", "") else bind,
+        "port": opts.kv_transfer_port or free_port(), "ttl": opts.kv_transfer_ttl,
+    }
+    curve = current_curve()
+    if curve is not None:  # the folder and name only: vLLM logs its config
+        extra.update(auth_keys=str(curve.key_dir), auth_key_name=curve.name)
+    return KVTransferConfig(
+        kv_connector=KV_CONNECTOR,
+        kv_connector_module_path=KV_CONNECTOR_MODULE,
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config=extra,
+    )
+
 
 def reported_config(llm: Any, options: VllmOptions, relay: KvRelay | None = None) -> EngineConfig:
     """The ``EngineConfig`` a started ``AsyncLLM`` reports (served name, sizes, KV-event

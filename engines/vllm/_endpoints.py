@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import socket
 
-__all__ = ["advertise", "free_port", "offset", "vllm_version"]
+__all__ = ["KV_CONNECTOR", "KV_CONNECTOR_MODULE", "advertise", "free_port", "offset",
+           "vllm_version"]
+
+#: Our KV connector for disaggregated prefill/decode, as vLLM's ``kv_transfer_config`` names it.
+KV_CONNECTOR = "DynamoZmqConnector"
+KV_CONNECTOR_MODULE = "engines.vllm._kv_connector"
 
 
 def free_port(exclude: int = 0) -> int:

@@ -33,7 +33,7 @@ from dynamo_zmq.llm import (
 )
 from dynamo_zmq.resources import Resources, cancel_and_wait
 
-from ._config import KV_TOPIC, build_engine_args, relay_for, reported_config
+from ._config import DISAGG_ROLES, KV_TOPIC, build_engine_args, relay_for, reported_config
 from ._embed import embed, pooling_capabilities
 from ._options import (
     VllmOptions,
@@ -279,7 +279,8 @@ class VllmEngine(LLMEngine):
         from vllm.v1.engine.exceptions import EngineDeadError
 
         detokenize = self.options.native_processing or request.output.detokenize
-        params = sampling_params(request, self.options.native_processing)
+        params = sampling_params(request, self.options.native_processing,
+                                 self.options.disaggregation_mode in DISAGG_ROLES)
         llm = self._llm
         size = self.engine_config.data_parallel_size if self.engine_config else 1
         rank = request.routing.dp_rank if size > 1 else None

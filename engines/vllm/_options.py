@@ -61,9 +61,17 @@ class VllmOptions:
     host: str | None = None
     #: Seconds vLLM's engine-core process gets to exit on cleanup before it is killed.
     shutdown_timeout: float = 2.0
+    #: The worker's ``--disaggregation-mode``: prefill and decode turn our KV connector on.
+    disaggregation_mode: str = "agg"
+    #: Port of the KV connector's block server (0 = a free one; prefill and decode roles).
+    kv_transfer_port: int = 0
+    #: Seconds a finished prefill's blocks wait for their pull before they are freed.
+    kv_transfer_ttl: float = 60.0
 
     def __post_init__(self) -> None:
-        for name in ("kv_events_port", "kv_replay_port"):
+        if self.kv_transfer_ttl <= 0:
+            raise errors.InvalidArgument(f"kv_transfer_ttl must be > 0: {self.kv_transfer_ttl}")
+        for name in ("kv_events_port", "kv_replay_port", "kv_transfer_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise errors.InvalidArgument(f"{name} out of range: {getattr(self, name)}")
 
@@ -107,7 +115,13 @@ def add_vllm_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> 
         help="KV-event replay ROUTER port (0 = a free one)")
     add("--no-kv-events", action="store_true", default=False,
         help="do not publish KV events (also keeps vLLM's --kv-events-config if given)")
-    add("--kv-advertise-host", default=None, help="address routers use for the KV-event sockets")
+    add("--kv-advertise-host", default=None,
+        help="address routers use for the KV-event sockets (and decode workers for KV pulls)")
+    add("--kv-transfer-port", type=int, default=0,
+        help="with --disaggregation-mode prefill|decode: port of the KV block server"
+             " (0 = a free one)")
+    add("--kv-transfer-ttl", type=float, default=60.0,
+        help="seconds a finished prefill's KV blocks wait for their pull before they are freed")
     _log_to_stderr()
     try:
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -162,4 +176,7 @@ def options_from_args(args: argparse.Namespace) -> VllmOptions:
         kv_replay_port=int(getattr(args, "kv_replay_port", 0) or 0),
         advertise=advertise,
         host=host,
+        disaggregation_mode=str(getattr(args, "disaggregation_mode", None) or "agg"),
+        kv_transfer_port=int(getattr(args, "kv_transfer_port", 0) or 0),
+        kv_transfer_ttl=float(getattr(args, "kv_transfer_ttl", 60.0) or 60.0),
     )

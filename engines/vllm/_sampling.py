@@ -26,11 +26,13 @@ _FINISH = {
 }
 
 
-def sampling_params(request: PreprocessedRequest, native: bool) -> Any:
+def sampling_params(request: PreprocessedRequest, native: bool, kv_transfer: bool = False) -> Any:
     """vLLM ``SamplingParams`` (``output_kind=DELTA``) for ``request``.
 
     On the fast path the worker detokenizes and applies stop strings, so vLLM gets neither; with
-    ``native`` (or a request asking for ``output.detokenize``) vLLM does both.
+    ``native`` (or a request asking for ``output.detokenize``) vLLM does both. With
+    ``kv_transfer`` (a prefill or decode worker), the request's ``disaggregated_params`` go to
+    vLLM's KV connector as ``kv_transfer_params``.
 
     Raises:
         InvalidArgument: vLLM rejects the options (its ``ValueError``/``TypeError``).
@@ -70,6 +72,8 @@ def sampling_params(request: PreprocessedRequest, native: bool) -> Any:
         kwargs["logprobs"] = out.logprobs
     if s.logit_bias:
         kwargs["logit_bias"] = dict(s.logit_bias)
+    if kv_transfer and request.disaggregated_params:
+        kwargs["extra_args"] = {"kv_transfer_params": dict(request.disaggregated_params)}
     try:
         if request.guided is not None:
             kwargs["structured_outputs"] = structured_outputs(request.guided)
@@ -132,6 +136,7 @@ def to_output(
         LLMEngineOutput(
             ids, text=text, finish_reason=reason, usage=usage, error=error, log_probs=log_probs,
             stop_reason=stop_reason, top_logprobs=top, logprob_texts=texts,
+            disaggregated_params=getattr(out, "kv_transfer_params", None) or None,
         ),
         completion_tokens,
     )

@@ -1,4 +1,4 @@
-"""Starting vLLM when its KV-event ports may be taken.
+"""Starting vLLM when its KV-event ports (and our KV connector's port) may be taken.
 
 vLLM binds the KV-event and replay ports in its engine core, after loading the model. A port
 picked free (``free_port``) can be taken by another process meanwhile, and a port given on the
@@ -18,6 +18,8 @@ import socket
 import time
 from collections.abc import Callable
 from typing import Any
+
+from ._endpoints import KV_CONNECTOR_MODULE
 
 __all__ = ["ATTEMPTS", "PORT_WAIT", "address_in_use", "kv_ports", "port_free", "start_llm"]
 
@@ -56,7 +58,8 @@ def address_in_use(exc: BaseException, ports: tuple[int, ...]) -> bool:
 
 def kv_ports(args: Any) -> tuple[int, ...]:
     """The TCP ports vLLM will bind for KV events with engine args ``args`` (wildcard
-    endpoints; each data-parallel rank's port is offset by its rank)."""
+    endpoints; each data-parallel rank's port is offset by its rank), and our KV connector's
+    block server's."""
     cfg = getattr(args, "kv_events_config", None)
     if cfg is None or not cfg.enable_kv_cache_events:
         return ()
@@ -68,6 +71,11 @@ def kv_ports(args: Any) -> tuple[int, ...]:
         port = int(endpoint.rpartition(":")[2])
         if port:
             ports.extend(port + r for r in range(ranks))
+    transfer = getattr(args, "kv_transfer_config", None)
+    if transfer is not None and transfer.kv_connector_module_path == KV_CONNECTOR_MODULE:
+        port = int((transfer.kv_connector_extra_config or {}).get("port") or 0)
+        if port:  # our KV connector's block server (disaggregated prefill/decode)
+            ports.append(port)
     return tuple(ports)
 
 
