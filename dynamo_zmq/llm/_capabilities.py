@@ -37,3 +37,7 @@ class Capability:
     #: decode worker it pulls it (``do_remote_prefill``). A worker started with
     #: ``--disaggregation-mode prefill|decode`` refuses to start without it.
     DISAGGREGATION = "disaggregation"
+    #: With ``DISAGGREGATION``: the engine moves KV between workers itself (vLLM through its
+    #: KV connector), so the worker starts no transfer service of its own; the engine reads
+    #: the ``--kv-transfer-*`` flags it needs from the worker's arguments.
+    OWN_KV_TRANSFER = "own_kv_transfer"

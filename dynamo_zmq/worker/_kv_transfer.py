@@ -21,7 +21,8 @@ log = logging.getLogger("dynamo_zmq.worker")
 
 async def start_kv_transfer(engine: LLMEngine, settings: WorkerConfig, rc: RuntimeConfig,
                             metrics: WorkerMetrics, res: Resources) -> KvTransfer | None:
-    """Set ``engine.kv_transfer`` for a ``prefill`` or ``decode`` worker (None for ``agg``).
+    """Set ``engine.kv_transfer`` for a ``prefill`` or ``decode`` worker (None for ``agg``, and
+    for an engine with ``Capability.OWN_KV_TRANSFER``).
     The server, if any, closes with ``res``.
 
     Raises:
@@ -35,6 +36,8 @@ async def start_kv_transfer(engine: LLMEngine, settings: WorkerConfig, rc: Runti
             f"--disaggregation-mode {role}: the {engine.name or type(engine).__name__} engine "
             "does not support disaggregated serving"
         )
+    if Capability.OWN_KV_TRANSFER in engine.capabilities():
+        return None  # the engine's own transfer (e.g. vLLM's KV connector) moves the KV
     cfg = settings.kv_transfer
     labels = dict(zip(METRIC_LABELS, metrics.labels, strict=True))
     tm = KvTransferMetrics(metrics.registry, labels)

@@ -117,11 +117,8 @@ def add_vllm_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> 
         help="do not publish KV events (also keeps vLLM's --kv-events-config if given)")
     add("--kv-advertise-host", default=None,
         help="address routers use for the KV-event sockets (and decode workers for KV pulls)")
-    add("--kv-transfer-port", type=int, default=0,
-        help="with --disaggregation-mode prefill|decode: port of the KV block server"
-             " (0 = a free one)")
-    add("--kv-transfer-ttl", type=float, default=60.0,
-        help="seconds a finished prefill's KV blocks wait for their pull before they are freed")
+    # --kv-transfer-port and --kv-transfer-ttl are worker flags (dynamo_zmq.kv_transfer); the
+    # KV connector of a prefill worker binds that port and frees unpulled blocks after the TTL.
     _log_to_stderr()
     try:
         from vllm.engine.arg_utils import AsyncEngineArgs
