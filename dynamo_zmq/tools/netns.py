@@ -37,6 +37,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -287,7 +288,17 @@ class Cluster:
     def heal(self, host: Host) -> None:
         """Undo ``cut``: ``host``'s bridge port up and forwarding."""
         ip("-n", self.bridge_netns, "link", "set", host.port, "up")
-        _bridge("-n", self.bridge_netns, "link", "set", "dev", host.port, "state", "3")
+        # A port set up a moment ago may not be running yet, and the bridge refuses to set the
+        # state of a port that is not ("Network is down"); once running it forwards anyway.
+        deadline = time.monotonic() + 5.0
+        while True:
+            try:
+                _bridge("-n", self.bridge_netns, "link", "set", "dev", host.port, "state", "3")
+                return
+            except ClusterError as exc:
+                if "Network is down" not in str(exc) or time.monotonic() > deadline:
+                    raise
+            time.sleep(0.05)
 
     def freeze(self, host: Host) -> None:
         """SIGSTOP every process inside ``host``."""
