@@ -15,11 +15,16 @@ fresh set of processes: ``--workers`` mocker workers and one frontend, all on lo
   longer than ``--max-local-prefill`` tokens and the prefill pool is not busy (the frontend's
   rule), else the decode worker prefills it.
 
+``--engine vllm`` runs the same modes on vLLM workers (the tiny random model on this CPU, KV
+moved by our KV connector); use small prompts (``--tokens-per-block 32``) and a context to
+match (``--context-length 2048``).
+
 Reported per mode: requests ok / failed, output tok/s, TTFT p50/p99, per-request mean ITL
 p50/p99, remote and local prefills (the frontend's counters) and the KV moved between workers:
-the mocker's modeled bytes and transfer seconds, and the bytes its transfer protocol really
-carried (each block's hash and token ids). Processes are stopped by pid when a mode ends, and
-again on exit.
+KV MB and transfer seconds (the mocker's: modeled from its KV size and bandwidth flags; vLLM's:
+what its connector pulled, from the decode workers' logs) and wire MB (what the mocker's
+transfer protocol really carried: each block's hash and token ids). Processes are stopped by
+pid when a mode ends, and again on exit.
 """
 
 from __future__ import annotations
@@ -72,6 +77,29 @@ def metrics_url(log: Path, timeout: float = 10.0) -> str:
     raise RuntimeError(f"no metrics port in {log}")
 
 
+def engine_flags(args: argparse.Namespace) -> list[str]:
+    if args.engine == "vllm":  # the tiny model on this CPU, vLLM's block size (32)
+        return ["--max-model-len", str(args.context_length), "--dtype", "float32",
+                "--enforce-eager"]
+    return ["--speedup-ratio", str(args.mocker_speedup),
+            "--block-size", str(args.tokens_per_block),
+            "--num-gpu-blocks-override", str(args.num_gpu_blocks),
+            "--max-num-batched-tokens", str(args.max_batched_tokens),
+            "--kv-transfer-bandwidth", str(args.bandwidth),
+            "--kv-bytes-per-token", str(args.kv_bytes_per_token)]
+
+
+def vllm_pulls(logdir: Path) -> tuple[float, float]:
+    """Bytes and seconds of the KV pulls the vLLM decode workers' connectors logged."""
+    nbytes = seconds = 0.0
+    for log in logdir.glob("worker*-decode.log"):
+        for b, t in re.findall(r"pulled \d+ blocks \((\d+) bytes\) .* in ([\d.]+) s",
+                               log.read_text(errors="replace")):
+            nbytes += int(b)
+            seconds += float(t)
+    return nbytes, seconds
+
+
 def scrape(url: str) -> str:
     try:
         return rt.http_get(url + "/metrics").decode()
@@ -89,16 +117,11 @@ def run_mode(mode: str, rows: list[dict], prompts: list[list[int]], args: argpar
     try:
         for i, role in enumerate(roles(mode, args.workers)):
             procs.start(f"worker{i}-{role}", [
-                "-m", "dynamo_zmq.worker", "--engine", "mocker", "--model-path", str(model_dir),
-                "--model-name", args.model_name, "--namespace", ns, "--host", "127.0.0.1",
-                "--disaggregation-mode", role, "--metrics-port", "0",
-                "--speedup-ratio", str(args.mocker_speedup),
-                "--block-size", str(args.tokens_per_block),
-                "--num-gpu-blocks-override", str(args.num_gpu_blocks),
-                "--max-num-batched-tokens", str(args.max_batched_tokens),
-                "--kv-transfer-bandwidth", str(args.bandwidth),
-                "--kv-bytes-per-token", str(args.kv_bytes_per_token),
-            ], timeout=60)
+                "-m", "dynamo_zmq.worker", "--engine", args.engine,
+                "--model-path", str(model_dir), "--model-name", args.model_name,
+                "--namespace", ns, "--host", "127.0.0.1", "--disaggregation-mode", role,
+                "--metrics-port", "0", *engine_flags(args),
+            ], timeout=300 if args.engine == "vllm" else 60)
             metrics_urls.append(metrics_url(logdir / f"worker{i}-{role}.log"))
         line = procs.start("frontend", [
             "-m", "dynamo_zmq.frontend", "--http-host", "127.0.0.1", "--http-port", "0",
@@ -133,6 +156,14 @@ def run_mode(mode: str, rows: list[dict], prompts: list[list[int]], args: argpar
     def total(texts: list[str], name: str) -> float:
         return sum(rt.metric_sum(t, name) or 0.0 for t in texts)
 
+    if args.engine == "vllm":
+        kv_bytes, kv_seconds = vllm_pulls(logdir)
+        wire_bytes = kv_bytes
+    else:
+        wire_bytes = total(workers, "dynamo_component_kv_transfer_received_bytes")
+        kv_bytes = (total(workers, "mocker_remote_prefill_blocks")
+                    * args.tokens_per_block * args.kv_bytes_per_token)
+        kv_seconds = total(workers, "mocker_kv_transfer_modeled_seconds")
     return {
         "mode": mode, "sent": len(results), "ok": len(ok), "failed": len(results) - len(ok),
         "not_sent": skipped, "wall_s": wall, "out_tok_s": sum(r.tokens for r in ok) / span,
@@ -140,24 +171,21 @@ def run_mode(mode: str, rows: list[dict], prompts: list[list[int]], args: argpar
         "itl_p50_ms": be.pct(itl, 0.5), "itl_p99_ms": be.pct(itl, 0.99),
         "remote_prefills": total([front], "dynamo_frontend_remote_prefills"),
         "local_prefills": total([front], "dynamo_frontend_local_prefills"),
-        "wire_bytes": total(workers, "dynamo_component_kv_transfer_received_bytes"),
-        "kv_bytes": total(workers, "mocker_remote_prefill_blocks")
-        * args.tokens_per_block * args.kv_bytes_per_token,
-        "kv_seconds": total(workers, "mocker_kv_transfer_modeled_seconds"),
+        "wire_bytes": wire_bytes, "kv_bytes": kv_bytes, "kv_seconds": kv_seconds,
     }
 
 
 def table(res: list[dict]) -> str:
     cols = ["mode", "ok", "failed", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
-            "ITL p99 ms", "remote prefills", "local prefills", "KV GB (modeled)",
-            "transfer s (modeled)", "wire MB"]
+            "ITL p99 ms", "remote prefills", "local prefills", "KV MB",
+            "transfer s", "wire MB"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in res:
         lines.append("| " + " | ".join([
             r["mode"], str(r["ok"]), str(r["failed"]), rt.fmt(r["out_tok_s"]),
             rt.fmt(r["ttft_p50_ms"]), rt.fmt(r["ttft_p99_ms"]), rt.fmt(r["itl_p50_ms"], 2),
             rt.fmt(r["itl_p99_ms"], 2), rt.fmt(r["remote_prefills"], 0),
-            rt.fmt(r["local_prefills"], 0), rt.fmt(r["kv_bytes"] / 1e9, 2),
+            rt.fmt(r["local_prefills"], 0), rt.fmt(r["kv_bytes"] / 1e6, 1),
             rt.fmt(r["kv_seconds"], 2), rt.fmt(r["wire_bytes"] / 1e6, 2),
         ]) + " |")
     return "\n".join(lines)
@@ -194,6 +222,7 @@ def main() -> int:
     p.add_argument("--max-requests", type=int, default=60)
     p.add_argument("--max-seconds", type=float, default=90.0)
     p.add_argument("--speedup", type=float, default=1.0, help="trace time / this")
+    p.add_argument("--engine", choices=["mocker", "vllm"], default="mocker")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--tokens-per-block", type=int, default=128,
                    help="tokens per trace hash id (a 512-token block in the trace) and KV block")
@@ -225,6 +254,8 @@ def main() -> int:
     from dynamo_zmq.tools.tiny_model import build_tiny_model
 
     logroot = Path(os.environ.get("BENCH_LOGS", f"/tmp/bench_disagg-{os.getpid()}"))
+    if args.engine == "vllm":
+        os.environ.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     model_dir = build_tiny_model(logroot / "model", max_position_embeddings=args.context_length)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     gen = rt.Prompts(args.tokens_per_block, vocab)
@@ -235,7 +266,8 @@ def main() -> int:
         print(f"{mode}: done", file=sys.stderr)
     print(f"{len(rows)} requests from {Path(args.trace).name}, prompts "
           f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens, {args.workers} workers, "
-          f"mocker speedup {args.mocker_speedup}, KV bandwidth {args.bandwidth} GB/s")
+          + ("vLLM (tiny model, CPU)" if args.engine == "vllm" else
+             f"mocker speedup {args.mocker_speedup}, KV bandwidth {args.bandwidth} GB/s"))
     print(table(res))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))
