@@ -164,8 +164,14 @@ def run_mode(mode: str, rows: list[dict], prompts: list[list[int]], args: argpar
         kv_bytes = (total(workers, "mocker_remote_prefill_blocks")
                     * args.tokens_per_block * args.kv_bytes_per_token)
         kv_seconds = total(workers, "mocker_kv_transfer_modeled_seconds")
+    errs: dict[str, int] = {}
+    for r, _ in results:
+        if not r.ok:
+            key = re.sub(r"\d+", "N", r.error or "unknown")[:120]
+            errs[key] = errs.get(key, 0) + 1
     return {
-        "mode": mode, "sent": len(results), "ok": len(ok), "failed": len(results) - len(ok),
+        "errors": errs, "mode": mode, "sent": len(results), "ok": len(ok),
+        "failed": len(results) - len(ok),
         "not_sent": skipped, "wall_s": wall, "out_tok_s": sum(r.tokens for r in ok) / span,
         "ttft_p50_ms": be.pct(ttft, 0.5), "ttft_p99_ms": be.pct(ttft, 0.99),
         "itl_p50_ms": be.pct(itl, 0.5), "itl_p99_ms": be.pct(itl, 0.99),
@@ -269,6 +275,9 @@ def main() -> int:
           + ("vLLM (tiny model, CPU)" if args.engine == "vllm" else
              f"mocker speedup {args.mocker_speedup}, KV bandwidth {args.bandwidth} GB/s"))
     print(table(res))
+    for r in res:
+        for error, n in r["errors"].items():
+            print(f"{r['mode']}: {n} failed: {error}")
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))
     if args.plot:
