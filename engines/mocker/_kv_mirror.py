@@ -1,0 +1,97 @@
+"""``KvStateMirror``: the blocks a publisher's own events say each data-parallel rank holds now,
+so a router that subscribes late gets a full dump instead of a window of recent batches.
+
+The mirror follows the published events (``BlockStored`` adds, ``BlockRemoved`` drops,
+``AllBlocksCleared`` empties a rank); it keeps a reference to each storing event instead of
+copying its tokens, so it costs a dict entry per held block. ``snapshot`` turns the state back
+into ``BlockStored`` events, parents before children, runs of a chain merged into one event.
+"""
+
+from __future__ import annotations
+
+from ._kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+
+__all__ = ["SNAPSHOT_BLOCKS", "KvStateMirror"]
+
+#: Most blocks per snapshot batch (a batch of 64-token blocks stays near 1 MiB on the wire).
+SNAPSHOT_BLOCKS = 4096
+
+
+class KvStateMirror:
+    """Per rank: engine hash -> (parent hash, storing event, index of the block in it)."""
+
+    def __init__(self) -> None:
+        self._ranks: dict[int, dict[int, tuple[int | None, BlockStored, int]]] = {}
+
+    def apply(self, events: list[KvEvent], dp_rank: int) -> None:
+        """Follow one published batch of ``dp_rank``."""
+        blocks = self._ranks.get(dp_rank)
+        if blocks is None:
+            blocks = self._ranks[dp_rank] = {}
+        for ev in events:
+            if isinstance(ev, BlockStored):
+                parent = ev.parent_block_hash
+                for i, h in enumerate(ev.block_hashes):
+                    if h not in blocks:
+                        blocks[h] = (parent, ev, i)
+                    parent = h
+            elif isinstance(ev, BlockRemoved):
+                for h in ev.block_hashes:
+                    blocks.pop(h, None)
+            elif isinstance(ev, AllBlocksCleared):
+                blocks.clear()
+
+    def num_blocks(self, dp_rank: int) -> int:
+        return len(self._ranks.get(dp_rank, ()))
+
+    def snapshot(self) -> list[tuple[int, list[KvEvent]]]:
+        """``(dp_rank, events)`` batches storing every held block, each rank's parents first."""
+        out: list[tuple[int, list[KvEvent]]] = []
+        for rank, blocks in sorted(self._ranks.items()):
+            events: list[KvEvent] = [AllBlocksCleared()]
+            count = 0
+            run: BlockStored | None = None
+            last: int | None = None
+            for h in _parents_first(blocks):
+                parent, ev, i = blocks[h]
+                size = ev.block_size
+                tokens = ev.token_ids[i * size : (i + 1) * size]
+                extra = ev.extra_keys[i] if ev.extra_keys is not None else None
+                if count >= SNAPSHOT_BLOCKS:
+                    out.append((rank, events))
+                    events, count, run = [], 0, None
+                if (run is not None and parent == last and run.block_size == size
+                        and run.lora_id == ev.lora_id and run.lora_name == ev.lora_name
+                        and run.medium == ev.medium
+                        and (run.extra_keys is None) == (extra is None)):
+                    run.block_hashes.append(h)
+                    run.token_ids.extend(tokens)
+                    if run.extra_keys is not None:
+                        run.extra_keys.append(extra)
+                else:
+                    run = BlockStored([h], parent, list(tokens), size, ev.lora_id, ev.medium,
+                                      ev.lora_name, None if extra is None else [extra])
+                    events.append(run)
+                last = h
+                count += 1
+            out.append((rank, events))
+        return out
+
+
+def _parents_first(blocks: dict[int, tuple[int | None, BlockStored, int]]) -> list[int]:
+    """The held hashes, each after its parent when the parent is held too (a parent evicted
+    and stored again comes after its surviving children in insertion order)."""
+    order: list[int] = []
+    done: set[int] = set()
+    for h in blocks:
+        chain: list[int] = []
+        while h not in done and h not in chain:  # (a cycle of hashes is garbage, not a chain)
+            chain.append(h)
+            parent = blocks[h][0]
+            if parent is None or parent not in blocks:
+                break
+            h = parent
+        for x in reversed(chain):
+            done.add(x)
+            order.append(x)
+    return order
