@@ -17,9 +17,9 @@ Policy:
   stored before what it saw (fewer matches, never wrong ones).
 * **Gaps.** Live batch ``seq > last + 1``: replay from ``last + 1`` and apply the missed batches
   in order before the live one. If that fails (no replay endpoint, timeout, the engine's buffer
-  no longer reaches back) a full dump replaces the state, else it is dropped
-  (``indexer.remove_worker``) and rebuilt from what arrives; a missed ``BlockRemoved`` would
-  otherwise leave blocks the engine no longer holds in the index forever.
+  no longer reaches back) the state is dropped (``indexer.remove_worker``) and rebuilt from
+  what arrives; a missed ``BlockRemoved`` would otherwise leave blocks the engine no longer
+  holds in the index forever.
 * **Duplicates.** ``seq <= last`` (live batches already replayed) are skipped. A restarted engine
   is a new worker instance (new id), so seqs never go back within one subscriber.
 * Undecodable batches are counted and skipped (their seq still counts as seen).
@@ -89,7 +89,7 @@ class SubscriberStats:
         self.gaps = 0
         self.replays_ok = 0
         self.replays_failed = 0
-        #: Full dumps applied (at start, or instead of dropping the state after a gap).
+        #: Full dumps applied (the baseline at start).
         self.snapshots = 0
         self.state_drops = 0
 
@@ -266,11 +266,6 @@ class KvEventSubscriber:
             self._count_replay("ok")
         elif self.replay_endpoint is not None:
             self._count_replay("failed")
-        if not ok and pending is not None and await self._snapshot():
-            # The dump was taken after ``pending`` was published: it and the replayed batches
-            # are in it (they are duplicates now).
-            self._progress.set()
-            return
         if not ok and (pending is not None or replayed):
             self._drop_state()
         for seq, payload in replayed or ():
