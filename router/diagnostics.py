@@ -10,10 +10,11 @@ routing no better than load balancing.
   full prompt block (prefix caching off, events pointed elsewhere): the router knows nothing of
   its cache and routes it on load alone (``dynamo_router_silent_workers``, one warning per
   instance when it turns silent, one line when it speaks after all).
-* **Flat scores.** Decisions where every candidate scored the same (no candidate matched any of
-  the prompt and all loads were equal): the choice is effectively arbitrary
-  (``dynamo_router_flat_decisions``). After ``FLAT_STREAK`` such decisions in a row, a warning
-  with the likely reason, at most once per ``WARN_EVERY``.
+* **Flat scores.** Decisions among several candidates where none held any of the prompt: the
+  KV overlap scored every worker the same, the choice was on load alone, arbitrary between
+  idle workers (``dynamo_router_flat_decisions``). After ``FLAT_STREAK`` such decisions in a
+  row, one line with the likely reason, at most once per ``WARN_EVERY``: a warning when the
+  index is empty or workers are mismatched, info when the traffic just shares no prefixes.
 """
 
 from __future__ import annotations
@@ -134,28 +135,31 @@ class Diagnostics:
     # -- flat scores ---------------------------------------------------------------------------
 
     def note_decision(self, flat: bool, indexer: KvIndexer | ApproxIndexer) -> None:
-        """One routing decision; ``flat``: every candidate scored the same."""
+        """One routing decision; ``flat``: no candidate held any of the prompt."""
         if not flat:
             self._flat_streak = 0
             return
         self._metrics.flat_decisions.labels(self._model).inc()
         self._flat_streak += 1
         if self._flat_streak >= FLAT_STREAK and self._may_warn("flat"):
-            log.warning("the last %d routing decisions for model %r scored every worker the "
-                        "same, so the choice was arbitrary: %s", self._flat_streak, self._model,
-                        self._flat_reason(indexer))
+            reason, suspicious = self._flat_reason(indexer)
+            level = logging.WARNING if suspicious else logging.INFO
+            log.log(level, "the last %d routing decisions for model %r found none of the prompt "
+                    "cached on any worker, so KV overlap scored every worker the same and routing "
+                    "was on load alone: %s", self._flat_streak, self._model, reason)
 
-    def _flat_reason(self, indexer: KvIndexer | ApproxIndexer) -> str:
+    def _flat_reason(self, indexer: KvIndexer | ApproxIndexer) -> tuple[str, bool]:
+        """Why, and whether it looks like a misconfiguration (a warning) or the traffic (info)."""
         if isinstance(indexer, ApproxIndexer):
-            return "approximate mode, and no prompt repeated a prefix routed before"
+            return "approximate mode, and no prompt repeated a prefix routed before", False
         if indexer.num_blocks() == 0:
             if self._silent:
                 return (f"the index is empty: {len(self._silent)} worker(s) publish no KV "
-                        "events (dynamo_router_silent_workers)")
-            return "the index is empty: no KV events received from any worker"
+                        "events (dynamo_router_silent_workers)", True)
+            return "the index is empty: no KV events received from any worker", True
         if self._mismatched:
-            return "no prompt matched a cached prefix; some workers use another block size"
-        return "no prompt matched a cached prefix (no shared prefixes in the traffic?)"
+            return "no prompt matched a cached prefix; some workers use another block size", True
+        return "no prompt matched a cached prefix (no shared prefixes in the traffic?)", False
 
     def _may_warn(self, kind: str) -> bool:
         now = time.monotonic()

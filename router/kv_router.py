@@ -284,8 +284,7 @@ class KvRouter:
         sel = self.scheduler.select(candidates, len(hashes), matches, self.loads.load)
         live = set(candidates)
         if overlap and hashes and len(candidates) > 1:
-            flat = not any(matches.get(c) for c in candidates) and len(
-                {self.loads.load(c) for c in candidates}) == 1
+            flat = not any(matches.get(c) for c in candidates)
             self._follower.diagnostics.note_decision(flat, self.indexer)
         decision = Decision(
             sel.worker_id, sel.dp_rank, sel.overlap_blocks, len(hashes),

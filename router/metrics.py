@@ -102,7 +102,8 @@ class RouterMetrics:
         )
         self.flat_decisions = Counter(
             "dynamo_router_flat_decisions",
-            "Routing decisions where every candidate scored the same", m, registry=r,
+            "Routing decisions where no candidate held any of the prompt (chosen on load alone)",
+            m, registry=r,
         )
 
     def forget_worker(self, model: str, worker: str, ranks: int) -> None:
