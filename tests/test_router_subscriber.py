@@ -181,6 +181,32 @@ async def test_a_late_subscriber_gets_the_full_state_in_a_dump(zctx, engine):
         await sub.close()
 
 
+async def test_a_late_subscriber_gets_every_held_block_however_old(zctx):
+    """Warm restart (issue 18): the engine keeps 2 batches for replay and has evicted many
+    blocks; a subscriber that starts now still indexes exactly what each rank holds."""
+    engine = await start_engine(replay_buffer_size=2)
+    try:
+        batch = prompts(1, 24) + prompts(300, 6)  # far more than 16 blocks per rank: evictions
+        await workload(engine, batch)
+        assert engine.publisher is not None and engine.publisher.next_seq > 10
+        index = KvIndexer(BS)
+        sub = subscriber(zctx, engine, index)
+        try:
+            await caught_up(engine, sub)
+            assert sub.stats.snapshots == 1 and sub.stats.state_drops == 0
+            assert_index_is_exact(engine, index, batch)
+            for sched in engine.ranks:
+                held = len(sched.blocks.cached_hashes())
+                assert 0 < index.num_blocks((WID, sched.rank)) <= held
+            await workload(engine, prompts(500, 4))  # and it follows live from there
+            await caught_up(engine, sub)
+            assert_index_is_exact(engine, index, batch + prompts(500, 4))
+        finally:
+            await sub.close()
+    finally:
+        await engine.cleanup()
+
+
 async def test_a_gap_closed_by_replay_restores_exactly_the_state_without_it(zctx, engine):
     index = KvIndexer(BS)
     sub = subscriber(zctx, engine, index)
