@@ -7,6 +7,7 @@ Ground truth is the engine itself: for each prompt, the leading blocks its rank 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import signal
 import time
@@ -342,6 +343,52 @@ async def test_undecodable_batches_are_counted_and_skipped(zctx):
     finally:
         await sub.close()
         pub.close(linger=0)
+
+
+async def test_without_dumps_a_late_subscriber_replays_the_history_from_zero(zctx):
+    """A hand-made publisher with vLLM's replay and no dumps: it answers the dump request with
+    the end marker alone (no kept seq reaches that high), so the subscriber replays from 0."""
+    pub = zctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    replay = zctx.socket(zmq.ROUTER)
+    replay.setsockopt(zmq.LINGER, 0)
+    replay_port = replay.bind_to_random_port("tcp://127.0.0.1")
+    kept = [(seq, encode_batch([BlockStored([seq + 1], seq or None, [seq + 1] * BS, BS)], 0))
+            for seq in range(3)]  # a chain of three blocks, one per batch
+    asked: list[int] = []
+
+    async def serve() -> None:
+        while True:
+            if not replay.poll(0):
+                await asyncio.sleep(0.005)
+                continue
+            ident, _, start_frame = replay.recv_multipart()
+            start = int.from_bytes(start_frame, "big")
+            asked.append(start)
+            for seq, payload in kept:
+                if seq >= start:
+                    replay.send_multipart([ident, b"", b"kv-events", seq.to_bytes(8, "big"),
+                                           payload])
+            replay.send_multipart([ident, b"", b"", b"\xff" * 8, b""])
+
+    server = asyncio.create_task(serve())
+    index = KvIndexer(BS)
+    sub = KvEventSubscriber(Resources("test"), WID, f"tcp://127.0.0.1:{port}", index,
+                            replay_endpoint=f"tcp://127.0.0.1:{replay_port}")
+    sub.start()
+    try:
+        assert await sub.wait_for_seq(2)
+        assert asked[:2] == [0xFFFFFFFFFFFFFFFE, 0]
+        assert sub.stats.snapshots == 0 and sub.stats.replays_ok == 1
+        assert index.find_matches([1] * BS + [2] * BS + [3] * BS) == {(WID, 0): 3}
+    finally:
+        await sub.close()
+        server.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await server
+        pub.close(linger=0)
+        replay.close(linger=0)
 
 
 async def test_odd_batch_timestamps_never_poison_the_event_lag_metric(zctx):
