@@ -149,7 +149,6 @@ class InstanceFollower:
         if self._events:
             if advert is not None and advert.kv_events_endpoint:
                 self._subscribe_events(iid, known)
-
         if advert is not None and advert.load_endpoint:
             self._subscribe_load(iid, known)
         else:
