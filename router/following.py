@@ -22,6 +22,7 @@ from dynamo_zmq.runtime import Client, DistributedRuntime
 from dynamo_zmq.transport import PeerConnection
 
 from .approx import ApproxIndexer
+from .diagnostics import Diagnostics
 from .indexer import KvIndexer
 from .load import LoadSubscriber
 from .metrics import RouterMetrics
@@ -90,6 +91,8 @@ class InstanceFollower:
         self._replay_timeout = replay_timeout
         self._runtime = runtime
         self._instances: dict[int, _Instance] = {}
+        #: The router's self-checks (block size, silent workers, flat scores).
+        self.diagnostics = Diagnostics(metrics, model, block_size, events)
 
     def start(self) -> None:
         self._res.spawn(self._follow(), f"kv-router-{self._model or self.client.path}")
@@ -141,15 +144,11 @@ class InstanceFollower:
         iid = conn.instance_id
         advert = advert_of(conn, self.client.path)
         dp_size = _dp_size(advert, iid)
-        if advert is not None and advert.kv_block_size not in (0, self._block_size):
-            log.warning("instance %x uses KV block size %d, the router %d: its events won't match",
-                        iid, advert.kv_block_size, self._block_size)
+        self.diagnostics.check_advert(iid, advert)
         known = self._instances[iid] = _Instance(advert, dp_size)
         if self._events:
             if advert is not None and advert.kv_events_endpoint:
                 self._subscribe_events(iid, known)
-            else:
-                log.info("instance %x publishes no KV events: routed on load only", iid)
         if advert is not None and advert.load_endpoint:
             self._subscribe_load(iid, known)
         else:
@@ -199,9 +198,14 @@ class InstanceFollower:
         if known.subscriber is not None:
             await known.subscriber.close(drop_state=True)
         self._metrics.forget_worker(self._model, f"{iid:x}", known.dp_size)
+        self.diagnostics.forget(iid)
         log.info("router dropped instance %x", iid)
 
     def _update_gauges(self) -> None:
+        diag = self.diagnostics
+        diag.check_index(self._indexer)
+        diag.check_silent((i, k.advert, k.subscriber) for i, k in self._instances.items())
+        diag.update_gauges()
         m, model = self._metrics, self._model
         for iid, known in self._instances.items():
             for rank in range(known.dp_size):

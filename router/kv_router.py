@@ -283,6 +283,9 @@ class KvRouter:
         matches = self.indexer.find_matches_for_hashes(hashes) if overlap else {}
         sel = self.scheduler.select(candidates, len(hashes), matches, self.loads.load)
         live = set(candidates)
+        if overlap and hashes and len(candidates) > 1:
+            flat = not any(matches.get(c) for c in candidates)
+            self._follower.diagnostics.note_decision(flat, self.indexer)
         decision = Decision(
             sel.worker_id, sel.dp_rank, sel.overlap_blocks, len(hashes),
             {k: v for k, v in matches.items() if v and k in live}, sel.cost,
@@ -301,6 +304,8 @@ class KvRouter:
         request.routing.dp_rank = decision.dp_rank
         request.routing.overlap_blocks = decision.overlap_blocks
         route = self.loads.add(sel.candidate, hashes, self._expected_output_blocks(request))
+        if hashes:
+            self._follower.diagnostics.note_routed(sel.worker_id)
         if isinstance(self.indexer, ApproxIndexer):
             self.indexer.record(sel.candidate, hashes=hashes)
         m, model = self.metrics, self.model

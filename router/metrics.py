@@ -86,6 +86,26 @@ class RouterMetrics:
             [*m, "worker", "dp_rank"], registry=r,
         )
 
+        self.mismatched_workers = Gauge(
+            "dynamo_router_mismatched_workers",
+            "Followed workers whose advertised configuration differs from the router's, by reason",
+            [*m, "reason"], registry=r,
+        )
+        self.block_size_mismatches = Counter(
+            "dynamo_router_kv_block_size_mismatches",
+            "KV events ignored because their block size is not the router's", m, registry=r,
+        )
+        self.silent_workers = Gauge(
+            "dynamo_router_silent_workers",
+            "Workers expected to publish KV events that publish none (routed on load alone)", m,
+            registry=r,
+        )
+        self.flat_decisions = Counter(
+            "dynamo_router_flat_decisions",
+            "Routing decisions where no candidate held any of the prompt (chosen on load alone)",
+            m, registry=r,
+        )
+
     def forget_worker(self, model: str, worker: str, ranks: int) -> None:
         """Drop the per-worker series of a worker that left."""
         for gauge in (self.index_blocks, self.active_blocks, self.reported_blocks):

@@ -6,17 +6,19 @@ gets ``[b"", topic, seq, payload]`` per kept batch, then ``seq = 0xfffffffffffff
 
 Policy:
 
-* **Baseline.** With a replay endpoint, the subscriber expects the history from seq 0: its SUB
-  socket connects first (so nothing published from then on is missed), then it replays from 0.
-  A router that starts after the engine has already cached prefixes thus knows them at once. If
-  the engine no longer keeps seq 0, the replay cannot close that gap: the state (empty anyway)
-  is dropped and rebuilt from the batches it does get. Without a replay endpoint, the first
-  message seen is the baseline. Either way the index may miss blocks stored before what it saw
-  (fewer matches, never wrong ones).
+* **Baseline.** With a replay endpoint, the SUB socket connects first (nothing published from
+  then on is missed), then it asks for a full dump (``SNAPSHOT_SEQ``): our publishers answer
+  with batches storing every block they hold now, all carrying the seq ``S`` of their last
+  batch; they replace the worker's state and ``S`` is the baseline. A router (re)started after
+  the engine cached prefixes knows all of them at once, and none that were removed. Without
+  dumps (vLLM's publisher answers the end marker alone) it replays from seq 0; if the engine no
+  longer keeps seq 0 the state is rebuilt from the batches it does get. Without a replay
+  endpoint the first message seen is the baseline. Without a dump the index may miss blocks
+  stored before what it saw (fewer matches, never wrong ones).
 * **Gaps.** Live batch ``seq > last + 1``: replay from ``last + 1`` and apply the missed batches
   in order before the live one. If that fails (no replay endpoint, timeout, the engine's buffer
-  no longer reaches back) the worker's state is dropped (``indexer.remove_worker``) and rebuilt
-  from what arrives; a missed ``BlockRemoved`` would otherwise leave blocks the engine no longer
+  no longer reaches back) the state is dropped (``indexer.remove_worker``) and rebuilt from
+  what arrives; a missed ``BlockRemoved`` would otherwise leave blocks the engine no longer
   holds in the index forever.
 * **Duplicates.** ``seq <= last`` (live batches already replayed) are skipped. A restarted engine
   is a new worker instance (new id), so seqs never go back within one subscriber.
@@ -39,17 +41,16 @@ import zmq
 
 from dynamo_zmq import errors
 from dynamo_zmq.resources import Resources
-from dynamo_zmq.transport import AsyncSocket, BadInput, SendResult, make_socket, peer_key
+from dynamo_zmq.transport import AsyncSocket, BadInput, make_socket, peer_key
 
+from ._replay import END_SEQ, SNAPSHOT_SEQ, MalformedReplay, fetch_replay
 from .events import EventBatch, EventDecodeError, decode_batch
 from .metrics import RouterMetrics
 
-__all__ = ["END_SEQ", "KvEventSubscriber", "SubscriberStats"]
+__all__ = ["END_SEQ", "SNAPSHOT_SEQ", "KvEventSubscriber", "SubscriberStats"]
 
 log = logging.getLogger(__name__)
 
-#: Seq of the replay end marker (-1 as u64).
-END_SEQ = 0xFFFFFFFFFFFFFFFF
 #: Receive high-water mark: PUB drops silently beyond it (vLLM's publisher uses 100k too).
 SUB_HWM = 200_000
 #: Largest KV-event batch decoded, in bytes. A batch storing a 1M-token prompt is ~5 MiB; a
@@ -76,7 +77,7 @@ class SubscriberStats:
     """Plain counters of one subscriber (the Prometheus ones aggregate per model)."""
 
     __slots__ = ("applied", "decode_errors", "duplicates", "gaps", "received", "replays_failed",
-                 "replays_ok", "state_drops")
+                 "replays_ok", "snapshots", "state_drops")
 
     def __init__(self) -> None:
         #: Live messages received on the SUB socket.
@@ -88,6 +89,8 @@ class SubscriberStats:
         self.gaps = 0
         self.replays_ok = 0
         self.replays_failed = 0
+        #: Full dumps applied (the baseline at start).
+        self.snapshots = 0
         self.state_drops = 0
 
     def __repr__(self) -> str:
@@ -206,7 +209,7 @@ class KvEventSubscriber:
         sock = self._sock
         assert sock is not None
         try:
-            if self.replay_endpoint is not None:
+            if self.replay_endpoint is not None and not await self._snapshot():
                 await self._recover(None)  # the history from seq 0 (see the module docstring)
             handled = 0
             while not sock.closed:
@@ -329,8 +332,30 @@ class KvEventSubscriber:
 
     # -- replay ----------------------------------------------------------------------------
 
-    async def _replay(self, start: int) -> list[tuple[int, bytes]] | None:
-        """The kept batches from ``start`` on, in order; None if the replay failed."""
+    async def _snapshot(self) -> bool:
+        """Ask for a full dump; True once one replaced the worker's state (``last_seq`` is then
+        the dump's seq). False (state untouched) when the publisher has none or it failed."""
+        if self.replay_endpoint is None:
+            return False
+        got = await self._replay(SNAPSHOT_SEQ, same_seq=True)
+        if not got:
+            return False
+        seq = got[0][0]
+        if self.last_seq is not None and seq <= self.last_seq:
+            return False  # older than what is applied already: not a dump of the present
+        self._indexer.remove_worker(self.worker_id)
+        for _, payload in got:
+            self._apply(seq, payload, live=False)
+        self.stats.snapshots += 1
+        if self._metrics is not None:
+            self._metrics.replays.labels(self._model, "snapshot").inc()
+        log.info("worker %x: KV state rebuilt from a full dump (%d batch%s, seq %d)",
+                 self.worker_id, len(got), "es"[: 2 * (len(got) > 1)], seq)
+        return True
+
+    async def _replay(self, start: int, same_seq: bool = False) -> list[tuple[int, bytes]] | None:
+        """The kept batches from ``start`` on, in order; None if the replay failed.
+        ``same_seq``: a dump, whose batches all carry one seq."""
         assert self.replay_endpoint is not None
         # A fresh DEALER per replay: a late answer to an abandoned one can never be mistaken
         # for this one's.
@@ -346,38 +371,13 @@ class KvEventSubscriber:
                         self.replay_endpoint, exc)
             self.replay_endpoint = None
             return None
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._replay_timeout
-        got: list[tuple[int, bytes]] = []
-        size = 0
         try:
-            if sock.try_send([b"", start.to_bytes(8, "big")]) != SendResult.SENT:
-                return None
-            while True:
-                frames = sock.recv_nowait()
-                if frames is None:
-                    remaining = deadline - loop.time()
-                    if remaining <= 0:
-                        log.warning("worker %x: KV replay from %d timed out", self.worker_id, start)
-                        return None
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(sock.wait_readable(), remaining)
-                    continue
-                if len(frames) != 4 or frames[0] != b"" or len(frames[2]) != 8:
-                    self._count_decode_error("malformed KV replay message (%d frames)",
-                                             len(frames), kind="kv_replay")
-                    return None
-                seq = int.from_bytes(frames[2], "big")
-                if seq == END_SEQ:
-                    return got
-                if got and seq != got[-1][0] + 1:
-                    return None  # not contiguous: not a usable replay
-                size += len(frames[3])
-                if size > self._max_replay_bytes:
-                    log.warning("worker %x: KV replay from %d over %d bytes; abandoned",
-                                self.worker_id, start, self._max_replay_bytes)
-                    return None
-                got.append((seq, frames[3]))
+            return await fetch_replay(sock, self.worker_id, start, self._replay_timeout,
+                                      self._max_replay_bytes, same_seq)
+        except MalformedReplay as exc:
+            self._count_decode_error("malformed KV replay message (%d frames)", exc.frames,
+                                     kind="kv_replay")
+            return None
         finally:
             sock.close()
 

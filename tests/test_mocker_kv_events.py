@@ -258,3 +258,26 @@ def test_payload_shape_matches_a_real_vllm_capture() -> None:
             or real_stored[key] is None
             or stored[key] is None
         )
+
+
+def test_the_dump_stores_parents_first_even_after_a_parent_was_stored_again() -> None:
+    """A parent evicted and stored again comes after its children in insertion order; the
+    dump still stores it first, so an index fed only the dump matches the whole chain."""
+    from engines.mocker._kv_events import BlockRemoved, BlockStored
+    from engines.mocker._kv_mirror import KvStateMirror
+    from router.events import decode_batch, encode_batch
+    from router.indexer import KvIndexer
+
+    bs = 2
+    mirror = KvStateMirror()
+    mirror.apply([BlockStored([11, 12, 13], None, [1, 1, 2, 2, 3, 3], bs)], 0)
+    mirror.apply([BlockStored([21], None, [9, 9], bs)], 1)
+    mirror.apply([BlockRemoved([11, 21])], 0)
+    mirror.apply([BlockRemoved([21])], 1)
+    mirror.apply([BlockStored([11], None, [1, 1], bs)], 0)
+    index = KvIndexer(bs)
+    for rank, events in mirror.snapshot():
+        index.apply_batch(7, decode_batch(encode_batch(events, rank)))
+    assert index.find_matches([1, 1, 2, 2, 3, 3]) == {(7, 0): 3}
+    assert index.find_matches([9, 9]) == {}
+    assert mirror.num_blocks(0) == 3 and mirror.num_blocks(1) == 0

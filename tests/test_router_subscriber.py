@@ -7,6 +7,7 @@ Ground truth is the engine itself: for each prompt, the leading blocks its rank 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import signal
 import time
@@ -166,7 +167,7 @@ async def test_events_reach_the_index_and_match_the_engine(zctx, engine):
     assert index.keys() == set()  # closing drops the worker's state
 
 
-async def test_a_late_subscriber_replays_the_history_from_zero(zctx, engine):
+async def test_a_late_subscriber_gets_the_full_state_in_a_dump(zctx, engine):
     batch = prompts(1, 8)
     await workload(engine, batch)  # before anyone subscribes
     index = KvIndexer(BS)
@@ -174,9 +175,37 @@ async def test_a_late_subscriber_replays_the_history_from_zero(zctx, engine):
     try:
         await caught_up(engine, sub)
         assert_index_is_exact(engine, index, batch)
-        assert sub.stats.replays_ok == 1 and sub.stats.state_drops == 0
+        # Issue 18 (warm restart): a full dump, not a replay of the history from seq 0.
+        assert sub.stats.snapshots == 1 and sub.stats.replays_ok == 0
+        assert sub.stats.state_drops == 0
     finally:
         await sub.close()
+
+
+async def test_a_late_subscriber_gets_every_held_block_however_old(zctx):
+    """Warm restart (issue 18): the engine keeps 2 batches for replay and has evicted many
+    blocks; a subscriber that starts now still indexes exactly what each rank holds."""
+    engine = await start_engine(replay_buffer_size=2)
+    try:
+        batch = prompts(1, 24) + prompts(300, 6)  # far more than 16 blocks per rank: evictions
+        await workload(engine, batch)
+        assert engine.publisher is not None and engine.publisher.next_seq > 10
+        index = KvIndexer(BS)
+        sub = subscriber(zctx, engine, index)
+        try:
+            await caught_up(engine, sub)
+            assert sub.stats.snapshots == 1 and sub.stats.state_drops == 0
+            assert_index_is_exact(engine, index, batch)
+            for sched in engine.ranks:
+                held = len(sched.blocks.cached_hashes())
+                assert 0 < index.num_blocks((WID, sched.rank)) <= held
+            await workload(engine, prompts(500, 4))  # and it follows live from there
+            await caught_up(engine, sub)
+            assert_index_is_exact(engine, index, batch + prompts(500, 4))
+        finally:
+            await sub.close()
+    finally:
+        await engine.cleanup()
 
 
 async def test_a_gap_closed_by_replay_restores_exactly_the_state_without_it(zctx, engine):
@@ -314,6 +343,52 @@ async def test_undecodable_batches_are_counted_and_skipped(zctx):
     finally:
         await sub.close()
         pub.close(linger=0)
+
+
+async def test_without_dumps_a_late_subscriber_replays_the_history_from_zero(zctx):
+    """A hand-made publisher with vLLM's replay and no dumps: it answers the dump request with
+    the end marker alone (no kept seq reaches that high), so the subscriber replays from 0."""
+    pub = zctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    replay = zctx.socket(zmq.ROUTER)
+    replay.setsockopt(zmq.LINGER, 0)
+    replay_port = replay.bind_to_random_port("tcp://127.0.0.1")
+    kept = [(seq, encode_batch([BlockStored([seq + 1], seq or None, [seq + 1] * BS, BS)], 0))
+            for seq in range(3)]  # a chain of three blocks, one per batch
+    asked: list[int] = []
+
+    async def serve() -> None:
+        while True:
+            if not replay.poll(0):
+                await asyncio.sleep(0.005)
+                continue
+            ident, _, start_frame = replay.recv_multipart()
+            start = int.from_bytes(start_frame, "big")
+            asked.append(start)
+            for seq, payload in kept:
+                if seq >= start:
+                    replay.send_multipart([ident, b"", b"kv-events", seq.to_bytes(8, "big"),
+                                           payload])
+            replay.send_multipart([ident, b"", b"", b"\xff" * 8, b""])
+
+    server = asyncio.create_task(serve())
+    index = KvIndexer(BS)
+    sub = KvEventSubscriber(Resources("test"), WID, f"tcp://127.0.0.1:{port}", index,
+                            replay_endpoint=f"tcp://127.0.0.1:{replay_port}")
+    sub.start()
+    try:
+        assert await sub.wait_for_seq(2)
+        assert asked[:2] == [0xFFFFFFFFFFFFFFFE, 0]
+        assert sub.stats.snapshots == 0 and sub.stats.replays_ok == 1
+        assert index.find_matches([1] * BS + [2] * BS + [3] * BS) == {(WID, 0): 3}
+    finally:
+        await sub.close()
+        server.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await server
+        pub.close(linger=0)
+        replay.close(linger=0)
 
 
 async def test_odd_batch_timestamps_never_poison_the_event_lag_metric(zctx):

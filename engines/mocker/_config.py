@@ -111,6 +111,8 @@ def add_mocker_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -
     add("--kv-events-port", type=int, default=0, help="KV-event PUB port (0 = any)")
     add("--kv-replay-port", type=int, default=0, help="KV-event replay ROUTER port (0 = any)")
     add("--no-kv-events", action="store_true", default=False, help="do not publish KV events")
+    add("--kv-replay-buffer-size", type=int, default=10_000,
+        help="KV-event batches kept for replay (a late router gets a full dump regardless)")
     add("--mock-embedding-dim", type=int, default=0,
         help="serve deterministic embeddings of this many dimensions (0 = no embeddings)")
     add("--kv-bytes-per-token", type=int, default=131072,
@@ -175,6 +177,7 @@ def _config_from_args(args: argparse.Namespace) -> MockerConfig:
         enable_kv_events=not get("no_kv_events", False),
         kv_events_port=get("kv_events_port", 0),
         kv_replay_port=get("kv_replay_port", 0),
+        replay_buffer_size=get("kv_replay_buffer_size", 10_000),
         host=host,
         advertise=advertise,
         embedding_dim=get("mock_embedding_dim", 0),

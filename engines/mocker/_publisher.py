@@ -4,6 +4,13 @@ buffer of recent batches, and a replay ROUTER that resends missed batches on req
 Replay protocol (vLLM's): a DEALER sends ``[b"", start_seq as 8-byte big-endian]``; the answer is
 one message ``[b"", topic, seq, payload]`` per buffered batch with ``seq >= start_seq``, in
 order, then the end marker ``[b"", b"", b"\\xff" * 8, b""]``.
+
+Full dump (our extension): ``start_seq = SNAPSHOT_SEQ`` (``0xff..fe``) is answered with batches
+that store every block the published events leave held (``KvStateMirror``), per rank, each
+first clearing the rank, all carrying the seq of the last published batch (the state is the one
+after it), then the end marker. Nothing published yet: only the end marker. A publisher without
+the extension (vLLM's) answers the same request with the end marker alone (no kept seq reaches
+that high), so a router falls back to replaying from seq 0.
 """
 
 from __future__ import annotations
@@ -17,14 +24,17 @@ from dynamo_zmq.resources import Resources
 from dynamo_zmq.transport import AsyncSocket, BadInput, SendResult, make_socket
 
 from ._kv_events import KvEvent, encode_batch
+from ._kv_mirror import KvStateMirror
 
-__all__ = ["END_SEQ", "TOPIC", "KvEventPublisher"]
+__all__ = ["END_SEQ", "SNAPSHOT_SEQ", "TOPIC", "KvEventPublisher"]
 
 log = logging.getLogger(__name__)
 
 TOPIC = b"kv-events"
 #: Seq frame of the replay end marker (-1 as a signed 8-byte big-endian integer).
 END_SEQ = b"\xff" * 8
+#: Start seq of a full-dump request (-2 as u64).
+SNAPSHOT_SEQ = 0xFFFFFFFFFFFFFFFE
 #: PUB drops silently beyond its high-water mark; vLLM uses 100k.
 PUB_HWM = 100_000
 #: Seconds a replay waits for a client that does not read before giving up on it.
@@ -41,6 +51,8 @@ class KvEventPublisher:
         self.topic = topic
         self._buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=buffer_size)
         self._next_seq = 0
+        #: What the published events leave held, for full dumps.
+        self.mirror = KvStateMirror()
         self._res: Resources | None = None
         self._pub: zmq.Socket[bytes] | None = None
         self._replay: AsyncSocket | None = None
@@ -85,6 +97,7 @@ class KvEventPublisher:
         self._next_seq += 1
         payload = encode_batch(events, dp_rank)
         self._buffer.append((seq, payload))
+        self.mirror.apply(events, dp_rank)
         if self._pub is not None:
             try:
                 self._pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload], zmq.NOBLOCK)
@@ -120,8 +133,11 @@ class KvEventPublisher:
             return
         identity, prefix = frames[0], [frames[0], b""] if len(frames) == 3 else [frames[0]]
         start = int.from_bytes(frames[-1], "big")
-        replies = [[*prefix, self.topic, seq.to_bytes(8, "big"), payload]
-                   for seq, payload in self._buffer if seq >= start]
+        if start == SNAPSHOT_SEQ:
+            replies = self._snapshot(prefix)
+        else:
+            replies = [[*prefix, self.topic, seq.to_bytes(8, "big"), payload]
+                       for seq, payload in self._buffer if seq >= start]
         replies.append([*prefix, b"", END_SEQ, b""])
         for reply in replies:
             result = await sock.send(reply, timeout=REPLAY_SEND_TIMEOUT)
@@ -129,6 +145,13 @@ class KvEventPublisher:
                 log.info("KV replay to %r abandoned (%s)", identity,
                          "gone" if result == SendResult.GONE else "stalled")
                 return
+
+    def _snapshot(self, prefix: list[bytes]) -> list[list[bytes]]:
+        if self._next_seq == 0:
+            return []
+        seq = (self._next_seq - 1).to_bytes(8, "big")
+        return [[*prefix, self.topic, seq, encode_batch(events, rank)]
+                for rank, events in self.mirror.snapshot()]
 
     async def close(self) -> None:
         """Stop the replay task and close the sockets (idempotent)."""

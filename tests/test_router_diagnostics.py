@@ -1,0 +1,156 @@
+"""The KV router's self-diagnosis through real processes: a kv-mode frontend over mocker workers
+that publish no KV events, publish none despite an endpoint (prefix caching off), or use
+another block size says so in its log (one line per worker or period) and in its metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from router.diagnostics import FLAT_STREAK, SILENT_AFTER
+from tests.support.http_calls import get
+from tests.support.procs import Proc
+
+BLOCK = 16
+
+
+def worker(spawn, namespace, model_dir, *extra: str, block: int = BLOCK) -> Proc:
+    return spawn("-m", "dynamo_zmq.worker", "--engine", "mocker", "--model-path", str(model_dir),
+                 "--model-name", "tiny", "--namespace", namespace, "--host", "127.0.0.1",
+                 "--block-size", str(block), "--speedup-ratio", "1000", *extra, ready=False)
+
+
+def kv_frontend(spawn, namespace) -> Proc:
+    return spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
+                 "--router-mode", "kv", ready=False)
+
+
+def complete(url: str, tokens: list[int], max_tokens: int = 4) -> str:
+    """POST a token-id completion; the x-dynamo-worker header's worker (hex)."""
+    body = json.dumps({"model": "tiny", "prompt": tokens, "max_tokens": max_tokens}).encode()
+    req = urllib.request.Request(f"{url}/v1/completions", body,
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        assert resp.status == 200
+        return str(resp.headers["x-dynamo-worker"]).split("/")[0]
+
+
+async def eventually(check, timeout: float, what: str):
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not (value := await check()):
+        assert loop.time() < deadline, f"{what} not reached in {timeout}s"
+        await asyncio.sleep(0.1)
+    return value
+
+
+async def metric(url: str, name: str, **labels: str) -> float:
+    """The sample ``name`` of model 'tiny' with ``labels`` on ``url``'s /metrics (0 if none)."""
+    status, page = await asyncio.to_thread(get, f"{url}/metrics")
+    assert status == 200
+    for family in text_string_to_metric_families(page.decode()):
+        for s in family.samples:
+            if s.name == name and s.labels.get("model") == "tiny" and all(
+                    s.labels.get(k) == v for k, v in labels.items()):
+                return float(s.value)
+    return 0.0
+
+
+async def serving(url: str, workers: list[Proc]) -> bool:
+    status, body = await asyncio.to_thread(get, f"{url}/health")
+    ids = {f"{w.instance_id:x}" for w in workers}
+    return status == 200 and set(json.loads(body)["models"].get("tiny", [])) == ids
+
+
+def prompt(rng: random.Random, blocks: int = 2) -> list[int]:
+    return [rng.randrange(10, 500) for _ in range(blocks * BLOCK + 3)]
+
+
+async def test_workers_without_kv_events_are_silent_and_scores_flat(namespace, spawn, tiny_model):
+    workers = [worker(spawn, namespace, tiny_model, "--no-kv-events") for _ in range(2)]
+    front = kv_frontend(spawn, namespace)
+    for proc in (*workers, front):
+        proc.wait_ready()
+    url = front.address
+    await eventually(lambda: serving(url, workers), 30, "both workers routed")
+
+    async def both_silent() -> bool:
+        return await metric(url, "dynamo_router_silent_workers") == 2
+
+    await eventually(both_silent, 10, "dynamo_router_silent_workers at 2")
+    logs = front.logs()
+    for w in workers:
+        assert f"instance {w.instance_id:x} of model 'tiny' advertises no KV-event endpoint" in logs
+
+    rng = random.Random(7)
+    for _ in range(FLAT_STREAK):  # every decision has nothing to tell the workers apart
+        await asyncio.to_thread(complete, url, prompt(rng))
+    assert await metric(url, "dynamo_router_flat_decisions_total") >= FLAT_STREAK
+    logs = front.logs()
+    assert "routing was on load alone: the index is empty: 2 worker(s) publish no KV" in logs
+    assert logs.count("routing was on load alone") == 1  # once per period
+
+
+async def test_a_worker_that_never_publishes_turns_silent(namespace, spawn, tiny_model):
+    """Prefix caching off: the worker advertises KV events but never sends one."""
+    talker = worker(spawn, namespace, tiny_model)
+    mute = worker(spawn, namespace, tiny_model, "--no-enable-prefix-caching")
+    front = kv_frontend(spawn, namespace)
+    for proc in (talker, mute, front):
+        proc.wait_ready()
+    url = front.address
+    await eventually(lambda: serving(url, [talker, mute]), 30, "both workers routed")
+    rng = random.Random(8)
+    for _ in range(10):  # until the mute worker has been sent a request (ties are random)
+        got = await asyncio.gather(*(asyncio.to_thread(complete, url, prompt(rng), 16)
+                                     for _ in range(4)))
+        if f"{mute.instance_id:x}" in got:
+            break
+    else:
+        raise AssertionError("no request routed to the mute worker")
+    assert await metric(url, "dynamo_router_silent_workers") == 0  # not yet: it may just be slow
+
+    async def silent() -> bool:
+        return await metric(url, "dynamo_router_silent_workers") == 1
+
+    await eventually(silent, SILENT_AFTER + 10, "the mute worker counted as silent")
+    logs = front.logs()
+    assert f"instance {mute.instance_id:x} of model 'tiny' has published no KV event" in logs
+    assert f"instance {talker.instance_id:x} of model 'tiny' has published" not in logs
+
+
+async def test_a_block_size_mismatch_is_reported(namespace, spawn, tiny_model):
+    first = worker(spawn, namespace, tiny_model)
+    front = kv_frontend(spawn, namespace)
+    for proc in (first, front):
+        proc.wait_ready()
+    url = front.address
+    await eventually(lambda: serving(url, [first]), 30, "the first worker routed")
+    other = worker(spawn, namespace, tiny_model, block=2 * BLOCK).wait_ready()
+    await eventually(lambda: serving(url, [first, other]), 30, "both workers routed")
+
+    async def mismatched() -> bool:
+        return await metric(url, "dynamo_router_mismatched_workers", reason="block_size") == 1
+
+    await eventually(mismatched, 10, "dynamo_router_mismatched_workers at 1")
+    assert (f"instance {other.instance_id:x} uses KV block size {2 * BLOCK} but the router "
+            f"indexes with {BLOCK}") in front.logs()
+
+    rng = random.Random(9)
+    for _ in range(10):  # until the other worker has stored blocks of its size
+        got = await asyncio.gather(*(asyncio.to_thread(complete, url, prompt(rng, 4), 16)
+                                     for _ in range(4)))
+        if f"{other.instance_id:x}" in got:
+            break
+    else:
+        raise AssertionError("no request routed to the mismatched worker")
+
+    async def ignored() -> bool:
+        return await metric(url, "dynamo_router_kv_block_size_mismatches_total") > 0
+
+    await eventually(ignored, 10, "the mismatched worker's KV events counted as ignored")
+    assert "ignored: their block size is not the router's 16" in front.logs()

@@ -1,0 +1,131 @@
+"""Warm restart through real processes: mocker workers cache prefixes (and evict some) before a
+kv-mode frontend or ``python -m router`` starts; the new router gets each worker's full state in
+a dump on subscribe and routes every cached prefix to its worker at once, while the evicted ones
+match nowhere. The workers keep only 2 batches for replay, so no window of recent events could
+bring the state: only the dump can."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.support.http_calls import get
+from tests.support.procs import Proc
+
+BLOCK = 16
+PREFIX_BLOCKS = 6
+
+
+def worker(spawn, namespace, model_dir, blocks: int) -> Proc:
+    return spawn("-m", "dynamo_zmq.worker", "--engine", "mocker", "--model-path", str(model_dir),
+                 "--model-name", "tiny", "--namespace", namespace, "--host", "127.0.0.1",
+                 "--block-size", str(BLOCK), "--num-gpu-blocks-override", str(blocks),
+                 "--kv-replay-buffer-size", "2", "--speedup-ratio", "1000", ready=False)
+
+
+def complete(url: str, tokens: list[int], instance: int | None = None) -> str:
+    """POST a token-id completion (to ``instance`` in direct mode); the x-dynamo-worker header."""
+    headers = {"Content-Type": "application/json"}
+    if instance is not None:
+        headers["x-worker-instance-id"] = f"{instance:x}"
+    body = json.dumps({"model": "tiny", "prompt": tokens, "max_tokens": 4}).encode()
+    req = urllib.request.Request(f"{url}/v1/completions", body, headers)
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        assert resp.status == 200
+        return str(resp.headers["x-dynamo-worker"])
+
+
+async def eventually(check, timeout: float, what: str):
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not (value := await check()):
+        assert loop.time() < deadline, f"{what} not reached in {timeout}s"
+        await asyncio.sleep(0.1)
+    return value
+
+
+async def index_blocks(url: str) -> dict[str, float]:
+    """The KV router's indexed blocks per worker (hex id) of model 'tiny'."""
+    status, page = await asyncio.to_thread(get, f"{url}/metrics")
+    assert status == 200
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(page.decode()):
+        for s in family.samples:
+            if s.name == "dynamo_router_kv_index_blocks" and s.labels.get("model") == "tiny":
+                out[s.labels["worker"]] = out.get(s.labels["worker"], 0) + s.value
+    return out
+
+
+async def serving(url: str, ids: set[str]) -> bool:
+    status, body = await asyncio.to_thread(get, f"{url}/health")
+    return status == 200 and set(json.loads(body)["models"].get("tiny", [])) == ids
+
+
+async def test_a_new_router_routes_prefixes_cached_before_it_started(
+    namespace, spawn, make_runtime, tiny_model
+):
+    # w1 holds 24 blocks: of five 7-block requests, the first's blocks are evicted.
+    w1, w2 = worker(spawn, namespace, tiny_model, 24), worker(spawn, namespace, tiny_model, 256)
+    first = spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
+                  "--router-mode", "direct", ready=False)
+    for proc in (w1, w2, first):
+        proc.wait_ready()
+    ids = {f"{w1.instance_id:x}", f"{w2.instance_id:x}"}
+    await eventually(lambda: serving(first.address, ids), 30, "both workers served")
+
+    rng = random.Random(18)
+
+    def prefix() -> list[int]:
+        return [rng.randrange(10, 500) for _ in range(PREFIX_BLOCKS * BLOCK + 3)]
+
+    on_w1 = [prefix() for _ in range(5)]
+    on_w2 = [prefix() for _ in range(3)]
+    for tokens in on_w1:
+        await asyncio.to_thread(complete, first.address, tokens, w1.instance_id)
+    for tokens in on_w2:
+        await asyncio.to_thread(complete, first.address, tokens, w2.instance_id)
+    evicted, kept = on_w1[0], on_w1[2:]
+
+    # A kv-mode frontend started now routes each kept prefix to the worker that holds it.
+    front = spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
+                  "--router-mode", "kv", ready=False).wait_ready()
+    await eventually(lambda: serving(front.address, ids), 30, "both workers routed")
+
+    async def indexed() -> bool:  # within seconds of start, without any new request
+        blocks = await index_blocks(front.address)
+        return (blocks.get(f"{w1.instance_id:x}", 0) >= len(kept) * PREFIX_BLOCKS
+                and blocks.get(f"{w2.instance_id:x}", 0) >= len(on_w2) * PREFIX_BLOCKS)
+
+    await eventually(indexed, 5, "the workers' cached prefixes in the new frontend's index")
+    for tokens, target in [*((t, w1) for t in kept), *((t, w2) for t in on_w2)]:
+        got = await asyncio.to_thread(complete, front.address, [*tokens[:-3], 7, 8])
+        assert got == f"{target.instance_id:x}/0"
+
+    # So does python -m router; the evicted prefix matches nowhere.
+    spawn("-m", "router", "--namespace", namespace, "--host", "127.0.0.1")
+    client = await make_runtime().endpoint(f"{namespace}.router.best_worker").client()
+    await client.wait_for_instances(timeout=15)
+
+    async def best(tokens: list[int]) -> dict:
+        stream = await client.generate({"model": "tiny", "token_ids": tokens})
+        answers = [r.data() async for r in stream]
+        assert len(answers) == 1
+        return answers[0]
+
+    async def knows_both() -> bool:  # python -m router may discover one worker first
+        try:
+            answers = [await best(on_w2[0]), await best(kept[-1])]
+        except Exception:  # the model is not followed yet
+            return False
+        return all(a["overlap_blocks"] == PREFIX_BLOCKS for a in answers)
+
+    await eventually(knows_both, 20, "python -m router following both workers")
+    for tokens, target in [*((t, w1) for t in kept), *((t, w2) for t in on_w2)]:
+        answer = await best(tokens)
+        assert answer["worker_id"] == target.instance_id
+        assert answer["overlap_blocks"] == PREFIX_BLOCKS
+    assert (await best(evicted))["matches"] == {}
