@@ -17,7 +17,7 @@ import itertools
 from collections.abc import Collection
 from typing import TYPE_CHECKING
 
-from ._keystate import CHILD_SHIFT, KeyState
+from ._keystate import CHILD_SHIFT, HAS_PARENT, MASK64, KeyState
 from .matching import WorkerKey
 
 if TYPE_CHECKING:
@@ -64,7 +64,7 @@ def _evict_key(index: KvIndexer, key: WorkerKey, st: KeyState, want: int,
     if got == 0:  # no leaf (bookkeeping of a poisoned key): oldest first, orphans or not
         for eh in list(itertools.islice(st.e2o, want + 1)):
             if got < want and eh not in protect:
-                _drop(index, key, st, eh)
+                _drop(index, key, st, [eh])
                 got += 1
     return got
 
@@ -73,17 +73,30 @@ def _walk(index: KvIndexer, key: WorkerKey, st: KeyState, hashes: list[int], wan
           protect: set[int | None]) -> int:
     got, e2o = 0, st.e2o
     for start in range(0, len(hashes), want):
+        # Newest to oldest, counting the children this pass removes, so that one removal call
+        # takes a whole chain tail first.
+        victims: list[int] = []
+        gone: dict[int, int] = {}
         for eh in reversed(hashes[start:start + want]):
             packed = e2o.get(eh)
-            if packed is None or packed >> CHILD_SHIFT or eh in protect:
+            if (packed is None or (packed >> CHILD_SHIFT) - gone.get(eh, 0) > 0
+                    or eh in protect):
                 continue
-            _drop(index, key, st, eh)
-            got += 1
-            if got >= want:
-                return got
+            victims.append(eh)
+            if packed & HAS_PARENT:
+                pe = (packed >> 64) & MASK64
+                gone[pe] = gone.get(pe, 0) + 1
+            if got + len(victims) >= want:
+                break
+        _drop(index, key, st, victims)
+        got += len(victims)
+        if got >= want:
+            break
     return got
 
 
-def _drop(index: KvIndexer, key: WorkerKey, st: KeyState, eh: int) -> None:
-    st.dups.pop(eh, None)  # every reference goes
-    index.apply_removed(key, [eh])
+def _drop(index: KvIndexer, key: WorkerKey, st: KeyState, hashes: list[int]) -> None:
+    dups = st.dups
+    for eh in hashes:
+        dups.pop(eh, None)  # every reference goes
+    index.apply_removed(key, hashes)
