@@ -35,6 +35,7 @@ class IndexerStats(msgspec.Struct, gc=False):
     block_size_mismatch: int = 0
     unknown_removed: int = 0
     refused: int = 0
+    evicted: int = 0
     bad_tokens: int = 0
     clears: int = 0
 

@@ -93,6 +93,7 @@ class InstanceFollower:
         self._instances: dict[int, _Instance] = {}
         #: The router's self-checks (block size, silent workers, flat scores).
         self.diagnostics = Diagnostics(metrics, model, block_size, events)
+        self._evicted = 0  # the index's evictions already counted in the metric
 
     def start(self) -> None:
         self._res.spawn(self._follow(), f"kv-router-{self._model or self.client.path}")
@@ -213,6 +214,11 @@ class InstanceFollower:
                 blocks = self._indexer.num_blocks(key)
                 m.index_blocks.labels(model, f"{iid:x}", str(rank)).set(blocks)
                 m.active_blocks.labels(model, f"{iid:x}", str(rank)).set(self._loads.load(key))
+        if isinstance(self._indexer, KvIndexer):
+            m.index_size.labels(model).set(self._indexer.num_blocks())
+            evicted = self._indexer.stats.evicted
+            m.index_evicted.labels(model).inc(evicted - self._evicted)
+            self._evicted = evicted
 
     async def _follow(self) -> None:
         while True:

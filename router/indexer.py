@@ -33,10 +33,11 @@ Conservative handling (never index data the event does not prove):
   keys (multimodal, cache salt) get salted hashes. Neither ever matches a plain token prompt;
   ``find_matches(tokens, lora=...)`` matches an adapter's blocks. ``medium`` (GPU/CPU) and vLLM's
   ``group_idx`` are not distinguished: a block held on any medium counts as held.
-* Capacity: at most ``max_blocks`` (key, engine hash) entries. Stores beyond it are refused
-  (``stats.refused``), never evicting others: the index then under-reports matches, which only
-  costs cache hits, never routes on wrong data. Engines' caches are bounded, so the bound is a
-  safety net against runaway or hostile publishers, not a cache policy.
+* Capacity: at most ``max_blocks`` (key, engine hash) entries. By default stores beyond it are
+  refused (``stats.refused``), never evicting others: the index then under-reports matches, which
+  only costs cache hits, never routes on wrong data. With ``evict_oldest`` (the router's
+  ``--kv-index-max-blocks``) a store that would pass the cap first evicts the oldest blocks
+  (``stats.evicted``; ``router._evict``): an evicted block is simply no longer credited.
 
 Memory: ``bytes_per_block()`` computes the live figure (``router._index_stats``).
 """
@@ -52,6 +53,7 @@ from typing import Any
 
 import xxhash
 
+from ._evict import evict_oldest
 from ._index_stats import IndexerStats as IndexerStats
 from ._index_stats import bytes_per_block
 from ._keystate import CHILD as _CHILD
@@ -88,15 +90,19 @@ class KvIndexer:
     Args:
         block_size: tokens per block; events with another block size are ignored.
         max_blocks: bound on (key, engine hash) entries; stores beyond it are refused.
+        evict_oldest: stores beyond ``max_blocks`` evict the oldest blocks instead of being
+            refused (see ``router._evict``).
     """
 
-    def __init__(self, block_size: int, max_blocks: int = DEFAULT_MAX_BLOCKS) -> None:
+    def __init__(self, block_size: int, max_blocks: int = DEFAULT_MAX_BLOCKS, *,
+                 evict_oldest: bool = False) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if max_blocks <= 0:
             raise ValueError(f"max_blocks must be positive, got {max_blocks}")
         self.block_size = block_size
         self.max_blocks = max_blocks
+        self.evict_oldest = evict_oldest
         self.stats = IndexerStats()
         self._masks: dict[int, int] = {}
         self._dirty = 0  # bits of the keys with orphans (or poisoned)
@@ -176,6 +182,9 @@ class KvIndexer:
                 stats.unknown_parent += 1
                 return
             seed = packed & _MASK64
+        if self._total + n > self.max_blocks and self.evict_oldest:
+            evict_oldest(self, key, self._total + n - self.max_blocks, parent_engine_hash,
+                         engine_hashes)
         if n == 1 and (extra_keys is None or extra_keys == _NO_EXTRA):
             eh = engine_hashes[0]
             if eh not in e2o and self._total < self.max_blocks and eh not in st.orphan_parents:

@@ -66,6 +66,15 @@ class KvRouterConfig:
     #: on top of it (the engine may not have held them yet when it measured; a few of the
     #: workers' 0.1 s publish intervals) [--load-report-grace].
     load_report_grace: float = 0.3
+    #: Cap on the KV index's (worker, block) entries; when full the oldest blocks are evicted.
+    #: None: no cap but the index's safety bound, which refuses [--kv-index-max-blocks].
+    index_max_blocks: int | None = None
+
+
+def _kv_indexer(block_size: int, max_blocks: int | None) -> KvIndexer:
+    if max_blocks is None:
+        return KvIndexer(block_size)
+    return KvIndexer(block_size, max_blocks, evict_oldest=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +159,7 @@ class KvRouter:
         self.scheduler = scheduler or Scheduler(cfg.overlap_score_weight, cfg.router_temperature)
         self.loads = LoadTracker(report_ttl=cfg.load_report_ttl, report_grace=cfg.load_report_grace)
         self.indexer: KvIndexer | ApproxIndexer = (
-            KvIndexer(block_size)
+            _kv_indexer(block_size, cfg.index_max_blocks)
             if cfg.use_kv_events
             else ApproxIndexer(block_size, cfg.approx_ttl)
         )

@@ -76,6 +76,14 @@ class RouterMetrics:
             "dynamo_router_kv_index_blocks", "Blocks indexed per worker and data-parallel rank",
             [*m, "worker", "dp_rank"], registry=r,
         )
+        self.index_size = Gauge(
+            "dynamo_router_kv_index_size_blocks",
+            "Blocks in the KV index, all workers (at most --kv-index-max-blocks)", m, registry=r,
+        )
+        self.index_evicted = Counter(
+            "dynamo_router_kv_index_evicted_blocks",
+            "Blocks evicted from the KV index at its cap (--kv-index-max-blocks)", m, registry=r,
+        )
         self.active_blocks = Gauge(
             "dynamo_router_predicted_active_blocks", "Predicted active blocks per worker and rank",
             [*m, "worker", "dp_rank"], registry=r,

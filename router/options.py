@@ -15,8 +15,8 @@ __all__ = ["add_kv_router_args", "check_kv_router_args", "kv_router_options"]
 
 def add_kv_router_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """``--kv-overlap-score-weight``, ``--router-temperature``, ``--no-kv-events``,
-    ``--router-ttl``, ``--load-report-ttl`` and ``--load-report-grace`` (each with its DYN_*
-    variable)."""
+    ``--router-ttl``, ``--load-report-ttl``, ``--load-report-grace`` and ``--kv-index-max-blocks``
+    (each with its DYN_* variable)."""
     env = os.environ.get
     parser.add_argument(
         "--kv-overlap-score-weight", type=float, default=env("DYN_KV_OVERLAP_SCORE_WEIGHT", "1.0"),
@@ -51,12 +51,19 @@ def add_kv_router_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup
         help="kv routing: requests routed this long before a load report stay counted on top of "
              "it, since the engine may not hold them yet (>= 0, < the TTL) [DYN_LOAD_REPORT_GRACE]",
     )
+    parser.add_argument(
+        "--kv-index-max-blocks", type=int, default=env("DYN_KV_INDEX_MAX_BLOCKS", "0"),
+        metavar="N",
+        help="kv routing: at most N (worker, block) entries in the KV index; when full, the "
+             "oldest blocks are evicted (no longer credited). 0: no cap but the built-in "
+             "safety bound, which refuses new blocks [DYN_KV_INDEX_MAX_BLOCKS]",
+    )
 
 
 def check_kv_router_args(args: argparse.Namespace) -> None:
     """Raises InvalidArgument for a weight or temperature that is negative or not finite, or
     load-report timings that cannot work (a TTL a report could expire within between two sends,
-    a grace outside it)."""
+    a grace outside it), a negative index cap."""
     check_number("--kv-overlap-score-weight", args.kv_overlap_score_weight)
     check_number("--router-temperature", args.router_temperature)
     check_number("--router-ttl", args.router_ttl, positive=True)
@@ -64,6 +71,10 @@ def check_kv_router_args(args: argparse.Namespace) -> None:
         raise InvalidArgument(
             f"--load-report-ttl must be > {MAX_LOAD_INTERVAL:g} s (the slowest worker "
             f"--load-interval), got {args.load_report_ttl}"
+        )
+    if args.kv_index_max_blocks < 0:
+        raise InvalidArgument(
+            f"--kv-index-max-blocks must be >= 0 (0: no cap), got {args.kv_index_max_blocks}"
         )
     if not 0 <= args.load_report_grace < args.load_report_ttl:
         raise InvalidArgument(
@@ -81,4 +92,5 @@ def kv_router_options(args: argparse.Namespace) -> dict[str, Any]:
         "approx_ttl": args.router_ttl,
         "load_report_ttl": args.load_report_ttl,
         "load_report_grace": args.load_report_grace,
+        "index_max_blocks": args.kv_index_max_blocks or None,
     }

@@ -575,3 +575,56 @@ IndexerMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 test_indexer_matches_brute_force_model = IndexerMachine.TestCase
+
+
+CAP = 6  # stores are at most 5 blocks: eviction can always make room, nothing is refused
+
+
+class CappedIndexerMachine(IndexerMachine):
+    """The same interleavings on an index capped at ``CAP`` blocks that evicts the oldest.
+
+    After each step the model drops the blocks the index evicted (each one counted in
+    ``stats.evicted``, and only when the index was full): every invariant above then compares
+    the index with the model restricted to the blocks not evicted, so an evicted block is never
+    credited and no other block is lost."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.idx = KvIndexer(SBS, max_blocks=CAP, evict_oldest=True)
+        self.evicted = 0
+
+    def _apply(self, key: WorkerKey, hashes: list[int], parent: int | None, tokens: list[int],
+               block_size: int, via_batch: bool) -> None:
+        before = self.idx.num_blocks()
+        super()._apply(key, hashes, parent, tokens, block_size, via_batch)
+        gone = [(k, h) for k, held in self.model.keys.items() for h in held
+                if h not in self.idx._state[k].e2o]
+        for k, h in gone:
+            del self.model.keys[k][h]
+        assert self.idx.stats.evicted - self.evicted == len(gone)
+        assert not gone or before + len(hashes) > CAP  # evicts only when full
+        self.evicted = self.idx.stats.evicted
+
+    @invariant()
+    def within_cap(self) -> None:
+        assert self.idx.num_blocks() <= CAP and self.idx.stats.refused == 0
+
+
+CappedIndexerMachine.TestCase.settings = IndexerMachine.TestCase.settings
+test_capped_indexer_matches_model_without_evicted = CappedIndexerMachine.TestCase
+
+
+def test_cap_evicts_oldest_leaves_first_and_keeps_routing() -> None:
+    idx = KvIndexer(BS, max_blocks=6, evict_oldest=True)
+    old, new = _toks(4), [t + 1000 for t in _toks(4)]
+    idx.apply_stored((1, 0), [1, 2, 3, 4], None, old, BS)
+    idx.apply_stored((2, 0), [5, 6], None, new[:2 * BS], BS)
+    idx.apply_stored((2, 0), [7, 8], 6, new[2 * BS:], BS)  # full: (1, 0) is the largest key
+    assert idx.num_blocks() == 6 and idx.stats.evicted == 2 and idx.stats.refused == 0
+    assert idx.find_matches(old) == {(1, 0): 2}  # its chain lost its tail, kept its prefix
+    assert idx.find_matches(new) == {(2, 0): 4}
+    assert idx._dirty == 0  # no orphans: the binary-searched lookup stays valid
+    idx.apply_removed((1, 0), [3, 4])  # the engine's own removal of evicted blocks: unknown
+    assert idx.stats.unknown_removed == 2 and idx.stats.removed_blocks == 0
+    with pytest.raises(ValueError):
+        KvIndexer(BS, max_blocks=0, evict_oldest=True)
