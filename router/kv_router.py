@@ -102,6 +102,11 @@ class Decision:
         }
 
 
+def _remote_decode(request: PreprocessedRequest) -> bool:
+    params = request.disaggregated_params
+    return params is not None and bool(params.get("do_remote_decode"))
+
+
 class KvRouter:
     """Routes one model's requests to the (worker, rank) with the cheapest Dynamo cost.
 
@@ -196,7 +201,8 @@ class KvRouter:
                     )
                     break
                 except AllBusy:
-                    pass
+                    if _remote_decode(request):  # a disaggregated prefill: prefilled locally
+                        raise errors.Overloaded("every prefill worker is busy") from None
             await self.queue.admit(lambda: self._any_free(exclude), context)
             my_turn = True
         ctx = first.context  # not ``first``: the hook must not keep the stream alive
