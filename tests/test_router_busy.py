@@ -138,14 +138,12 @@ async def test_busy_workers_are_skipped_then_requests_wait_then_503(busy_cluster
     # 2. Another long request makes the other worker (y) busy too.
     second = asyncio.create_task(asyncio.to_thread(complete, url, prompt(LONG_PROMPT_BLOCKS),
                                                    LONG_OUTPUT))
-    y = got
 
-    async def running_on_y() -> bool:  # its worker reports the long request's blocks active
+    async def routed() -> bool:  # the first three requests routed, the third to y
         text = await metrics_of(url)
-        n = metric(text, "dynamo_router_reported_active_blocks", model="tiny", worker=y)
-        return n is not None and n >= LONG_PROMPT_BLOCKS
+        return metric(text, "dynamo_router_decisions_total", model="tiny") == 3
 
-    await eventually(running_on_y, 30, "the second long request running on the other worker")
+    await eventually(routed, 30, "the second long request routed")
 
     # 3. Every worker busy: the next requests wait in the frontend (sent nowhere yet) ...
     waiting = [asyncio.create_task(asyncio.to_thread(complete, url, prompt(2), 2))
@@ -156,7 +154,6 @@ async def test_busy_workers_are_skipped_then_requests_wait_then_503(busy_cluster
         return metric(text, "dynamo_router_busy_queued_requests", model="tiny") == QUEUE
 
     await eventually(queued, 30, f"{QUEUE} requests queued")
-    assert not first.done() and not second.done()
 
     # 4. ... and beyond the queue's bound one is refused: 503, Retry-After, OpenAI's shape.
     status, retry_after, body = await asyncio.to_thread(raw_completion, url, prompt(2))
@@ -170,10 +167,64 @@ async def test_busy_workers_are_skipped_then_requests_wait_then_503(busy_cluster
     for done in await asyncio.wait_for(asyncio.gather(first, second, *waiting), 100):
         assert done[0] in ids
     assert [n for _, n in [first.result(), second.result()]] == [LONG_OUTPUT] * 2
+    assert second.result()[0] != x  # the second long request went to the free worker
     text = await metrics_of(url)
     assert metric(text, "dynamo_router_busy_queued_requests", model="tiny") == 0
     assert metric(text, "dynamo_router_busy_rejected_total", model="tiny") == 1
-    assert metric(text, "dynamo_router_busy_wait_seconds_count", model="tiny") == QUEUE
+    waited = metric(text, "dynamo_router_busy_wait_seconds_count", model="tiny")
+    assert waited is not None and waited >= QUEUE
+
+
+async def test_unprefilled_prompt_tokens_make_a_worker_busy(namespace, spawn, tiny_model):
+    """``--busy-prefill-tokens``: a worker still prefilling a long prompt takes nothing new (the
+    KV bound off); with both workers prefilling, the next request waits, and the one after is
+    refused."""
+    workers = [
+        spawn("-m", "dynamo_zmq.worker", "--engine", "mocker", "--model-path", str(tiny_model),
+              "--model-name", "tiny", "--namespace", namespace, "--host", "127.0.0.1",
+              "--block-size", str(BLOCK), "--speedup-ratio", "0.005", ready=False)
+        for _ in range(2)
+    ]
+    front = spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
+                  "--router-mode", "kv", "--busy-kv-threshold", "0",
+                  "--busy-prefill-tokens", "500", "--busy-queue-size", "1",
+                  "--busy-queue-timeout", "60", ready=False)
+    for proc in [*workers, front]:
+        proc.wait_ready()
+    url = front.address
+    ids = {f"{w.instance_id:x}" for w in workers}
+
+    async def serving() -> bool:
+        status, body = await asyncio.to_thread(get, f"{url}/health")
+        return status == 200 and set(json.loads(body)["models"].get("tiny", [])) == ids
+
+    await eventually(serving, 30, "both workers serving")
+    rng = random.Random(7)
+
+    def prompt(tokens: int) -> list[int]:
+        return [rng.randrange(10, 500) for _ in range(tokens)]
+
+    # Two long prompts (seconds of prefill each at this speed) take one worker each.
+    longs = [asyncio.create_task(asyncio.to_thread(complete, url, prompt(1000), 1))
+             for _ in range(2)]
+
+    async def routed() -> bool:
+        text = await metrics_of(url)
+        return metric(text, "dynamo_router_decisions_total", model="tiny") == 2
+
+    await eventually(routed, 30, "both long prompts routed")
+    short = asyncio.create_task(asyncio.to_thread(complete, url, prompt(BLOCK), 1))
+
+    async def queued() -> bool:
+        text = await metrics_of(url)
+        return metric(text, "dynamo_router_busy_queued_requests", model="tiny") == 1
+
+    await eventually(queued, 30, "the short request queued")
+    status, retry_after, body = await asyncio.to_thread(raw_completion, url, prompt(BLOCK))
+    assert status == 503 and retry_after is not None, body
+    served = await asyncio.wait_for(asyncio.gather(*longs, short), 100)
+    assert {w for w, _ in served[:2]} == ids  # one long prompt per worker, never both on one
+    assert served[2][0] in ids
 
 
 # -- the busy rule and the wait queue on their own (real objects) ------------------------------
