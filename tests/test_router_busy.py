@@ -6,11 +6,14 @@ wait queue on their own (real objects)."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import http.client
 import json
 import random
 import re
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -19,6 +22,7 @@ from openai import OpenAI
 from dynamo_zmq import errors
 from router.busy import AdmissionQueue, BusyPolicy, PrefillTokens
 from router.metrics import RouterMetrics
+from router.options import add_kv_router_args, kv_router_options
 from router.scheduler import LoadTracker
 from tests.support.http_calls import get
 
@@ -225,6 +229,32 @@ async def test_unprefilled_prompt_tokens_make_a_worker_busy(namespace, spawn, ti
     served = await asyncio.wait_for(asyncio.gather(*longs, short), 100)
     assert {w for w, _ in served[:2]} == ids  # one long prompt per worker, never both on one
     assert served[2][0] in ids
+
+
+@pytest.mark.parametrize("main", ["router", "dynamo_zmq.frontend"])
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--busy-kv-threshold", "nan"], "--busy-kv-threshold must be a finite number"),
+    (["--busy-kv-threshold", "-0.5"], "--busy-kv-threshold must be a finite number"),
+    (["--busy-prefill-tokens", "-1"], "--busy-prefill-tokens must be >= 0"),
+    (["--busy-queue-size", "-1"], "--busy-queue-size must be >= 0"),
+    (["--busy-queue-timeout", "0"], "--busy-queue-timeout must be a finite number > 0"),
+])
+def test_busy_flags_that_cannot_work_are_refused(main, flags, message):
+    mode = ["--router-mode", "kv"] if main == "dynamo_zmq.frontend" else []
+    res = subprocess.run([sys.executable, "-m", main, *mode, *flags],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and message in res.stderr
+
+
+def test_busy_flags_have_env_equivalents(monkeypatch):
+    for var, value in (("DYN_BUSY_KV_THRESHOLD", "0.8"), ("DYN_BUSY_PREFILL_TOKENS", "4096"),
+                       ("DYN_BUSY_QUEUE_SIZE", "7"), ("DYN_BUSY_QUEUE_TIMEOUT", "2.5")):
+        monkeypatch.setenv(var, value)
+    parser = argparse.ArgumentParser()
+    add_kv_router_args(parser)
+    got = kv_router_options(parser.parse_args([]))
+    assert (got["busy_kv_threshold"], got["busy_prefill_tokens"], got["busy_queue_size"],
+            got["busy_queue_timeout"]) == (0.8, 4096, 7, 2.5)
 
 
 # -- the busy rule and the wait queue on their own (real objects) ------------------------------
