@@ -11,6 +11,7 @@ The wire carries ``(kind, message)``; ``from_wire`` rebuilds the same class on t
     ├── ResponseTimeout              the peer stopped answering within the deadline
     ├── Cancelled                    the caller stopped or killed the request
     ├── EngineShutdown               the worker is draining and admits nothing new (retryable)
+    ├── Overloaded                   every worker is busy and the wait queue is full or timed out
     ├── StreamIncomplete             a stream ended without its terminal or with a sequence gap
     ├── Unsupported                  the engine or endpoint does not offer the operation
     └── Unknown                      anything else, including a handler's unexpected exception
@@ -26,6 +27,7 @@ __all__ = [
     "DynamoError",
     "EngineShutdown",
     "InvalidArgument",
+    "Overloaded",
     "ResponseTimeout",
     "StreamIncomplete",
     "Unknown",
@@ -96,6 +98,18 @@ class EngineShutdown(DynamoError):
     retryable = True
 
 
+class Overloaded(DynamoError):
+    """Every worker is busy and the request could not wait for one (the router's wait queue is
+    full, or the request waited its bound). ``retry_after``: seconds after which a retry may
+    succeed (not carried on the wire)."""
+
+    kind = "Overloaded"
+
+    def __init__(self, message: str = "", retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class StreamIncomplete(DynamoError):
     """A stream ended without exactly one terminal, or items were lost or reordered."""
 
@@ -126,6 +140,7 @@ _BY_KIND: dict[str, type[DynamoError]] = {
         ResponseTimeout,
         Cancelled,
         EngineShutdown,
+        Overloaded,
         StreamIncomplete,
         Unsupported,
         Unknown,

@@ -185,7 +185,9 @@ class InstanceFollower:
             return
         gauge = self._metrics.reported_blocks
         for rank in ranks:
-            self._loads.report((worker_id, rank.dp_rank), rank.active_blocks, measured_at)
+            self._loads.report(
+                (worker_id, rank.dp_rank), rank.active_blocks, measured_at, rank.total_blocks
+            )
             gauge.labels(self._model, f"{worker_id:x}", str(rank.dp_rank)).set(rank.active_blocks)
 
     async def _remove(self, iid: int) -> None:

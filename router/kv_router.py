@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,11 +32,13 @@ from dynamo_zmq.transport import PeerConnection, ResponseStream, item_decoder
 from dynamo_zmq.wire import encode_item
 
 from .approx import DEFAULT_TTL, ApproxIndexer
+from .busy import AdmissionQueue, BusyPolicy, PrefillTokens
 from .following import MAX_DP_SIZE, InstanceFollower
 from .hashing import block_hashes
 from .indexer import KvIndexer
 from .load import LoadSubscriber
 from .metrics import RouterMetrics
+from .placement import AllBusy, Placement
 from .scheduler import REPORT_TTL, Candidate, LoadTracker, Route, Scheduler, Selection
 from .subscriber import KvEventSubscriber
 
@@ -69,6 +72,14 @@ class KvRouterConfig:
     #: Cap on the KV index's (worker, block) entries; when full the oldest blocks are evicted.
     #: None: no cap but the index's safety bound, which refuses [--kv-index-max-blocks].
     index_max_blocks: int | None = None
+    #: A rank is busy above this fraction of its KV blocks active (0: off) [--busy-kv-threshold].
+    busy_kv_threshold: float = 0.95
+    #: ... or above this many prompt tokens not yet prefilled (0: off) [--busy-prefill-tokens].
+    busy_prefill_tokens: int = 0
+    #: Requests that may wait while every rank is busy [--busy-queue-size].
+    busy_queue_size: int = 1024
+    #: Seconds one may wait before its 503 [--busy-queue-timeout].
+    busy_queue_timeout: float = 30.0
 
 
 def _kv_indexer(block_size: int, max_blocks: int | None) -> KvIndexer:
@@ -100,27 +111,9 @@ class Decision:
         }
 
 
-class _Placement:
-    """The load one routed request holds: the route of its current attempt, released once."""
-
-    __slots__ = ("_loads", "_route")
-
-    def __init__(self, loads: LoadTracker) -> None:
-        self._loads = loads
-        self._route: Route | None = None
-
-    def hold(self, route: Route) -> None:
-        self.release()
-        self._route = route
-
-    def release(self) -> None:
-        route, self._route = self._route, None
-        if route is not None:
-            self._loads.release(route)
-
-    def on_output(self, out: LLMEngineOutput) -> None:
-        if out.finish_reason is not None:
-            self.release()
+def _remote_decode(request: PreprocessedRequest) -> bool:
+    params = request.disaggregated_params
+    return params is not None and bool(params.get("do_remote_decode"))
 
 
 class KvRouter:
@@ -158,6 +151,13 @@ class KvRouter:
         self.metrics = metrics or RouterMetrics()
         self.scheduler = scheduler or Scheduler(cfg.overlap_score_weight, cfg.router_temperature)
         self.loads = LoadTracker(report_ttl=cfg.load_report_ttl, report_grace=cfg.load_report_grace)
+        self.busy = BusyPolicy(cfg.busy_kv_threshold, cfg.busy_prefill_tokens)
+        self.prefill = PrefillTokens()
+        self.queue = AdmissionQueue(
+            cfg.busy_queue_size, cfg.busy_queue_timeout, self.metrics, model
+        )
+        if self.busy.enabled:
+            self.loads.on_change = self.queue.notify
         self.indexer: KvIndexer | ApproxIndexer = (
             _kv_indexer(block_size, cfg.index_max_blocks)
             if cfg.use_kv_events
@@ -195,13 +195,25 @@ class KvRouter:
 
         Raises:
             CannotConnect: no live instance could take the request.
+            Overloaded: every (worker, rank) stayed busy past the wait queue's bounds.
         """
         hashes = self._hashes(request.token_ids)
-        placement = _Placement(self.loads)
+        placement = Placement(self.loads, self.prefill)
         timeouts = (timeout, idle_timeout)
-        first = await self._send(
-            request, hashes, exclude, placement, context, timeouts, exclude
-        )
+        admit = self.busy.enabled
+        my_turn = not self.queue
+        while True:
+            if my_turn:
+                try:
+                    first = await self._send(
+                        request, hashes, exclude, placement, context, timeouts, exclude, admit
+                    )
+                    break
+                except AllBusy:
+                    if _remote_decode(request):  # a disaggregated prefill: prefilled locally
+                        raise errors.Overloaded("every prefill worker is busy") from None
+            await self.queue.admit(lambda: self._any_free(exclude), context)
+            my_turn = True
         ctx = first.context  # not ``first``: the hook must not keep the stream alive
 
         async def reopen(tried: frozenset[int]) -> ResponseStream[LLMEngineOutput] | None:
@@ -215,7 +227,11 @@ class KvRouter:
         # The load is released once: at the engine's terminal output, or when the stream is
         # done with however it ends (even dropped unread); a re-route moves it to the new
         # attempt's (worker, rank).
-        first.set_on_item(placement.on_output)
+        if self.busy.prefill_tokens > 0:
+            placement.stream = weakref.ref(first)
+            first.set_on_item(placement.on_first_output)
+        else:
+            first.set_on_item(placement.on_output)
         first.set_on_release(placement.release)
         return failover(first, reopen, exclude)
 
@@ -255,17 +271,19 @@ class KvRouter:
         request: PreprocessedRequest,
         hashes: list[int],
         tried: frozenset[int],
-        placement: _Placement,
+        placement: Placement,
         context: Context | None,
         timeouts: tuple[float | None, float | None],
         excluded: frozenset[int] = frozenset(),
+        admit: bool = False,
     ) -> ResponseStream[LLMEngineOutput]:
         """Route and send one attempt, moving on from workers that cannot be reached
         (``timeouts``: the request's deadline and idle timeout; ``excluded``: the workers the
-        caller ruled out, which are in ``tried`` but count as no attempt)."""
+        caller ruled out, which are in ``tried`` but count as no attempt; ``admit``: raise
+        ``AllBusy`` rather than route to a busy rank)."""
         exclude = set(tried)
         while True:
-            decision, route = self._route(request, hashes, exclude)
+            decision, route = self._route(request, hashes, exclude, admit)
             try:
                 stream = await self.client.open(
                     encode_item(request), _decode_output, decision.worker_id, context=context,
@@ -277,18 +295,39 @@ class KvRouter:
                 if len(exclude - excluded) >= MAX_ATTEMPTS:
                     raise
                 continue
-            placement.hold(route)
+            placement.hold(route, self._prefill_tokens(request, decision))
             return stream
 
     def _hashes(self, token_ids: Sequence[int]) -> list[int]:
         return block_hashes(token_ids, self.block_size)
 
+    def _prefill_tokens(self, request: PreprocessedRequest, decision: Decision) -> int:
+        if self.busy.prefill_tokens <= 0:
+            return 0
+        return max(0, len(request.token_ids) - decision.overlap_blocks * self.block_size)
+
+    def _any_free(self, exclude: frozenset[int]) -> bool:
+        """Whether some live (worker, rank) outside ``exclude`` is not busy."""
+        busy, loads, prefill = self.busy.is_busy, self.loads, self.prefill
+        return any(not busy(c, loads, prefill) for c in self.candidates(exclude))
+
     def _decide(
-        self, hashes: list[int], exclude: set[int] | frozenset[int], overlap: bool = True
+        self,
+        hashes: list[int],
+        exclude: set[int] | frozenset[int],
+        overlap: bool = True,
+        admit: bool = False,
     ) -> tuple[Decision, Selection]:
         candidates = self.candidates(exclude)
         if not candidates:
             raise errors.CannotConnect(f"no live instance of {self.path}")
+        if self.busy.enabled:  # busy ranks take nothing while another can
+            busy, loads, prefill = self.busy.is_busy, self.loads, self.prefill
+            free = [c for c in candidates if not busy(c, loads, prefill)]
+            if free:
+                candidates = free
+            elif admit:
+                raise AllBusy
         matches = self.indexer.find_matches_for_hashes(hashes) if overlap else {}
         sel = self.scheduler.select(candidates, len(hashes), matches, self.loads.load)
         live = set(candidates)
@@ -302,14 +341,15 @@ class KvRouter:
         return decision, sel
 
     def _route(
-        self, request: PreprocessedRequest, hashes: list[int], exclude: set[int]
+        self, request: PreprocessedRequest, hashes: list[int], exclude: set[int],
+        admit: bool = False,
     ) -> tuple[Decision, Route]:
         started = time.perf_counter()
         # A decode worker that pulls the prompt's KV from a prefill worker (disaggregation)
         # prefills nothing: cached blocks earn it no credit, it is chosen by load.
         params = request.disaggregated_params
         remote = params is not None and bool(params.get("do_remote_prefill"))
-        decision, sel = self._decide(hashes, exclude, not remote)
+        decision, sel = self._decide(hashes, exclude, not remote, admit)
         request.routing.dp_rank = decision.dp_rank
         request.routing.overlap_blocks = decision.overlap_blocks
         route = self.loads.add(sel.candidate, hashes, self._expected_output_blocks(request))

@@ -13,6 +13,7 @@ __all__ = ["RouterMetrics"]
 
 _LATENCY = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 _LAG = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+_WAIT = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _RATIO = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
 
@@ -92,6 +93,19 @@ class RouterMetrics:
             "dynamo_router_reported_active_blocks",
             "Active blocks per worker and rank in the worker's last load report",
             [*m, "worker", "dp_rank"], registry=r,
+        )
+        self.busy_queued = Gauge(
+            "dynamo_router_busy_queued_requests",
+            "Requests waiting because every worker is busy", m, registry=r,
+        )
+        self.busy_rejected = Counter(
+            "dynamo_router_busy_rejected",
+            "Requests refused (503) because every worker stayed busy",
+            m, registry=r,
+        )
+        self.busy_wait = Histogram(
+            "dynamo_router_busy_wait_seconds", "Time a request waited for a non-busy worker", m,
+            buckets=_WAIT, registry=r,
         )
 
         self.mismatched_workers = Gauge(

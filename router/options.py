@@ -15,8 +15,9 @@ __all__ = ["add_kv_router_args", "check_kv_router_args", "kv_router_options"]
 
 def add_kv_router_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """``--kv-overlap-score-weight``, ``--router-temperature``, ``--no-kv-events``,
-    ``--router-ttl``, ``--load-report-ttl``, ``--load-report-grace`` and ``--kv-index-max-blocks``
-    (each with its DYN_* variable)."""
+    ``--router-ttl``, ``--load-report-ttl``, ``--load-report-grace``, ``--kv-index-max-blocks``
+    and the busy-worker bounds ``--busy-kv-threshold``, ``--busy-prefill-tokens``,
+    ``--busy-queue-size`` and ``--busy-queue-timeout`` (each with its DYN_* variable)."""
     env = os.environ.get
     parser.add_argument(
         "--kv-overlap-score-weight", type=float, default=env("DYN_KV_OVERLAP_SCORE_WEIGHT", "1.0"),
@@ -58,6 +59,29 @@ def add_kv_router_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup
              "oldest blocks are evicted (no longer credited). 0: no cap but the built-in "
              "safety bound, which refuses new blocks [DYN_KV_INDEX_MAX_BLOCKS]",
     )
+    parser.add_argument(
+        "--busy-kv-threshold", type=float, default=env("DYN_BUSY_KV_THRESHOLD", "0.95"),
+        metavar="FRACTION",
+        help="kv routing: a worker rank whose active KV blocks exceed this fraction of its total "
+             "takes no new request while another can (0 = off) [DYN_BUSY_KV_THRESHOLD]",
+    )
+    parser.add_argument(
+        "--busy-prefill-tokens", type=int, default=env("DYN_BUSY_PREFILL_TOKENS", "0"),
+        metavar="N",
+        help="kv routing: ... or whose prompt tokens routed and not yet prefilled exceed N "
+             "(0 = no bound) [DYN_BUSY_PREFILL_TOKENS]",
+    )
+    parser.add_argument(
+        "--busy-queue-size", type=int, default=env("DYN_BUSY_QUEUE_SIZE", "1024"), metavar="N",
+        help="kv routing: requests that may wait while every worker is busy; beyond, 503 with "
+             "Retry-After (0 = none wait) [DYN_BUSY_QUEUE_SIZE]",
+    )
+    parser.add_argument(
+        "--busy-queue-timeout", type=float, default=env("DYN_BUSY_QUEUE_TIMEOUT", "30"),
+        metavar="SECONDS",
+        help="kv routing: how long a request waits for a non-busy worker before its 503 "
+             "[DYN_BUSY_QUEUE_TIMEOUT]",
+    )
 
 
 def check_kv_router_args(args: argparse.Namespace) -> None:
@@ -67,6 +91,12 @@ def check_kv_router_args(args: argparse.Namespace) -> None:
     check_number("--kv-overlap-score-weight", args.kv_overlap_score_weight)
     check_number("--router-temperature", args.router_temperature)
     check_number("--router-ttl", args.router_ttl, positive=True)
+    check_number("--busy-kv-threshold", args.busy_kv_threshold)
+    check_number("--busy-queue-timeout", args.busy_queue_timeout, positive=True)
+    for flag, value in (("--busy-prefill-tokens", args.busy_prefill_tokens),
+                        ("--busy-queue-size", args.busy_queue_size)):
+        if value < 0:
+            raise InvalidArgument(f"{flag} must be >= 0, got {value}")
     if not args.load_report_ttl > MAX_LOAD_INTERVAL:  # (also refuses NaN)
         raise InvalidArgument(
             f"--load-report-ttl must be > {MAX_LOAD_INTERVAL:g} s (the slowest worker "
@@ -93,4 +123,8 @@ def kv_router_options(args: argparse.Namespace) -> dict[str, Any]:
         "load_report_ttl": args.load_report_ttl,
         "load_report_grace": args.load_report_grace,
         "index_max_blocks": args.kv_index_max_blocks or None,
+        "busy_kv_threshold": args.busy_kv_threshold,
+        "busy_prefill_tokens": args.busy_prefill_tokens,
+        "busy_queue_size": args.busy_queue_size,
+        "busy_queue_timeout": args.busy_queue_timeout,
     }

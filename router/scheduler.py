@@ -202,6 +202,7 @@ class Route:
 class _Load:
     __slots__ = (
         "blocks", "epoch", "extra", "freed", "recent", "reported", "reported_at", "since_report",
+        "total",
     )
 
     def __init__(self) -> None:
@@ -213,6 +214,7 @@ class _Load:
         self.since_report = 0  # blocks of requests routed after the last report, still active
         self.recent: deque[Route] = deque()  # routes of the last grace period, oldest first
         self.freed: deque[tuple[float, int]] = deque()  # (when, blocks) of recent releases
+        self.total = 0  # the rank's KV blocks in all, from its reports (0: unknown)
 
 
 def _forget_releases(state: _Load, now: float) -> None:
@@ -241,6 +243,9 @@ class LoadTracker:
         self._report_ttl = report_ttl
         self._report_grace = report_grace
         self._clock = clock
+        #: Called after a release and after a report (load may have dropped; the router's wait
+        #: queue looks again). None: nothing.
+        self.on_change: Callable[[], object] | None = None
 
     @property
     def report_ttl(self) -> float:
@@ -301,6 +306,8 @@ class LoadTracker:
             # follow-up request (the next turn of a conversation) would be steered off the rank
             # caching its prefix.
             state.reported = max(0.0, state.reported - freed)
+        if self.on_change is not None:
+            self.on_change()
 
     def load(self, candidate: Candidate) -> float:
         """Predicted active blocks of ``candidate`` (0 when nothing is known)."""
@@ -312,7 +319,11 @@ class LoadTracker:
         return float(len(state.blocks) + state.extra)
 
     def report(
-        self, candidate: Candidate, active_blocks: float, measured_at: float | None = None
+        self,
+        candidate: Candidate,
+        active_blocks: float,
+        measured_at: float | None = None,
+        total_blocks: int = 0,
     ) -> None:
         """What the worker says it holds now (its published load): replaces the prediction of
         the requests routed before, except those of the last ``report_grace`` seconds, for
@@ -321,6 +332,7 @@ class LoadTracker:
         Args:
             measured_at: when the worker read the figure, on this tracker's clock (None:
                 unknown, taken as now). Blocks released here since then are taken off it.
+            total_blocks: the rank's KV blocks in all (0: unknown, the last known is kept).
         """
         state = self._loads.get(candidate)
         if state is None:
@@ -332,6 +344,8 @@ class LoadTracker:
                 if released_at <= measured_at:
                     break
                 active_blocks -= blocks
+        if total_blocks > 0:
+            state.total = total_blocks
         state.reported = max(0.0, float(active_blocks))
         state.reported_at = now
         state.epoch += 1
@@ -342,6 +356,13 @@ class LoadTracker:
                 route.epoch = state.epoch
                 route.carried = True
                 state.since_report += route.size
+        if self.on_change is not None:
+            self.on_change()
+
+    def total_blocks(self, candidate: Candidate) -> int:
+        """The candidate's KV blocks in all, as its last report said (0: unknown)."""
+        state = self._loads.get(candidate)
+        return 0 if state is None else state.total
 
     def _forget_old(self, state: _Load, now: float) -> None:
         recent, horizon = state.recent, now - self._report_grace

@@ -111,6 +111,10 @@ async def reply(
 
 async def error(send: Send, exc: HttpError) -> None:
     """``exc`` in OpenAI's error shape (nothing if the client is already gone); the connection
-    is closed after it when ``exc.close`` (a body left unread)."""
+    is closed after it when ``exc.close`` (a body left unread); ``Retry-After`` when
+    ``exc.retry_after`` is set."""
+    headers = _CLOSE if exc.close else None
+    if exc.retry_after is not None:
+        headers = [*(headers or JSON), (b"retry-after", str(exc.retry_after).encode())]
     with contextlib.suppress(ClientGone):
-        await reply(send, exc.status, exc.to_json(), _CLOSE if exc.close else None)
+        await reply(send, exc.status, exc.to_json(), headers)

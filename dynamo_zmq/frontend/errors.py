@@ -12,7 +12,8 @@ Every failure a client sees is an ``HttpError``; its body is exactly OpenAI's::
     413     invalid_request_error      prompt too long (code ``context_length_exceeded``), or
                                        the body over ``--max-body-bytes``
     499     client_closed_request      the client went away (or the request was cancelled)
-    503     service_unavailable_error  no live worker, or the worker is draining
+    503     service_unavailable_error  no live worker, or the worker is draining, or every worker
+                                       is busy (code ``overloaded``, with ``Retry-After``)
     504     timeout_error              connecting or waiting for the next token took too long
     500     server_error               the engine failed, or anything unexpected
 
@@ -21,6 +22,7 @@ Every failure a client sees is an ``HttpError``; its body is exactly OpenAI's::
 
 from __future__ import annotations
 
+import math
 import re
 
 import msgspec
@@ -75,9 +77,11 @@ class HttpError(Exception):
 
     Attributes:
         close: close the connection after answering (the request's body was left unread).
+        retry_after: whole seconds for a ``Retry-After`` header (None: no header).
     """
 
     close = False
+    retry_after: int | None = None
 
     def __init__(
         self,
@@ -200,14 +204,18 @@ def _snake(kind: str) -> str:
 def from_dynamo(exc: errors.DynamoError) -> HttpError:
     """Map a typed Dynamo error to its HTTP error; the code names the Dynamo kind.
 
-    ``InvalidArgument`` -> 400; ``CannotConnect``, ``EngineShutdown``, ``Disconnected`` -> 503;
+    ``InvalidArgument`` -> 400; ``CannotConnect``, ``EngineShutdown``, ``Disconnected``,
+    ``Overloaded`` (with ``retry_after``) -> 503;
     ``ConnectionTimeout``, ``ResponseTimeout`` -> 504; ``Cancelled`` -> 499; others -> 500.
     """
     message = exc.message or str(exc) or exc.kind
     code = _snake(exc.kind)
     if isinstance(exc, errors.InvalidArgument):
         return HttpError(400, INVALID_REQUEST, message, code=code)
-    if isinstance(exc, (errors.CannotConnect, errors.EngineShutdown, errors.Disconnected)):
+    if isinstance(exc, errors.Overloaded):
+        err = no_worker(message)
+        err.retry_after = max(1, math.ceil(exc.retry_after))
+    elif isinstance(exc, (errors.CannotConnect, errors.EngineShutdown, errors.Disconnected)):
         err = no_worker(message)
     elif isinstance(exc, (errors.ConnectionTimeout, errors.ResponseTimeout)):
         err = timeout(message)
