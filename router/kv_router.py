@@ -31,61 +31,21 @@ from dynamo_zmq.runtime import MAX_ATTEMPTS, Client, DistributedRuntime, failove
 from dynamo_zmq.transport import PeerConnection, ResponseStream, item_decoder
 from dynamo_zmq.wire import encode_item
 
-from .approx import DEFAULT_TTL, ApproxIndexer
+from .approx import ApproxIndexer
 from .busy import AdmissionQueue, BusyPolicy, PrefillTokens
+from .config import KvRouterConfig, kv_indexer
 from .following import MAX_DP_SIZE, InstanceFollower
 from .hashing import block_hashes
 from .indexer import KvIndexer
 from .load import LoadSubscriber
 from .metrics import RouterMetrics
 from .placement import AllBusy, Placement
-from .scheduler import REPORT_TTL, Candidate, LoadTracker, Route, Scheduler, Selection
+from .scheduler import Candidate, LoadTracker, Route, Scheduler, Selection
 from .subscriber import KvEventSubscriber
 
 __all__ = ["MAX_DP_SIZE", "Decision", "KvRouter", "KvRouterConfig"]
 
 _decode_output = item_decoder(LLMEngineOutput)
-
-
-@dataclasses.dataclass(frozen=True)
-class KvRouterConfig:
-    """Options of a ``KvRouter`` (Dynamo's flag names in brackets)."""
-
-    #: Weight of blocks to prefill against decode load [--kv-overlap-score-weight].
-    overlap_score_weight: float = 1.0
-    #: 0: cheapest candidate; > 0: softmax sampling [--router-temperature].
-    router_temperature: float = 0.0
-    #: Index from the engines' KV events; False: from routing decisions [--no-kv-events].
-    use_kv_events: bool = True
-    #: Approximate mode: seconds a routed prefix counts as cached [--router-ttl].
-    approx_ttl: float = DEFAULT_TTL
-    #: Output tokens a request is expected to add to its worker's load (capped max_tokens).
-    max_expected_output_tokens: int = 256
-    #: Seconds a KV-event replay may take before the worker's state is dropped instead.
-    replay_timeout: float = 3.0
-    #: Seconds a worker's load report stays authoritative [--load-report-ttl].
-    load_report_ttl: float = REPORT_TTL
-    #: Requests routed less than this many seconds before a worker's load report stay counted
-    #: on top of it (the engine may not have held them yet when it measured; a few of the
-    #: workers' 0.1 s publish intervals) [--load-report-grace].
-    load_report_grace: float = 0.3
-    #: Cap on the KV index's (worker, block) entries; when full the oldest blocks are evicted.
-    #: None: no cap but the index's safety bound, which refuses [--kv-index-max-blocks].
-    index_max_blocks: int | None = None
-    #: A rank is busy above this fraction of its KV blocks active (0: off) [--busy-kv-threshold].
-    busy_kv_threshold: float = 0.95
-    #: ... or above this many prompt tokens not yet prefilled (0: off) [--busy-prefill-tokens].
-    busy_prefill_tokens: int = 0
-    #: Requests that may wait while every rank is busy [--busy-queue-size].
-    busy_queue_size: int = 1024
-    #: Seconds one may wait before its 503 [--busy-queue-timeout].
-    busy_queue_timeout: float = 30.0
-
-
-def _kv_indexer(block_size: int, max_blocks: int | None) -> KvIndexer:
-    if max_blocks is None:
-        return KvIndexer(block_size)
-    return KvIndexer(block_size, max_blocks, evict_oldest=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +119,7 @@ class KvRouter:
         if self.busy.enabled:
             self.loads.on_change = self.queue.notify
         self.indexer: KvIndexer | ApproxIndexer = (
-            _kv_indexer(block_size, cfg.index_max_blocks)
+            kv_indexer(block_size, cfg.index_max_blocks)
             if cfg.use_kv_events
             else ApproxIndexer(block_size, cfg.approx_ttl)
         )

@@ -1,0 +1,55 @@
+"""``KvRouterConfig``: the options of a ``KvRouter`` (``router/options.py`` builds them from
+flags), and the index they configure."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .approx import DEFAULT_TTL
+from .indexer import KvIndexer
+from .scheduler import REPORT_TTL
+
+__all__ = ["KvRouterConfig", "kv_indexer"]
+
+
+@dataclasses.dataclass(frozen=True)
+class KvRouterConfig:
+    """Options of a ``KvRouter`` (Dynamo's flag names in brackets)."""
+
+    #: Weight of blocks to prefill against decode load [--kv-overlap-score-weight].
+    overlap_score_weight: float = 1.0
+    #: 0: cheapest candidate; > 0: softmax sampling [--router-temperature].
+    router_temperature: float = 0.0
+    #: Index from the engines' KV events; False: from routing decisions [--no-kv-events].
+    use_kv_events: bool = True
+    #: Approximate mode: seconds a routed prefix counts as cached [--router-ttl].
+    approx_ttl: float = DEFAULT_TTL
+    #: Output tokens a request is expected to add to its worker's load (capped max_tokens).
+    max_expected_output_tokens: int = 256
+    #: Seconds a KV-event replay may take before the worker's state is dropped instead.
+    replay_timeout: float = 3.0
+    #: Seconds a worker's load report stays authoritative [--load-report-ttl].
+    load_report_ttl: float = REPORT_TTL
+    #: Requests routed less than this many seconds before a worker's load report stay counted
+    #: on top of it (the engine may not have held them yet when it measured; a few of the
+    #: workers' 0.1 s publish intervals) [--load-report-grace].
+    load_report_grace: float = 0.3
+    #: Cap on the KV index's (worker, block) entries; when full the oldest blocks are evicted.
+    #: None: no cap but the index's safety bound, which refuses [--kv-index-max-blocks].
+    index_max_blocks: int | None = None
+    #: A rank is busy above this fraction of its KV blocks active (0: off) [--busy-kv-threshold].
+    busy_kv_threshold: float = 0.95
+    #: ... or above this many prompt tokens not yet prefilled (0: off) [--busy-prefill-tokens].
+    busy_prefill_tokens: int = 0
+    #: Requests that may wait while every rank is busy [--busy-queue-size].
+    busy_queue_size: int = 1024
+    #: Seconds one may wait before its 503 [--busy-queue-timeout].
+    busy_queue_timeout: float = 30.0
+
+
+def kv_indexer(block_size: int, max_blocks: int | None) -> KvIndexer:
+    """The event-driven index, capped with eviction of the oldest blocks when ``max_blocks``
+    is set."""
+    if max_blocks is None:
+        return KvIndexer(block_size)
+    return KvIndexer(block_size, max_blocks, evict_oldest=True)
