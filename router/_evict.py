@@ -59,8 +59,14 @@ def _evict_key(index: KvIndexer, key: WorkerKey, st: KeyState, want: int,
                protect: set[int | None]) -> int:
     """Evict up to ``want`` of ``key``'s oldest leaf blocks; see the module docstring."""
     got = _walk(index, key, st, list(itertools.islice(st.e2o, 4 * want)), want, protect)
-    if got < want and len(st.e2o) > 4 * want:
-        got += _walk(index, key, st, list(st.e2o), want - got, protect)
+    # A chain that straddles the windows frees only its tail in one walk (its other blocks
+    # still had children then): walk all of the key's blocks again until enough are free or a
+    # walk frees nothing.
+    while got < want:
+        more = _walk(index, key, st, list(st.e2o), want - got, protect)
+        if not more:
+            break
+        got += more
     if got == 0:  # no leaf (bookkeeping of a poisoned key): oldest first, orphans or not
         for eh in list(itertools.islice(st.e2o, want + 1)):
             if got < want and eh not in protect:
