@@ -135,7 +135,8 @@ class KvIndexer:
             if isinstance(ev, BlockStored):
                 lora = ev.lora_name if ev.lora_name is not None else ev.lora_id
                 self.apply_stored(key, ev.block_hashes, ev.parent_block_hash, ev.token_ids,
-                                  ev.block_size, lora=lora, extra_keys=ev.extra_keys)
+                                  ev.block_size, lora=lora, extra_keys=ev.extra_keys,
+                                  own_hashes=ev.own_hashes)
             elif isinstance(ev, BlockRemoved):
                 self.apply_removed(key, ev.block_hashes)
             elif isinstance(ev, AllBlocksCleared):
@@ -144,7 +145,8 @@ class KvIndexer:
     def apply_stored(self, key: WorkerKey, engine_hashes: list[int],
                      parent_engine_hash: int | None, token_ids: Sequence[int], block_size: int,
                      *, lora: int | str | None = None,
-                     extra_keys: list[Any] | None = None) -> None:
+                     extra_keys: list[Any] | None = None,
+                     own_hashes: list[int] | None = None) -> None:
         """Index full blocks stored by ``key`` (engine hashes are normalized uint64 ints).
 
         Args:
@@ -155,6 +157,8 @@ class KvIndexer:
             block_size: the event's block size.
             lora: LoRA adapter name or id, ``None`` for the base model.
             extra_keys: per block, the engine's extra hash inputs or ``None``.
+            own_hashes: per block, the router's own hash computed at the edge by a publisher of
+                the router's scheme (``events.decode_edge_batch``); ``token_ids`` are not read.
         """
         stats = self.stats
         st = self._state.get(key) or self._keys.add(key)
@@ -162,7 +166,7 @@ class KvIndexer:
         if block_size != self.block_size:
             stats.block_size_mismatch += 1
             return
-        if len(token_ids) != n * block_size:
+        if len(token_ids) != n * block_size if own_hashes is None else len(own_hashes) != n:
             stats.bad_length += 1
             return
         if n == 0:
@@ -176,7 +180,7 @@ class KvIndexer:
                 stats.unknown_parent += 1
                 return
             seed = packed & _MASK64
-        if n == 1 and (extra_keys is None or extra_keys == _NO_EXTRA):
+        if n == 1 and own_hashes is None and (extra_keys is None or extra_keys == _NO_EXTRA):
             eh = engine_hashes[0]
             if eh not in e2o and self._total < self.max_blocks and eh not in st.orphan_parents:
                 # Fast path for one-block events (most of vLLM's during decode).
@@ -200,7 +204,9 @@ class KvIndexer:
                     masks[oh] = m | bit if m else bit
                 return
         try:
-            if extra_keys is not None and any(k is not None for k in extra_keys):
+            if own_hashes is not None:
+                owns = own_hashes
+            elif extra_keys is not None and any(k is not None for k in extra_keys):
                 if len(extra_keys) != n:
                     stats.bad_length += 1
                     return
