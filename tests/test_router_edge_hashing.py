@@ -26,9 +26,11 @@ from dynamo_zmq.llm import (
     KvHashScheme,
     encode_batch,
 )
+from engines.vllm._edge import EdgeHasher
 from router.events import decode_batch, decode_edge_batch
 from router.hashing import ROOT_SEED, block_hashes, root_hash
 from router.indexer import KvIndexer
+from tests.support.fixtures import vllm_kv_events
 from tests.test_router_e2e import BLOCK, PREFIX_BLOCKS, complete, eventually, metrics_of, worker
 
 # --- the property: edge-hashed and token-hashed ingestion build the same index -------------------
@@ -155,6 +157,37 @@ def test_scheme_declaration() -> None:
     assert msgspec.msgpack.decode(old, type=EngineConfig).kv_hash_scheme is None
 
 
+# --- the vLLM adapter's relay hashes vLLM's own events at the edge --------------------------------
+
+
+def test_vllm_relay_adds_own_hashes_that_index_as_the_tokens_do() -> None:
+    """vLLM 0.32's captured KV events (sha256 int64 hashes), rewritten by the relay's
+    ``EdgeHasher``: the router indexes them edge-hashed into the index their tokens give."""
+    batches = sorted(vllm_kv_events().glob("batch_seq*.msgpack"))
+    payloads = [b.read_bytes() for b in batches]
+    size = next(ev.block_size for p in payloads for ev in decode_batch(p).events
+                if isinstance(ev, BlockStored))
+    hasher = EdgeHasher()
+    by_tokens, by_edge = KvIndexer(size), KvIndexer(size)
+    edge_blocks = held = 0
+    prompts: list[list[int]] = []
+    for payload in payloads:  # the indexes agree after every batch (the captures end cleared)
+        tokens_batch = decode_batch(payload)
+        by_tokens.apply_batch(3, tokens_batch)
+        prompts += [ev.token_ids for ev in tokens_batch.events if isinstance(ev, BlockStored)]
+        batch, n = decode_edge_batch(hasher.rewrite(payload))
+        edge_blocks += n
+        by_edge.apply_batch(3, batch)
+        assert by_edge.num_blocks() == by_tokens.num_blocks()
+        assert by_edge.num_unique_blocks() == by_tokens.num_unique_blocks()
+        for p in prompts:
+            assert by_edge.find_matches(p) == by_tokens.find_matches(p)
+        held = max(held, by_tokens.num_blocks())
+    assert edge_blocks > 0 and held > 0
+    # Replays and anything not in vLLM's map form pass unchanged.
+    assert hasher.rewrite(b"\xc1garbage") == b"\xc1garbage"
+
+
 # --- real processes ------------------------------------------------------------------------------
 
 
@@ -203,7 +236,7 @@ async def test_mocker_edge_hashes_feed_kv_routing(namespace, spawn, tiny_model, 
     async def router_knows() -> dict | None:
         try:
             stream = await client.generate({"model": "tiny", "token_ids": [*prefix, 42]})
-            answer = [r.data() async for r in stream][0]
+            (answer,) = [r.data() async for r in stream]
         except Exception:  # the model is not followed yet
             return None
         return answer if answer["overlap_blocks"] >= PREFIX_BLOCKS else None
