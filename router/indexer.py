@@ -157,8 +157,7 @@ class KvIndexer:
             block_size: the event's block size.
             lora: LoRA adapter name or id, ``None`` for the base model.
             extra_keys: per block, the engine's extra hash inputs or ``None``.
-            own_hashes: per block, the router's own hash computed at the edge by a publisher of
-                the router's scheme (``events.decode_edge_batch``); ``token_ids`` are not read.
+            own_hashes: per block, the router's hash from an edge-hashing worker; tokens unread.
         """
         stats = self.stats
         st = self._state.get(key) or self._keys.add(key)
@@ -180,12 +179,13 @@ class KvIndexer:
                 stats.unknown_parent += 1
                 return
             seed = packed & _MASK64
-        if n == 1 and own_hashes is None and (extra_keys is None or extra_keys == _NO_EXTRA):
+        if n == 1 and (own_hashes is not None or extra_keys is None or extra_keys == _NO_EXTRA):
             eh = engine_hashes[0]
             if eh not in e2o and self._total < self.max_blocks and eh not in st.orphan_parents:
                 # Fast path for one-block events (most of vLLM's during decode).
                 try:
-                    oh = _h64(array.array("I", token_ids).tobytes(), seed)
+                    oh = (own_hashes[0] if own_hashes is not None
+                          else _h64(array.array("I", token_ids).tobytes(), seed))
                 except (OverflowError, TypeError):
                     stats.bad_tokens += 1
                     return

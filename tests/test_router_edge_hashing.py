@@ -27,6 +27,7 @@ from dynamo_zmq.llm import (
     encode_batch,
 )
 from engines.vllm._edge import EdgeHasher
+from router import events as events_mod
 from router.events import decode_batch, decode_edge_batch
 from router.hashing import ROOT_SEED, block_hashes, root_hash
 from router.indexer import KvIndexer
@@ -86,18 +87,25 @@ def scenarios(draw: st.DrawFn) -> tuple[int, list[list[KvEvent]], list[list[int]
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(scenarios(), st.integers(0, 3))
-def test_edge_hashed_and_token_hashed_ingestion_build_the_same_index(scenario, dp_rank) -> None:
+@given(scenarios(), st.integers(0, 3), st.sampled_from([0, events_mod.SMALL_BATCH_BYTES]))
+def test_edge_hashed_and_token_hashed_ingestion_build_the_same_index(scenario, dp_rank,
+                                                                     small) -> None:
     size, batches, queries = scenario
     by_tokens, by_edge = KvIndexer(size), KvIndexer(size)
     edge_blocks = 0
-    for events in batches:
-        payload = encode_batch(events, dp_rank)
-        by_tokens.apply_batch(7, decode_batch(payload))
-        batch, n = decode_edge_batch(payload)
-        assert all(ev.token_ids == [] for ev in batch.events if isinstance(ev, BlockStored))
-        edge_blocks += n
-        by_edge.apply_batch(7, batch)
+    saved, events_mod.SMALL_BATCH_BYTES = events_mod.SMALL_BATCH_BYTES, small
+    try:  # small == 0: every batch takes the path that skips the token ids
+        for events in batches:
+            payload = encode_batch(events, dp_rank)
+            by_tokens.apply_batch(7, decode_batch(payload))
+            batch, n = decode_edge_batch(payload)
+            if len(payload) > small:
+                assert all(ev.token_ids == [] for ev in batch.events
+                           if isinstance(ev, BlockStored))
+            edge_blocks += n
+            by_edge.apply_batch(7, batch)
+    finally:
+        events_mod.SMALL_BATCH_BYTES = saved
     assert edge_blocks == sum(len(ev.block_hashes) for events in batches for ev in events
                               if isinstance(ev, BlockStored))
     assert by_edge.num_blocks() == by_tokens.num_blocks()
