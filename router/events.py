@@ -219,8 +219,6 @@ def decode_batch(payload: bytes) -> EventBatch:
     raise EventDecodeError(f"not a KV-event batch: {first}") from first
 
 
-
-
 # --- edge-hashed events --------------------------------------------------------------------------
 
 
