@@ -8,6 +8,8 @@ kept, as the router's index keeps it), because a stored block's own hash chains 
 parent's. A store it cannot hash exactly as the router would (parent unknown here, bad length or
 token ids) goes without ``own_hashes``: the router then hashes that batch's tokens itself. A
 payload that is not vLLM's map form with int hashes is passed on unchanged; so are replays.
+A rewritten payload is re-encoded from our structs (``dynamo_zmq.llm.BlockStored``), so vLLM's
+fields the router does not read (``group_idx``, ``kv_cache_spec_kind``...) are left out.
 """
 
 from __future__ import annotations
