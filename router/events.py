@@ -24,6 +24,13 @@ their uint32 range here would cost ~10% of the decode, and the indexer checks it
 packing them for hashing (an out-of-range id makes it ignore that event). Anything that is not a
 valid batch raises ``EventDecodeError``; nothing else escapes ``decode_batch``. An event of an
 unknown type fails the whole batch (applying the rest could leave the index wrong).
+
+Edge-hashed events: our own workers add ``own_hashes`` to each ``BlockStored`` (the router's
+chained hashes, ``router.hashing``) and declare the scheme in their advert. ``decode_batch``
+drops them (a publisher the router does not trust to hash as it does gets its tokens hashed);
+``decode_edge_batch``, used only for publishers whose declared scheme matches, keeps them and
+skips ``token_ids`` undecoded (msgspec steps over the array without building ints), so a
+64-block store costs a handful of integers per block instead of its thousands of token ids.
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ __all__ = [
     "EventDecodeError",
     "KvEvent",
     "decode_batch",
+    "decode_edge_batch",
     "encode_batch",
     "normalize_hash",
 ]
@@ -143,10 +151,17 @@ def _norm_opt(h: Any) -> int | None:
     return None if h is None else normalize_hash(h)
 
 
-def _fix_signed(batch: EventBatch) -> EventBatch:
-    """Mask negative (int64) hashes of a fast-path batch; a no-op for uint64 engines."""
+def _fix_signed(batch: EventBatch, keep_own: bool = False) -> EventBatch:
+    """Mask negative (int64) hashes of a fast-path batch (a no-op for uint64 engines); drop any
+    ``own_hashes`` unless ``keep_own`` (trusted only through ``decode_edge_batch``)."""
     for ev in batch.events:
         if type(ev) is BlockStored:
+            owns = ev.own_hashes
+            if owns is not None:
+                if not keep_own:
+                    ev.own_hashes = None
+                elif owns and min(owns) < 0:
+                    ev.own_hashes = _norm_list(owns)
             if ev.block_hashes and min(ev.block_hashes) < 0:
                 ev.block_hashes = _norm_list(ev.block_hashes)
             p = ev.parent_block_hash
@@ -204,3 +219,79 @@ def decode_batch(payload: bytes) -> EventBatch:
     raise EventDecodeError(f"not a KV-event batch: {first}") from first
 
 
+# --- edge-hashed events --------------------------------------------------------------------------
+
+
+class _EdgeStored(msgspec.Struct, tag_field="type", tag="BlockStored", gc=False):
+    """A ``BlockStored`` without its ``token_ids`` (skipped by the decoder, never built)."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    block_size: BlockSize
+    lora_id: int | None = None
+    medium: str | None = MEDIUM_GPU
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    own_hashes: list[int] | None = None
+
+
+class _EdgeBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[_EdgeStored | BlockRemoved | AllBlocksCleared]
+    dp_rank: int | None = None
+
+
+_edge = msgspec.msgpack.Decoder(_EdgeBatch)
+#: Payloads up to this size (a one-block store) are decoded whole, token ids included: decoding
+#: a few dozen ints costs less than rebuilding the events without them.
+SMALL_BATCH_BYTES = 768
+
+
+def _decode_small(payload: bytes) -> tuple[EventBatch, int]:
+    try:
+        batch = _fast.decode(payload)
+    except (msgspec.DecodeError, TypeError, ValueError, RecursionError, MemoryError):
+        return decode_batch(payload), 0
+    edge = 0
+    for ev in batch.events:
+        if type(ev) is BlockStored:
+            owns = ev.own_hashes
+            if owns is None or len(owns) != len(ev.block_hashes):
+                return _fix_signed(batch), 0
+            edge += len(owns)
+    return _fix_signed(batch, keep_own=True), edge
+
+
+def decode_edge_batch(payload: bytes) -> tuple[EventBatch, int]:
+    """Decode a payload from a publisher that hashes at the edge with the router's scheme.
+
+    Each ``BlockStored`` comes back with its ``own_hashes`` and empty ``token_ids`` (a small
+    batch, up to ``SMALL_BATCH_BYTES``, keeps its decoded token ids; they are not hashed). A batch
+    that is not in that form (a store without ``own_hashes``, or with not one per block, or
+    another wire form) is decoded by ``decode_batch`` instead, so it is indexed from its tokens.
+
+    Returns:
+        The batch and how many blocks it stores with edge hashes (0 when it took the token path).
+
+    Raises:
+        EventDecodeError: the payload is not a valid batch.
+    """
+    if len(payload) <= SMALL_BATCH_BYTES:
+        return _decode_small(payload)
+    try:
+        b = _edge.decode(payload)
+    except (msgspec.DecodeError, TypeError, ValueError, RecursionError, MemoryError):
+        return decode_batch(payload), 0
+    out: list[KvEvent] = []
+    edge = 0
+    for ev in b.events:
+        if type(ev) is _EdgeStored:
+            owns, hashes = ev.own_hashes, ev.block_hashes
+            if owns is None or len(owns) != len(hashes):
+                return decode_batch(payload), 0
+            edge += len(owns)
+            out.append(BlockStored(hashes, ev.parent_block_hash, [], ev.block_size, ev.lora_id,
+                                   ev.medium, ev.lora_name, ev.extra_keys, owns))
+        else:
+            out.append(ev)  # type: ignore[arg-type]  # BlockRemoved or AllBlocksCleared
+    return _fix_signed(EventBatch(b.ts, out, b.dp_rank), keep_own=True), edge

@@ -160,10 +160,15 @@ class InstanceFollower:
         assert known.advert is not None and known.advert.kv_events_endpoint is not None
         assert isinstance(self._indexer, KvIndexer)  # events are followed only into one
         endpoint = known.advert.kv_events_endpoint
+        scheme = known.advert.engine.kv_hash_scheme
+        edge = scheme is not None and scheme.usable_by(self._block_size)
+        if scheme is not None and not edge:
+            log.warning("instance %x hashes KV blocks with %s, not the router's: hashing the "
+                        "token ids of its events instead", iid, scheme)
         sub = KvEventSubscriber(
             self._res, iid, endpoint, self._indexer,
             replay_endpoint=known.advert.kv_replay_endpoint, metrics=self._metrics,
-            model=self._model, replay_timeout=self._replay_timeout,
+            model=self._model, replay_timeout=self._replay_timeout, edge_hashed=edge,
         )
         if _started(sub, iid, "KV events", endpoint):
             known.subscriber = sub

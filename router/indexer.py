@@ -14,30 +14,10 @@ Data structure (chosen for CPython speed, see scripts/bench_indexer.py):
   holding the prompt's first block has some, the query is answered by an exact linear scan
   instead (``linear_matches``).
 
-Conservative handling (never index data the event does not prove):
-
-* ``block_size`` different from the indexer's: the event is ignored (``stats.block_size_mismatch``).
-* ``len(token_ids) != len(block_hashes) * block_size``: the alignment of tokens to hashes is
-  unknown, so the whole event is ignored (``stats.bad_length``); so are token ids outside uint32
-  (``stats.bad_tokens``).
-* Parent engine hash unknown for that key (never stored, evicted, refused, or lost to a gap):
-  nothing can be chained, the event is ignored (``stats.unknown_parent``); its children will be
-  ignored in turn until a store from the root re-establishes the chain.
-* Removal of an unknown engine hash: ignored (``stats.unknown_removed``).
-* A re-store of a held engine hash is a duplicate: counted, and each removal drops one count.
-  If its content differs (``stats.conflicts``) the first content is kept and the rest of that
-  event is ignored, since it chains from content the key does not hold. An engine hash evicted
-  and stored again with other content while its old children are held makes the key use the
-  linear scan until its next ``clear``.
-* LoRA blocks (``lora_name``, else ``lora_id``) chain from a per-adapter root; blocks with extra
-  keys (multimodal, cache salt) get salted hashes. Neither ever matches a plain token prompt;
-  ``find_matches(tokens, lora=...)`` matches an adapter's blocks. ``medium`` (GPU/CPU) and vLLM's
-  ``group_idx`` are not distinguished: a block held on any medium counts as held.
-* Capacity: at most ``max_blocks`` (key, engine hash) entries. By default stores beyond it are
-  refused (``stats.refused``), never evicting others: the index then under-reports matches, which
-  only costs cache hits, never routes on wrong data. With ``evict_oldest`` (the router's
-  ``--kv-index-max-blocks``) a store that would pass the cap first evicts the oldest blocks
-  (``stats.evicted``; ``router._evict``): an evicted block is simply no longer credited.
+Events are handled conservatively (never index data the event does not prove): a mismatched
+block size, misaligned tokens, an unknown parent or a conflicting re-store is ignored and
+counted, and stores past ``max_blocks`` are refused or, with ``evict_oldest``, evict the oldest
+blocks (``router._evict``). docs/architecture.md ("The KV index's rules") lists each case.
 
 Memory: ``bytes_per_block()`` computes the live figure (``router._index_stats``).
 """
@@ -141,7 +121,8 @@ class KvIndexer:
             if isinstance(ev, BlockStored):
                 lora = ev.lora_name if ev.lora_name is not None else ev.lora_id
                 self.apply_stored(key, ev.block_hashes, ev.parent_block_hash, ev.token_ids,
-                                  ev.block_size, lora=lora, extra_keys=ev.extra_keys)
+                                  ev.block_size, lora=lora, extra_keys=ev.extra_keys,
+                                  own_hashes=ev.own_hashes)
             elif isinstance(ev, BlockRemoved):
                 self.apply_removed(key, ev.block_hashes)
             elif isinstance(ev, AllBlocksCleared):
@@ -150,7 +131,8 @@ class KvIndexer:
     def apply_stored(self, key: WorkerKey, engine_hashes: list[int],
                      parent_engine_hash: int | None, token_ids: Sequence[int], block_size: int,
                      *, lora: int | str | None = None,
-                     extra_keys: list[Any] | None = None) -> None:
+                     extra_keys: list[Any] | None = None,
+                     own_hashes: list[int] | None = None) -> None:
         """Index full blocks stored by ``key`` (engine hashes are normalized uint64 ints).
 
         Args:
@@ -161,6 +143,7 @@ class KvIndexer:
             block_size: the event's block size.
             lora: LoRA adapter name or id, ``None`` for the base model.
             extra_keys: per block, the engine's extra hash inputs or ``None``.
+            own_hashes: per block, the router's hash from an edge-hashing worker; tokens unread.
         """
         stats = self.stats
         st = self._state.get(key) or self._keys.add(key)
@@ -168,7 +151,7 @@ class KvIndexer:
         if block_size != self.block_size:
             stats.block_size_mismatch += 1
             return
-        if len(token_ids) != n * block_size:
+        if len(token_ids) != n * block_size if own_hashes is None else len(own_hashes) != n:
             stats.bad_length += 1
             return
         if n == 0:
@@ -185,12 +168,13 @@ class KvIndexer:
         if self._total + n > self.max_blocks and self.evict_oldest:
             evict_oldest(self, key, self._total + n - self.max_blocks, parent_engine_hash,
                          engine_hashes)
-        if n == 1 and (extra_keys is None or extra_keys == _NO_EXTRA):
+        if n == 1 and (own_hashes is not None or extra_keys is None or extra_keys == _NO_EXTRA):
             eh = engine_hashes[0]
             if eh not in e2o and self._total < self.max_blocks and eh not in st.orphan_parents:
                 # Fast path for one-block events (most of vLLM's during decode).
                 try:
-                    oh = _h64(array.array("I", token_ids).tobytes(), seed)
+                    oh = (own_hashes[0] if own_hashes is not None
+                          else _h64(array.array("I", token_ids).tobytes(), seed))
                 except (OverflowError, TypeError):
                     stats.bad_tokens += 1
                     return
@@ -209,7 +193,9 @@ class KvIndexer:
                     masks[oh] = m | bit if m else bit
                 return
         try:
-            if extra_keys is not None and any(k is not None for k in extra_keys):
+            if own_hashes is not None:
+                owns = own_hashes
+            elif extra_keys is not None and any(k is not None for k in extra_keys):
                 if len(extra_keys) != n:
                     stats.bad_length += 1
                     return

@@ -50,6 +50,10 @@ class RouterMetrics:
         self.event_batches = Counter(
             "dynamo_router_kv_event_batches", "KV-event batches applied", m, registry=r
         )
+        self.edge_hashed_blocks = Counter(
+            "dynamo_router_edge_hashed_blocks", "Blocks indexed with hashes their worker computed",
+            m, registry=r,
+        )
         self.decode_errors = Counter(
             "dynamo_router_kv_event_decode_errors", "KV-event messages that could not be decoded",
             m, registry=r,

@@ -44,7 +44,7 @@ from dynamo_zmq.resources import Resources
 from dynamo_zmq.transport import AsyncSocket, BadInput, make_socket, peer_key
 
 from ._replay import END_SEQ, SNAPSHOT_SEQ, MalformedReplay, fetch_replay
-from .events import EventBatch, EventDecodeError, decode_batch
+from .events import EventBatch, EventDecodeError, decode_batch, decode_edge_batch
 from .metrics import RouterMetrics
 
 __all__ = ["END_SEQ", "SNAPSHOT_SEQ", "KvEventSubscriber", "SubscriberStats"]
@@ -69,29 +69,22 @@ YIELD_EVERY = 2000
 
 class Index(Protocol):
     def apply_batch(self, worker_id: int, batch: EventBatch) -> object: ...
-
     def remove_worker(self, worker_id: int) -> object: ...
 
 
 class SubscriberStats:
     """Plain counters of one subscriber (the Prometheus ones aggregate per model)."""
 
-    __slots__ = ("applied", "decode_errors", "duplicates", "gaps", "received", "replays_failed",
-                 "replays_ok", "snapshots", "state_drops")
+    __slots__ = ("applied", "decode_errors", "duplicates", "edge_hashed_blocks", "gaps",
+                 "received", "replays_failed", "replays_ok", "snapshots", "state_drops")
 
     def __init__(self) -> None:
-        #: Live messages received on the SUB socket.
-        self.received = 0
-        #: Batches applied to the index (live or replayed).
-        self.applied = 0
-        self.decode_errors = 0
-        self.duplicates = 0
-        self.gaps = 0
-        self.replays_ok = 0
-        self.replays_failed = 0
-        #: Full dumps applied (the baseline at start).
-        self.snapshots = 0
-        self.state_drops = 0
+        self.received = 0  # live messages received on the SUB socket
+        self.applied = 0  # batches applied to the index (live or replayed)
+        self.decode_errors = self.duplicates = self.gaps = 0
+        self.replays_ok = self.replays_failed = self.state_drops = 0
+        self.snapshots = 0  # full dumps applied (the baseline at start)
+        self.edge_hashed_blocks = 0  # blocks stored with their worker's own hashes, tokens unread
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={getattr(self, k)}" for k in self.__slots__)
@@ -112,6 +105,8 @@ class KvEventSubscriber:
         max_batch_bytes: batches with a bigger payload (live or replayed) are skipped, counted
             as decode errors.
         max_replay_bytes: a replay bringing more counts as failed.
+        edge_hashed: the worker declared the router's hash scheme: take the ``own_hashes`` of
+            its events (``decode_edge_batch``) instead of hashing their tokens.
     """
 
     def __init__(
@@ -127,12 +122,14 @@ class KvEventSubscriber:
         replay_timeout: float = REPLAY_TIMEOUT,
         max_batch_bytes: int = MAX_BATCH_BYTES,
         max_replay_bytes: int = MAX_REPLAY_BYTES,
+        edge_hashed: bool = False,
     ) -> None:
         self._owner = owner
         self._res: Resources | None = None
         self._max_batch_bytes = max_batch_bytes
         self._max_replay_bytes = max_replay_bytes
         self.worker_id = worker_id
+        self.edge_hashed = edge_hashed
         self.events_endpoint = events_endpoint
         self.replay_endpoint = replay_endpoint
         self._indexer = indexer
@@ -295,15 +292,19 @@ class KvEventSubscriber:
             )
             return
         try:
-            batch = decode_batch(payload)
+            batch, edge = (decode_edge_batch(payload) if self.edge_hashed
+                           else (decode_batch(payload), 0))
         except EventDecodeError as exc:
             self._count_decode_error("undecodable KV event batch %d: %s", seq, exc)
             return
         self._indexer.apply_batch(self.worker_id, batch)
         self.stats.applied += 1
+        self.stats.edge_hashed_blocks += edge
         m = self._metrics
         if m is not None:
             m.event_batches.labels(self._model).inc()
+            if edge:
+                m.edge_hashed_blocks.labels(self._model).inc(edge)
             lag = time.time() - batch.ts
             if live and math.isfinite(lag):  # a NaN or infinite ts would poison the sum for good
                 m.event_lag.labels(self._model).observe(max(0.0, lag))

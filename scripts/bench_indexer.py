@@ -11,9 +11,11 @@ indexes answer the same questions and the answers are compared):
 
 * stores, 1 block per event: chains of 100 blocks, each block its own event (parent = previous).
 * stores, 64 blocks per event: chains of 256 blocks in 4 events.
-  Ours is timed twice: ``apply_stored`` on decoded events (it hashes the tokens itself), and
-  ``decode_batch`` + ``apply_batch`` from vLLM msgpack payloads. Dynamo's ``apply_event`` parses
-  JSON whose blocks already carry their hashes (Dynamo hashes tokens in the publisher).
+  Ours is timed three times: ``apply_stored`` on decoded events (it hashes the tokens itself),
+  ``decode_batch`` + ``apply_batch`` from vLLM msgpack payloads, and ``decode_edge_batch`` +
+  ``apply_batch`` from the same payloads with ``own_hashes`` (hashed at the edge, as our workers
+  publish them: the token ids are skipped, not decoded). Dynamo's ``apply_event`` parses JSON
+  whose blocks already carry their hashes (Dynamo hashes tokens in the publisher).
 * find_matches, 2,000-block prompt, 8 workers: worker w holds the first 2000*(w+1)/8 blocks plus
   20k unrelated blocks; p50/p99 over repeated queries of the full prompt.
 * big index: W workers x B blocks, tree-shaped: 64 shared roots (8-40 blocks), 1,024 prefixes on
@@ -251,7 +253,7 @@ def apply_all(idx: Any, events: list[OurEvent], bs: int) -> float:
 
 def bench_stores(rng: np.random.Generator, bs: int, n_single: int, n_batched: int,
                  res: dict[str, Any], dyn: dict[str, np.ndarray]) -> None:
-    from router.events import BlockStored, decode_batch, encode_batch
+    from router.events import BlockStored, decode_batch, decode_edge_batch, encode_batch
     from router.indexer import KvIndexer
 
     for name, n, chain, per_event in (("single", n_single, 100, 1),
@@ -272,7 +274,19 @@ def bench_stores(rng: np.random.Generator, bs: int, n_single: int, n_batched: in
             return time.perf_counter() - t
 
         res[f"{name}_decode_rate"] = nblocks / min(run() for _ in range(3))
-        del events, payloads
+        edge = [encode_batch([BlockStored(eh, p, t, bs, own_hashes=[h ^ ENGINE_XOR for h in eh])],
+                             0, 1.0) for _, eh, p, t in events]
+
+        def run_edge(payloads: list[bytes] = edge) -> float:
+            idx = KvIndexer(bs)
+            apply = idx.apply_batch
+            t = time.perf_counter()
+            for b in payloads:
+                apply(0, decode_edge_batch(b)[0])
+            return time.perf_counter() - t
+
+        res[f"{name}_edge_rate"] = nblocks / min(run_edge() for _ in range(3))
+        del events, payloads, edge
 
 
 def bench_fm8(rng: np.random.Generator, bs: int, reps: int, res: dict[str, Any],
@@ -576,6 +590,10 @@ def print_table(r: dict[str, Any], d: dict[str, Any] | str, py: str | None,
             "Dynamo apply_event(JSON bytes)",
             rate(r[f"{name}_decode_rate"]), rate(dr) if dr else "-",
             x(r[f"{name}_decode_rate"], dr) if dr else "-")
+        row(f"stores, {label}, from bytes, edge-hashed: ours decode_edge_batch(msgpack with "
+            "own_hashes) + apply_batch vs Dynamo apply_event(JSON bytes)",
+            rate(r[f"{name}_edge_rate"]), rate(dr) if dr else "-",
+            x(r[f"{name}_edge_rate"], dr) if dr else "-")
     f8 = r["fm8_lat"]
     row("find_matches, 2,000-block prompt, 8 workers (from hashes), p50 / p99 us", us(f8),
         us(dd["fm8_lat"]) if have else "-",

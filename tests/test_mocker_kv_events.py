@@ -17,6 +17,7 @@ from dynamo_zmq.context import Context
 from dynamo_zmq.llm import PreprocessedRequest, RoutingHints, StopConditions
 from engines.mocker import MockerConfig, MockerEngine
 from engines.mocker._hashing import block_hash
+from router.hashing import block_hashes
 from tests.support.fixtures import VLLM_KV_EVENTS, vllm_kv_events
 
 FIXTURES = VLLM_KV_EVENTS
@@ -25,6 +26,8 @@ END = [b"", b"", b"\xff" * 8, b""]
 BS = 4
 STORED_KEYS = {"type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
                "medium", "lora_name", "extra_keys"}
+#: vLLM's keys, then the router's own hashes (issue 18: the mocker hashes at the edge).
+MOCKER_STORED_KEYS = STORED_KEYS | {"own_hashes"}
 
 
 @pytest.fixture
@@ -109,6 +112,7 @@ def check_history(messages: list[list[bytes]], engine: MockerEngine) -> dict[str
     live: dict[int, set[int]] = {0: set(), 1: set()}
     ever: dict[int, set[int]] = {0: set(), 1: set()}
     seen = {"stored": 0, "removed": 0, "chained": 0}
+    own_of: dict[int, int] = {}  # engine hash -> the router's hash published with it
     for expect_seq, frames in enumerate(messages):
         topic, seq, payload = frames
         assert topic == TOPIC and len(seq) == 8 and int.from_bytes(seq, "big") == expect_seq
@@ -118,13 +122,17 @@ def check_history(messages: list[list[bytes]], engine: MockerEngine) -> dict[str
         assert isinstance(ts, float) and isinstance(events, list) and events and rank in (0, 1)
         for ev in events:
             if ev["type"] == "BlockStored":
-                assert set(ev) == STORED_KEYS
+                assert set(ev) == MOCKER_STORED_KEYS
                 assert ev["block_size"] == BS and ev["medium"] == "GPU"
                 assert ev["lora_id"] is None and ev["lora_name"] is None
                 hashes, tokens, parent = (
                     ev["block_hashes"], ev["token_ids"], ev["parent_block_hash"]
                 )
                 assert hashes and len(tokens) == BS * len(hashes)
+                # Hashed at the edge: exactly what the router computes from the tokens.
+                own = block_hashes(tokens, BS, None if parent is None else own_of[parent])
+                assert ev["own_hashes"] == own
+                own_of.update(zip(hashes, own, strict=True))
                 if parent is not None:
                     assert parent in ever[rank], "parent_block_hash was never stored"
                     seen["chained"] += 1

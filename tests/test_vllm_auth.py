@@ -139,3 +139,27 @@ def test_vllm_worker_with_auth_feeds_a_kv_router(spawn, tiny_model, namespace,
             break
         assert time.monotonic() < deadline, text[-3000:]
         time.sleep(0.5)
+
+
+def test_relayed_vllm_events_carry_the_routers_own_hashes(spawn, tmp_path: Path) -> None:
+    """Issue 18: the relay hashes vLLM's live events at the edge: each ``BlockStored`` it
+    republishes carries the router's own hashes, which the router's edge decoder takes."""
+    from router.events import decode_edge_batch
+    from router.hashing import block_hashes
+
+    keydir = tmp_path / "keys"
+    server = create_keypair(keydir, "worker")
+    create_keypair(keydir, "router")
+    for name in ("worker", "router"):
+        authorize(keydir, str(keydir / f"{name}.key"))
+    out = tmp_path / "ports.json"
+    child = spawn("-m", "tests.support.vllm_relay_child", str(keydir), "worker", str(out),
+                  ready=False)
+    child.wait_ready(180)
+    ports = json.loads(out.read_text())
+    frames = _sub(f"tcp://127.0.0.1:{ports['pub']}", load_keypair(keydir, "router"), server)
+    assert frames is not None and len(frames) == 3
+    batch, edge = decode_edge_batch(frames[2])
+    assert edge == 1
+    (stored,) = batch.events
+    assert stored.own_hashes == block_hashes([1, 2], 2)  # the child stores root blocks [1, 2]

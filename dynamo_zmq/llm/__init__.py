@@ -11,6 +11,7 @@ from ._advert import ServedModel as ServedModel
 from ._advert import advert_of as advert_of
 from ._advert import served_models as served_models
 from ._advert import serves as serves
+from ._block_hashing import KvHashScheme as KvHashScheme
 from ._capabilities import Capability as Capability
 from ._engine import LLMEngine as LLMEngine
 from ._kv_events import MEDIUM_GPU as MEDIUM_GPU
@@ -120,6 +121,7 @@ __all__ = [
     "GuidedDecoding",
     "IncrementalDetokenizer",
     "KvEvent",
+    "KvHashScheme",
     "LLMEngine",
     "LLMEngineOutput",
     "LoadDecodeError",

@@ -41,6 +41,10 @@ class BlockStored(msgspec.Struct, tag_field="type", tag="BlockStored", gc=False)
     lora_name: str | None = None
     #: Per block: ``None`` or the engine's extra hash inputs (multimodal hashes, cache salt...).
     extra_keys: list[Any] | None = None
+    #: Per block: the router's own chained hash (``KvHashScheme``), from workers that hash at
+    #: the edge; ``None`` from engines that do not (vLLM, SGLang). Routers that know the
+    #: worker's declared scheme use these and skip ``token_ids``; others ignore them.
+    own_hashes: list[int] | None = None
 
 
 class BlockRemoved(msgspec.Struct, tag_field="type", tag="BlockRemoved", gc=False):

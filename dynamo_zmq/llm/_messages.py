@@ -14,6 +14,8 @@ from typing import Annotated, Any
 
 import msgspec
 
+from ._block_hashing import KvHashScheme
+
 __all__ = [
     "EmbeddingOptions",
     "EngineConfig",
@@ -257,6 +259,8 @@ class EngineConfig(msgspec.Struct, **_WIRE):
     #: ZMQ ROUTER endpoint answering replay requests for missed KV-event batches.
     kv_replay_endpoint: str | None = None
     extra: dict[str, Any] = msgspec.field(default_factory=dict)
+    #: The scheme of the ``own_hashes`` its KV events carry (``KvHashScheme.ours``), if any.
+    kv_hash_scheme: KvHashScheme | None = None
 
 
 _Count = Annotated[int, msgspec.Meta(ge=0)]

@@ -137,11 +137,12 @@ class BlockManager:
     # -- prefix cache -----------------------------------------------------------------------
 
     def cache_blocks(self, blocks: Sequence[int], hashes: Sequence[int], parent: int | None,
-                     token_ids: Sequence[int]) -> int:
+                     token_ids: Sequence[int], own_hashes: Sequence[int] | None = None) -> int:
         """Give full, computed blocks their hashes; returns how many became cached.
 
         ``hashes[i]`` is the chained hash of ``blocks[i]``, ``parent`` the hash of the block
-        before ``blocks[0]`` (None at the start of a sequence), ``token_ids`` all their tokens.
+        before ``blocks[0]`` (None at the start of a sequence), ``token_ids`` all their tokens,
+        ``own_hashes[i]`` (if given) the router's hash of ``blocks[i]``, published with it.
         Each run of newly stored blocks becomes one ``BlockStored`` event.
         """
         if not self.enable_caching:
@@ -157,10 +158,13 @@ class BlockManager:
                 stored += 1
                 tokens = token_ids[i * size : (i + 1) * size]
                 if run is None:
-                    run = BlockStored([], prev, [], size)
+                    run = BlockStored([], prev, [], size, own_hashes=None if own_hashes is None
+                                      else [])
                     self._events.append(run)
                 run.block_hashes.append(h)
                 run.token_ids.extend(tokens)
+                if run.own_hashes is not None and own_hashes is not None:
+                    run.own_hashes.append(own_hashes[i])
             else:
                 run = None
             prev = h

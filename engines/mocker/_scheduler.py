@@ -310,7 +310,7 @@ class RankScheduler:
         hashes = seq.block_hashes(full)
         self.blocks.cache_blocks(
             seq.block_ids[start:full], hashes[start:], hashes[start - 1] if start else None,
-            seq.tokens[start * size : full * size],
+            seq.tokens[start * size : full * size], seq.own_hashes(full)[start:],
         )
         seq.num_hashed_blocks = full
 

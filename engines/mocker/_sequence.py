@@ -17,6 +17,7 @@ from collections.abc import Sequence as Seq
 import xxhash
 
 from dynamo_zmq.llm import FinishReason, LLMEngineOutput, Usage
+from dynamo_zmq.llm._block_hashing import block_hashes as router_hashes
 
 from ._hashing import block_hash
 
@@ -62,6 +63,7 @@ class Sequence:
         for _ in range(max(0, resumed)):
             self.sample()
         self._hashes: list[int] = []
+        self._own: list[int] = []
         #: Top alternatives per token when the request asks for logprobs (None: it does not);
         #: their values come from a generator of their own, so the tokens do not change.
         self.num_logprobs = None if num_logprobs is None else min(num_logprobs, vocab_size - 1)
@@ -110,6 +112,15 @@ class Sequence:
                 block_hash(hashes[-1] if hashes else None, self.tokens[i * size : (i + 1) * size])
             )
         return hashes[:num_blocks]
+
+    def own_hashes(self, num_blocks: int) -> list[int]:
+        """The router's hashes (``KvHashScheme``) of the first ``num_blocks`` full blocks, which
+        the mocker publishes with its ``BlockStored`` events (computed once, kept)."""
+        own, size = self._own, self.block_size
+        if len(own) < num_blocks:
+            own += router_hashes(self.tokens[len(own) * size : num_blocks * size], size,
+                                 own[-1] if own else None)
+        return own[:num_blocks]
 
     def sample(self) -> int:
         """The next token: uniform over the vocabulary, deterministic per (seed, prompt), and

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from dynamo_zmq import errors
-from dynamo_zmq.llm import EngineConfig
+from dynamo_zmq.llm import EngineConfig, KvHashScheme
 from dynamo_zmq.resources import Resources
 from dynamo_zmq.transport import current_curve
 
@@ -186,6 +186,8 @@ def reported_config(llm: Any, options: VllmOptions, relay: KvRelay | None = None
         data_parallel_start_rank=int(getattr(par, "data_parallel_rank", 0) or 0),
         kv_events_endpoint=events,
         kv_replay_endpoint=replay,
+        # The relay hashes at the edge (``_edge.py``); vLLM's own publisher does not.
+        kv_hash_scheme=KvHashScheme.ours(int(cache.block_size)) if relay is not None else None,
         extra={
             "engine": "vllm",
             "vllm_version": vllm_version(),

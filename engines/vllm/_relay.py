@@ -6,7 +6,8 @@ connects to a SUB of ours on ``127.0.0.1`` (vLLM binds only wildcard endpoints a
 others) and its replay ROUTER binds ``127.0.0.1``. ``KvRelay`` forwards each data-parallel
 rank's events, frames unchanged, to a CURVE PUB of ours, and answers replays on a CURVE
 ROUTER by asking vLLM's replay socket over loopback. Routers see the same protocol and
-sequence numbers as without auth.
+sequence numbers as without auth; the live events gain the router's own block hashes
+(``_edge.py``, declared as ``EngineConfig.kv_hash_scheme``), replays pass unchanged.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import zmq
 from dynamo_zmq.resources import Resources
 from dynamo_zmq.transport import AsyncSocket, SendResult, make_socket
 
+from ._edge import EdgeHasher
 from ._endpoints import free_port
 
 __all__ = ["KvRelay"]
@@ -81,7 +83,11 @@ class KvRelay:
         await self._res.close()
 
     async def _forward(self, sub: AsyncSocket, pub: AsyncSocket) -> None:
+        hasher = EdgeHasher()  # one per rank: each rank's stores chain in its own cache
+
         def relay(frames: list[bytes]) -> None:
+            if len(frames) == 3:
+                frames[2] = hasher.rewrite(frames[2])
             # PUB never blocks: with no subscriber, or one too slow, ZMQ drops (as vLLM's does);
             # the router's sequence check and replay cover it.
             pub.try_send(frames)

@@ -1,0 +1,78 @@
+"""Hashing vLLM's KV events at the edge: the relay (``_relay.py``) adds the router's own block
+hashes (``own_hashes``, ``KvHashScheme``) to each ``BlockStored`` it republishes, so routers
+index them without decoding the token ids.
+
+Per data-parallel rank, ``EdgeHasher`` keeps engine hash -> own hash for the blocks vLLM holds
+(dropped on ``BlockRemoved`` and ``AllBlocksCleared``; the first content of a re-stored hash is
+kept, as the router's index keeps it), because a stored block's own hash chains from its
+parent's. A store it cannot hash exactly as the router would (parent unknown here, bad length or
+token ids) goes without ``own_hashes``: the router then hashes that batch's tokens itself. A
+payload that is not vLLM's map form with int hashes is passed on unchanged; so are replays.
+A rewritten payload is re-encoded from our structs (``dynamo_zmq.llm.BlockStored``), so vLLM's
+fields the router does not read (``group_idx``, ``kv_cache_spec_kind``...) are left out.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from dynamo_zmq.llm import BlockRemoved, BlockStored, EventBatch
+from dynamo_zmq.llm._block_hashing import block_hashes, root_hash, salted_block_hashes
+
+__all__ = ["EdgeHasher"]
+
+_MASK64 = (1 << 64) - 1
+_decoder = msgspec.msgpack.Decoder(EventBatch)
+_encoder = msgspec.msgpack.Encoder()
+
+
+class EdgeHasher:
+    """Adds ``own_hashes`` to the events of one data-parallel rank's payloads, in order."""
+
+    def __init__(self) -> None:
+        self._own: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._own)
+
+    def rewrite(self, payload: bytes) -> bytes:
+        """``payload`` with the own hashes of its stores (unchanged if it is in another form)."""
+        try:
+            batch = _decoder.decode(payload)
+        except (msgspec.DecodeError, TypeError, ValueError, RecursionError, MemoryError):
+            return payload
+        own_of = self._own
+        for ev in batch.events:
+            if type(ev) is BlockStored:
+                ev.own_hashes = owns = self._hash(ev)
+                if owns is not None:
+                    for eh, oh in zip(ev.block_hashes, owns, strict=True):
+                        own_of.setdefault(eh & _MASK64, oh)
+            elif type(ev) is BlockRemoved:
+                for eh in ev.block_hashes:
+                    own_of.pop(eh & _MASK64, None)
+            else:
+                own_of.clear()
+        return _encoder.encode(batch)
+
+    def _hash(self, ev: BlockStored) -> list[int] | None:
+        n, size = len(ev.block_hashes), ev.block_size
+        if n == 0 or len(ev.token_ids) != n * size:
+            return None
+        if ev.parent_block_hash is None:
+            lora = ev.lora_name if ev.lora_name is not None else ev.lora_id
+            seed = root_hash(lora)
+        else:
+            parent = self._own.get(ev.parent_block_hash & _MASK64)
+            if parent is None:
+                return None
+            seed = parent
+        extra = ev.extra_keys
+        try:
+            if extra is not None and any(k is not None for k in extra):
+                if len(extra) != n:
+                    return None
+                return salted_block_hashes(ev.token_ids, size, seed, extra)
+            return block_hashes(ev.token_ids, size, seed)
+        except ValueError:
+            return None
