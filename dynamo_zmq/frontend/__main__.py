@@ -29,7 +29,7 @@ from typing import Any
 
 import uvicorn
 
-from .. import errors
+from .. import errors, tracing
 from ..discovery import DiscoveryConfig, add_discovery_args, read_static_file
 from ..llm import BUILTIN_MODES, ROUTERS, RouterPlugin, load_plugin, plugin_names
 from ..runtime import (
@@ -182,6 +182,7 @@ async def serve(
     elif not is_loopback(args.http_host):
         log.warning("serving HTTP on %s without API keys: anyone who can reach it may use it "
                     "(--api-key or --api-key-file; docs/security.md)", args.http_host)
+    asgi = tracing.wrap_asgi(asgi)  # the HTTP span, outside the API-key check
     config = uvicorn.Config(
         asgi, host=args.http_host, port=args.http_port, loop="none",
         http=header_timeout_protocol(args.body_timeout),
@@ -244,7 +245,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except errors.DynamoError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2
-    return run_main(serve(args, plugin, security, disagg))
+    tracing.setup("dynamo-frontend")
+    try:
+        return run_main(serve(args, plugin, security, disagg))
+    finally:
+        tracing.shutdown()
 
 
 if __name__ == "__main__":
