@@ -68,14 +68,18 @@ def json_lines(proc: Proc) -> list[dict]:
     return [json.loads(line) for line in stderr_lines(proc) if line.startswith("{")]
 
 
-async def test_one_trace_from_http_to_engine(namespace, spawn, tiny_model, receiver):
+@pytest.mark.parametrize("mode", ["round-robin", "kv"])
+async def test_one_trace_from_http_to_engine(namespace, spawn, tiny_model, receiver, mode):
     """A client's ``traceparent`` is honoured and returned (same trace id): under it the
-    frontend's ``http.request``, ``preprocess`` and ``route`` (with the chosen worker), the
-    worker's ``handle_payload`` under ``route`` and ``engine.generate`` under that, with every
-    attribute filled. Each process's JSON-lines log records of the request carry its trace id."""
+    frontend's ``http.request``, ``preprocess`` and ``route`` (with the chosen worker, and the
+    overlap in kv mode), the worker's ``handle_payload`` under ``route``, ``engine.generate``
+    under that with every attribute filled, and the engine's own span (``engine_span``) under
+    ``engine.generate``. Each process's JSON-lines log records of the request carry its trace
+    id."""
     env = {**receiver.env(), "DYN_LOGGING_JSONL": "1", "DYN_LOG": "debug"}
-    worker = mocker(spawn, namespace, tiny_model, env)
-    front, url = frontend(spawn, namespace, env)
+    worker = mocker(spawn, namespace, tiny_model, env, "--engine",
+                    "tests.support.engines:SpanningMocker")
+    front, url = frontend(spawn, namespace, env, "--router-mode", mode)
     await wait_instances(url, 1)
     async with client_for(url) as client:
         raw = await client.chat.completions.with_raw_response.create(
@@ -97,6 +101,7 @@ async def test_one_trace_from_http_to_engine(namespace, spawn, tiny_model, recei
     (route,) = named(spans, "route", CLIENT_TRACE)
     assert route.parent_id == http.span_id
     assert route.attributes["worker_id"] == f"{worker.instance_id:x}"
+    assert ("overlap_blocks" in route.attributes) == (mode == "kv"), route.attributes
     (handle,) = named(spans, "handle_payload", CLIENT_TRACE)
     assert handle.service == "dynamo-worker" and handle.parent_id == route.span_id
     (engine,) = named(spans, "engine.generate", CLIENT_TRACE)
@@ -108,6 +113,9 @@ async def test_one_trace_from_http_to_engine(namespace, spawn, tiny_model, recei
     assert attrs["finish_reason"] == "length" and attrs["cancelled"] is False
     assert attrs["ttft_ms"] > 0 and 0 <= attrs["itl_p50_ms"] <= attrs["itl_max_ms"]
     assert "error_kind" not in attrs and not engine.status_error
+    (own,) = [s for s in spans if s.name.startswith("engine.first_output_")]
+    assert own.parent_id == engine.span_id and own.trace_id == CLIENT_TRACE
+    assert own.attributes["blocks"] == 8 and own.attributes["first_tokens"] >= 1
 
     # Every stderr line is a JSON record; the request's carry its trace id.
     for proc in (worker, front):
