@@ -113,7 +113,8 @@ async def test_one_trace_from_http_to_engine(namespace, spawn, tiny_model, recei
     assert attrs["finish_reason"] == "length" and attrs["cancelled"] is False
     assert attrs["ttft_ms"] > 0 and 0 <= attrs["itl_p50_ms"] <= attrs["itl_max_ms"]
     assert "error_kind" not in attrs and not engine.status_error
-    (own,) = [s for s in spans if s.name.startswith("engine.first_output_")]
+    (own,) = [s for s in spans
+              if s.name.startswith("engine.first_output_") and s.trace_id == CLIENT_TRACE]
     assert own.parent_id == engine.span_id and own.trace_id == CLIENT_TRACE
     assert own.attributes["blocks"] == 8 and own.attributes["first_tokens"] >= 1
 

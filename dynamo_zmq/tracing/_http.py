@@ -19,17 +19,21 @@ log = logging.getLogger("dynamo_zmq.tracing")
 Scope = dict[str, Any]
 ASGIApp = Any
 _CARRIED = (b"traceparent", b"tracestate")
+#: Probes and scrapes: polled all the time, and no request's story.
+_UNTRACED = frozenset({"/metrics", "/health", "/live"})
 
 
 class TracingMiddleware:
-    """Wraps an ASGI app: every ``http`` request runs under an ``http.request`` span."""
+    """Wraps an ASGI app: every ``http`` request (but ``/metrics``, ``/health`` and ``/live``)
+    runs under an ``http.request`` span."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         tracer = state.tracer
-        if scope["type"] != "http" or not state.active or tracer is None:
+        if (scope["type"] != "http" or not state.active or tracer is None
+                or scope.get("path") in _UNTRACED):
             await self.app(scope, receive, send)
             return
         carrier = {k.decode("latin-1"): v.decode("latin-1")
