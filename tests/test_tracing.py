@@ -90,8 +90,8 @@ async def test_one_trace_from_http_to_engine(namespace, spawn, tiny_model, recei
     assert trace_of(raw.headers["traceparent"]) == CLIENT_TRACE
 
     spans = await asyncio.to_thread(
-        receiver.wait_for, lambda ss: named(ss, "engine.generate", CLIENT_TRACE)
-        and named(ss, "http.request", CLIENT_TRACE))
+        receiver.wait_for, lambda ss: named(ss, "handle_payload", CLIENT_TRACE)
+        and named(ss, "http.request", CLIENT_TRACE))  # each ends last on its process
     (http,) = named(spans, "http.request", CLIENT_TRACE)
     assert http.service == "dynamo-frontend" and http.parent_id == CLIENT_SPAN
     assert http.attributes["http.response.status_code"] == 200
@@ -194,8 +194,9 @@ async def test_a_migrated_requests_engine_span_links_to_the_first(namespace, spa
         assert serving([ending, whole], raw.headers["x-dynamo-worker"]) is ending
         assert raw.parse().usage.completion_tokens == PARAMS["max_tokens"]
     trace_id = trace_of(raw.headers["traceparent"])
-    spans = await asyncio.to_thread(
-        receiver.wait_for, lambda ss: len(named(ss, "engine.generate", trace_id)) == 2)
+    spans = await asyncio.to_thread(  # (a parent ends after its child: maybe a later export)
+        receiver.wait_for, lambda ss: len(named(ss, "engine.generate", trace_id)) == 2
+        and len(named(ss, "handle_payload", trace_id)) == 2)
     first, second = sorted(named(spans, "engine.generate", trace_id),
                            key=lambda s: bool(s.links))
     assert first.status_error and first.attributes["error_kind"] == "EngineShutdown"
@@ -232,3 +233,15 @@ async def test_a_disaggregated_decode_links_to_its_prefill(namespace, spawn, tin
     assert [(t, s) for t, s, _ in decode.links] == [(trace_id, prefill.span_id)]
     assert decode.links[0][2]["link.kind"] == "worker_trace_link"
     assert not prefill.links
+
+
+async def test_the_router_service_logs_json_lines(namespace, spawn):
+    """``python -m router`` with ``DYN_LOGGING_JSONL=1``: every stderr line is a JSON record."""
+    router = spawn("-m", "router", "--namespace", namespace, "--host", "127.0.0.1",
+                   env={"DYN_LOGGING_JSONL": "1"})
+    router.signal(signal.SIGTERM)
+    assert router.wait() == 0
+    lines = stderr_lines(router)
+    records = [json.loads(line) for line in lines]
+    assert records and all(r["level"] and r["target"] and "message" in r for r in records)
+    assert any("tracing on as 'dynamo-router'" in r["message"] for r in records), lines

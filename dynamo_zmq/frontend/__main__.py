@@ -188,6 +188,8 @@ async def serve(
         http=header_timeout_protocol(args.body_timeout),
         lifespan="on", log_level="warning", access_log=False, timeout_graceful_shutdown=5,
         ssl_certfile=tls.cert if tls else None, ssl_keyfile=tls.key if tls else None,
+        # JSON lines: uvicorn's records go through the root logger's formatter, not its own
+        log_config=None if tracing.env_flag("DYN_LOGGING_JSONL") else uvicorn.config.LOGGING_CONFIG,
     )
     server = uvicorn.Server(config)
     loop = asyncio.get_running_loop()
