@@ -86,6 +86,9 @@ class Request(msgspec.Struct, **_STRUCT):
     window: int = 1024
     #: Seconds the server may spend on this request (None: no deadline).
     timeout: float | None = None
+    #: The caller's W3C trace context (``traceparent``, ``tracestate``) with tracing on; None:
+    #: no parent (the server's span, if any, starts a trace).
+    trace: dict[str, str] | None = None
 
 
 class Control(msgspec.Struct, **_STRUCT):

@@ -28,7 +28,7 @@ from typing import Any
 
 import msgspec
 
-from dynamo_zmq import errors
+from dynamo_zmq import errors, tracing
 from dynamo_zmq.llm import served_models, serves
 from dynamo_zmq.runtime import (
     DistributedRuntime,
@@ -193,11 +193,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except errors.DynamoError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2
+    tracing.setup("dynamo-router")
     try:
         return run_main(serve(args))
     except errors.DynamoError as exc:  # e.g. a --port or --metrics-port that cannot be bound
         print(f"error: {exc.message}", file=sys.stderr)
         return 1
+    finally:
+        tracing.shutdown()
 
 
 if __name__ == "__main__":

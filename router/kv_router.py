@@ -248,6 +248,8 @@ class KvRouter:
                 stream = await self.client.open(
                     encode_item(request), _decode_output, decision.worker_id, context=context,
                     timeout=timeouts[0], idle_timeout=timeouts[1],
+                    trace_attributes={"overlap_blocks": decision.overlap_blocks,
+                                      "dp_rank": decision.dp_rank, "blocks": len(hashes)},
                 )
             except errors.CannotConnect:
                 self.loads.release(route)

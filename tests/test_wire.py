@@ -70,8 +70,9 @@ def requests(draw: st.DrawFn) -> tuple[Request, list[Any]]:
     payload = draw(items)
     window = draw(ints)
     timeout = draw(st.none() | floats)
-    msg = Request(rid, endpoint, ctx_id, encode_item(payload), window, timeout)
-    return msg, [rid, endpoint, ctx_id, payload, window, timeout]
+    trace = draw(st.none() | st.dictionaries(texts, texts, max_size=2))  # W3C trace context
+    msg = Request(rid, endpoint, ctx_id, encode_item(payload), window, timeout, trace)
+    return msg, [rid, endpoint, ctx_id, payload, window, timeout, trace]
 
 
 @st.composite
@@ -205,7 +206,7 @@ def test_request_schema_evolves_at_the_end(
     assert comparable(old) == comparable(
         Request(*[msg.request_id, msg.endpoint, msg.context_id, msg.payload])
     )
-    assert (old.window, old.timeout) == (1024, None)
+    assert (old.window, old.timeout, old.trace) == (1024, None, None)
     # ... and a newer one may append fields this version does not know.
     new = msgspec.msgpack.decode(msgpack.packb([*fields, *extra]), type=Request)
     assert comparable(new) == comparable(msg)

@@ -29,7 +29,7 @@ from typing import Any
 
 import uvicorn
 
-from .. import errors
+from .. import errors, tracing
 from ..discovery import DiscoveryConfig, add_discovery_args, read_static_file
 from ..llm import BUILTIN_MODES, ROUTERS, RouterPlugin, load_plugin, plugin_names
 from ..runtime import (
@@ -182,11 +182,14 @@ async def serve(
     elif not is_loopback(args.http_host):
         log.warning("serving HTTP on %s without API keys: anyone who can reach it may use it "
                     "(--api-key or --api-key-file; docs/security.md)", args.http_host)
+    asgi = tracing.wrap_asgi(asgi)  # the HTTP span, outside the API-key check
     config = uvicorn.Config(
         asgi, host=args.http_host, port=args.http_port, loop="none",
         http=header_timeout_protocol(args.body_timeout),
         lifespan="on", log_level="warning", access_log=False, timeout_graceful_shutdown=5,
         ssl_certfile=tls.cert if tls else None, ssl_keyfile=tls.key if tls else None,
+        # JSON lines: uvicorn's records go through the root logger's formatter, not its own
+        log_config=None if tracing.env_flag("DYN_LOGGING_JSONL") else uvicorn.config.LOGGING_CONFIG,
     )
     server = uvicorn.Server(config)
     loop = asyncio.get_running_loop()
@@ -244,7 +247,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except errors.DynamoError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2
-    return run_main(serve(args, plugin, security, disagg))
+    tracing.setup("dynamo-frontend")
+    try:
+        return run_main(serve(args, plugin, security, disagg))
+    finally:
+        tracing.shutdown()
 
 
 if __name__ == "__main__":

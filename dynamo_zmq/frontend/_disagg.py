@@ -227,14 +227,15 @@ class DisaggRouter:
         if request.embedding is None:  # an embedding has no prefill to move
             reason = self.local_reason(request)
             if reason is None:
-                handoff, ok = await self._prefill(request, context, idle_timeout, timeout)
+                handoff, ok, link = await self._prefill(request, context, idle_timeout, timeout)
                 if ok:
                     self._remote.inc()
                 else:
                     reason = "failed"
                 if handoff is not None:
                     request = msgspec.structs.replace(
-                        request, disaggregated_params={"do_remote_prefill": True, **handoff}
+                        request, disaggregated_params={"do_remote_prefill": True, **handoff},
+                        migration_link=link,  # the decode's engine.generate links to the prefill
                     )
             if reason is not None:
                 self._local[reason].inc()
@@ -288,9 +289,10 @@ class DisaggRouter:
         context: Context,
         idle_timeout: float | None,
         timeout: float | None,
-    ) -> tuple[dict[str, Any] | None, bool]:
-        """Run the remote prefill: (its handoff, whether it succeeded). A failure is logged and
-        falls back; a stopped or killed request raises (it is not to go on).
+    ) -> tuple[dict[str, Any] | None, bool, str | None]:
+        """Run the remote prefill: (its handoff, whether it succeeded, its ``engine.generate``
+        span's ``traceparent`` with tracing on). A failure is logged and falls back; a stopped
+        or killed request raises (it is not to go on).
 
         Raises:
             Cancelled: the request was stopped or killed meanwhile.
@@ -307,12 +309,14 @@ class DisaggRouter:
         why = ""
         handoff: dict[str, Any] | None = None
         ok = False
+        link: str | None = None
         try:
             stream = await self.prefill.generate(
                 prefill_request(request), child, idle_timeout=idle_timeout, timeout=limit
             )
             try:
                 async for out in stream:
+                    link = link or out.worker_trace_link
                     if out.finish_reason is None:
                         continue
                     if out.finish_reason in ("error", "cancelled"):
@@ -338,4 +342,4 @@ class DisaggRouter:
             child.kill()  # whatever the prefill worker still holds for it
             log.warning("model %r: the remote prefill of request %s failed (%s); its decode "
                         "worker prefills it", self.model, context.id(), why)
-        return handoff, ok
+        return handoff, ok, link

@@ -93,6 +93,8 @@ class Generation:
             if self.first:
                 ttft.observe(now - self.started)
                 self.first = False
+                if self.migration is not None:  # what a migration's trace links to
+                    self.migration.link = out.worker_trace_link
             else:
                 itl.observe((now - self.last) / n)
             self.last = now

@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
+from ..tracing import span
 from .errors import HttpError, prompt_too_long
 from .protocol import ChatCompletionRequest, CompletionRequest, prompts
 
@@ -142,12 +143,15 @@ class Offload:
 
     async def run(self, size: int, fn: Callable[..., T], *args: object) -> T:
         """``fn(*args)``: on the loop for a request body of ``size`` bytes up to
-        ``OFFLOAD_CHARS``, else in the pool."""
-        if size <= OFFLOAD_CHARS:
-            return fn(*args)
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="preprocess")
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        ``OFFLOAD_CHARS``, else in the pool; under a ``preprocess`` span with tracing on."""
+        offloaded = size > OFFLOAD_CHARS
+        with span("preprocess", step=getattr(fn, "__name__", ""), body_bytes=size,
+                  offloaded=offloaded):
+            if not offloaded:
+                return fn(*args)
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="preprocess")
+            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     def close(self) -> None:
         """Drop queued work and let running work finish on its own (idempotent)."""

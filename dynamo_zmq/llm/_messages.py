@@ -190,6 +190,10 @@ class PreprocessedRequest(msgspec.Struct, **_WIRE):
     tools: ToolOptions | None = None
     #: Split reasoning text out of the output (the worker's ``--reasoning-parser``, if any).
     reasoning: bool = False
+    #: The ``traceparent`` of this request's predecessor's ``engine.generate`` span (a
+    #: migrated request's lost worker, a disaggregated decode's prefill), which this request's
+    #: span links to; set by the frontend with tracing on (docs/observability.md).
+    migration_link: str | None = None
 
 
 class Usage(msgspec.Struct, **_WIRE):
@@ -236,6 +240,9 @@ class LLMEngineOutput(msgspec.Struct, **_WIRE):
     reasoning: str | None = None
     #: On a prefill worker's terminal: the KV handoff for the decode worker (engine-defined).
     disaggregated_params: dict[str, Any] | None = None
+    #: With tracing on, on the worker's first output with tokens: the ``traceparent`` of its
+    #: ``engine.generate`` span (what a migration or a disaggregated decode links to).
+    worker_trace_link: str | None = None
 
     @property
     def is_terminal(self) -> bool:

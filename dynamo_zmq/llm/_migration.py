@@ -115,7 +115,7 @@ class Migration:
 
     __slots__ = (
         "_deadline", "_idle_timeout", "_limit", "_lost", "_on_migrate", "_request", "_router",
-        "generated", "migrations",
+        "generated", "link", "migrations",
     )
 
     def __init__(
@@ -138,6 +138,9 @@ class Migration:
         self._lost: set[int] = set()
         #: Migrations made so far.
         self.migrations = 0
+        #: With tracing on: the ``worker_trace_link`` of the request's first output with tokens
+        #: (its first worker's ``engine.generate``), which a continuation links to.
+        self.link: str | None = None
 
     async def recover(self, stream: OutputStream, exc: errors.DynamoError) -> OutputStream:
         """The stream to continue ``stream``'s request on, after it failed with ``exc``.
@@ -187,6 +190,8 @@ class Migration:
         self, request: PreprocessedRequest, ctx: Context, exc: errors.DynamoError
     ) -> OutputStream:
         """Send the continuation, waiting up to ``MIGRATION_WAIT`` for an instance not lost."""
+        if self.link is not None:
+            request = msgspec.structs.replace(request, migration_link=self.link)
         loop = asyncio.get_running_loop()
         wait_until = loop.time() + MIGRATION_WAIT
         exclude = frozenset(self._lost)

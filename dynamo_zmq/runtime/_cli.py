@@ -11,6 +11,8 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from ..errors import InvalidArgument
+from ..tracing import env_flag
+from ..tracing._logs import JsonLinesFormatter
 
 __all__ = ["check_number", "run_main", "setup_logging"]
 
@@ -18,12 +20,17 @@ T = TypeVar("T")
 
 
 def setup_logging() -> None:
-    """Log to stderr at ``DYN_LOG`` (default INFO); stdout stays free for ``READY`` lines."""
+    """Log to stderr at ``DYN_LOG`` (default INFO); stdout stays free for ``READY`` lines.
+    ``DYN_LOGGING_JSONL=1``: one JSON object per line, with the current span's ``trace_id`` and
+    ``span_id`` (``tracing.JsonLinesFormatter``)."""
     logging.basicConfig(
         level=os.environ.get("DYN_LOG", "INFO").upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    if env_flag("DYN_LOGGING_JSONL"):
+        for handler in logging.getLogger().handlers:
+            handler.setFormatter(JsonLinesFormatter())
 
 
 def check_number(flag: str, value: float, *, positive: bool = False) -> float:

@@ -12,6 +12,7 @@ import msgspec
 
 from .. import errors
 from ..context import Context
+from ..tracing import span
 from ..transport import (
     ItemDecoder,
     ItemStream,
@@ -172,14 +173,18 @@ class Client:
         context: Context | None = None,
         timeout: float | None = None,
         idle_timeout: float | None = None,
+        trace_attributes: dict[str, Any] | None = None,
     ) -> ResponseStream[T]:
         """One attempt: send the encoded request to exactly ``instance_id``, no failover.
+        ``trace_attributes``: added to the ``route`` span (with tracing on), e.g. a KV router's
+        ``overlap_blocks``.
 
         Raises:
             CannotConnect: the instance is not live (or its send failed).
         """
         return await self._open(
-            payload, self._only(instance_id), decode, context, frozenset(), timeout, idle_timeout
+            payload, self._only(instance_id), decode, context, frozenset(), timeout, idle_timeout,
+            trace_attributes,
         )
 
     # -- sending ---------------------------------------------------------------------------
@@ -239,6 +244,7 @@ class Client:
         exclude: frozenset[int],
         timeout: float | None,
         idle_timeout: float | None,
+        trace_attributes: dict[str, Any] | None = None,
     ) -> ResponseStream[T]:
         conns = [c for c in self.instances() if c.instance_id not in exclude]
         if not conns:
@@ -247,10 +253,13 @@ class Client:
         # An instance can die between the pick and the send: try the next candidate.
         for conn in pick(conns):
             try:
-                return await conn.open_stream(
-                    self.path, payload, context, decode=decode, timeout=timeout,
-                    idle_timeout=idle_timeout,
-                )
+                # The routing decision's span: the request's trace context goes out under it.
+                with span("route", endpoint=self.path, worker_id=f"{conn.instance_id:x}",
+                          **(trace_attributes or {})):
+                    return await conn.open_stream(
+                        self.path, payload, context, decode=decode, timeout=timeout,
+                        idle_timeout=idle_timeout,
+                    )
             except errors.CannotConnect as exc:
                 last = exc
         assert last is not None

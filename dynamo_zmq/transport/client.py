@@ -22,6 +22,7 @@ import zmq
 from .. import errors
 from ..context import Context
 from ..resources import Resources
+from ..tracing import outgoing
 from ..wire import (
     PROTOCOL_VERSION,
     Control,
@@ -200,7 +201,7 @@ class PeerConnection:
         request_id = next(_request_ids)
         st = _StreamState(request_id, window, decode)
         self._streams[request_id] = st
-        req = Request(request_id, endpoint, ctx.id(), payload, window, timeout)
+        req = Request(request_id, endpoint, ctx.id(), payload, window, timeout, outgoing())
         result = await self._sock.send([Kind.REQUEST, encode(req)], timeout=self._liveness_timeout)
         if result != SendResult.SENT:
             self._streams.pop(request_id, None)

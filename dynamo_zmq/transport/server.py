@@ -23,6 +23,7 @@ import zmq
 from .. import errors
 from ..context import Context
 from ..resources import Resources
+from ..tracing import handled
 from ..wire import (
     Control,
     Credit,
@@ -277,9 +278,9 @@ class Server:
         st = OpenStream(identity, req.request_id, Context(req.context_id), req.window)
         self._streams[key] = st
         self._idle.clear()
-        st.task = self._res.spawn(
-            self._run_stream(st, handler, req.payload), f"stream-{req.request_id}"
-        )
+        run = handled(self._run_stream(st, handler, req.payload), req.trace, req.endpoint,
+                      req.context_id)
+        st.task = self._res.spawn(run, f"stream-{req.request_id}")
         # Also when the task is cancelled before it ever ran (its body's finally never runs).
         st.task.add_done_callback(lambda _t: self._forget(st))
         grace = self.kill_grace

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from .. import tracing
 from ..llm import LLMEngine
 from ..runtime import run_main, setup_logging
 from ._config import WorkerConfig
@@ -19,7 +20,11 @@ def run(engine: LLMEngine, config: WorkerConfig) -> int:
         sys.exit(run(engine, config))
     """
     setup_logging()
-    return run_main(run_async(engine, config))
+    tracing.setup("dynamo-worker")
+    try:
+        return run_main(run_async(engine, config))
+    finally:
+        tracing.shutdown()  # flush the spans not exported yet
 
 
 async def run_async(engine: LLMEngine, config: WorkerConfig) -> int:

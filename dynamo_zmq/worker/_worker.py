@@ -50,6 +50,7 @@ from ..llm import (
 from ..llm.parsers import detect_parsers
 from ..resources import cancel_and_wait
 from ..runtime import DistributedRuntime, StatusServer
+from ..tracing._engine import trace_engine
 from ._config import WorkerConfig
 from ._embed import serve_embedding
 from ._health import Health, embedding_payload
@@ -330,6 +331,8 @@ class Worker:
         )
         if proc is None and request.resume is not None:  # a migrated request: usage as its own
             stream = with_resumed_usage(stream, request.resume.generated)
+        stream, link = trace_engine(  # (stream, None) with tracing off: nothing per chunk
+            stream, request, ctx, self.settings.disaggregation_mode, proc is not None)
         start = last = time.monotonic()
         tokens = 0
         try:
@@ -345,6 +348,7 @@ class Worker:
                         m.itl.observe(now - last)
                     else:
                         m.ttft.observe(now - start)
+                        out.worker_trace_link = link
                     tokens += len(out.token_ids)
                     last = now
                 if out.finish_reason == FinishReason.ERROR:

@@ -417,3 +417,22 @@ class DocumentStopPatternEngine(EchoEngine):
             yield LLMEngineOutput([tok])
             await asyncio.sleep(self.delay or 0.02)
         yield LLMEngineOutput([], finish_reason="length")
+
+
+class SpanningMocker(MockerEngine):
+    """TEST ONLY: the mocker, opening a span of its own (``engine_span``, named at run time)
+    around each request's first output, as an engine instrumenting itself would."""
+
+    name = "spanning-mocker"
+
+    async def generate(self, request: PreprocessedRequest, ctx: Context):
+        from dynamo_zmq.tracing import engine_span
+
+        stream = super().generate(request, ctx)
+        with engine_span(f"engine.first_output_{len(request.token_ids)}", blocks=8) as span:
+            first = await stream.__anext__()
+            if span is not None:
+                span.set_attribute("first_tokens", len(first.token_ids))
+        yield first
+        async for out in stream:
+            yield out
