@@ -2,7 +2,7 @@
 
 Each ``--interval`` seconds it redraws one row per live (instance, namespace, component): role,
 model, state, in-flight and queued requests, KV usage, load (active / total KV blocks), the
-model's KV hit rate and when the instance was last heard from. The numbers come from what the
+model's KV hit rate and the age of its last load report. The numbers come from what the
 processes already publish, so watching costs them nothing per token:
 
 - liveness and the model and role from the runtime's own peer connections (DESCRIBE and pings):
@@ -34,6 +34,7 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from ..discovery import DiscoveryConfig
+from ..errors import DynamoError
 from ..llm import LOAD_TOPIC, LoadReport, advert_of, decode_report
 from ..resources import Resources
 from ..runtime import DistributedRuntime, RuntimeConfig
@@ -51,6 +52,11 @@ COLUMNS = (
 )
 #: Seconds to wait for a frontend's /metrics.
 SCRAPE_TIMEOUT = 2.0
+_INFLIGHT, _MATCHED, _PROMPT = (
+    "dynamo_frontend_inflight_requests", "dynamo_router_matched_blocks_total",
+    "dynamo_router_prompt_blocks_total",
+)
+_SCRAPED = (_INFLIGHT, _MATCHED, _PROMPT)
 
 
 @dataclass
@@ -112,7 +118,7 @@ class LoadFollower:
                     self.latest[instance_id] = _Latest(report, time.monotonic())
 
 
-def _load_columns(latest: _Latest | None, now: float) -> dict[str, Any]:
+def _load_columns(latest: _Latest | None) -> dict[str, Any]:
     if latest is None:
         return {}
     ranks = latest.report.ranks
@@ -125,48 +131,54 @@ def _load_columns(latest: _Latest | None, now: float) -> dict[str, Any]:
         "queued": waiting,
         "kv_usage": f"{100 * active / total:.0f}%" if total else None,
         "load": f"{active}/{total}" if total else str(active),
-        "seen_at": latest.at,
     }
 
 
-def _scrape(url: str) -> dict[str, Any]:
-    """A frontend's in-flight requests and KV hit rate per model, from its /metrics."""
+def _scrape(url: str) -> dict[str, dict[str, float]]:
+    """A frontend's in-flight requests and KV router block counts, summed per model, from its
+    /metrics: ``{series name: {model: value}}``."""
     with urllib.request.urlopen(f"{url.rstrip('/')}/metrics", timeout=SCRAPE_TIMEOUT) as resp:
         page = resp.read().decode()
-    sums: dict[str, dict[str, float]] = {}
+    sums: dict[str, dict[str, float]] = {name: {} for name in _SCRAPED}
     for family in text_string_to_metric_families(page):
         for s in family.samples:
-            if s.name in ("dynamo_frontend_inflight_requests", "dynamo_router_matched_blocks_total",
-                          "dynamo_router_prompt_blocks_total"):
-                by_model = sums.setdefault(s.name, {})
+            if s.name in sums:
                 model = s.labels.get("model", "")
-                by_model[model] = by_model.get(model, 0.0) + s.value
-    prompt = sums.get("dynamo_router_prompt_blocks_total", {})
-    matched = sums.get("dynamo_router_matched_blocks_total", {})
-    inflight = sums.get("dynamo_frontend_inflight_requests", {})
-    return {
-        "hit": {m: matched.get(m, 0.0) / n for m, n in prompt.items() if n},
-        "inflight": int(sum(inflight.values())),
-        "models": sorted(m for m in {*inflight, *prompt} if m),
-    }
+                sums[s.name][model] = sums[s.name].get(model, 0.0) + s.value
+    return sums
+
+
+def _hit_rates(matched: dict[str, float], prompt: dict[str, float]) -> dict[str, float]:
+    return {m: matched.get(m, 0.0) / n for m, n in prompt.items() if n}
+
+
+def _percent(rates: Sequence[float]) -> str | None:
+    """One rate as ``62%``; None for none or several (a row of several models)."""
+    return f"{100 * rates[0]:.0f}%" if len(rates) == 1 else None
 
 
 class _Watcher:
+    """Builds each frame's rows; keeps the load subscriptions between frames."""
+
     def __init__(self, runtime: DistributedRuntime, namespace: str | None,
                  frontends: Sequence[str]) -> None:
         self._runtime = runtime
         self._namespace = namespace
         self._frontends = list(frontends)
         self._loads = LoadFollower(runtime.resources)
-        self._seen: dict[tuple[str, str, str], float] = {}  # row key -> last seen (monotonic)
+        #: When each ``--frontend`` last answered (monotonic), by row key.
+        self._seen: dict[tuple[str, str, str], float] = {}
 
     async def rows(self) -> list[dict[str, Any]]:
+        """One frame's rows: the ``--frontend`` ones first, then every live instance's."""
         pool = await self._runtime.peer_pool(self._namespace)
         now, mono = time.time(), time.monotonic()
-        hits: dict[str, float] = {}
-        rows: list[dict[str, Any]] = []
-        for url in self._frontends:
-            rows.append(await self._frontend_row(url, hits, mono))
+        seen: dict[tuple[str, str, str], float] = {}
+        matched: dict[str, float] = {}
+        prompt: dict[str, float] = {}
+        rows = [await self._frontend_row(url, seen, matched, prompt, mono)
+                for url in self._frontends]
+        hits = _hit_rates(matched, prompt)  # every frontend's routing of the model together
         live: set[int] = set()
         workers: list[dict[str, Any]] = []
         for conn in sorted(pool.peers.values(), key=lambda c: c.address):
@@ -174,22 +186,21 @@ class _Watcher:
                 continue  # liveness lost (or not yet described): not in the view
             live.add(conn.instance_id)
             self._follow(conn)
-            load = _load_columns(self._loads.latest.get(conn.instance_id), now)
+            latest = self._loads.latest.get(conn.instance_id)
             for row in _rows_of(conn, None, self._namespace, now):
                 if row["state"] not in ("ready", "draining"):
                     continue
-                row.update(load)
+                row.update(_load_columns(latest))
                 row["role"] = row["role"] or row["component"] or "-"
-                key = (row["instance_id"], row["namespace"] or "", row["component"] or "")
-                self._seen[key] = mono
+                row["hit_rate"] = _percent(
+                    [hits[m] for m in (row["model"] or "").split(",") if m in hits]
+                )
+                # The row itself is there only while the liveness pings are answered; this is
+                # how fresh its numbers are.
+                row["seen"] = f"{max(0.0, mono - latest.at):.1f}s" if latest else None
                 workers.append(row)
         self._loads.keep_only(live)
-        for row in workers:
-            models = (row["model"] or "").split(",")
-            rates = [hits[m] for m in models if m in hits]
-            row["hit_rate"] = f"{100 * rates[0]:.0f}%" if len(rates) == 1 else None
-            key = (row["instance_id"], row["namespace"] or "", row["component"] or "")
-            row["seen"] = f"{max(0.0, mono - max(self._seen[key], row.pop('seen_at', 0))):.1f}s"
+        self._seen = seen
         workers.sort(key=lambda r: (r["namespace"] or "~", r["component"] or "",
                                     r["model"] or "", r["instance_id"] or ""))
         return rows + workers
@@ -200,11 +211,15 @@ class _Watcher:
         for ep in desc.endpoints:
             advert = advert_of(conn, ep.path)
             if advert is not None and advert.load_endpoint:
-                with contextlib.suppress(Exception):  # e.g. an unauthorized key: no numbers
+                # e.g. a worker whose key is not authorized: its row, without numbers
+                with contextlib.suppress(DynamoError, zmq.ZMQError):
                     self._loads.follow(conn.instance_id, advert.load_endpoint)
                 return
 
-    async def _frontend_row(self, url: str, hits: dict[str, float], mono: float) -> dict[str, Any]:
+    async def _frontend_row(
+        self, url: str, seen: dict[tuple[str, str, str], float], matched: dict[str, float],
+        prompt: dict[str, float], mono: float,
+    ) -> dict[str, Any]:
         key = ("frontend", url, "")
         row: dict[str, Any] = {"role": "frontend", "address": url, "state": "ready"}
         try:
@@ -213,12 +228,16 @@ class _Watcher:
             row["state"] = "unreachable"
         else:
             self._seen[key] = mono
-            hits.update(got["hit"])
-            rates = list(got["hit"].values())
-            row.update(model=",".join(got["models"]) or None, inflight=got["inflight"],
-                       hit_rate=f"{100 * rates[0]:.0f}%" if len(rates) == 1 else None)
-        seen = self._seen.get(key)
-        row["seen"] = f"{mono - seen:.1f}s" if seen is not None else None
+            for name, into in ((_MATCHED, matched), (_PROMPT, prompt)):
+                for model, value in got[name].items():
+                    into[model] = into.get(model, 0.0) + value
+            models = sorted(m for m in {*got[_INFLIGHT], *got[_PROMPT]} if m)
+            row.update(model=",".join(models) or None,
+                       inflight=int(sum(got[_INFLIGHT].values())),
+                       hit_rate=_percent(list(_hit_rates(got[_MATCHED], got[_PROMPT]).values())))
+        if (last := self._seen.get(key)) is not None:
+            seen[key] = last
+            row["seen"] = f"{mono - last:.1f}s"
         return row
 
 
