@@ -17,6 +17,9 @@ decode pools are both visible; the table shows MODEL and ROLE columns when any r
 
     python -m dynamo_zmq status --namespace demo
     python -m dynamo_zmq status --discovery static --static-workers tcp://10.0.0.5:5555 --json
+    python -m dynamo_zmq status --watch [--interval 1] [--frontend http://127.0.0.1:8000]
+
+``--watch`` is a live view (``dynamo_zmq.tools.status_watch``).
 """
 
 from __future__ import annotations
@@ -238,6 +241,20 @@ def _parser() -> argparse.ArgumentParser:
         help="how long to browse / wait for answers (default %(default)s)",
     )
     parser.add_argument("--json", action="store_true", help="print a JSON list of rows")
+    parser.add_argument(
+        "--watch", action="store_true",
+        help="a live view, redrawn in place until Ctrl-C: role, model, in-flight, KV usage, "
+        "load, hit rate, last seen (with --json: one JSON object per frame)",
+    )
+    parser.add_argument(
+        "--interval", type=float, default=1.0, metavar="SECONDS",
+        help="with --watch: seconds between frames (default %(default)s)",
+    )
+    parser.add_argument(
+        "--frontend", action="append", default=[], metavar="URL",
+        help="with --watch: a frontend's base URL (http://host:8000), for its row and the KV "
+        "hit rate; repeatable",
+    )
     add_discovery_args(parser)
     add_auth_args(parser)
     return parser
@@ -249,10 +266,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         check_number("--wait", args.wait)  # NaN would wait forever
+        check_number("--interval", args.interval, positive=True)
     except DynamoError as exc:
         parser.error(exc.message)
     try:
         discovery = DiscoveryConfig.from_args(args)
+        if args.watch:
+            from .status_watch import watch
+
+            asyncio.run(watch(discovery, args.namespace, args.interval, auth_from_args(args),
+                              args.frontend, args.json))
+            return 0
         rows = asyncio.run(
             collect_rows(discovery, args.namespace, args.wait, auth_from_args(args))
         )

@@ -12,6 +12,7 @@ Dynamo's work-handler metrics, labelled ``dynamo_namespace``, ``dynamo_component
     dynamo_component_kvstats_total_blocks        gauge      KV blocks in all
     dynamo_component_kvstats_gpu_cache_usage_percent  gauge  active / total (0.0-1.0)
     dynamo_component_uptime_seconds              gauge      seconds since the worker started
+    dynamo_component_waiting_requests            gauge      requests the engine queued, not running
     dynamo_component_kv_transfer_*               KV transfer of a prefill or decode worker
         (``dynamo_zmq.kv_transfer.KvTransferMetrics``: bytes sent and received, transfers and
         bytes held, expired, refused and failed transfers, pull seconds)
@@ -100,6 +101,9 @@ class WorkerMetrics:
         self.kv_usage = gauge(
             "kvstats_gpu_cache_usage_percent", "Active KV blocks / total (0.0-1.0)"
         )
+        self.waiting = gauge(
+            "waiting_requests", "Requests the engine has queued and not started (its num_waiting)"
+        )
         self.healthy = gauge("healthy", "1 while the health canary passes")
         started = time.monotonic()
         gauge("uptime_seconds", "Seconds since the worker started").set_function(
@@ -115,6 +119,8 @@ class WorkerMetrics:
     def refresh(self, stats: dict[str, float]) -> None:
         """Copy the engine's live numbers (``LLMEngine.stats``) into the KV gauges."""
         active, total = stats.get("kv_active_blocks"), stats.get("kv_total_blocks")
+        if (waiting := stats.get("num_waiting")) is not None:
+            self.waiting.set(waiting)
         if active is not None:
             self.kv_active.set(active)
             if total:
