@@ -154,5 +154,70 @@ async def test_garbage_is_counted_and_a_peers_events_applied(
         pub.close(linger=0)
 
 
+async def _zero(value) -> bool:
+    return not await value
+
+
 async def _nonzero(blocks) -> dict[str, float]:
     return {w: n for w, n in (await blocks).items() if n}
+
+
+async def test_replicas_sync_under_curve(namespace, spawn, tiny_model, tmp_path):
+    from dynamo_zmq.tools.keys import authorize, create_keypair
+
+    keys = tmp_path / "keys"
+    names = ("worker", "front1", "front2")
+    for name in names:
+        create_keypair(keys, name)
+        authorize(keys, str(keys / f"{name}.key"))
+    auth = {name: ("--auth-keys", str(keys), "--auth-key-name", name) for name in names}
+    w = spawn("-m", "dynamo_zmq.worker", "--engine", "mocker", "--model-path", str(tiny_model),
+              "--model-name", "tiny", "--namespace", namespace, "--host", "127.0.0.1",
+              "--block-size", str(BLOCK), "--speedup-ratio", "0.5", *auth["worker"], ready=False)
+    f1, f2 = (frontend(spawn, namespace, *SYNC, *auth[n]) for n in ("front1", "front2"))
+    for proc in (w, f1, f2):
+        proc.wait_ready()
+    for proc in (f1, f2):
+        await eventually(lambda p=proc: serving(p.address, [w]), 30, "the worker routed")
+        await eventually(lambda p=proc: metric(p.address, "dynamo_router_replica_peers"),
+                         30, "the other replica followed")
+    long = asyncio.create_task(asyncio.to_thread(complete, f1.address, prompt(6), 300))
+    await eventually(lambda: metric(f2.address, "dynamo_router_replica_requests"), 30,
+                     "frontend 2 counting frontend 1's request over CURVE")
+    await long
+    await eventually(lambda: _zero(metric(f2.address, "dynamo_router_replica_requests")), 30,
+                     "frontend 2 releasing it")
+    assert await metric(f2.address, "dynamo_router_replica_decode_errors_total") == 0
+
+
+async def test_python_m_router_weighs_a_frontends_requests(namespace, spawn, tiny_model,
+                                                            make_runtime):
+    _, (front,) = await start(spawn, namespace, tiny_model, fronts=1)
+    spawn("-m", "router", "--namespace", namespace, "--host", "127.0.0.1", *SYNC)
+    rt = make_runtime()
+    client = await rt.endpoint(replica_path(f"{namespace}.backend.generate", "tiny")).client()
+
+    async def statuses() -> list[dict]:
+        out = []
+        for iid in client.instance_ids():
+            stream = await client.direct({}, iid)
+            out += [r.data() async for r in stream]
+        return out
+
+    async def both_replicas() -> bool:
+        got = await statuses()
+        return len(got) == 2 and all(s["peers"] for s in got)
+
+    await eventually(both_replicas, 30, "the frontend and python -m router following each other")
+    long = asyncio.create_task(asyncio.to_thread(complete, front.address, prompt(7), 300))
+
+    async def router_counts() -> dict | None:
+        # Only python -m router can count a peer's request: it routes (publishes) nothing.
+        for s in await statuses():
+            if sum(s["peers"].values()) == 1:
+                return s
+        return None
+
+    counted = await eventually(router_counts, 30, "python -m router counting the request")
+    routed_to = await long
+    assert [k.split("/")[0] for k in counted["blocks"]] == [routed_to]
