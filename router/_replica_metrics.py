@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 from prometheus_client import Counter, Gauge
 
 from .metrics import RouterMetrics
@@ -12,7 +14,9 @@ __all__ = ["ReplicaMetrics"]
 class ReplicaMetrics:
     """The ``dynamo_router_replica_*`` series (one set per registry, ``for_router``)."""
 
-    _by_registry: dict[int, ReplicaMetrics] = {}
+    _by_router: weakref.WeakKeyDictionary[RouterMetrics, ReplicaMetrics] = (
+        weakref.WeakKeyDictionary()
+    )
 
     def __init__(self, metrics: RouterMetrics) -> None:
         r, m = metrics.registry, ["model"]
@@ -41,7 +45,7 @@ class ReplicaMetrics:
 
     @classmethod
     def for_router(cls, metrics: RouterMetrics) -> ReplicaMetrics:
-        key = id(metrics.registry)
-        if key not in cls._by_registry:
-            cls._by_registry[key] = cls(metrics)
-        return cls._by_registry[key]
+        found = cls._by_router.get(metrics)
+        if found is None:
+            found = cls._by_router[metrics] = cls(metrics)
+        return found

@@ -15,6 +15,7 @@ counted and skipped; events naming a worker the router does not follow are skipp
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import time
@@ -211,6 +212,7 @@ class ReplicaSync:
                 await self.sync()
             except Exception:
                 log.exception("router replica sync of %r: following peers failed", self._model)
+                await asyncio.sleep(FOLLOW_INTERVAL)
 
     async def sync(self) -> None:
         """Follow the live peers now; drop the requests of those gone and of expired ones."""

@@ -2,7 +2,8 @@
 ``--router-replica-sync`` over mocker workers. A request routed by one frontend counts in the
 other's load for that worker until it completes; a replica killed mid-request has its
 contributions dropped; garbage on the sync socket is counted, not fatal, while a well-formed
-peer (a real runtime in the test) is applied."""
+peer (a real runtime in the test) is applied, and its request whose end never comes expires after
+``--router-replica-ttl``."""
 
 from __future__ import annotations
 
@@ -37,9 +38,9 @@ async def replica_blocks(url: str, workers) -> dict[str, float]:
                                                worker=f"{w.instance_id:x}") for w in workers}
 
 
-async def start(spawn, namespace, tiny_model, fronts: int = 2):
+async def start(spawn, namespace, tiny_model, fronts: int = 2, extra: tuple[str, ...] = ()):
     workers = [worker(spawn, namespace, tiny_model) for _ in range(2)]
-    procs = [frontend(spawn, namespace, *SYNC) for _ in range(fronts)]
+    procs = [frontend(spawn, namespace, *SYNC, *extra) for _ in range(fronts)]
     for proc in (*workers, *procs):
         proc.wait_ready()
     for proc in procs:
@@ -106,7 +107,9 @@ async def test_a_killed_replica_stops_counting(namespace, spawn, tiny_model):
 async def test_garbage_is_counted_and_a_peers_events_applied(
     namespace, spawn, tiny_model, make_runtime
 ):
-    workers, (front,) = await start(spawn, namespace, tiny_model, fronts=1)
+    ttl = 5  # seconds a peer's request counts without its FREE
+    workers, (front,) = await start(spawn, namespace, tiny_model, fronts=1,
+                                    extra=("--router-replica-ttl", str(ttl)))
     url = front.address
     path = f"{namespace}.backend.generate"
     # A peer replica: a real runtime advertising the replica endpoint, its PUB socket raw.
@@ -149,6 +152,14 @@ async def test_garbage_is_counted_and_a_peers_events_applied(
                 url, "dynamo_router_replica_active_blocks", worker=w)
 
         await eventually(released, 10, "the peer's request released")
+        # An ADD whose FREE never comes counts for the TTL, then no more.
+        pub.send_multipart([REPLICA_TOPIC, encode_event(ReplicaEvent(
+            1, ADD, rt.instance_id, 2, 10, workers[0].instance_id, 0, hashes, 3))])
+        await eventually(lambda: metric(url, "dynamo_router_replica_requests"), ttl,
+                         "the unanswered request counted")
+        await eventually(lambda: metric(url, "dynamo_router_replica_expired_requests_total",
+                                        reason="ttl"), ttl + 10, "the request expired")
+        assert await metric(url, "dynamo_router_replica_requests") == 0
         assert await asyncio.to_thread(complete, url, prompt(5), 2)  # still serving
     finally:
         pub.close(linger=0)
