@@ -79,8 +79,15 @@ async def test_a_peer_routed_request_counts_until_it_completes(namespace, spawn,
     assert await metric(f2.address, "dynamo_router_replica_events_received_total",
                         kind="free") >= 1
     assert await metric(f1.address, "dynamo_router_replica_events_sent_total", kind="add") >= 1
-    # The status endpoint's view agrees; frontend 1 saw nothing of its own.
+    # Frontend 1 counts nothing of its own as a peer's.
     assert await metric(f1.address, "dynamo_router_replica_requests") == 0
+
+    # A replica that stops cleanly withdraws its replica endpoint: frontend 2 lets it go.
+    f1.signal(signal.SIGTERM)
+    assert await asyncio.to_thread(f1.wait, 20) == 0
+    assert "Traceback" not in f1.logs()
+    await eventually(lambda: _zero(metric(f2.address, "dynamo_router_replica_peers")), 30,
+                     "frontend 2 dropping the stopped replica")
 
 
 async def test_a_killed_replica_stops_counting(namespace, spawn, tiny_model):
