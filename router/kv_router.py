@@ -40,7 +40,7 @@ from .indexer import KvIndexer
 from .load import LoadSubscriber
 from .metrics import RouterMetrics
 from .placement import AllBusy, Placement
-from .replica_sync import ReplicaSync
+from .replica_sync import ReplicaSync, start_replicas
 from .scheduler import Candidate, LoadTracker, Route, Scheduler, Selection
 from .subscriber import KvEventSubscriber
 
@@ -350,7 +350,7 @@ class KvRouter:
             await self._follower.sync()
             self._follower.start()
             if self.replicas is not None:
-                await self.replicas.start()
+                self.replicas = await start_replicas(self.replicas)
         return self
 
     def _follows(self, worker_id: int) -> bool:

@@ -49,7 +49,10 @@ from .busy import PrefillTokens
 from .metrics import RouterMetrics
 from .scheduler import Candidate, LoadTracker, Route
 
-__all__ = ["DEFAULT_REPLICA_TTL", "META_KEY", "ReplicaMetrics", "ReplicaSync", "replica_path"]
+__all__ = [
+    "DEFAULT_REPLICA_TTL", "META_KEY", "ReplicaMetrics", "ReplicaSync", "replica_path",
+    "start_replicas",
+]
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +70,19 @@ def replica_path(client_path: str, model: str) -> str:
     path = client_path.removeprefix("dyn://")
     key = xxhash.xxh3_64_hexdigest(f"{path}|{model}".encode())
     return f"{path.split('.')[0]}.kv-router.replica-{key}"
+
+
+async def start_replicas(sync: ReplicaSync) -> ReplicaSync | None:
+    """``sync`` started; None (logged) if it cannot start: replica sync is an optimisation, a
+    router without it routes alone."""
+    try:
+        await sync.start()
+    except (errors.DynamoError, OSError, zmq.ZMQError):
+        log.exception("router replica sync of %r could not start: routing without it",
+                      sync.model)
+        await sync.close()
+        return None
+    return sync
 
 
 class _PeerRequest:
@@ -111,7 +127,7 @@ class ReplicaSync:
         self._res = owner.child("replica-sync")
         self.path = replica_path(client_path, model)
         self._client_path = client_path
-        self._model = model
+        self._model = self.model = model
         self._loads = loads
         self._prefill = prefill
         self._known = known
