@@ -1,17 +1,19 @@
 """``python -m router``: the KV router as a service of its own.
 
     python -m router [--namespace dynamo] [--kv-overlap-score-weight 1.0]
-        [--router-temperature 0.0] [--no-kv-events] [--wait-for-workers N] [--host H] [--port P]
-        [--metrics-port P] [discovery flags]
+        [--router-temperature 0.0] [--no-kv-events] [--router-replica-sync]
+        [--wait-for-workers N] [--host H] [--port P] [--metrics-port P] [discovery flags]
 
 It follows the namespace's workers as a frontend does (one ``KvRouter`` per model card it sees,
 each subscribing to its workers' KV events) and serves ``<namespace>.router.best_worker``:
 request ``{"model": NAME, "token_ids": [...]}``, one response ``{"worker_id", "dp_rank",
 "overlap_blocks", "prompt_blocks", "matches": {"<worker hex>/<rank>": blocks}}``. The answer is
 advice: nothing is sent to the worker and no load is counted for it (the caller sends the
-request, and only the caller knows when it ends). Prints ``READY <address> <instance hex>`` once
-serving; with ``--wait-for-workers N``, only after it follows N workers (mDNS shows workers one
-by one, so a scripted start can hold its first questions until every worker is known).
+request, and only the caller knows when it ends); with ``--router-replica-sync`` the load
+that kv-mode frontends with the flag route is counted, from their replica events. Prints
+``READY <address> <instance hex>`` once serving; with ``--wait-for-workers N``, only after it
+follows N workers (mDNS shows workers one by one, so a scripted start can hold its first
+questions until every worker is known).
 """
 
 from __future__ import annotations

@@ -45,6 +45,10 @@ class KvRouterConfig:
     busy_queue_size: int = 1024
     #: Seconds one may wait before its 503 [--busy-queue-timeout].
     busy_queue_timeout: float = 30.0
+    #: Share routing decisions with the other replicas of this router [--router-replica-sync].
+    replica_sync: bool = False
+    #: Seconds a replica's request counts at most without its end [--router-replica-ttl].
+    replica_ttl: float = 600.0
 
 
 def kv_indexer(block_size: int, max_blocks: int | None) -> KvIndexer:

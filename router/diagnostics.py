@@ -5,6 +5,12 @@ routing no better than load balancing.
   with (``dynamo_router_mismatched_workers{reason="block_size"}``, one warning per instance), and
   KV events ignored because their block size differs, whatever the advert says
   (``dynamo_router_kv_block_size_mismatches``, a warning at most once per ``WARN_EVERY``).
+* **Hash scheme mismatch.** In kv mode, an instance that hashes the blocks it publishes under
+  another scheme than the router's (name, version, block size or root seed; ``KvHashScheme``):
+  its hashes cannot be used, the router hashes its events' token ids instead, which costs the
+  router CPU on every store, and a scheme that differs from the other workers' usually means
+  mixed versions or settings (``dynamo_router_mismatched_workers{reason="hash_scheme"}``, one
+  warning per instance).
 * **Silent workers.** In kv mode, an instance that advertises no KV-event endpoint, or one that
   has published nothing ``SILENT_AFTER`` seconds after the router first sent it a request with a
   full prompt block (prefix caching off, events pointed elsewhere): the router knows nothing of
@@ -26,6 +32,7 @@ from collections.abc import Iterable
 from dynamo_zmq.llm import ModelAdvert
 
 from .approx import ApproxIndexer
+from .hashing import KvHashScheme
 from .indexer import KvIndexer
 from .metrics import RouterMetrics
 from .subscriber import KvEventSubscriber
@@ -52,6 +59,7 @@ class Diagnostics:
         self._block_size = block_size
         self._expect_events = expect_events
         self._mismatched: set[int] = set()
+        self._hash_mismatched: set[int] = set()
         #: Instance -> when the router first sent it a request with a full prompt block.
         self._first_routed: dict[int, float] = {}
         self._silent: set[int] = set()
@@ -62,14 +70,31 @@ class Diagnostics:
     # -- block size ----------------------------------------------------------------------------
 
     def check_advert(self, iid: int, advert: ModelAdvert | None) -> None:
-        """A newly followed instance: warn if its block size differs from the router's."""
-        if advert is None or advert.kv_block_size in (0, self._block_size):
+        """A newly followed instance: warn if its block size or hash scheme differs from the
+        router's."""
+        if advert is None:
+            return
+        self._check_scheme(iid, advert)
+        if advert.kv_block_size in (0, self._block_size):
             return
         self._mismatched.add(iid)
         log.warning("instance %x uses KV block size %d but the router indexes with %d: its KV "
                     "events are ignored and its prefixes never match (start every worker of "
                     "model %r with one block size)", iid, advert.kv_block_size, self._block_size,
                     self._model)
+
+    def _check_scheme(self, iid: int, advert: ModelAdvert) -> None:
+        scheme = advert.engine.kv_hash_scheme
+        if not self._expect_events or scheme is None or scheme.usable_by(self._block_size):
+            return
+        self._hash_mismatched.add(iid)
+        ours = KvHashScheme.ours(self._block_size)
+        log.warning("instance %x of model %r hashes its KV blocks as %s %d (block size %d, seed "
+                    "%d), not the router's %s %d (block size %d, seed %d): the router hashes the "
+                    "token ids of its events instead, at a CPU cost on every store (start every "
+                    "worker with the router's scheme: same version, block size and seed)",
+                    iid, self._model, scheme.name, scheme.version, scheme.block_size, scheme.seed,
+                    ours.name, ours.version, ours.block_size, ours.seed)
 
     def check_index(self, indexer: KvIndexer | ApproxIndexer) -> None:
         """Count KV events the index ignored for their block size since the last call."""
@@ -125,12 +150,15 @@ class Diagnostics:
     def forget(self, iid: int) -> None:
         """An instance that left."""
         self._mismatched.discard(iid)
+        self._hash_mismatched.discard(iid)
         self._first_routed.pop(iid, None)
         self._silent.discard(iid)
 
     def update_gauges(self) -> None:
         self._metrics.mismatched_workers.labels(self._model, "block_size").set(
             len(self._mismatched))
+        self._metrics.mismatched_workers.labels(self._model, "hash_scheme").set(
+            len(self._hash_mismatched))
 
     # -- flat scores ---------------------------------------------------------------------------
 

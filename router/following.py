@@ -161,10 +161,7 @@ class InstanceFollower:
         assert isinstance(self._indexer, KvIndexer)  # events are followed only into one
         endpoint = known.advert.kv_events_endpoint
         scheme = known.advert.engine.kv_hash_scheme
-        edge = scheme is not None and scheme.usable_by(self._block_size)
-        if scheme is not None and not edge:
-            log.warning("instance %x hashes KV blocks with %s, not the router's: hashing the "
-                        "token ids of its events instead", iid, scheme)
+        edge = scheme is not None and scheme.usable_by(self._block_size)  # else: diagnostics
         sub = KvEventSubscriber(
             self._res, iid, endpoint, self._indexer,
             replay_endpoint=known.advert.kv_replay_endpoint, metrics=self._metrics,

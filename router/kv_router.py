@@ -40,6 +40,7 @@ from .indexer import KvIndexer
 from .load import LoadSubscriber
 from .metrics import RouterMetrics
 from .placement import AllBusy, Placement
+from .replica_sync import ReplicaSync, start_replicas
 from .scheduler import Candidate, LoadTracker, Route, Scheduler, Selection
 from .subscriber import KvEventSubscriber
 
@@ -130,6 +131,12 @@ class KvRouter:
             block_size, cfg.replay_timeout, runtime,
         )
         self._res.on_close(self._follower.close)  # after the follow task is cancelled
+        #: Router replica sync (``--router-replica-sync``): peers' decisions feed ``loads``.
+        self.replicas = (
+            ReplicaSync(runtime, self._res, client.path, model, self.loads, self.prefill,
+                        self._follows, self.metrics, cfg.replica_ttl)
+            if cfg.replica_sync and runtime is not None else None
+        )
         self._started = False
 
     # -- the ModelRouter interface ---------------------------------------------------------
@@ -158,7 +165,7 @@ class KvRouter:
             Overloaded: every (worker, rank) stayed busy past the wait queue's bounds.
         """
         hashes = self._hashes(request.token_ids)
-        placement = Placement(self.loads, self.prefill)
+        placement = Placement(self.loads, self.prefill, self.replicas)
         timeouts = (timeout, idle_timeout)
         admit = self.busy.enabled
         my_turn = not self.queue
@@ -344,7 +351,12 @@ class KvRouter:
             self._started = True
             await self._follower.sync()
             self._follower.start()
+            if self.replicas is not None:
+                self.replicas = await start_replicas(self.replicas)
         return self
+
+    def _follows(self, worker_id: int) -> bool:
+        return worker_id in self.client.instance_ids()
 
     async def sync(self) -> None:
         """Bring the followed set in line with the client's live instances now."""

@@ -82,6 +82,25 @@ def add_kv_router_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup
         help="kv routing: how long a request waits for a non-busy worker before its 503 "
              "[DYN_BUSY_QUEUE_TIMEOUT]",
     )
+    add_replica_args(parser)
+
+
+def add_replica_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--router-replica-sync`` and ``--router-replica-ttl`` (router/replica_sync.py)."""
+    env = os.environ.get
+    parser.add_argument(
+        "--router-replica-sync", action="store_true",
+        default=env("DYN_ROUTER_REPLICA_SYNC", "0").lower() in ("1", "true", "yes"),
+        help="kv routing: share routing decisions with the other frontends / routers of the "
+             "same model (peer to peer), so their load estimates agree "
+             "[DYN_ROUTER_REPLICA_SYNC=1]",
+    )
+    parser.add_argument(
+        "--router-replica-ttl", type=float, default=env("DYN_ROUTER_REPLICA_TTL", "600"),
+        metavar="SECONDS",
+        help="kv routing with replica sync: longest a replica's request counts without its end "
+             "being heard [DYN_ROUTER_REPLICA_TTL]",
+    )
 
 
 def check_kv_router_args(args: argparse.Namespace) -> None:
@@ -93,6 +112,7 @@ def check_kv_router_args(args: argparse.Namespace) -> None:
     check_number("--router-ttl", args.router_ttl, positive=True)
     check_number("--busy-kv-threshold", args.busy_kv_threshold)
     check_number("--busy-queue-timeout", args.busy_queue_timeout, positive=True)
+    check_number("--router-replica-ttl", args.router_replica_ttl, positive=True)
     for flag, value in (("--busy-prefill-tokens", args.busy_prefill_tokens),
                         ("--busy-queue-size", args.busy_queue_size)):
         if value < 0:
@@ -127,4 +147,6 @@ def kv_router_options(args: argparse.Namespace) -> dict[str, Any]:
         "busy_prefill_tokens": args.busy_prefill_tokens,
         "busy_queue_size": args.busy_queue_size,
         "busy_queue_timeout": args.busy_queue_timeout,
+        "replica_sync": args.router_replica_sync,
+        "replica_ttl": args.router_replica_ttl,
     }

@@ -8,6 +8,7 @@ from dynamo_zmq.llm import LLMEngineOutput
 from dynamo_zmq.transport import ResponseStream
 
 from .busy import PrefillTokens
+from .replica_sync import ReplicaSync
 from .scheduler import Candidate, LoadTracker, Route
 
 __all__ = ["AllBusy", "Placement"]
@@ -21,11 +22,16 @@ class Placement:
     """The load one routed request holds: the route of its current attempt, released once, and
     (with a prefill bound) its prompt tokens not yet prefilled, until its first output."""
 
-    __slots__ = ("_loads", "_prefill", "_prefilling", "_route", "stream")
+    __slots__ = ("_loads", "_prefill", "_prefilling", "_rid", "_route", "_sync", "stream")
 
-    def __init__(self, loads: LoadTracker, prefill: PrefillTokens) -> None:
+    def __init__(
+        self, loads: LoadTracker, prefill: PrefillTokens, sync: ReplicaSync | None = None
+    ) -> None:
         self._loads = loads
         self._prefill = prefill
+        #: Router replica sync: each hold, prefill and release is told to the peers.
+        self._sync = sync
+        self._rid = 0
         self._route: Route | None = None
         self._prefilling: tuple[Candidate, int] | None = None
         self.stream: weakref.ref[ResponseStream[LLMEngineOutput]] | None = None
@@ -33,6 +39,8 @@ class Placement:
     def hold(self, route: Route, prefill_tokens: int = 0) -> None:
         self.release()
         self._route = route
+        if self._sync is not None:
+            self._rid = self._sync.added(route, max(0, prefill_tokens))
         if prefill_tokens > 0:
             self._prefilling = (route.candidate, prefill_tokens)
             self._prefill.add(route.candidate, prefill_tokens)
@@ -41,6 +49,8 @@ class Placement:
         held, self._prefilling = self._prefilling, None
         if held is not None:
             self._prefill.done(*held)
+            if self._sync is not None:
+                self._sync.prefilled(self._rid)
             notify = self._loads.on_change
             if notify is not None:
                 notify()
@@ -50,6 +60,8 @@ class Placement:
         route, self._route = self._route, None
         if route is not None:
             self._loads.release(route)
+            if self._sync is not None:
+                self._sync.freed(self._rid)
 
     def on_output(self, out: LLMEngineOutput) -> None:
         if out.finish_reason is not None:

@@ -4,7 +4,7 @@
         [--start 0] [--max-requests 300] [--max-seconds 120] [--speedup 10]
         [--workers 4] [--dp 1] [--tokens-per-block 64] [--max-output 32]
         [--mocker-speedup 2] [--num-gpu-blocks 512] [--modes round-robin,random,kv,approx]
-        [--json OUT] [--plot OUT.png]
+        [--frontends 1] [--no-replica-sync] [--json OUT] [--plot OUT.png]
 
 Trace rows: ``{"timestamp": ms, "input_length", "output_length", "hash_ids": [...]}``, each hash
 id one 512-token block; equal ids at equal positions mean a shared prefix. Prompts are token-id
@@ -14,8 +14,10 @@ trace's partial last block. The mocker runs with ``--block-size`` = ``--tokens-p
 Arrivals follow the trace timestamps divided by ``--speedup`` (open loop); outputs are
 ``min(output_length, --max-output)`` tokens (``min_tokens`` = ``max_tokens``, ``ignore_eos``).
 
-Each mode runs on a fresh set of processes (N workers + one frontend, own namespace); all are
-stopped by pid (SIGTERM, then SIGKILL) when the mode ends, and again on exit.
+Each mode runs on a fresh set of processes (N workers + one frontend, own namespace; with
+``--frontends N``, N frontends taking requests in turn, in kv modes with
+``--router-replica-sync`` unless ``--no-replica-sync``); all are stopped by pid (SIGTERM, then
+SIGKILL) when the mode ends, and again on exit.
 
 Reported per mode: requests ok / failed, req/s, output tok/s, TTFT p50/p99, and the achieved
 prefix hit rate next to the infinite-cache upper bound of the replayed subset (full blocks of the
@@ -215,16 +217,19 @@ def metric_sum(text: str, name: str) -> float | None:
 
 
 async def replay(
-    url: str, model: str, rows: list[dict], prompts: list[list[int]], args: argparse.Namespace
+    url: str | list[str], model: str, rows: list[dict], prompts: list[list[int]],
+    args: argparse.Namespace,
 ):
-    u = be.urlsplit(url)
-    host, port = u.hostname or "127.0.0.1", u.port or 80
+    fronts = [(u.hostname or "127.0.0.1", u.port or 80)
+              for u in map(be.urlsplit, [url] if isinstance(url, str) else url)]
+    turn = iter(range(1 << 62))
     t0_trace = rows[0]["timestamp"]
     results: list[tuple[be.Result, dict]] = []
     sem = asyncio.Semaphore(args.max_inflight)
 
     async def one(row: dict, prompt: list[int]) -> None:
         out = max(1, min(int(row["output_length"]), args.max_output))
+        host, port = fronts[next(turn) % len(fronts)]  # --frontends N: alternate between them
         body = json.dumps({"model": model, "prompt": prompt, "max_tokens": out, "min_tokens": out,
                            "ignore_eos": True, "stream": True,
                            "stream_options": {"include_usage": True}}).encode()
@@ -263,6 +268,21 @@ async def replay(
     return results, wall, len(rows) - len(tasks)
 
 
+def start_frontends(procs: Procs, ns: str, mode: str, args: argparse.Namespace) -> list[str]:
+    """``--frontends N`` frontends of ``mode`` (kv modes: with ``--router-replica-sync`` unless
+    ``--no-replica-sync``); their URLs. Requests alternate between them."""
+    sync = (["--router-replica-sync"]
+            if args.frontends > 1 and "kv" in MODES[mode] and args.replica_sync else [])
+    urls = []
+    for i in range(args.frontends):
+        line = procs.start(f"frontend{i or ''}", [
+            "-m", "dynamo_zmq.frontend", "--http-host", "127.0.0.1",
+            "--http-port", "0", "--namespace", ns, *MODES[mode], *sync,
+        ], timeout=60)
+        urls.append(line.split()[1])
+    return urls
+
+
 def run_mode(mode: str, rows: list[dict], prompts: list[list[int]], args: argparse.Namespace,
              model_dir: Path, logroot: Path) -> dict[str, Any]:
     logdir = logroot / mode
@@ -280,11 +300,8 @@ def run_mode(mode: str, rows: list[dict], prompts: list[list[int]], args: argpar
                 "--data-parallel-size", str(args.dp),
                 "--max-num-batched-tokens", str(args.max_batched_tokens),
             ], timeout=60)
-        line = procs.start("frontend", [
-            "-m", "dynamo_zmq.frontend", "--http-host", "127.0.0.1",
-            "--http-port", "0", "--namespace", ns, *MODES[mode],
-        ], timeout=60)
-        url = line.split()[1]
+        urls = start_frontends(procs, ns, mode, args)
+        url = urls[0]
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             try:
@@ -296,9 +313,9 @@ def run_mode(mode: str, rows: list[dict], prompts: list[list[int]], args: argpar
         else:
             raise RuntimeError("frontend never listed the model")
         time.sleep(args.settle)  # let every worker be discovered (and KV subscriptions connect)
-        results, wall, skipped = asyncio.run(replay(url, args.model_name, rows, prompts, args))
+        results, wall, skipped = asyncio.run(replay(urls, args.model_name, rows, prompts, args))
         try:
-            mtext = http_get(url + "/metrics").decode()
+            mtext = "\n".join(http_get(u + "/metrics").decode() for u in urls)
         except OSError:
             mtext = ""
     finally:
@@ -397,6 +414,10 @@ def main() -> int:
     ap.add_argument("--request-timeout", type=float, default=60.0)
     ap.add_argument("--settle", type=float, default=2.0)
     ap.add_argument("--workdir", default=str(ROOT / ".bench" / "router_trace"))
+    ap.add_argument("--frontends", type=int, default=1,
+                    help="frontends per mode; requests alternate between them")
+    ap.add_argument("--no-replica-sync", dest="replica_sync", action="store_false",
+                    help="with --frontends > 1 in kv modes: no --router-replica-sync")
     ap.add_argument("--json")
     ap.add_argument("--plot")
     args = ap.parse_args()

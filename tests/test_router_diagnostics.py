@@ -154,3 +154,38 @@ async def test_a_block_size_mismatch_is_reported(namespace, spawn, tiny_model):
 
     await eventually(ignored, 10, "the mismatched worker's KV events counted as ignored")
     assert "ignored: their block size is not the router's 16" in front.logs()
+
+
+async def test_a_hash_scheme_mismatch_is_reported(namespace, spawn, tiny_model):
+    # The worker hashes its blocks from another root seed: its published hashes are not the
+    # router's, so the router says so and hashes the tokens of its events instead.
+    other = worker(spawn, namespace, tiny_model, "--kv-hash-seed", "12345")
+    front = kv_frontend(spawn, namespace)
+    for proc in (other, front):
+        proc.wait_ready()
+    url = front.address
+    await eventually(lambda: serving(url, [other]), 30, "the worker routed")
+
+    async def mismatched() -> bool:
+        return await metric(url, "dynamo_router_mismatched_workers", reason="hash_scheme") == 1
+
+    await eventually(mismatched, 10, "dynamo_router_mismatched_workers{hash_scheme} at 1")
+    assert await metric(url, "dynamo_router_mismatched_workers", reason="block_size") == 0
+    logs = front.logs()
+    assert f"instance {other.instance_id:x} of model 'tiny' hashes its KV blocks as" in logs
+    assert "seed 12345" in logs
+
+    # Routing by prefix still works: the store was indexed from its tokens, so the same prompt
+    # matches all its blocks the second time.
+    tokens = prompt(random.Random(11), 4)
+    await asyncio.to_thread(complete, url, tokens, 2)
+    w = f"{other.instance_id:x}"
+
+    async def indexed() -> bool:
+        return await metric(url, "dynamo_router_kv_index_blocks", worker=w) >= 4
+
+    await eventually(indexed, 10, "the worker's blocks indexed")
+    before = await metric(url, "dynamo_router_matched_blocks_total")
+    await asyncio.to_thread(complete, url, tokens, 2)
+    assert await metric(url, "dynamo_router_matched_blocks_total") - before >= 4
+    assert await metric(url, "dynamo_router_edge_hashed_blocks_total") == 0

@@ -129,3 +129,40 @@ async def test_a_new_router_routes_prefixes_cached_before_it_started(
         assert answer["worker_id"] == target.instance_id
         assert answer["overlap_blocks"] == PREFIX_BLOCKS
     assert (await best(evicted))["matches"] == {}
+
+
+async def test_the_dump_carries_the_workers_own_hashes(namespace, spawn, tiny_model):
+    # A dump from a worker that hashes at the edge is indexed from its hashes (the edge path),
+    # tokens unread, like its live events; and it still routes the prefix to it.
+    w = worker(spawn, namespace, tiny_model, 256)
+    first = spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
+                  "--router-mode", "direct", ready=False)
+    for proc in (w, first):
+        proc.wait_ready()
+    ids = {f"{w.instance_id:x}"}
+    await eventually(lambda: serving(first.address, ids), 30, "the worker served")
+    rng = random.Random(25)
+    tokens = [rng.randrange(10, 500) for _ in range(PREFIX_BLOCKS * BLOCK + 3)]
+    await asyncio.to_thread(complete, first.address, tokens, w.instance_id)
+
+    front = spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
+                  "--router-mode", "kv", ready=False).wait_ready()
+    await eventually(lambda: serving(front.address, ids), 30, "the worker routed")
+
+    async def edge_indexed() -> float:
+        status, page = await asyncio.to_thread(get, f"{front.address}/metrics")
+        assert status == 200
+        for family in text_string_to_metric_families(page.decode()):
+            for s in family.samples:
+                if (s.name == "dynamo_router_edge_hashed_blocks_total"
+                        and s.labels.get("model") == "tiny" and s.value >= PREFIX_BLOCKS):
+                    return s.value
+        return 0.0
+
+    # Only the dump brings blocks (no request went through this frontend yet).
+    await eventually(edge_indexed, 10, "the dump's blocks indexed from their own hashes")
+
+    async def indexed() -> bool:
+        return (await index_blocks(front.address)).get(f"{w.instance_id:x}", 0) >= PREFIX_BLOCKS
+
+    await eventually(indexed, 10, "the dump's blocks in the index gauge")

@@ -55,6 +55,9 @@ class MockerConfig:
     kv_bytes_per_token: int = 131072
     #: Modeled KV transfer bandwidth between a prefill and a decode worker, in GB/s.
     kv_transfer_bandwidth: float = 25.0
+    #: Root seed of the router hashes the mocker publishes with its blocks (None: the router's
+    #: own, ``ROOT_SEED``). Another one is advertised as such: routers then hash the tokens.
+    kv_hash_seed: int | None = None
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "context_length", "block_size", "num_gpu_blocks", "max_num_seqs",
@@ -119,6 +122,9 @@ def add_mocker_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -
         help="KV bytes per token a disaggregated transfer models (default: Llama-3-8B bf16)")
     add("--kv-transfer-bandwidth", type=float, default=25.0,
         help="modeled KV transfer bandwidth from a prefill worker, GB/s")
+    add("--kv-hash-seed", type=int, default=None,
+        help="root seed of the block hashes published with KV events (default: the router's; "
+             "another one shows the router's hash-scheme mismatch diagnosis)")
 
 
 def read_model_dir(path: str | Path) -> dict[str, Any]:
@@ -183,6 +189,7 @@ def _config_from_args(args: argparse.Namespace) -> MockerConfig:
         embedding_dim=get("mock_embedding_dim", 0),
         kv_bytes_per_token=get("kv_bytes_per_token", 131072),
         kv_transfer_bandwidth=get("kv_transfer_bandwidth", 25.0),
+        kv_hash_seed=get("kv_hash_seed", None),
         **from_dir,
     )
 

@@ -129,12 +129,19 @@ class MockerEngine(LLMEngine):
             data_parallel_start_rank=0,
             kv_events_endpoint=events,
             kv_replay_endpoint=replay,
-            kv_hash_scheme=KvHashScheme.ours(cfg.block_size) if self._publisher else None,
+            kv_hash_scheme=self._hash_scheme() if self._publisher else None,
             extra={"engine": "mocker", "speedup_ratio": cfg.speedup_ratio,
                    "enable_prefix_caching": cfg.enable_prefix_caching,
                    "kv_events_topic": TOPIC.decode(), "kv_events_format": "vllm"},
         )
         return self.engine_config
+
+    def _hash_scheme(self) -> KvHashScheme:
+        """The router's scheme, under the configured root seed if one is (``--kv-hash-seed``)."""
+        scheme = KvHashScheme.ours(self.config.block_size)
+        if self.config.kv_hash_seed is not None:
+            scheme.seed = self.config.kv_hash_seed
+        return scheme
 
     def _publish(self, events: list[KvEvent], dp_rank: int) -> None:
         if self._publisher is not None:
@@ -250,6 +257,7 @@ class MockerEngine(LLMEngine):
             resumed=request.resume.generated if request.resume is not None else 0,
             num_logprobs=request.output.logprobs,
             logit_bias=request.sampling.logit_bias,
+            hash_root=cfg.kv_hash_seed,
         )
 
     def capabilities(self) -> frozenset[str]:

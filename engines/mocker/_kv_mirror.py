@@ -5,7 +5,8 @@ The mirror follows the published events (``BlockStored`` adds, ``BlockRemoved`` 
 ``AllBlocksCleared`` empties a rank), one entry per held block with its own slice of the tokens
 (no reference to the storing event, which would keep all its blocks alive). ``snapshot`` turns
 the state back into ``BlockStored`` events, parents before children, runs of a chain merged
-into one event.
+into one event. A block stored with its router hash (``own_hashes``, hashed at the edge) keeps
+it, so a dump is indexed from those hashes like the live events, its tokens unread.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class _Block(NamedTuple):
     medium: str | None
     lora_name: str | None
     extra: Any
+    own: int | None
 
 
 class KvStateMirror:
@@ -44,11 +46,15 @@ class KvStateMirror:
         for ev in events:
             if isinstance(ev, BlockStored):
                 parent, size, extra = ev.parent_block_hash, ev.block_size, ev.extra_keys
+                owns = ev.own_hashes
+                if owns is not None and len(owns) != len(ev.block_hashes):
+                    owns = None
                 for i, h in enumerate(ev.block_hashes):
                     if h not in blocks:
                         blocks[h] = _Block(parent, tuple(ev.token_ids[i * size : (i + 1) * size]),
                                            size, ev.lora_id, ev.medium, ev.lora_name,
-                                           None if extra is None else extra[i])
+                                           None if extra is None else extra[i],
+                                           None if owns is None else owns[i])
                     parent = h
             elif isinstance(ev, BlockRemoved):
                 for h in ev.block_hashes:
@@ -76,14 +82,18 @@ class KvStateMirror:
                 if (run is not None and b.parent == last and run.block_size == b.size
                         and run.lora_id == b.lora_id and run.lora_name == b.lora_name
                         and run.medium == b.medium
-                        and (run.extra_keys is None) == (extra is None)):
+                        and (run.extra_keys is None) == (extra is None)
+                        and (run.own_hashes is None) == (b.own is None)):
                     run.block_hashes.append(h)
                     run.token_ids.extend(b.tokens)
                     if run.extra_keys is not None:
                         run.extra_keys.append(extra)
+                    if run.own_hashes is not None and b.own is not None:
+                        run.own_hashes.append(b.own)
                 else:
                     run = BlockStored([h], b.parent, list(b.tokens), b.size, b.lora_id, b.medium,
-                                      b.lora_name, None if extra is None else [extra])
+                                      b.lora_name, None if extra is None else [extra],
+                                      None if b.own is None else [b.own])
                     events.append(run)
                 last = h
                 count += 1

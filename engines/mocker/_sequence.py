@@ -44,7 +44,8 @@ class Sequence:
                  eos_token_ids: Iterable[int] = (), ignore_eos: bool = False,
                  request_id: str = "", resumed: int = 0,
                  num_logprobs: int | None = None,
-                 logit_bias: dict[int, float] | None = None) -> None:
+                 logit_bias: dict[int, float] | None = None,
+                 hash_root: int | None = None) -> None:
         self.request_id = request_id
         self.tokens: list[int] = list(prompt)
         self.num_prompt = len(self.tokens)
@@ -64,6 +65,7 @@ class Sequence:
             self.sample()
         self._hashes: list[int] = []
         self._own: list[int] = []
+        self._hash_root = hash_root  # the parent of the first own hash (None: ROOT_SEED)
         #: Top alternatives per token when the request asks for logprobs (None: it does not);
         #: their values come from a generator of their own, so the tokens do not change.
         self.num_logprobs = None if num_logprobs is None else min(num_logprobs, vocab_size - 1)
@@ -119,7 +121,7 @@ class Sequence:
         own, size = self._own, self.block_size
         if len(own) < num_blocks:
             own += router_hashes(self.tokens[len(own) * size : num_blocks * size], size,
-                                 own[-1] if own else None)
+                                 own[-1] if own else self._hash_root)
         return own[:num_blocks]
 
     def sample(self) -> int:

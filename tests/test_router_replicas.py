@@ -1,0 +1,241 @@
+"""Router replica sync through real processes: two kv-mode frontends with
+``--router-replica-sync`` over mocker workers. A request routed by one frontend counts in the
+other's load for that worker until it completes; a replica killed mid-request has its
+contributions dropped; garbage on the sync socket is counted, not fatal, while a well-formed
+peer (a real runtime in the test) is applied, and its request whose end never comes expires after
+``--router-replica-ttl``."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+
+import zmq
+
+from router._replica_wire import ADD, FREE, REPLICA_TOPIC, ReplicaEvent, encode_event, pack_hashes
+from router.hashing import block_hashes
+from router.replica_sync import META_KEY, replica_path
+from tests.test_router_diagnostics import complete, eventually, metric, serving
+
+BLOCK = 16
+SYNC = ("--router-replica-sync",)
+
+
+def worker(spawn, namespace, model_dir):
+    return spawn("-m", "dynamo_zmq.worker", "--engine", "mocker", "--model-path", str(model_dir),
+                 "--model-name", "tiny", "--namespace", namespace, "--host", "127.0.0.1",
+                 "--block-size", str(BLOCK), "--speedup-ratio", "0.5", ready=False)
+
+
+def frontend(spawn, namespace, *extra: str):
+    return spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
+                 "--router-mode", "kv", *extra, ready=False)
+
+
+async def replica_blocks(url: str, workers) -> dict[str, float]:
+    return {f"{w.instance_id:x}": await metric(url, "dynamo_router_replica_active_blocks",
+                                               worker=f"{w.instance_id:x}") for w in workers}
+
+
+async def start(spawn, namespace, tiny_model, fronts: int = 2, extra: tuple[str, ...] = ()):
+    workers = [worker(spawn, namespace, tiny_model) for _ in range(2)]
+    procs = [frontend(spawn, namespace, *SYNC, *extra) for _ in range(fronts)]
+    for proc in (*workers, *procs):
+        proc.wait_ready()
+    for proc in procs:
+        await eventually(lambda p=proc: serving(p.address, workers), 30, "both workers routed")
+    if fronts > 1:
+        for proc in procs:
+            await eventually(lambda p=proc: metric(p.address, "dynamo_router_replica_peers"),
+                             30, "the other replica followed")
+    return workers, procs
+
+
+def prompt(seed: int, blocks: int = 4) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 500) for _ in range(blocks * BLOCK)]
+
+
+async def test_a_peer_routed_request_counts_until_it_completes(namespace, spawn, tiny_model):
+    workers, (f1, f2) = await start(spawn, namespace, tiny_model)
+    # A long request through frontend 1 (hundreds of decode steps at half speed).
+    long = asyncio.create_task(asyncio.to_thread(complete, f1.address, prompt(1), 300))
+    seen = await eventually(
+        lambda: _nonzero(replica_blocks(f2.address, workers)), 30,
+        "frontend 2 counting frontend 1's request")
+    assert await metric(f2.address, "dynamo_router_replica_requests") == 1
+    routed_to = await long
+    # The worker frontend 1 chose is the one frontend 2 charged: its prompt (4 blocks) and
+    # expected output blocks.
+    assert set(seen) == {routed_to} and seen[routed_to] >= 4
+
+    async def freed() -> bool:
+        blocks = await replica_blocks(f2.address, workers)
+        return (not any(blocks.values())
+                and await metric(f2.address, "dynamo_router_replica_requests") == 0)
+
+    await eventually(freed, 30, "frontend 2 releasing the completed request")
+    assert await metric(f2.address, "dynamo_router_replica_events_received_total",
+                        kind="free") >= 1
+    assert await metric(f1.address, "dynamo_router_replica_events_sent_total", kind="add") >= 1
+    # Frontend 1 counts nothing of its own as a peer's.
+    assert await metric(f1.address, "dynamo_router_replica_requests") == 0
+
+    # A replica that stops cleanly withdraws its replica endpoint: frontend 2 lets it go.
+    f1.signal(signal.SIGTERM)
+    assert await asyncio.to_thread(f1.wait, 20) == 0
+    assert "Traceback" not in f1.logs()
+    await eventually(lambda: _zero(metric(f2.address, "dynamo_router_replica_peers")), 30,
+                     "frontend 2 dropping the stopped replica")
+
+
+async def test_a_killed_replica_stops_counting(namespace, spawn, tiny_model):
+    workers, (f1, f2) = await start(spawn, namespace, tiny_model)
+    long = asyncio.create_task(asyncio.to_thread(complete, f1.address, prompt(2), 600))
+    await eventually(lambda: _nonzero(replica_blocks(f2.address, workers)), 30,
+                     "frontend 2 counting frontend 1's request")
+    f1.signal(signal.SIGKILL)  # no FREE will ever come
+    with_err = asyncio.gather(long, return_exceptions=True)
+
+    async def dropped() -> bool:
+        return (await metric(f2.address, "dynamo_router_replica_requests") == 0
+                and await metric(f2.address, "dynamo_router_replica_peers") == 0)
+
+    await eventually(dropped, 60, "frontend 2 dropping the killed replica's request")
+    assert not any((await replica_blocks(f2.address, workers)).values())
+    assert await metric(f2.address, "dynamo_router_replica_expired_requests_total",
+                        reason="peer_left") >= 1
+    await with_err
+    # Frontend 2 routes on.
+    assert await asyncio.to_thread(complete, f2.address, prompt(3), 2)
+
+
+async def test_garbage_is_counted_and_a_peers_events_applied(
+    namespace, spawn, tiny_model, make_runtime
+):
+    ttl = 5  # seconds a peer's request counts without its FREE
+    workers, (front,) = await start(spawn, namespace, tiny_model, fronts=1,
+                                    extra=("--router-replica-ttl", str(ttl)))
+    url = front.address
+    path = f"{namespace}.backend.generate"
+    # A peer replica: a real runtime advertising the replica endpoint, its PUB socket raw.
+    ctx = zmq.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    rt = make_runtime()
+    meta = {META_KEY: {"events": f"tcp://127.0.0.1:{port}", "model": "tiny", "path": path}}
+
+    async def nothing(request):
+        yield {}
+
+    try:
+        await rt.endpoint(replica_path(path, "tiny")).start_serving(nothing, meta)
+        await eventually(lambda: metric(url, "dynamo_router_replica_peers"), 30,
+                         "the frontend following the test's replica")
+        garbage = [[REPLICA_TOPIC, b"\xc1not msgpack"], [REPLICA_TOPIC], [b"x", b"y", b"z"],
+                   [REPLICA_TOPIC, encode_event(ReplicaEvent(1, 7, rt.instance_id, 0, 1))],
+                   [REPLICA_TOPIC, encode_event(ReplicaEvent(1, ADD, 12345, 0, 1))]]
+
+        async def counted() -> bool:
+            for frames in garbage:
+                pub.send_multipart(frames)
+            return await metric(url, "dynamo_router_replica_decode_errors_total") >= len(garbage)
+
+        await eventually(counted, 30, "garbage counted")
+        # A well-formed ADD for a real worker counts; its FREE releases it.
+        w = f"{workers[0].instance_id:x}"
+        hashes = pack_hashes(block_hashes(prompt(4), BLOCK))
+        pub.send_multipart([REPLICA_TOPIC, encode_event(ReplicaEvent(
+            1, ADD, rt.instance_id, 0, 9, workers[0].instance_id, 0, hashes, 3))])
+        await eventually(lambda: metric(url, "dynamo_router_replica_active_blocks", worker=w),
+                         10, "the peer's request counted")
+        assert await metric(url, "dynamo_router_replica_active_blocks", worker=w) == 4 + 3
+        pub.send_multipart([REPLICA_TOPIC, encode_event(ReplicaEvent(
+            1, FREE, rt.instance_id, 1, 9))])
+
+        async def released() -> bool:
+            return await metric(url, "dynamo_router_replica_requests") == 0 and not await metric(
+                url, "dynamo_router_replica_active_blocks", worker=w)
+
+        await eventually(released, 10, "the peer's request released")
+        # An ADD whose FREE never comes counts for the TTL, then no more.
+        pub.send_multipart([REPLICA_TOPIC, encode_event(ReplicaEvent(
+            1, ADD, rt.instance_id, 2, 10, workers[0].instance_id, 0, hashes, 3))])
+        await eventually(lambda: metric(url, "dynamo_router_replica_requests"), ttl,
+                         "the unanswered request counted")
+        await eventually(lambda: metric(url, "dynamo_router_replica_expired_requests_total",
+                                        reason="ttl"), ttl + 10, "the request expired")
+        assert await metric(url, "dynamo_router_replica_requests") == 0
+        assert await asyncio.to_thread(complete, url, prompt(5), 2)  # still serving
+    finally:
+        pub.close(linger=0)
+
+
+async def _zero(value) -> bool:
+    return not await value
+
+
+async def _nonzero(blocks) -> dict[str, float]:
+    return {w: n for w, n in (await blocks).items() if n}
+
+
+async def test_replicas_sync_under_curve(namespace, spawn, tiny_model, tmp_path):
+    from dynamo_zmq.tools.keys import authorize, create_keypair
+
+    keys = tmp_path / "keys"
+    names = ("worker", "front1", "front2")
+    for name in names:
+        create_keypair(keys, name)
+        authorize(keys, str(keys / f"{name}.key"))
+    auth = {name: ("--auth-keys", str(keys), "--auth-key-name", name) for name in names}
+    w = spawn("-m", "dynamo_zmq.worker", "--engine", "mocker", "--model-path", str(tiny_model),
+              "--model-name", "tiny", "--namespace", namespace, "--host", "127.0.0.1",
+              "--block-size", str(BLOCK), "--speedup-ratio", "0.5", *auth["worker"], ready=False)
+    f1, f2 = (frontend(spawn, namespace, *SYNC, *auth[n]) for n in ("front1", "front2"))
+    for proc in (w, f1, f2):
+        proc.wait_ready()
+    for proc in (f1, f2):
+        await eventually(lambda p=proc: serving(p.address, [w]), 30, "the worker routed")
+        await eventually(lambda p=proc: metric(p.address, "dynamo_router_replica_peers"),
+                         30, "the other replica followed")
+    long = asyncio.create_task(asyncio.to_thread(complete, f1.address, prompt(6), 300))
+    await eventually(lambda: metric(f2.address, "dynamo_router_replica_requests"), 30,
+                     "frontend 2 counting frontend 1's request over CURVE")
+    await long
+    await eventually(lambda: _zero(metric(f2.address, "dynamo_router_replica_requests")), 30,
+                     "frontend 2 releasing it")
+    assert await metric(f2.address, "dynamo_router_replica_decode_errors_total") == 0
+
+
+async def test_python_m_router_weighs_a_frontends_requests(namespace, spawn, tiny_model,
+                                                            make_runtime):
+    _, (front,) = await start(spawn, namespace, tiny_model, fronts=1)
+    spawn("-m", "router", "--namespace", namespace, "--host", "127.0.0.1", *SYNC)
+    rt = make_runtime()
+    client = await rt.endpoint(replica_path(f"{namespace}.backend.generate", "tiny")).client()
+
+    async def statuses() -> list[dict]:
+        out = []
+        for iid in client.instance_ids():
+            stream = await client.direct({}, iid)
+            out += [r.data() async for r in stream]
+        return out
+
+    async def both_replicas() -> bool:
+        got = await statuses()
+        return len(got) == 2 and all(s["peers"] for s in got)
+
+    await eventually(both_replicas, 30, "the frontend and python -m router following each other")
+    long = asyncio.create_task(asyncio.to_thread(complete, front.address, prompt(7), 300))
+
+    async def router_counts() -> dict | None:
+        # Only python -m router can count a peer's request: it routes (publishes) nothing.
+        for s in await statuses():
+            if sum(s["peers"].values()) == 1:
+                return s
+        return None
+
+    counted = await eventually(router_counts, 30, "python -m router counting the request")
+    routed_to = await long
+    assert [k.split("/")[0] for k in counted["blocks"]] == [routed_to]
