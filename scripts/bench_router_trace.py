@@ -409,7 +409,8 @@ def plot(res: list[dict], bound: float, out: str, finite: float | None = None) -
     if finite is not None:
         b.axhline(100 * finite, color="tab:red", ls=":", label="finite-capacity bound (oracle)")
     b.set_title("prefix hit rate (%)")
-    b.legend()
+    b.set_ylim(0, 100)
+    b.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
 
