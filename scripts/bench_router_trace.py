@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_e2e as be  # its asyncio HTTP/SSE client
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from router.oracle import block_keys, finite_bound, infinite_bound
+from router.oracle import block_keys, finite_bound, infinite_bound, simulate
 
 ROOT = Path(__file__).resolve().parent.parent
 MODES = {
@@ -352,11 +352,16 @@ def router_args(mode: str, args: argparse.Namespace) -> list[str]:
 
 
 def bounds(prompts: list[list[int]], args: argparse.Namespace) -> dict[str, float]:
-    """The infinite-cache bound and the oracle's finite-capacity bound of the replayed prompts."""
+    """The infinite-cache bound and the oracle's finite-capacity bound of the replayed prompts,
+    and, for reference, round-robin and the online greedy placement in the same simulator with
+    LRU caches (what an ideal event-driven router reaches on engines that evict LRU)."""
     keys = block_keys(prompts, args.tokens_per_block)
-    fin = finite_bound(keys, args.workers * args.dp, args.num_gpu_blocks,
-                       window=args.oracle_window, slack=args.oracle_slack)
-    return {"infinite": infinite_bound(keys), "finite": fin.rate}
+    caches, cap = args.workers * args.dp, args.num_gpu_blocks
+    fin = finite_bound(keys, caches, cap, window=args.oracle_window, slack=args.oracle_slack)
+    sims = {f"sim_{p}_lru": simulate(keys, caches, cap, p, "lru", args.oracle_window,
+                                     args.oracle_slack).rate
+            for p in ("round-robin", "greedy")}
+    return {"infinite": infinite_bound(keys), "finite": fin.rate, **sims}
 
 
 def fmt(x: Any, nd: int = 1) -> str:
@@ -474,13 +479,16 @@ def main() -> int:
     pm = Prompts(args.tokens_per_block, args.vocab_size)
     prompts = [pm.build(r) for r in rows]
     bound = upper_bound(prompts, args.tokens_per_block)
-    finite = bounds(prompts, args)["finite"]
+    bnd = bounds(prompts, args)
+    finite = bnd["finite"]
     span = (rows[-1]["timestamp"] - rows[0]["timestamp"]) / 1000 / args.speedup
     print(f"trace {Path(args.trace).name} rows {args.start}..{args.start + len(rows) - 1}: "
           f"{len(rows)} requests over {span:.1f}s replayed, mean prompt "
           f"{sum(map(len, prompts)) / len(prompts):.0f} tokens, "
           f"infinite-cache bound {100 * bound:.1f}%, finite-capacity bound {100 * finite:.1f}% "
-          f"({args.workers * args.dp} caches of {args.num_gpu_blocks} blocks)",
+          f"({args.workers * args.dp} caches of {args.num_gpu_blocks} blocks); simulated with "
+          f"LRU caches: round-robin {100 * bnd['sim_round-robin_lru']:.1f}%, online greedy "
+          f"{100 * bnd['sim_greedy_lru']:.1f}%",
           flush=True)
 
     res: list[dict] = []
@@ -504,8 +512,8 @@ def main() -> int:
           "n/a = no measure for this mode.")
     if args.json:
         Path(args.json).write_text(
-            json.dumps({"config": cfg, "bound": bound, "finite_bound": finite, "results": res},
-                       indent=2)
+            json.dumps({"config": cfg, "bound": bound, "finite_bound": finite, "bounds": bnd,
+                        "results": res}, indent=2)
         )
     if args.plot and res:
         try:
