@@ -14,10 +14,11 @@ __all__ = ["add_kv_router_args", "check_kv_router_args", "kv_router_options"]
 
 
 def add_kv_router_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """``--kv-overlap-score-weight``, ``--router-temperature``, ``--no-kv-events``,
-    ``--router-ttl``, ``--load-report-ttl``, ``--load-report-grace``, ``--kv-index-max-blocks``
-    and the busy-worker bounds ``--busy-kv-threshold``, ``--busy-prefill-tokens``,
-    ``--busy-queue-size`` and ``--busy-queue-timeout`` (each with its DYN_* variable)."""
+    """``--kv-overlap-score-weight``, ``--kv-prefill-load-weight``, ``--router-temperature``,
+    ``--no-kv-events``, ``--router-ttl``, ``--load-report-ttl``, ``--load-report-grace``,
+    ``--kv-index-max-blocks`` and the busy-worker bounds ``--busy-kv-threshold``,
+    ``--busy-prefill-tokens``, ``--busy-queue-size`` and ``--busy-queue-timeout`` (each with its
+    DYN_* variable)."""
     env = os.environ.get
     parser.add_argument(
         "--kv-overlap-score-weight", type=float, default=env("DYN_KV_OVERLAP_SCORE_WEIGHT", "1.0"),
