@@ -18,6 +18,9 @@ class KvRouterConfig:
 
     #: Weight of blocks to prefill against decode load [--kv-overlap-score-weight].
     overlap_score_weight: float = 1.0
+    #: Weight of a candidate's queued prefill (uncached prompt blocks routed to it and not yet
+    #: prefilled) added to its load; 0: off, Dynamo's cost [--kv-prefill-load-weight].
+    prefill_load_weight: float = 0.0
     #: 0: cheapest candidate; > 0: softmax sampling [--router-temperature].
     router_temperature: float = 0.0
     #: Index from the engines' KV events; False: from routing decisions [--no-kv-events].

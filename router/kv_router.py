@@ -20,7 +20,7 @@ import dataclasses
 import math
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from dynamo_zmq import errors
@@ -113,6 +113,9 @@ class KvRouter:
         self.scheduler = scheduler or Scheduler(cfg.overlap_score_weight, cfg.router_temperature)
         self.loads = LoadTracker(report_ttl=cfg.load_report_ttl, report_grace=cfg.load_report_grace)
         self.busy = BusyPolicy(cfg.busy_kv_threshold, cfg.busy_prefill_tokens)
+        self._prefill_weight = cfg.prefill_load_weight
+        #: Track each request's prompt tokens until its first output (busy rule, prefill load).
+        self._track_prefill = cfg.busy_prefill_tokens > 0 or cfg.prefill_load_weight > 0
         self.prefill = PrefillTokens()
         self.queue = AdmissionQueue(
             cfg.busy_queue_size, cfg.busy_queue_timeout, self.metrics, model
@@ -194,7 +197,7 @@ class KvRouter:
         # The load is released once: at the engine's terminal output, or when the stream is
         # done with however it ends (even dropped unread); a re-route moves it to the new
         # attempt's (worker, rank).
-        if self.busy.prefill_tokens > 0:
+        if self._track_prefill:
             placement.stream = weakref.ref(first)
             first.set_on_item(placement.on_first_output)
         else:
@@ -271,9 +274,18 @@ class KvRouter:
         return block_hashes(token_ids, self.block_size)
 
     def _prefill_tokens(self, request: PreprocessedRequest, decision: Decision) -> int:
-        if self.busy.prefill_tokens <= 0:
+        if not self._track_prefill:
             return 0
         return max(0, len(request.token_ids) - decision.overlap_blocks * self.block_size)
+
+    def _load(self) -> Callable[[Candidate], float]:
+        """The scheduler's load: predicted active blocks, plus the queued prefill in blocks
+        times ``prefill_load_weight`` (TTFT waits for that when prefill dominates)."""
+        w, load = self._prefill_weight, self.loads.load
+        if w <= 0:
+            return load
+        prefill, size = self.prefill, self.block_size
+        return lambda c: load(c) + w * prefill.get(c) / size
 
     def _any_free(self, exclude: frozenset[int]) -> bool:
         """Whether some live (worker, rank) outside ``exclude`` is not busy."""
@@ -298,7 +310,7 @@ class KvRouter:
             elif admit:
                 raise AllBusy
         matches = self.indexer.find_matches_for_hashes(hashes) if overlap else {}
-        sel = self.scheduler.select(candidates, len(hashes), matches, self.loads.load)
+        sel = self.scheduler.select(candidates, len(hashes), matches, self._load())
         live = set(candidates)
         if overlap and hashes and len(candidates) > 1:
             flat = not any(matches.get(c) for c in candidates)

@@ -14,15 +14,22 @@ __all__ = ["add_kv_router_args", "check_kv_router_args", "kv_router_options"]
 
 
 def add_kv_router_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """``--kv-overlap-score-weight``, ``--router-temperature``, ``--no-kv-events``,
-    ``--router-ttl``, ``--load-report-ttl``, ``--load-report-grace``, ``--kv-index-max-blocks``
-    and the busy-worker bounds ``--busy-kv-threshold``, ``--busy-prefill-tokens``,
-    ``--busy-queue-size`` and ``--busy-queue-timeout`` (each with its DYN_* variable)."""
+    """``--kv-overlap-score-weight``, ``--kv-prefill-load-weight``, ``--router-temperature``,
+    ``--no-kv-events``, ``--router-ttl``, ``--load-report-ttl``, ``--load-report-grace``,
+    ``--kv-index-max-blocks`` and the busy-worker bounds ``--busy-kv-threshold``,
+    ``--busy-prefill-tokens``, ``--busy-queue-size`` and ``--busy-queue-timeout`` (each with its
+    DYN_* variable)."""
     env = os.environ.get
     parser.add_argument(
         "--kv-overlap-score-weight", type=float, default=env("DYN_KV_OVERLAP_SCORE_WEIGHT", "1.0"),
         help="kv routing: weight of blocks to prefill against decode load "
              "[DYN_KV_OVERLAP_SCORE_WEIGHT]",
+    )
+    parser.add_argument(
+        "--kv-prefill-load-weight", type=float,
+        default=env("DYN_KV_PREFILL_LOAD_WEIGHT", "0.0"),
+        help="kv routing: weight of a worker's queued prefill (uncached prompt blocks not yet "
+             "prefilled) added to its load; 0 = Dynamo's cost [DYN_KV_PREFILL_LOAD_WEIGHT]",
     )
     parser.add_argument(
         "--router-temperature", type=float, default=env("DYN_ROUTER_TEMPERATURE", "0.0"),
@@ -109,6 +116,7 @@ def check_kv_router_args(args: argparse.Namespace) -> None:
     a grace outside it), a negative index cap."""
     check_number("--kv-overlap-score-weight", args.kv_overlap_score_weight)
     check_number("--router-temperature", args.router_temperature)
+    check_number("--kv-prefill-load-weight", args.kv_prefill_load_weight)
     check_number("--router-ttl", args.router_ttl, positive=True)
     check_number("--busy-kv-threshold", args.busy_kv_threshold)
     check_number("--busy-queue-timeout", args.busy_queue_timeout, positive=True)
@@ -138,6 +146,7 @@ def kv_router_options(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "overlap_score_weight": args.kv_overlap_score_weight,
         "router_temperature": args.router_temperature,
+        "prefill_load_weight": args.kv_prefill_load_weight,
         "use_kv_events": not args.no_kv_events,
         "approx_ttl": args.router_ttl,
         "load_report_ttl": args.load_report_ttl,

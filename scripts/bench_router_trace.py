@@ -4,7 +4,9 @@
         [--start 0] [--max-requests 300] [--max-seconds 120] [--speedup 10]
         [--workers 4] [--dp 1] [--tokens-per-block 64] [--max-output 32]
         [--mocker-speedup 2] [--num-gpu-blocks 512] [--modes round-robin,random,kv,approx]
-        [--frontends 1] [--no-replica-sync] [--json OUT] [--plot OUT.png]
+        [--frontends 1] [--no-replica-sync] [--prefill-ms-per-token 0]
+        [--router-args "--kv-overlap-score-weight 2"]
+        [--oracle-window 32] [--oracle-slack 1.5] [--json OUT] [--plot OUT.png]
 
 Trace rows: ``{"timestamp": ms, "input_length", "output_length", "hash_ids": [...]}``, each hash
 id one 512-token block; equal ids at equal positions mean a shared prefix. Prompts are token-id
@@ -25,6 +27,13 @@ scaled prompts whose whole prefix appeared in an earlier replayed request). The 
 taken from ``usage.prompt_tokens_details.cached_tokens`` when the frontend sends it; otherwise
 from the KV router's ``dynamo_router_matched_blocks / dynamo_router_prompt_blocks`` on the
 frontend's /metrics (kv modes only: the router's view at decision time, marked ``~``); else n/a.
+
+Next to it, the finite-capacity bound (``router.oracle.finite_bound``): a heuristic clairvoyant
+placement of the same requests on ``--workers`` x ``--dp`` caches of ``--num-gpu-blocks``
+blocks each, no worker taking more than ``ceil(--oracle-slack x --oracle-window / caches)`` of
+any ``--oracle-window`` consecutive requests; "gap" is the achieved rate / that bound.
+``--prefill-ms-per-token`` is passed to the mockers (a flat prefill cost per uncached token, so
+prefix hits show in TTFT); ``--router-args`` are added to the frontend's flags in the kv modes.
 """
 
 from __future__ import annotations
@@ -48,6 +57,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_e2e as be  # its asyncio HTTP/SSE client
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from router.oracle import block_keys, finite_bound, infinite_bound, simulate
 
 ROOT = Path(__file__).resolve().parent.parent
 MODES = {
@@ -277,7 +289,7 @@ def start_frontends(procs: Procs, ns: str, mode: str, args: argparse.Namespace) 
     for i in range(args.frontends):
         line = procs.start(f"frontend{i or ''}", [
             "-m", "dynamo_zmq.frontend", "--http-host", "127.0.0.1",
-            "--http-port", "0", "--namespace", ns, *MODES[mode], *sync,
+            "--http-port", "0", "--namespace", ns, *MODES[mode], *sync, *router_args(mode, args),
         ], timeout=60)
         urls.append(line.split()[1])
     return urls
@@ -299,6 +311,7 @@ def run_mode(mode: str, rows: list[dict], prompts: list[list[int]], args: argpar
                 "--num-gpu-blocks-override", str(args.num_gpu_blocks),
                 "--data-parallel-size", str(args.dp),
                 "--max-num-batched-tokens", str(args.max_batched_tokens),
+                "--prefill-ms-per-token", str(args.prefill_ms_per_token),
             ], timeout=60)
         urls = start_frontends(procs, ns, mode, args)
         url = urls[0]
@@ -351,16 +364,34 @@ def run_mode(mode: str, rows: list[dict], prompts: list[list[int]], args: argpar
     }
 
 
+def router_args(mode: str, args: argparse.Namespace) -> list[str]:
+    """``--router-args`` for the kv modes (tuning flags of the KV router), nothing otherwise."""
+    return args.router_args.split() if mode in ("kv", "approx") and args.router_args else []
+
+
+def bounds(prompts: list[list[int]], args: argparse.Namespace) -> dict[str, float]:
+    """The infinite-cache bound and the oracle's finite-capacity bound of the replayed prompts,
+    and, for reference, round-robin and the online greedy placement in the same simulator with
+    LRU caches (what an ideal event-driven router reaches on engines that evict LRU)."""
+    keys = block_keys(prompts, args.tokens_per_block)
+    caches, cap = args.workers * args.dp, args.num_gpu_blocks
+    fin = finite_bound(keys, caches, cap, window=args.oracle_window, slack=args.oracle_slack)
+    sims = {f"sim_{p}_lru": simulate(keys, caches, cap, p, "lru", args.oracle_window,
+                                     args.oracle_slack).rate
+            for p in ("round-robin", "greedy")}
+    return {"infinite": infinite_bound(keys), "finite": fin.rate, **sims}
+
+
 def fmt(x: Any, nd: int = 1) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "n/a"
     return f"{x:.{nd}f}"
 
 
-def table(res: list[dict], bound: float) -> str:
+def table(res: list[dict], bound: float, finite: float | None = None) -> str:
     out = ["| mode | ok | failed | not sent | req/s | out tok/s | TTFT p50 ms | TTFT p99 ms | "
-           "hit rate | bound |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "hit rate | bound | finite bound | gap |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res:
         h = (
             "n/a" if r["hit_rate"] is None
@@ -368,11 +399,19 @@ def table(res: list[dict], bound: float) -> str:
         )
         out.append(f"| {r['mode']} | {r['ok']} | {r['failed']} | {r['not_sent']} | "
                    f"{fmt(r['req_s'], 2)} | {fmt(r['out_tok_s'])} | {fmt(r['ttft_p50_ms'])} | "
-                   f"{fmt(r['ttft_p99_ms'])} | {h} | {100 * bound:.1f}% |")
+                   f"{fmt(r['ttft_p99_ms'])} | {h} | {100 * bound:.1f}% | "
+                   f"{'n/a' if finite is None else f'{100 * finite:.1f}%'} | {gap(r, finite)} |")
     return "\n".join(out)
 
 
-def plot(res: list[dict], bound: float, out: str) -> None:
+def gap(r: dict, finite: float | None) -> str:
+    """Achieved hit rate / the finite-capacity bound, as a percentage."""
+    if r["hit_rate"] is None or not finite:
+        return "n/a"
+    return f"{100 * r['hit_rate'] / finite:.0f}%"
+
+
+def plot(res: list[dict], bound: float, out: str, finite: float | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -380,12 +419,21 @@ def plot(res: list[dict], bound: float, out: str) -> None:
 
     modes = [r["mode"] for r in res]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    a.bar(modes, [r["ttft_p50_ms"] for r in res], color="tab:blue")
-    a.set_title("TTFT p50 (ms)")
+    xs = range(len(modes))
+    a.bar([x - 0.2 for x in xs], [r["ttft_p50_ms"] for r in res], 0.4, color="tab:blue",
+          label="p50")
+    a.bar([x + 0.2 for x in xs], [r["ttft_p99_ms"] for r in res], 0.4, color="tab:orange",
+          label="p99")
+    a.set_xticks(list(xs), modes)
+    a.set_title("TTFT (ms)")
+    a.legend()
     b.bar(modes, [100 * (r["hit_rate"] or 0) for r in res], color="tab:green")
     b.axhline(100 * bound, color="k", ls="--", label="infinite-cache bound")
+    if finite is not None:
+        b.axhline(100 * finite, color="tab:red", ls=":", label="finite-capacity bound (oracle)")
     b.set_title("prefix hit rate (%)")
-    b.legend()
+    b.set_ylim(0, 100)
+    b.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
 
@@ -418,6 +466,14 @@ def main() -> int:
                     help="frontends per mode; requests alternate between them")
     ap.add_argument("--no-replica-sync", dest="replica_sync", action="store_false",
                     help="with --frontends > 1 in kv modes: no --router-replica-sync")
+    ap.add_argument("--prefill-ms-per-token", type=float, default=0.0,
+                    help="mocker flat prefill cost per uncached token (0: Dynamo's fit)")
+    ap.add_argument("--router-args", default="",
+                    help="extra frontend flags in the kv modes, e.g. '--kv-overlap-score-weight 2'")
+    ap.add_argument("--oracle-window", type=int, default=32,
+                    help="the finite bound's balance window (requests)")
+    ap.add_argument("--oracle-slack", type=float, default=1.5,
+                    help="the finite bound's balance factor (<= slack x window / caches each)")
     ap.add_argument("--json")
     ap.add_argument("--plot")
     args = ap.parse_args()
@@ -445,11 +501,16 @@ def main() -> int:
     pm = Prompts(args.tokens_per_block, args.vocab_size)
     prompts = [pm.build(r) for r in rows]
     bound = upper_bound(prompts, args.tokens_per_block)
+    bnd = bounds(prompts, args)
+    finite = bnd["finite"]
     span = (rows[-1]["timestamp"] - rows[0]["timestamp"]) / 1000 / args.speedup
     print(f"trace {Path(args.trace).name} rows {args.start}..{args.start + len(rows) - 1}: "
           f"{len(rows)} requests over {span:.1f}s replayed, mean prompt "
           f"{sum(map(len, prompts)) / len(prompts):.0f} tokens, "
-          f"infinite-cache bound {100 * bound:.1f}%",
+          f"infinite-cache bound {100 * bound:.1f}%, finite-capacity bound {100 * finite:.1f}% "
+          f"({args.workers * args.dp} caches of {args.num_gpu_blocks} blocks); simulated with "
+          f"LRU caches: round-robin {100 * bnd['sim_round-robin_lru']:.1f}%, online greedy "
+          f"{100 * bnd['sim_greedy_lru']:.1f}%",
           flush=True)
 
     res: list[dict] = []
@@ -467,17 +528,18 @@ def main() -> int:
 
     cfg = {k: v for k, v in vars(args).items() if k not in ("json", "plot")}
     print()
-    print(table(res, bound))
+    print(table(res, bound, finite))
     print("\nhit rate: the engines' cached_tokens / prompt tokens (full blocks); `~` = the KV "
           "router's matched/prompt blocks at decision time, where no cached_tokens came back; "
           "n/a = no measure for this mode.")
     if args.json:
         Path(args.json).write_text(
-            json.dumps({"config": cfg, "bound": bound, "results": res}, indent=2)
+            json.dumps({"config": cfg, "bound": bound, "finite_bound": finite, "bounds": bnd,
+                        "results": res}, indent=2)
         )
     if args.plot and res:
         try:
-            plot(res, bound, args.plot)
+            plot(res, bound, args.plot, finite)
         except ImportError:
             print("matplotlib missing: no plot", file=sys.stderr)
     return 0 if res else 1

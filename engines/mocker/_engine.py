@@ -283,7 +283,9 @@ class MockerEngine(LLMEngine):
             raise errors.Unsupported("the mocker embeds only with --mock-embedding-dim")
         if request.embedding is not None and request.embedding.dimensions is not None:
             raise errors.InvalidArgument("the mocker cannot change the embedding's dimensions")
-        delay = step_seconds(len(request.token_ids), 0, 0.0, cfg.speedup_ratio)
+        delay = step_seconds(
+            len(request.token_ids), 0, 0.0, cfg.speedup_ratio, cfg.prefill_ms_per_token
+        )
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(ctx.stopped(), delay)
         if ctx.is_stopped():

@@ -72,6 +72,7 @@ class RankScheduler:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.speedup_ratio = config.speedup_ratio
+        self.prefill_ms_per_token = config.prefill_ms_per_token
         self.blocks = BlockManager(
             config.num_gpu_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -179,7 +180,8 @@ class RankScheduler:
                     await self._wake.wait()
                     continue
                 delay = step_seconds(
-                    plan.prefill_tokens, plan.decoding, self.blocks.usage, self.speedup_ratio
+                    plan.prefill_tokens, plan.decoding, self.blocks.usage, self.speedup_ratio,
+                    self.prefill_ms_per_token,
                 )
                 # Always yield to the loop, and count the scheduling work as part of the step.
                 await asyncio.sleep(max(0.0, started + delay - loop.time()))
