@@ -31,6 +31,7 @@ import operator
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import xxhash
 
 from ._evict import evict_oldest
@@ -41,6 +42,7 @@ from ._keystate import CHILD_SHIFT as _CHILD_SHIFT
 from ._keystate import HAS_PARENT as _HAS_PARENT
 from ._keystate import MASK64 as _MASK64
 from ._keystate import KeyState, KeyTable, relink, unlink
+from ._masks import MaskMap, as_u64
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from .hashing import ROOT_SEED, TokenIds, block_hashes, root_hash, salted_block_hashes
 from .matching import WorkerKey as WorkerKey
@@ -84,7 +86,7 @@ class KvIndexer:
         self.max_blocks = max_blocks
         self.evict_oldest = evict_oldest
         self.stats = IndexerStats()
-        self._masks: dict[int, int] = {}
+        self._masks = MaskMap()
         self._dirty = 0  # bits of the keys with orphans (or poisoned)
         self._keys = KeyTable()
         # The table's own dicts (never rebound), read directly on the hot paths.
@@ -214,10 +216,17 @@ class KvIndexer:
             return
         # Blocks no key holds yet (one probe each, stopping at the first held one) skip the
         # per-block mask lookups.
-        held = None if masks.keys().isdisjoint(owns) else list(map(masks.get, owns, _zeros(n)))
-        if held is not None and any(map(_and, held, itertools.repeat(bit, n))):
-            self._store_each(st, engine_hashes, owns, parent_engine_hash)
-            return
+        if masks.narrow(bit):  # packed masks: probe them all at once
+            owns_np = as_u64(owns)
+            held = masks.get_many(owns_np)
+            if (held & np.uint64(bit)).any() or len(set(owns)) != n:
+                self._store_each(st, engine_hashes, owns, parent_engine_hash)
+                return
+        else:
+            owns_np, wide = None, list(map(masks.get, owns, _zeros(n)))
+            if any(map(_and, wide, itertools.repeat(bit, n))):
+                self._store_each(st, engine_hashes, owns, parent_engine_hash)
+                return
         flags = [_HAS_PARENT | _CHILD] * n
         flags[-1] = _HAS_PARENT
         if parent_engine_hash is None:
@@ -233,10 +242,11 @@ class KvIndexer:
             return
         if parent_engine_hash is not None:
             e2o[parent_engine_hash] += _CHILD
-        if held is None:  # blocks new to the index (the common case) share the key's bit object
-            masks.update(zip(owns, itertools.repeat(bit, n), strict=True))
+        if owns_np is not None:
+            masks.put_many(owns_np, held | np.uint64(bit))
         else:
-            masks.update(zip(owns, map(_or, held, itertools.repeat(bit, n)), strict=True))
+            for oh, m in zip(owns, wide, strict=True):
+                masks[oh] = m | bit
         self._total += n
         stats.stored_blocks += n
 
@@ -323,7 +333,7 @@ class KvIndexer:
                 else:
                     del shared[oh]
                 continue
-            m = masks[oh] & ~bit
+            m = masks.get(oh, 0) & ~bit
             if m:
                 masks[oh] = m
             else:
@@ -340,16 +350,7 @@ class KvIndexer:
         st = self._state.get(key)
         if st is None:
             return
-        masks, keep = self._masks, ~st.bit
-        for oh in {packed & _MASK64 for packed in st.e2o.values()}:
-            m = masks.get(oh)
-            if m is None:
-                continue
-            m &= keep
-            if m:
-                masks[oh] = m
-            else:
-                del masks[oh]
+        self._masks.drop_bit({packed & _MASK64 for packed in st.e2o.values()}, st.bit)
         self._total -= len(st.e2o)
         st.poisoned = False
         self._set_orphans(st, 0)
@@ -377,8 +378,8 @@ class KvIndexer:
         if not first:
             return {}
         if first & self._dirty:  # a key holding the first block has orphans: scan exactly
-            return linear_matches(self._masks, self._bit_keys, own_hashes)
-        return prefix_matches(self._masks, self._bit_keys, own_hashes, first)
+            return linear_matches(self._masks.getter(), self._bit_keys, own_hashes)
+        return prefix_matches(self._masks.getter(), self._bit_keys, own_hashes, first)
 
     # --- memory ----------------------------------------------------------------------------------
 

@@ -105,5 +105,6 @@ def test_growth_and_tombstone_churn() -> None:
             d[k] = 1
     assert len(m) == len(d) and dict(m.items()) == d
     vals, found = m.get_many(keys)
+    assert vals[found].tolist() == [d[k] for k in keys[found].tolist()]
     assert found.tolist() == [k in d for k in keys.tolist()]
     assert m._filled * 4 <= m.capacity() * 3
