@@ -19,9 +19,6 @@ from ._masks import MaskMap
 
 __all__ = ["IndexerStats", "bytes_per_block"]
 
-#: pymalloc sizes of a uint64 int object (3 x 30-bit digits) and of a 128-bit one (5 digits).
-_INT_BYTES = 40
-_PACKED_BYTES = 48
 
 
 class IndexerStats(msgspec.Struct, gc=False):
@@ -60,6 +57,5 @@ def bytes_per_block(masks: MaskMap, states: Iterable[KeyState], total: int) -> f
         return 0.0
     size = masks.nbytes()
     for st in states:
-        size += sum(map(sys.getsizeof, (st.e2o, st.dups, st.shared, st.orphan_parents)))
-        size += len(st.e2o) * (_INT_BYTES + _PACKED_BYTES)  # engine hash keys, packed values
+        size += st.e2o.nbytes() + sum(map(sys.getsizeof, (st.dups, st.shared, st.orphan_parents)))
     return size / total

@@ -22,6 +22,7 @@ stay small ints) and maps the bit back to the key. A key's state chains the bloc
 
 from __future__ import annotations
 
+from ._e2o import E2OTable
 from .matching import WorkerKey
 
 __all__ = [
@@ -48,7 +49,7 @@ class KeyState:
 
     def __init__(self, bit: int) -> None:
         self.bit = bit
-        self.e2o: dict[int, int] = {}  # engine hash -> packed (see the module docstring)
+        self.e2o = E2OTable()  # engine hash -> packed (see the module docstring)
         self.dups: dict[int, int] = {}  # engine hash -> extra stores
         self.shared: dict[int, int] = {}  # own hash -> extra engine hashes mapping to it
         self.orphan_parents: dict[int, tuple[int, int]] = {}  # gone parent -> (children, own)
@@ -110,7 +111,7 @@ def unlink(st: KeyState, eh: int, packed: int, oh: int, children: int) -> int:
         pp = st.e2o.get(pe)
         if pp is not None:
             if pp >> CHILD_SHIFT:  # (only a poisoned key can be at 0 here)
-                st.e2o[pe] = pp - CHILD
+                st.e2o.add_children(pe, -1)
         else:  # it was an orphan itself
             orphans -= 1
             gone = st.orphan_parents.get(pe)

@@ -34,10 +34,10 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from ._e2o import E2OTable
 from ._evict import evict_oldest
 from ._index_stats import IndexerStats as IndexerStats
 from ._index_stats import bytes_per_block
-from ._keystate import CHILD as _CHILD
 from ._keystate import CHILD_SHIFT as _CHILD_SHIFT
 from ._keystate import HAS_PARENT as _HAS_PARENT
 from ._keystate import MASK64 as _MASK64
@@ -56,10 +56,7 @@ DEFAULT_MAX_BLOCKS = 10_000_000
 
 _NO_EXTRA = [None]
 _h64 = xxhash.xxh3_64_intdigest
-_SIXTY_FOUR = itertools.repeat(64)
-_lshift = operator.lshift
 _and = operator.and_
-_or = operator.or_
 
 
 def _zeros(n: int) -> itertools.repeat[int]:
@@ -162,11 +159,10 @@ class KvIndexer:
         if parent_engine_hash is None:
             seed = ROOT_SEED if lora is None else root_hash(lora)
         else:
-            packed = e2o.get(parent_engine_hash)
-            if packed is None:
+            seed = e2o.own(parent_engine_hash)
+            if seed < 0:
                 stats.unknown_parent += 1
                 return
-            seed = packed & _MASK64
         if self._total + n > self.max_blocks and self.evict_oldest:
             evict_oldest(self, key, self._total + n - self.max_blocks, parent_engine_hash,
                          engine_hashes)
@@ -184,7 +180,7 @@ class KvIndexer:
                     e2o[eh] = oh
                 else:
                     e2o[eh] = oh | parent_engine_hash << 64 | _HAS_PARENT
-                    e2o[parent_engine_hash] += _CHILD
+                    e2o.add_children(parent_engine_hash, 1)
                 self._total += 1
                 stats.stored_blocks += 1
                 masks, bit = self._masks, st.bit
@@ -207,42 +203,39 @@ class KvIndexer:
         except ValueError:
             stats.bad_tokens += 1
             return
-        # Common case, mostly in C: engine hashes new to this key (and not parents of its
-        # orphans), own hashes it does not hold yet.
+        # Common case, in a few numpy calls: engine hashes new to this key (and not parents of
+        # its orphans), distinct, own hashes it does not hold yet.
         masks, bit = self._masks, st.bit
-        if (self._total + n > self.max_blocks or not e2o.keys().isdisjoint(engine_hashes)
-                or (st.orphan_parents and not st.orphan_parents.keys().isdisjoint(engine_hashes))):
+        try:
+            ehs, owns_np = as_u64(engine_hashes), as_u64(owns)
+        except OverflowError:
+            stats.bad_tokens += 1
+            return
+        if (self._total + n > self.max_blocks or (e2o.find_many(ehs) >= 0).any()
+                or (st.orphan_parents and not st.orphan_parents.keys().isdisjoint(engine_hashes))
+                or len(set(engine_hashes)) != n or len(set(owns)) != n):
             self._store_each(st, engine_hashes, owns, parent_engine_hash)
             return
-        # Blocks no key holds yet (one probe each, stopping at the first held one) skip the
-        # per-block mask lookups.
-        if masks.narrow(bit):  # packed masks: probe them all at once
-            owns_np = as_u64(owns)
-            held = masks.get_many(owns_np)
-            if (held & np.uint64(bit)).any() or len(set(owns)) != n:
-                self._store_each(st, engine_hashes, owns, parent_engine_hash)
-                return
-        else:
-            owns_np, wide = None, list(map(masks.get, owns, _zeros(n)))
-            if any(map(_and, wide, itertools.repeat(bit, n))):
-                self._store_each(st, engine_hashes, owns, parent_engine_hash)
-                return
-        flags = [_HAS_PARENT | _CHILD] * n
-        flags[-1] = _HAS_PARENT
+        if masks.narrow(bit):
+            held, wide = masks.get_many(owns_np), None
+            clash = bool((held & np.uint64(bit)).any())
+        else:  # a key past bit 63 or a wide mask: int masks
+            wide = list(map(masks.get, owns, _zeros(n)))
+            held, clash = owns_np, any(m & bit for m in wide)
+        if clash:
+            self._store_each(st, engine_hashes, owns, parent_engine_hash)
+            return
+        parents = np.empty(n, dtype=np.uint64)
+        parents[0] = parent_engine_hash or 0
+        parents[1:] = ehs[:-1]
+        low = np.full(n, 3, dtype=np.uint64)  # has a parent, one child
+        low[-1] = 1
         if parent_engine_hash is None:
-            flags[0] ^= _HAS_PARENT
-        parents = itertools.chain((parent_engine_hash or 0,), engine_hashes)
-        packed_iter = map(_or, map(_or, owns, map(_lshift, parents, _SIXTY_FOUR)), flags)
-        size = len(e2o)
-        e2o.update(zip(engine_hashes, packed_iter, strict=False))
-        if len(e2o) != size + n:  # an engine hash repeated within the event: undo, go slow
-            for eh in engine_hashes:
-                e2o.pop(eh, None)
-            self._store_each(st, engine_hashes, owns, parent_engine_hash)
-            return
-        if parent_engine_hash is not None:
-            e2o[parent_engine_hash] += _CHILD
-        if owns_np is not None:
+            low[0] ^= 1
+        else:
+            e2o.add_children(parent_engine_hash, 1)
+        e2o.insert_many(ehs, owns_np, parents, low)
+        if wide is None:
             masks.put_many(owns_np, held | np.uint64(bit))
         else:
             for oh, m in zip(owns, wide, strict=True):
@@ -274,7 +267,7 @@ class KvIndexer:
                 packed = oh
             else:
                 packed = oh | prev << 64 | _HAS_PARENT
-                e2o[prev] += _CHILD
+                e2o.add_children(prev, 1)
             if st.orphan_parents and eh in st.orphan_parents:  # stored again under its children
                 packed = relink(st, eh, oh, packed)
                 self._set_orphans(st, st.orphans)
@@ -350,11 +343,11 @@ class KvIndexer:
         st = self._state.get(key)
         if st is None:
             return
-        self._masks.drop_bit({packed & _MASK64 for packed in st.e2o.values()}, st.bit)
+        self._masks.drop_bit(set(st.e2o.owns().tolist()), st.bit)
         self._total -= len(st.e2o)
         st.poisoned = False
         self._set_orphans(st, 0)
-        st.e2o, st.dups, st.shared, st.orphan_parents = {}, {}, {}, {}
+        st.e2o, st.dups, st.shared, st.orphan_parents = E2OTable(), {}, {}, {}
 
     def remove_worker(self, worker_id: int) -> None:
         """Forget ``worker_id`` entirely: all its DP ranks, their blocks and their keys."""
