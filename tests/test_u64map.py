@@ -1,5 +1,6 @@
-"""router._u64map.U64Map against a dict: scalar and vectorized operations, collisions (keys
-sharing a home slot), growth, tombstones and the reserved keys 0 and 1."""
+"""router._u64map.U64Map and router._e2o.E2OTable against dicts: scalar and vectorized
+operations, collisions (keys sharing a home slot), growth, tombstones, insertion order and the
+reserved keys 0 and 1."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from router._e2o import E2OTable
 from router._u64map import FIB, U64Map
 
 MASK64 = (1 << 64) - 1
@@ -108,3 +110,81 @@ def test_growth_and_tombstone_churn() -> None:
     assert vals[found].tolist() == [d[k] for k in keys[found].tolist()]
     assert found.tolist() == [k in d for k in keys.tolist()]
     assert m._filled * 4 <= m.capacity() * 3
+
+
+# --- router._e2o.E2OTable: the dict API in packed ints, insertion order, bulk inserts ----------
+
+PACKED_ST = st.builds(
+    lambda own, parent, hp, children: own | parent << 64 | hp << 128 | children << 129,
+    vals_st, vals_st, st.integers(0, 1), st.integers(0, (1 << 31) - 1))
+
+
+class E2OVsDict(RuleBasedStateMachine):
+    """Against a dict of packed ints (which keeps insertion order, as eviction needs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.t = E2OTable()
+        self.d: dict[int, int] = {}
+
+    @rule(k=keys_st, p=PACKED_ST)
+    def set(self, k: int, p: int) -> None:
+        self.t[k] = p
+        self.d[k] = p
+
+    @rule(k=keys_st)
+    def pop(self, k: int) -> None:
+        assert self.t.pop(k) == self.d.pop(k, None)
+
+    @rule(k=keys_st)
+    def get(self, k: int) -> None:
+        assert self.t.get(k) == self.d.get(k)
+        assert self.t.own(k) == (self.d[k] & MASK64 if k in self.d else -1)
+        assert (k in self.t) == (k in self.d)
+
+    @rule(k=keys_st, n=st.integers(-3, 3))
+    def add_children(self, k: int, n: int) -> None:
+        if k in self.d and 0 <= (self.d[k] >> 129) + n < 1 << 31:
+            self.t.add_children(k, n)
+            self.d[k] += n << 129
+
+    @rule(new=st.dictionaries(keys_st, PACKED_ST, max_size=40))
+    def insert_many(self, new: dict[int, int]) -> None:
+        new = {k: p for k, p in new.items() if k not in self.d}
+        ps = list(new.values())
+        self.t.insert_many(np.array(list(new), dtype=np.uint64),
+                           np.array([p & MASK64 for p in ps], dtype=np.uint64),
+                           np.array([(p >> 64) & MASK64 for p in ps], dtype=np.uint64),
+                           np.array([(p >> 128) & 1 | (p >> 129) << 1 for p in ps],
+                                    dtype=np.uint64))
+        found = self.t.find_many(np.array(list(new), dtype=np.uint64))
+        assert (found >= 0).all()
+        self.d.update(new)
+
+    @invariant()
+    def same(self) -> None:
+        assert len(self.t) == len(self.d)
+        assert list(self.t.items()) == list(self.d.items())  # insertion order too
+        assert list(self.t) == list(self.d)
+        assert sorted(self.t.owns().tolist()) == sorted(p & MASK64 for p in self.d.values())
+        assert self.t._filled * 4 <= (self.t._mask + 1) * 3
+
+
+TestE2OVsDict = E2OVsDict.TestCase
+TestE2OVsDict.settings = settings(max_examples=150, stateful_step_count=60, deadline=None,
+                                  suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_e2o_insertion_order_survives_growth_and_seq_renumbering() -> None:
+    """Oldest-first order (what eviction walks) through growth, churn and a renumbering."""
+    t, d = E2OTable(), {}
+    for i in range(3000):
+        t[i * 7 + 2] = i
+        d[i * 7 + 2] = i
+        if i % 3 == 0:
+            k = (i // 2) * 7 + 2
+            assert t.pop(k) == d.pop(k, None)
+    t._rehash(0)  # renumbers the insertion order from 0
+    t[5] = 1
+    d[5] = 1
+    assert list(t) == list(d) and dict(t.items()) == d
