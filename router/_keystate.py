@@ -4,9 +4,10 @@
 stay small ints) and maps the bit back to the key. A key's state chains the blocks it holds by
 *engine* hash, so that each store finds its parent and each removal knows what it drops:
 
-* ``e2o`` maps each held engine hash to one packed int: its own hash (bits 0-63, ``MASK64``),
-  its parent's engine hash (64-127), a has-parent bit (``HAS_PARENT``, 128) and its number of
-  held children (in ``CHILD`` units, bits ``CHILD_SHIFT`` = 129 and up).
+* ``e2o`` (an ``E2OTable``, ``router._e2o``: packed columns, a dict's API) maps each held
+  engine hash to one packed int: its own hash (bits 0-63, ``MASK64``), its parent's engine
+  hash (64-127), a has-parent bit (``HAS_PARENT``, 128) and its number of held children (in
+  ``CHILD`` units, bits ``CHILD_SHIFT`` = 129 and up), and iterates oldest first.
 * ``dups`` counts extra stores of an engine hash already held (vLLM does publish the same hash
   twice); ``shared`` counts extra engine hashes mapping to an own hash the key already holds
   (an engine-side salt the router cannot see). The key's bit leaves the index's mask of an own

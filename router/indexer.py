@@ -2,17 +2,19 @@
 
 Data structure (chosen for CPython speed, see scripts/bench_indexer.py):
 
-* Each ``WorkerKey = (worker_id, dp_rank)`` gets one bit. ``_masks`` maps the router's own block
-  hash (``router.hashing``: chained, so one hash names a whole prefix) to the int bitmask of the
-  keys holding that block.
-* Per key, a ``KeyState`` (``router._keystate``: packed ``e2o`` entries, duplicate and orphan
-  counts) chains the held blocks by engine hash. A key without orphans (held blocks whose parent
-  was removed first) holds an ancestor-closed set, so along any prompt its blocks form a prefix
-  and ``find_matches_for_hashes`` binary-searches each key's match length
-  (``router.matching.prefix_matches``), ~10 us for a 2,000-block prompt over 8 keys. Engines
-  evict leaves first (vLLM frees a request's blocks tail-first), so orphans are rare; while a key
-  holding the prompt's first block has some, the query is answered by an exact linear scan
-  instead (``linear_matches``).
+* Each ``WorkerKey = (worker_id, dp_rank)`` gets one bit. ``_masks`` (``router._masks``, a
+  packed open-addressing uint64 table) maps the router's own block hash (``router.hashing``:
+  chained, so one hash names a whole prefix) to the bitmask of the keys holding that block.
+* Per key, a ``KeyState`` (``router._keystate``: an ``E2OTable`` of packed entries,
+  ``router._e2o``; duplicate and orphan counts) chains the held blocks by engine hash. A key
+  without orphans (held blocks whose parent was removed first) holds an ancestor-closed set, so
+  along any prompt its blocks form a prefix and ``find_matches_for_hashes`` binary-searches each
+  key's match length (``router.matching.prefix_matches``). Engines evict leaves first (vLLM
+  frees a request's blocks tail-first), so orphans are rare; while a key holding the prompt's
+  first block has some, the query is answered by an exact linear scan instead
+  (``linear_matches``).
+* A multi-block store probes and inserts all its blocks in a few numpy calls on both tables;
+  single-block events and the rare cases (duplicates, re-stores, the cap) go block by block.
 
 Events are handled conservatively (never index data the event does not prove): a mismatched
 block size, misaligned tokens, an unknown parent or a conflicting re-store is ignored and
@@ -34,6 +36,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from ._batch_store import store_batch
 from ._e2o import E2OTable
 from ._evict import evict_oldest
 from ._index_stats import IndexerStats as IndexerStats
@@ -114,8 +117,11 @@ class KvIndexer:
     # --- events ----------------------------------------------------------------------------------
 
     def apply_batch(self, worker_id: int, batch: EventBatch) -> None:
-        """Apply one decoded batch from ``worker_id`` (``dp_rank`` None means rank 0)."""
+        """Apply one decoded batch from ``worker_id`` (``dp_rank`` None means rank 0); a batch of
+        independent edge-hashed stores is applied at once (``router._batch_store``)."""
         key = (worker_id, batch.dp_rank or 0)
+        if len(batch.events) > 1 and store_batch(self, key, batch.events):
+            return
         for ev in batch.events:
             if isinstance(ev, BlockStored):
                 lora = ev.lora_name if ev.lora_name is not None else ev.lora_id
