@@ -4,7 +4,7 @@ few numpy calls, so that its per-event Python cost is a handful of list operatio
 ``store_batch`` applies a batch's ``BlockStored`` events together only when each would take
 ``KvIndexer.apply_stored``'s common path on its own and none depends on another: every event
 carries ``own_hashes`` (one per block) at the index's block size; each parent is already held
-by the key (or the event is a root), and no parent is stored in the same batch; the batch's
+by the key, or stored by an earlier event of the batch, or the event is a root; the batch's
 engine hashes and own hashes are all distinct, new to the key (and not parents of its orphans),
 and fit under the cap. Then applying them together gives the same index, in the same insertion
 order, as applying them one by one; otherwise nothing is touched and the caller applies them
@@ -41,7 +41,8 @@ def store_batch(index: KvIndexer, key: WorkerKey, events: list[KvEvent]) -> bool
     owns: list[int] = []
     parents: list[int] = []
     lows: list[int] = []
-    linked: list[int] = []
+    linked: list[int] = []  # parents already held
+    inner: list[tuple[int, int]] = []  # (parent, first block of its event) stored in the batch
     for ev in events:
         if type(ev) is not BlockStored:
             return False
@@ -56,10 +57,11 @@ def store_batch(index: KvIndexer, key: WorkerKey, events: list[KvEvent]) -> bool
             low[0] ^= 1
             parents.append(0)
         else:
-            if e2o.own(p) < 0:
-                return False
+            if e2o.own(p) >= 0:
+                linked.append(p)
+            else:  # it must be stored earlier in this batch
+                inner.append((p, len(ehs)))
             parents.append(p)
-            linked.append(p)
         parents += hs[:-1]
         ehs += hs
         owns += own
@@ -70,6 +72,13 @@ def store_batch(index: KvIndexer, key: WorkerKey, events: list[KvEvent]) -> bool
             or len(set(owns)) != total or not seen.isdisjoint(linked)
             or (st.orphan_parents and not st.orphan_parents.keys().isdisjoint(seen))):
         return False
+    if inner:
+        where = dict(zip(ehs, range(total), strict=True))
+        for p, start in inner:
+            i = where.get(p, total)
+            if i >= start:
+                return False
+            lows[i] += 2  # one more child
     try:
         ehs_np, owns_np = as_u64(ehs), as_u64(owns)
     except OverflowError:

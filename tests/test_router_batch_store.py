@@ -27,19 +27,28 @@ def workloads(draw: st.DrawFn) -> tuple[list[tuple[int, list[KvEvent]]], list[li
     for p in prompts:
         own = block_hashes(p, SIZE)
         chains.append(([h ^ ENGINE_XOR for h in own], own))
+    fresh = draw(st.booleans())
+    progress = [0] * len(chains)
     batches: list[tuple[int, list[KvEvent]]] = []
     stored: list[int] = []
     for _ in range(draw(st.integers(1, 12))):
-        worker = draw(st.integers(0, 2))
+        worker = 0 if fresh else draw(st.integers(0, 2))
         if stored and draw(st.integers(0, 4)) == 0:
             batches.append((worker, [BlockRemoved(draw(st.lists(st.sampled_from(stored),
                                                                  max_size=6)))]))
             continue
         events: list[KvEvent] = []
         for _ in range(draw(st.integers(1, 6))):
-            eng, own = chains[draw(st.integers(0, len(chains) - 1))]
-            a = draw(st.integers(0, len(eng) - 1))
-            b = draw(st.integers(a + 1, len(eng)))
+            i = draw(st.integers(0, len(chains) - 1))
+            eng, own = chains[i]
+            if fresh:  # the prompt's next blocks: its parent held, or stored just before
+                a = progress[i]
+                if a >= len(eng):
+                    continue
+                b = progress[i] = draw(st.integers(a + 1, len(eng)))
+            else:  # any part of it: re-stores, unknown parents
+                a = draw(st.integers(0, len(eng) - 1))
+                b = draw(st.integers(a + 1, len(eng)))
             events.append(BlockStored(eng[a:b], eng[a - 1] if a else None, [], SIZE,
                                       own_hashes=own[a:b]))
             stored += eng[a:b]
@@ -83,7 +92,12 @@ def test_independent_stores_take_the_batched_path() -> None:
     assert idx.find_matches([5, 6, 7, 8, 9, 9]) == {(0, 0): 3}
     assert idx.num_blocks() == 5 and idx.stats.stored_blocks == 5
     assert list(idx._state[(0, 0)].e2o) == [10, 11, 20, 21, 22]
-    # A store chaining from another store of the same batch is left to the one-by-one path.
-    assert not store_batch(idx, (0, 0), [BlockStored([30], None, [], SIZE, own_hashes=[7]),
-                                         BlockStored([31], 30, [], SIZE, own_hashes=[8])])
-    assert idx.num_blocks() == 5
+    # A store chaining from an earlier store of the same batch too (its parent gains a child).
+    assert store_batch(idx, (0, 0), [BlockStored([30], None, [], SIZE, own_hashes=[7]),
+                                     BlockStored([31], 30, [], SIZE, own_hashes=[8])])
+    assert idx.num_blocks() == 7 and idx._state[(0, 0)].e2o[30] >> 129 == 1
+    # One chaining from a later store of the batch is left to the one-by-one path (which finds
+    # its parent unknown).
+    assert not store_batch(idx, (0, 0), [BlockStored([41], 40, [], SIZE, own_hashes=[9]),
+                                         BlockStored([40], None, [], SIZE, own_hashes=[10])])
+    assert idx.num_blocks() == 7
