@@ -10,8 +10,8 @@ The scalar API is the dict's, in the same packed ints (``get``, ``in``, ``[]``, 
 iteration in insertion order, ``items``), so the index's bookkeeping (``router._keystate``,
 ``router._evict``) reads as before; ``find_many`` and ``insert_many`` take numpy ``uint64``
 arrays and probe or insert a whole event's blocks in a few numpy calls through zero-copy views
-of the columns. Probing is linear from the key's Fibonacci hash; the table doubles when live
-plus deleted slots pass 3/4 and is rebuilt in place when deleted ones alone fill it.
+of the columns. Probing is linear from the key's home slot (as in ``router._u64map``); the
+table doubles when live plus deleted slots pass 3/4 and is rebuilt when deleted ones fill it.
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from collections.abc import Iterator
 import numpy as np
 import numpy.typing as npt
 
-from ._u64map import FIB, U64
+from ._u64map import U64
 
 __all__ = ["E2OTable"]
 
 _MASK64 = (1 << 64) - 1
-_FIB_NP = np.uint64(FIB)
+_THIRTY_TWO = np.uint64(32)
 _EMPTY, _LIVE, _DEAD = 0, 1, 2
 _MIN_BITS = 3
 _CHILDREN = (1 << 31) - 1
@@ -43,7 +43,7 @@ class E2OTable:
     """Engine hash -> packed entry (see the module docstring)."""
 
     __slots__ = ("_bits", "_filled", "_keys", "_live", "_mask", "_meta", "_own", "_parent",
-                 "_seq", "_shift", "_state", "_vk", "_vm", "_vo", "_vp", "_vs")
+                 "_seq", "_state", "_vk", "_vm", "_vo", "_vp", "_vs")
 
     def __init__(self) -> None:
         self._seq = 0  # next insertion order
@@ -51,7 +51,7 @@ class E2OTable:
 
     def _alloc(self, bits: int) -> None:
         n = 1 << bits
-        self._bits, self._shift, self._mask = bits, 64 - bits, n - 1
+        self._bits, self._mask = bits, n - 1
         self._keys, self._own = _zeros("Q", n), _zeros("Q", n)
         self._parent, self._meta = _zeros("Q", n), _zeros("Q", n)
         self._state = _zeros("B", n)
@@ -74,13 +74,13 @@ class E2OTable:
 
     def _slot(self, eh: int) -> int:
         keys, state, mask = self._keys, self._state, self._mask
-        i = ((eh * FIB) & _MASK64) >> self._shift
+        i = (eh ^ eh >> 32) & mask
         while True:
             s = state[i]
-            if s == _LIVE and keys[i] == eh:
-                return i
             if s == _EMPTY:
                 return -1
+            if keys[i] == eh and s == _LIVE:
+                return i
             i = (i + 1) & mask
 
     def _packed(self, i: int) -> int:
@@ -121,7 +121,7 @@ class E2OTable:
         if self._seq >= _SEQ_LIMIT or (self._filled + 1) * 4 > (self._mask + 1) * 3:
             self._rehash(1)
         keys, state, mask = self._keys, self._state, self._mask
-        i = ((eh * FIB) & _MASK64) >> self._shift
+        i = (eh ^ eh >> 32) & mask
         while state[i] == _LIVE:
             i = (i + 1) & mask
         if state[i] == _EMPTY:
@@ -175,7 +175,7 @@ class E2OTable:
     def find_many(self, keys: U64) -> I64:
         """Slot of each of ``keys``, -1 where not held."""
         vk, vs, mask = self._vk, self._vs, self._mask
-        slots = ((keys * _FIB_NP) >> np.uint64(self._shift)).astype(np.int64)
+        slots = ((keys ^ (keys >> _THIRTY_TWO)) & np.uint64(self._mask)).astype(np.int64)
         out = np.full(len(keys), -1, dtype=np.int64)
         pending = np.arange(len(keys))
         while pending.size:
@@ -198,7 +198,7 @@ class E2OTable:
 
     def _place(self, keys: U64, own: U64, parent: U64, meta: U64) -> None:
         vk, vs, mask = self._vk, self._vs, self._mask
-        slots = ((keys * _FIB_NP) >> np.uint64(self._shift)).astype(np.int64)
+        slots = ((keys ^ (keys >> _THIRTY_TWO)) & np.uint64(self._mask)).astype(np.int64)
         pending = np.arange(len(keys))
         placed = reused = 0
         while pending.size:

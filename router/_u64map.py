@@ -7,8 +7,9 @@ plain Python over the arrays (indexing an ``array`` returns a Python int cheaply
 methods take numpy ``uint64`` arrays and probe all keys at once through zero-copy numpy views
 of the same arrays, so a 64-block store costs a few numpy calls instead of 64 probes.
 
-Layout: slot ``i`` holds key ``keys[i]`` and value ``vals[i]``; a key's home slot is its
-Fibonacci hash (``key * FIB mod 2**64``, top ``bits`` bits), collisions probe linearly. Key
+Layout: slot ``i`` holds key ``keys[i]`` and value ``vals[i]``; a key's home slot is
+``(key ^ key >> 32) & (slots - 1)`` (the keys are xxh3 or engine hashes, already well mixed;
+like CPython's int hash, patterned keys only cost probes), collisions probe linearly. Key
 ``EMPTY`` (0) marks a never-used slot and ``TOMBSTONE`` (1) a deleted one (a probe goes on past
 it); the real keys 0 and 1 live in a small side dict. The table doubles when live keys plus
 tombstones pass 3/4 of the slots, and is rebuilt at the same size when tombstones alone fill it.
@@ -28,8 +29,7 @@ U64 = npt.NDArray[np.uint64]
 
 EMPTY = 0
 TOMBSTONE = 1
-FIB = 0x9E3779B97F4A7C15
-_FIB_NP = np.uint64(FIB)
+_THIRTY_TWO = np.uint64(32)
 _MASK64 = (1 << 64) - 1
 _MIN_BITS = 3
 
@@ -41,7 +41,7 @@ def _zeros(n: int) -> array[int]:
 class U64Map:
     """uint64 -> uint64 map (see the module docstring). Values are ints in [0, 2**64)."""
 
-    __slots__ = ("_bits", "_filled", "_keys", "_kv", "_live", "_mask", "_shift", "_side",
+    __slots__ = ("_bits", "_filled", "_keys", "_kv", "_live", "_mask", "_side",
                  "_vals", "_vv")
 
     def __init__(self, capacity: int = 0) -> None:
@@ -53,7 +53,6 @@ class U64Map:
 
     def _alloc(self, bits: int) -> None:
         self._bits = bits
-        self._shift = 64 - bits
         self._mask = (1 << bits) - 1
         self._keys = _zeros(1 << bits)
         self._vals = _zeros(1 << bits)
@@ -86,14 +85,14 @@ class U64Map:
             return self._side.get(key, default)
         keys = self._keys
         mask = self._mask
-        i = ((key * FIB) & _MASK64) >> self._shift
-        while True:
-            k = keys[i]
-            if k == key:
-                return self._vals[i]
+        i = (key ^ key >> 32) & mask
+        k = keys[i]
+        while k != key:
             if k == EMPTY:
                 return default
             i = (i + 1) & mask
+            k = keys[i]
+        return self._vals[i]
 
     def __contains__(self, key: int) -> bool:
         return self.get(key, -1) != -1
@@ -105,7 +104,7 @@ class U64Map:
             return
         keys = self._keys
         mask = self._mask
-        i = ((key * FIB) & _MASK64) >> self._shift
+        i = (key ^ key >> 32) & mask
         free = -1
         while True:
             k = keys[i]
@@ -133,7 +132,7 @@ class U64Map:
             return self._side.pop(key, default)
         keys = self._keys
         mask = self._mask
-        i = ((key * FIB) & _MASK64) >> self._shift
+        i = (key ^ key >> 32) & mask
         while True:
             k = keys[i]
             if k == key:
@@ -158,7 +157,7 @@ class U64Map:
     # --- vectorized ------------------------------------------------------------------------------
 
     def _home(self, keys: U64) -> npt.NDArray[np.int64]:
-        return ((keys * _FIB_NP) >> np.uint64(self._shift)).astype(np.int64)
+        return ((keys ^ (keys >> _THIRTY_TWO)) & np.uint64(self._mask)).astype(np.int64)
 
     def find_many(self, keys: U64) -> npt.NDArray[np.int64]:
         """Slot of each of ``keys`` (all >= 2) in the table, -1 where absent."""

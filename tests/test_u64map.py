@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from router._e2o import E2OTable
-from router._u64map import FIB, U64Map
+from router._u64map import U64Map
 
 MASK64 = (1 << 64) - 1
 
@@ -19,7 +19,7 @@ def _colliding(n: int, bits: int = 3) -> list[int]:
     """``n`` keys with the same home slot in a 2**bits table (and in bigger ones, mostly)."""
     out, k = [], 2
     while len(out) < n:
-        if ((k * FIB) & MASK64) >> (64 - bits) == 0:
+        if (k ^ k >> 32) & ((1 << bits) - 1) == 0:
             out.append(k)
         k += 1
     return out
