@@ -2,7 +2,7 @@
 few numpy calls, so that its per-event Python cost is a handful of list operations.
 
 ``store_batch`` applies a batch's ``BlockStored`` events together only when each would take
-``KvIndexer.apply_stored``'s common path on its own and none depends on another: every event
+``PackedKvIndexer.apply_stored``'s common path on its own and none depends on another: every event
 carries ``own_hashes`` (one per block) at the index's block size; each parent is already held
 by the key, or stored by an earlier event of the batch, or the event is a root; the batch's
 engine hashes and own hashes are all distinct, new to the key (and not parents of its orphans),
@@ -13,30 +13,31 @@ one by one.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
+from ._e2o import E2OTable
 from ._masks import as_u64
 from .events import BlockStored, KvEvent
 from .matching import WorkerKey
 
 if TYPE_CHECKING:
-    from .indexer import KvIndexer
+    from ._packed_indexer import PackedKvIndexer
 
 __all__ = ["store_batch"]
 
 
-def store_batch(index: KvIndexer, key: WorkerKey, events: list[KvEvent]) -> bool:
+def store_batch(index: PackedKvIndexer, key: WorkerKey, events: list[KvEvent]) -> bool:
     """Apply ``events`` (all ``BlockStored``) together if allowed (module docstring).
 
     Returns:
         Whether they were applied; False leaves the index untouched.
     """
-    st = index._state.get(key) or index._keys.add(key)  # as apply_stored does
-    if not index._masks.narrow(st.bit):
+    st = index._state.get(key) or index._add_key(key)  # as apply_stored does
+    if not index._packed_masks.narrow(st.bit):
         return False
-    e2o, bs = st.e2o, index.block_size
+    e2o, bs = cast(E2OTable, st.e2o), index.block_size
     ehs: list[int] = []
     owns: list[int] = []
     parents: list[int] = []
@@ -85,7 +86,7 @@ def store_batch(index: KvIndexer, key: WorkerKey, events: list[KvEvent]) -> bool
         return False
     if (e2o.find_many(ehs_np) >= 0).any():
         return False
-    masks, bit = index._masks, np.uint64(st.bit)
+    masks, bit = index._packed_masks, np.uint64(st.bit)
     held = masks.get_many(owns_np)
     if (held & bit).any():
         return False

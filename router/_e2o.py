@@ -22,12 +22,12 @@ from collections.abc import Iterator
 import numpy as np
 import numpy.typing as npt
 
+from ._probe import find, place
 from ._u64map import U64
 
 __all__ = ["E2OTable"]
 
 _MASK64 = (1 << 64) - 1
-_THIRTY_TWO = np.uint64(32)
 _EMPTY, _LIVE, _DEAD = 0, 1, 2
 _MIN_BITS = 3
 _CHILDREN = (1 << 31) - 1
@@ -174,17 +174,7 @@ class E2OTable:
 
     def find_many(self, keys: U64) -> I64:
         """Slot of each of ``keys``, -1 where not held."""
-        vk, vs, mask = self._vk, self._vs, self._mask
-        slots = ((keys ^ (keys >> _THIRTY_TWO)) & np.uint64(self._mask)).astype(np.int64)
-        out = np.full(len(keys), -1, dtype=np.int64)
-        pending = np.arange(len(keys))
-        while pending.size:
-            s = vs[slots]
-            hit = (s == _LIVE) & (vk[slots] == keys[pending])
-            out[pending[hit]] = slots[hit]
-            go = ~hit & (s != _EMPTY)
-            pending, slots = pending[go], (slots[go] + 1) & mask
-        return out
+        return find(self._vk, keys, self._mask, self._vs)
 
     def insert_many(self, keys: U64, own: U64, parent: U64, low: U64) -> None:
         """Insert ``keys`` (distinct, none held), in that order, with their own hashes, parent
@@ -197,29 +187,10 @@ class E2OTable:
         self._place(keys, own, parent, low | seq)
 
     def _place(self, keys: U64, own: U64, parent: U64, meta: U64) -> None:
-        vk, vs, mask = self._vk, self._vs, self._mask
-        slots = ((keys ^ (keys >> _THIRTY_TWO)) & np.uint64(self._mask)).astype(np.int64)
-        pending = np.arange(len(keys))
-        placed = reused = 0
-        while pending.size:
-            free = vs[slots] != _LIVE
-            cand = np.flatnonzero(free)
-            if not cand.size:
-                slots = (slots + 1) & mask
-                continue
-            # One winner per free slot (the first key probing it); the rest look again.
-            uslots, first = np.unique(slots[cand], return_index=True)
-            win = pending[cand[first]]
-            reused += int(np.count_nonzero(vs[uslots] == _DEAD))
-            vk[uslots], vs[uslots] = keys[win], _LIVE
-            self._vo[uslots], self._vp[uslots], self._vm[uslots] = own[win], parent[win], meta[win]
-            placed += win.size
-            keep = np.ones(pending.size, dtype=np.bool_)
-            keep[cand[first]] = False
-            slots = np.where(free, slots, (slots + 1) & mask)[keep]
-            pending = pending[keep]
-        self._live += placed
-        self._filled += placed - reused
+        slots, reused = place(self._vk, keys, self._mask, self._vs)
+        self._vo[slots], self._vp[slots], self._vm[slots] = own, parent, meta
+        self._live += slots.size
+        self._filled += slots.size - reused
 
     def _rehash(self, extra: int) -> None:
         """Rebuild for ``extra`` more keys (doubling while live ones would pass 3/8), renumbering

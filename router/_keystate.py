@@ -4,10 +4,9 @@
 stay small ints) and maps the bit back to the key. A key's state chains the blocks it holds by
 *engine* hash, so that each store finds its parent and each removal knows what it drops:
 
-* ``e2o`` (an ``E2OTable``, ``router._e2o``: packed columns, a dict's API) maps each held
-  engine hash to one packed int: its own hash (bits 0-63, ``MASK64``), its parent's engine
-  hash (64-127), a has-parent bit (``HAS_PARENT``, 128) and its number of held children (in
-  ``CHILD`` units, bits ``CHILD_SHIFT`` = 129 and up), and iterates oldest first.
+* ``e2o`` maps each held engine hash to one packed int: its own hash (bits 0-63, ``MASK64``),
+  its parent's engine hash (64-127), a has-parent bit (``HAS_PARENT``, 128) and its number of
+  held children (in ``CHILD`` units, bits ``CHILD_SHIFT`` = 129 and up).
 * ``dups`` counts extra stores of an engine hash already held (vLLM does publish the same hash
   twice); ``shared`` counts extra engine hashes mapping to an own hash the key already holds
   (an engine-side salt the router cannot see). The key's bit leaves the index's mask of an own
@@ -23,7 +22,6 @@ stay small ints) and maps the bit back to the key. A key's state chains the bloc
 
 from __future__ import annotations
 
-from ._e2o import E2OTable
 from .matching import WorkerKey
 
 __all__ = [
@@ -50,7 +48,7 @@ class KeyState:
 
     def __init__(self, bit: int) -> None:
         self.bit = bit
-        self.e2o = E2OTable()  # engine hash -> packed (see the module docstring)
+        self.e2o: dict[int, int] = {}  # engine hash -> packed (see the module docstring)
         self.dups: dict[int, int] = {}  # engine hash -> extra stores
         self.shared: dict[int, int] = {}  # own hash -> extra engine hashes mapping to it
         self.orphan_parents: dict[int, tuple[int, int]] = {}  # gone parent -> (children, own)
@@ -112,7 +110,7 @@ def unlink(st: KeyState, eh: int, packed: int, oh: int, children: int) -> int:
         pp = st.e2o.get(pe)
         if pp is not None:
             if pp >> CHILD_SHIFT:  # (only a poisoned key can be at 0 here)
-                st.e2o.add_children(pe, -1)
+                st.e2o[pe] = pp - CHILD
         else:  # it was an orphan itself
             orphans -= 1
             gone = st.orphan_parents.get(pe)

@@ -42,6 +42,12 @@ class MaskMap:
                 return m
         return self.table.get(own, default)
 
+    def __getitem__(self, own: int) -> int:
+        m = self.get(own, -1)
+        if m == -1:
+            raise KeyError(own)
+        return m
+
     def getter(self) -> Callable[[int, int], int]:
         """The fastest ``get`` for now: the table's own while no mask is wide."""
         return self.get if self.wide else self.table.get

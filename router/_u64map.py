@@ -23,13 +23,14 @@ from collections.abc import Iterator
 import numpy as np
 import numpy.typing as npt
 
+from ._probe import find, place
+
 __all__ = ["U64Map"]
 
 U64 = npt.NDArray[np.uint64]
 
 EMPTY = 0
 TOMBSTONE = 1
-_THIRTY_TWO = np.uint64(32)
 _MASK64 = (1 << 64) - 1
 _MIN_BITS = 3
 
@@ -156,22 +157,9 @@ class U64Map:
 
     # --- vectorized ------------------------------------------------------------------------------
 
-    def _home(self, keys: U64) -> npt.NDArray[np.int64]:
-        return ((keys ^ (keys >> _THIRTY_TWO)) & np.uint64(self._mask)).astype(np.int64)
-
     def find_many(self, keys: U64) -> npt.NDArray[np.int64]:
         """Slot of each of ``keys`` (all >= 2) in the table, -1 where absent."""
-        kv, mask = self._kv, self._mask
-        slots = self._home(keys)
-        out = np.full(len(keys), -1, dtype=np.int64)
-        pending = np.arange(len(keys))
-        while pending.size:
-            k = kv[slots]
-            hit = k == keys[pending]
-            out[pending[hit]] = slots[hit]
-            go = ~(hit | (k == EMPTY))
-            pending, slots = pending[go], (slots[go] + 1) & mask
-        return out
+        return find(self._kv, keys, self._mask, None)
 
     def get_many(self, keys: U64) -> tuple[U64, npt.NDArray[np.bool_]]:
         """Values of ``keys`` (0 where absent) and which were present."""
@@ -222,32 +210,10 @@ class U64Map:
 
     def _insert_new(self, keys: U64, vals: U64) -> None:
         """Insert ``keys`` (distinct, >= 2, none present; room already made)."""
-        kv, vv, mask = self._kv, self._vv, self._mask
-        slots = self._home(keys)
-        pending = np.arange(len(keys))
-        placed = 0
-        reused = 0
-        while pending.size:
-            k = kv[slots]
-            free = k <= TOMBSTONE
-            cand = np.flatnonzero(free)
-            if cand.size:
-                # One winner per free slot (the first key probing it); the rest look again.
-                uslots, first = np.unique(slots[cand], return_index=True)
-                win = cand[first]
-                reused += int(np.count_nonzero(kv[uslots] == TOMBSTONE))
-                kv[uslots] = keys[pending[win]]
-                vv[uslots] = vals[pending[win]]
-                placed += win.size
-                keep = np.ones(pending.size, dtype=np.bool_)
-                keep[win] = False
-                step = ~free  # losers of a free slot probe it again (it is taken now)
-                slots = np.where(step, (slots + 1) & mask, slots)[keep]
-                pending = pending[keep]
-            else:
-                slots = (slots + 1) & mask
-        self._live += placed
-        self._filled += placed - reused
+        slots, reused = place(self._kv, keys, self._mask, None)
+        self._vv[slots] = vals
+        self._live += slots.size
+        self._filled += slots.size - reused
 
     def _rehash(self, extra: int) -> None:
         """Rebuild the table for ``extra`` more keys: double while live keys would pass 3/8."""

@@ -1,7 +1,7 @@
 """Prompt matching over the indexer's bitmasks: how many leading blocks each key holds.
 
-``get(own_hash, 0)`` gives the int bitmask of the keys holding an own block hash (a whole prefix,
-see ``router.hashing``); ``bit_keys`` maps each key's bit back to its ``(worker_id, dp_rank)``.
+``masks`` maps an own block hash (a whole prefix, see ``router.hashing``) to the int bitmask of
+the keys holding it; ``bit_keys`` maps each key's bit back to its ``(worker_id, dp_rank)``.
 Both functions return ``{key: matched leading blocks}`` for keys with at least one block.
 
 * ``prefix_matches``: when no key holding the first block has orphans, each key's held blocks
@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import operator
 from bisect import bisect_right
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 __all__ = ["linear_matches", "prefix_matches"]
 
@@ -37,14 +37,11 @@ def _drop(out: dict[WorkerKey, int], bit_keys: dict[int, WorkerKey], dropped: in
         dropped ^= low
 
 
-#: ``get(own_hash, default)``: the mask of the keys holding a block (``router._masks``).
-MaskGet = Callable[[int, int], int]
-
-
-def prefix_matches(get: MaskGet, bit_keys: dict[int, WorkerKey],
+def prefix_matches(masks: dict[int, int], bit_keys: dict[int, WorkerKey],
                    own_hashes: Sequence[int], first: int) -> dict[WorkerKey, int]:
     """Matches when every key in ``first`` (the first block's mask) holds a prefix of the
     prompt, i.e. none of them has orphans."""
+    get = masks.get
     n = len(own_hashes)
     out: dict[WorkerKey, int] = {}
     v, lo = first, 1
@@ -66,9 +63,10 @@ def prefix_matches(get: MaskGet, bit_keys: dict[int, WorkerKey],
         v, lo = nxt, lo + 1
 
 
-def linear_matches(get: MaskGet, bit_keys: dict[int, WorkerKey],
+def linear_matches(masks: dict[int, int], bit_keys: dict[int, WorkerKey],
                    own_hashes: Sequence[int]) -> dict[WorkerKey, int]:
     """Exact matches by the prefix-AND of every block's mask."""
+    get = masks.get
     n = len(own_hashes)
     zero = itertools.repeat(0)
     acc: list[int] = []

@@ -1,6 +1,6 @@
-"""Batches of edge-hashed stores applied at once (``router._batch_store``) build exactly the
-index that applying their events one by one builds: same entries in the same insertion order
-(what eviction walks), same masks, same counters, same matches. Batches mix independent stores,
+"""Batches of edge-hashed stores applied at once by ``PackedKvIndexer`` (``router._batch_store``)
+build exactly the index that applying their events one by one builds: same entries in the same
+insertion order (what eviction walks), same masks, same counters, same matches. Batches mix independent stores,
 stores chaining from an earlier event of the batch, re-stores, shared prefixes across keys and
 stores past the cap, so both the batched path and its fallback run."""
 
@@ -9,9 +9,9 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from router._packed_indexer import PackedKvIndexer as KvIndexer
 from router.events import BlockRemoved, BlockStored, EventBatch, KvEvent
 from router.hashing import block_hashes
-from router.indexer import KvIndexer
 
 SIZE = 2
 ENGINE_XOR = 0x5555_AAAA_0F0F_F0F0
