@@ -1,8 +1,8 @@
 """Batches of edge-hashed stores applied at once by ``PackedKvIndexer`` (``router._batch_store``)
 build exactly the index that applying their events one by one builds: same entries in the same
-insertion order (what eviction walks), same masks, same counters, same matches. Batches mix independent stores,
-stores chaining from an earlier event of the batch, re-stores, shared prefixes across keys and
-stores past the cap, so both the batched path and its fallback run."""
+insertion order (what eviction walks), same masks, same counters, same matches. Batches mix
+independent stores, stores chaining from an earlier event of the batch, re-stores, shared
+prefixes across keys and stores past the cap, so both the batched path and its fallback run."""
 
 from __future__ import annotations
 
