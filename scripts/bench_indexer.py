@@ -518,6 +518,9 @@ def main() -> None:
                     help="alternating rounds (ours, Dynamo) of the small measurements; best kept")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dynamo-timeout", type=float, default=900)
+    ap.add_argument("--packed", action="store_true",
+                    help="time router._packed_indexer.PackedKvIndexer (packed integer tables) "
+                    "in place of KvIndexer")
     ap.add_argument("--dynamo-side", help=argparse.SUPPRESS)
     ap.add_argument("--phase", default="small", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -525,6 +528,10 @@ def main() -> None:
         dynamo_side(args.dynamo_side, args.phase)
         return
     sys.path.insert(0, str(ROOT))
+    if args.packed:  # every measurement below imports router.indexer.KvIndexer when it runs
+        import router.indexer
+        from router._packed_indexer import PackedKvIndexer
+        router.indexer.KvIndexer = PackedKvIndexer  # type: ignore[misc]
     bs = args.block_size
     if args.quick:
         args.workers, args.blocks_per_worker = (
@@ -640,7 +647,8 @@ def print_table(r: dict[str, Any], d: dict[str, Any] | str, py: str | None,
     print(f"# KV indexer benchmark (block size {args.block_size}, seed {args.seed}, "
           f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}, best of {args.rounds} "
           f"alternating rounds; took {took_s:.0f} s)\n")
-    print("| measurement | dynamo-zmq router.indexer | Dynamo 1.6.1 RadixTree | ours / Dynamo |")
+    ours = "PackedKvIndexer" if args.packed else "router.indexer"
+    print(f"| measurement | dynamo-zmq {ours} | Dynamo 1.6.1 RadixTree | ours / Dynamo |")
     print("|---|---|---|---|")
     for name, a, b, c in rows:
         print(f"| {name} | {a} | {b} | {c} |")
