@@ -11,7 +11,8 @@ iteration in insertion order, ``items``), so the index's bookkeeping (``router._
 ``router._evict``) reads as before; ``find_many`` and ``insert_many`` take numpy ``uint64``
 arrays and probe or insert a whole event's blocks in a few numpy calls through zero-copy views
 of the columns. Probing is linear from the key's home slot (as in ``router._u64map``); the
-table doubles when live plus deleted slots pass 3/4 and is rebuilt when deleted ones fill it.
+table doubles when live plus deleted slots pass 4/5 (live ones then fill at most half of it)
+and is rebuilt at its size when deleted slots made it full.
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ class E2OTable:
             self._parent[i] = (packed >> 64) & _MASK64
             self._meta[i] = self._meta[i] & ~0xFFFFFFFF & _MASK64 | low
             return
-        if self._seq >= _SEQ_LIMIT or (self._filled + 1) * 4 > (self._mask + 1) * 3:
+        if self._seq >= _SEQ_LIMIT or (self._filled + 1) * 5 > (self._mask + 1) * 4:
             self._rehash(1)
         keys, state, mask = self._keys, self._state, self._mask
         i = (eh ^ eh >> 32) & mask
@@ -180,7 +181,7 @@ class E2OTable:
         """Insert ``keys`` (distinct, none held), in that order, with their own hashes, parent
         engine hashes and meta low words (has-parent bit | children << 1)."""
         n = len(keys)
-        if self._seq + n >= _SEQ_LIMIT or (self._filled + n) * 4 > (self._mask + 1) * 3:
+        if self._seq + n >= _SEQ_LIMIT or (self._filled + n) * 5 > (self._mask + 1) * 4:
             self._rehash(n)
         seq = np.arange(self._seq, self._seq + n, dtype=np.uint64) << np.uint64(32)
         self._seq += n
@@ -193,14 +194,14 @@ class E2OTable:
         self._filled += slots.size - reused
 
     def _rehash(self, extra: int) -> None:
-        """Rebuild for ``extra`` more keys (doubling while live ones would pass 3/8), renumbering
+        """Rebuild for ``extra`` more keys (doubling while live ones would pass 1/2), renumbering
         the insertion order from 0."""
         order = self._order()
         keys, own = self._vk[order].copy(), self._vo[order].copy()
         parent = self._vp[order].copy()
         low = self._vm[order] & np.uint64(0xFFFFFFFF)
         bits = max(_MIN_BITS, self._bits)
-        while (1 << bits) * 3 < (keys.size + extra) * 8:
+        while 1 << bits < (keys.size + extra) * 2:
             bits += 1
         self._alloc(bits)
         self._seq = keys.size

@@ -216,11 +216,11 @@ class U64Map:
         self._filled += slots.size - reused
 
     def _rehash(self, extra: int) -> None:
-        """Rebuild the table for ``extra`` more keys: double while live keys would pass 3/8."""
+        """Rebuild the table for ``extra`` more keys: double while live keys would pass 1/2."""
         live = np.flatnonzero(self._kv > TOMBSTONE)
         keys, vals = self._kv[live].copy(), self._vv[live].copy()
         bits = max(_MIN_BITS, self._bits)
-        while (1 << bits) * 3 < (keys.size + extra) * 8:
+        while 1 << bits < (keys.size + extra) * 2:
             bits += 1
         self._alloc(bits)
         if keys.size:

@@ -167,7 +167,7 @@ class E2OVsDict(RuleBasedStateMachine):
         assert list(self.t.items()) == list(self.d.items())  # insertion order too
         assert list(self.t) == list(self.d)
         assert sorted(self.t.owns().tolist()) == sorted(p & MASK64 for p in self.d.values())
-        assert self.t._filled * 4 <= (self.t._mask + 1) * 3
+        assert self.t._filled * 5 <= (self.t._mask + 1) * 4
 
 
 TestE2OVsDict = E2OVsDict.TestCase
