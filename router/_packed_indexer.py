@@ -1,0 +1,216 @@
+"""The KV index on packed integer tables: ``PackedKvIndexer``, a ``KvIndexer`` with no
+per-entry Python objects (issue 18, item 2), for indexes where memory matters more than the
+store rate.
+
+Same rules, events and answers as ``KvIndexer`` (the same brute-force property tests run on
+both); only the containers differ: the own hash -> key bitmask map is a ``MaskMap``
+(``router._masks``, 16 B a slot) and each key's engine hash -> entry map an ``E2OTable``
+(``router._e2o``, 33 B a slot), both open addressing over ``array('Q')`` columns. A
+multi-block store probes and inserts its blocks in a few numpy calls, a batch of independent
+edge-hashed stores all at once (``router._batch_store``); the rest (single blocks, duplicates,
+removals, eviction) runs ``KvIndexer``'s code block by block through the tables' dict API.
+The price: every table operation is Python or a numpy call rather than a dict's C, so stores
+cost several times what ``KvIndexer``'s do (docs/benchmarks.md has the figures).
+"""
+
+from __future__ import annotations
+
+import array
+import itertools
+import sys
+from collections.abc import Sequence
+from typing import Any, cast
+
+import numpy as np
+import xxhash
+
+from ._batch_store import store_batch
+from ._e2o import E2OTable
+from ._evict import evict_oldest
+from ._keystate import HAS_PARENT, KeyState
+from ._masks import MaskMap, as_u64
+from .events import EventBatch
+from .hashing import ROOT_SEED, block_hashes, root_hash, salted_block_hashes
+from .indexer import DEFAULT_MAX_BLOCKS, KvIndexer
+from .matching import WorkerKey, linear_matches, prefix_matches
+
+__all__ = ["PackedKvIndexer"]
+
+_NO_EXTRA = [None]
+_h64 = xxhash.xxh3_64_intdigest
+
+
+def _zeros(n: int) -> itertools.repeat[int]:
+    return itertools.repeat(0, n)
+
+
+class _Getter:
+    """A ``dict``-shaped view of the masks for ``router.matching`` (only ``get`` is read)."""
+
+    __slots__ = ("get",)
+
+    def __init__(self, masks: MaskMap) -> None:
+        self.get = masks.getter()
+
+
+class PackedKvIndexer(KvIndexer):
+    """``KvIndexer`` on packed tables (see the module docstring); same arguments."""
+
+    def __init__(self, block_size: int, max_blocks: int = DEFAULT_MAX_BLOCKS, *,
+                 evict_oldest: bool = False) -> None:
+        super().__init__(block_size, max_blocks, evict_oldest=evict_oldest)
+        self._masks = cast(dict[int, int], MaskMap())  # the dict API KvIndexer's code reads
+        self._packed_masks = cast(MaskMap, self._masks)
+
+    def _add_key(self, key: WorkerKey) -> KeyState:
+        st = self._keys.add(key)
+        if not isinstance(st.e2o, E2OTable):
+            st.e2o = cast(dict[int, int], E2OTable())
+        return st
+
+    def apply_batch(self, worker_id: int, batch: EventBatch) -> None:
+        """``KvIndexer.apply_batch``; a batch of independent edge-hashed stores at once."""
+        if len(batch.events) > 1 and store_batch(self, (worker_id, batch.dp_rank or 0),
+                                                 batch.events):
+            return
+        super().apply_batch(worker_id, batch)
+
+    def apply_stored(self, key: WorkerKey, engine_hashes: list[int],
+                     parent_engine_hash: int | None, token_ids: Sequence[int], block_size: int,
+                     *, lora: int | str | None = None,
+                     extra_keys: list[Any] | None = None,
+                     own_hashes: list[int] | None = None) -> None:
+        """``KvIndexer.apply_stored`` on the packed tables (same arguments, same index).
+        """
+        stats = self.stats
+        st = self._state.get(key) or self._add_key(key)
+        n = len(engine_hashes)
+        if block_size != self.block_size:
+            stats.block_size_mismatch += 1
+            return
+        if len(token_ids) != n * block_size if own_hashes is None else len(own_hashes) != n:
+            stats.bad_length += 1
+            return
+        if n == 0:
+            return
+        e2o = cast(E2OTable, st.e2o)
+        if parent_engine_hash is None:
+            seed = ROOT_SEED if lora is None else root_hash(lora)
+        else:
+            seed = e2o.own(parent_engine_hash)
+            if seed < 0:
+                stats.unknown_parent += 1
+                return
+        if self._total + n > self.max_blocks and self.evict_oldest:
+            evict_oldest(self, key, self._total + n - self.max_blocks, parent_engine_hash,
+                         engine_hashes)
+        if n == 1 and (own_hashes is not None or extra_keys is None or extra_keys == _NO_EXTRA):
+            eh = engine_hashes[0]
+            if eh not in e2o and self._total < self.max_blocks and eh not in st.orphan_parents:
+                # Fast path for one-block events (most of vLLM's during decode).
+                try:
+                    oh = (own_hashes[0] if own_hashes is not None
+                          else _h64(array.array("I", token_ids).tobytes(), seed))
+                except (OverflowError, TypeError):
+                    stats.bad_tokens += 1
+                    return
+                if parent_engine_hash is None:
+                    e2o[eh] = oh
+                else:
+                    e2o[eh] = oh | parent_engine_hash << 64 | HAS_PARENT
+                    e2o.add_children(parent_engine_hash, 1)
+                self._total += 1
+                stats.stored_blocks += 1
+                masks, bit = self._packed_masks, st.bit
+                m = masks.get(oh, 0)
+                if m & bit:
+                    st.shared[oh] = st.shared.get(oh, 0) + 1
+                else:
+                    masks[oh] = m | bit if m else bit
+                return
+        try:
+            if own_hashes is not None:
+                owns = own_hashes
+            elif extra_keys is not None and any(k is not None for k in extra_keys):
+                if len(extra_keys) != n:
+                    stats.bad_length += 1
+                    return
+                owns = salted_block_hashes(token_ids, block_size, seed, extra_keys)
+            else:
+                owns = block_hashes(token_ids, block_size, seed)
+        except ValueError:
+            stats.bad_tokens += 1
+            return
+        # Common case, in a few numpy calls: engine hashes new to this key (and not parents of
+        # its orphans), distinct, own hashes it does not hold yet.
+        masks, bit = self._packed_masks, st.bit
+        try:
+            ehs, owns_np = as_u64(engine_hashes), as_u64(owns)
+        except OverflowError:
+            stats.bad_tokens += 1
+            return
+        if (self._total + n > self.max_blocks or (e2o.find_many(ehs) >= 0).any()
+                or (st.orphan_parents and not st.orphan_parents.keys().isdisjoint(engine_hashes))
+                or len(set(engine_hashes)) != n or len(set(owns)) != n):
+            self._store_each(st, engine_hashes, owns, parent_engine_hash)
+            return
+        if masks.narrow(bit):
+            held, wide = masks.get_many(owns_np), None
+            clash = bool((held & np.uint64(bit)).any())
+        else:  # a key past bit 63 or a wide mask: int masks
+            wide = list(map(masks.get, owns, _zeros(n)))
+            held, clash = owns_np, any(m & bit for m in wide)
+        if clash:
+            self._store_each(st, engine_hashes, owns, parent_engine_hash)
+            return
+        parents = np.empty(n, dtype=np.uint64)
+        parents[0] = parent_engine_hash or 0
+        parents[1:] = ehs[:-1]
+        low = np.full(n, 3, dtype=np.uint64)  # has a parent, one child
+        low[-1] = 1
+        if parent_engine_hash is None:
+            low[0] ^= 1
+        else:
+            e2o.add_children(parent_engine_hash, 1)
+        e2o.insert_many(ehs, owns_np, parents, low)
+        if wide is None:
+            masks.put_many(owns_np, held | np.uint64(bit))
+        else:
+            for oh, m in zip(owns, wide, strict=True):
+                masks[oh] = m | bit
+        self._total += n
+        stats.stored_blocks += n
+
+
+    def _clear(self, key: WorkerKey) -> None:
+        st = self._state.get(key)
+        if st is None:
+            return
+        e2o = cast(E2OTable, st.e2o)
+        self._packed_masks.drop_bit(set(e2o.owns().tolist()), st.bit)
+        self._total -= len(e2o)
+        st.poisoned = False
+        self._set_orphans(st, 0)
+        st.e2o, st.dups, st.shared, st.orphan_parents = cast(dict[int, int], E2OTable()), {}, {}, {}
+
+    def find_matches_for_hashes(self, own_hashes: Sequence[int]) -> dict[WorkerKey, int]:
+        """Like ``find_matches`` for hashes already computed with ``router.hashing``."""
+        masks = self._packed_masks
+        first = masks.get(own_hashes[0], 0) if own_hashes else 0
+        if not first:
+            return {}
+        view = cast(dict[int, int], _Getter(masks))
+        if first & self._dirty:  # a key holding the first block has orphans: scan exactly
+            return linear_matches(view, self._bit_keys, own_hashes)
+        return prefix_matches(view, self._bit_keys, own_hashes, first)
+
+    def bytes_per_block(self) -> float:
+        """Bytes of index memory per (key, engine block) entry: the tables' columns plus the
+        small per-key dicts; 0.0 when empty."""
+        if not self._total:
+            return 0.0
+        size = self._packed_masks.nbytes()
+        for st in self._state.values():
+            size += cast(E2OTable, st.e2o).nbytes()
+            size += sum(map(sys.getsizeof, (st.dups, st.shared, st.orphan_parents)))
+        return size / self._total
