@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ._packed_indexer import PackedKvIndexer
 from .approx import DEFAULT_TTL
 from .indexer import KvIndexer
 from .scheduler import REPORT_TTL
@@ -40,6 +41,9 @@ class KvRouterConfig:
     #: Cap on the KV index's (worker, block) entries; when full the oldest blocks are evicted.
     #: None: no cap but the index's safety bound, which refuses [--kv-index-max-blocks].
     index_max_blocks: int | None = None
+    #: The index's storage: "dicts" (fast stores) or "packed" (uint64 tables, a third of the
+    #: memory) [--kv-index-layout].
+    index_layout: str = "dicts"
     #: A rank is busy above this fraction of its KV blocks active (0: off) [--busy-kv-threshold].
     busy_kv_threshold: float = 0.95
     #: ... or above this many prompt tokens not yet prefilled (0: off) [--busy-prefill-tokens].
@@ -54,9 +58,12 @@ class KvRouterConfig:
     replica_ttl: float = 600.0
 
 
-def kv_indexer(block_size: int, max_blocks: int | None) -> KvIndexer:
+def kv_indexer(block_size: int, max_blocks: int | None, layout: str = "dicts") -> KvIndexer:
     """The event-driven index, capped with eviction of the oldest blocks when ``max_blocks``
-    is set."""
+    is set; ``layout`` "packed" stores it in packed uint64 tables (``PackedKvIndexer``)."""
+    if layout not in ("dicts", "packed"):
+        raise ValueError(f"unknown KV index layout {layout!r} (dicts or packed)")
+    cls = PackedKvIndexer if layout == "packed" else KvIndexer
     if max_blocks is None:
-        return KvIndexer(block_size)
-    return KvIndexer(block_size, max_blocks, evict_oldest=True)
+        return cls(block_size)
+    return cls(block_size, max_blocks, evict_oldest=True)

@@ -17,6 +17,7 @@ job. Without KV events (``use_kv_events=False``, the approximate mode) the index
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import time
 import weakref
@@ -47,6 +48,8 @@ from .subscriber import KvEventSubscriber
 __all__ = ["MAX_DP_SIZE", "Decision", "KvRouter", "KvRouterConfig"]
 
 _decode_output = item_decoder(LLMEngineOutput)
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,10 +126,13 @@ class KvRouter:
         if self.busy.enabled:
             self.loads.on_change = self.queue.notify
         self.indexer: KvIndexer | ApproxIndexer = (
-            kv_indexer(block_size, cfg.index_max_blocks)
+            kv_indexer(block_size, cfg.index_max_blocks, cfg.index_layout)
             if cfg.use_kv_events
             else ApproxIndexer(block_size, cfg.approx_ttl)
         )
+        if cfg.use_kv_events and cfg.index_layout != "dicts":
+            log.info("kv-router %s: KV index in the %s layout", model or self.path,
+                     cfg.index_layout)
         name = f"kv-router {model or self.path}"
         self._res = runtime.resources.child(name) if runtime is not None else Resources(name)
         self._follower = InstanceFollower(

@@ -67,6 +67,13 @@ def add_kv_router_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup
              "safety bound, which refuses new blocks [DYN_KV_INDEX_MAX_BLOCKS]",
     )
     parser.add_argument(
+        "--kv-index-layout", choices=("dicts", "packed"),
+        default=env("DYN_KV_INDEX_LAYOUT", "dicts"),
+        help="kv routing: the KV index's storage. dicts: fastest stores (~230 B a block); "
+             "packed: uint64 tables (~65-90 B a block, stores several times slower), for very "
+             "large indexes [DYN_KV_INDEX_LAYOUT]",
+    )
+    parser.add_argument(
         "--busy-kv-threshold", type=float, default=env("DYN_BUSY_KV_THRESHOLD", "0.95"),
         metavar="FRACTION",
         help="kv routing: a worker rank whose active KV blocks exceed this fraction of its total "
@@ -152,6 +159,7 @@ def kv_router_options(args: argparse.Namespace) -> dict[str, Any]:
         "load_report_ttl": args.load_report_ttl,
         "load_report_grace": args.load_report_grace,
         "index_max_blocks": args.kv_index_max_blocks or None,
+        "index_layout": args.kv_index_layout,
         "busy_kv_threshold": args.busy_kv_threshold,
         "busy_prefill_tokens": args.busy_prefill_tokens,
         "busy_queue_size": args.busy_queue_size,

@@ -1,7 +1,8 @@
 """The KV index's cap end to end, all real processes: a kv-mode frontend started with a small
 ``--kv-index-max-blocks`` and two mocker workers. Past the cap the index evicts its oldest blocks
 (the metric counts them, the index stays within the cap) and the frontend keeps routing by
-prefix; ``DYN_KV_INDEX_MAX_BLOCKS`` sets the same cap."""
+prefix; ``DYN_KV_INDEX_MAX_BLOCKS`` sets the same cap. Both index layouts (``--kv-index-layout
+dicts|packed``) run the same test."""
 
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ def sample(metrics: str, name: str) -> float:
     return float(m.group(1)) if m else 0.0
 
 
-@pytest.fixture
-async def capped(namespace, spawn, tiny_model):
+@pytest.fixture(params=["dicts", "packed"])
+async def capped(request, namespace, spawn, tiny_model):
     workers = [
         spawn("-m", "dynamo_zmq.worker", "--engine", "mocker", "--model-path", str(tiny_model),
               "--model-name", "tiny", "--namespace", namespace, "--host", "127.0.0.1",
@@ -36,7 +37,8 @@ async def capped(namespace, spawn, tiny_model):
         for _ in range(2)
     ]
     front = spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
-                  "--router-mode", "kv", "--kv-index-max-blocks", str(CAP), ready=False)
+                  "--router-mode", "kv", "--kv-index-max-blocks", str(CAP),
+                  "--kv-index-layout", request.param, ready=False)
     for proc in [*workers, front]:
         proc.wait_ready()
     url = front.address
@@ -47,6 +49,8 @@ async def capped(namespace, spawn, tiny_model):
                               re.MULTILINE)) == 2
 
     await eventually(both_serving, 30, "both workers followed by the frontend's router")
+    # The packed layout says so when the index is made (the dicts layout, the default, does not).
+    assert ("KV index in the packed layout" in front.logs()) == (request.param == "packed")
     return url
 
 
@@ -104,3 +108,13 @@ def test_cap_flag_and_env(monkeypatch):
     assert kv_router_options(args)["index_max_blocks"] == 1000
     monkeypatch.setenv("DYN_KV_INDEX_MAX_BLOCKS", "500")
     assert kv_router_options(router_main.build_parser().parse_args([]))["index_max_blocks"] == 500
+
+
+def test_layout_flag_and_env(monkeypatch):
+    parse = router_main.build_parser().parse_args
+    assert kv_router_options(parse([]))["index_layout"] == "dicts"
+    assert kv_router_options(parse(["--kv-index-layout", "packed"]))["index_layout"] == "packed"
+    monkeypatch.setenv("DYN_KV_INDEX_LAYOUT", "packed")  # read when the parser is built
+    assert kv_router_options(router_main.build_parser().parse_args([]))["index_layout"] == "packed"
+    with pytest.raises(SystemExit):
+        parse(["--kv-index-layout", "trie"])
