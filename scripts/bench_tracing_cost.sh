@@ -38,8 +38,9 @@ one() {  # one LABEL ROUND TREE [env...]: one bench_vs_dynamo.sh ours round, its
   local label=$1 round=$2 tree=$3
   shift 3
   echo "== $label, round $round" >&2
-  env "$@" PYTHONPATH="$tree" OURS_PY="$OURS_PY" ROUNDS=1 \
-    bash "$tree/scripts/bench_vs_dynamo.sh" --only ours "${LOAD[@]}" 2>"$OUT/$label-r$round.log"
+  # From inside the tree: `python -m` puts the working directory first on sys.path.
+  (cd "$tree" && env "$@" PYTHONPATH="$tree" OURS_PY="$OURS_PY" ROUNDS=1 \
+    bash scripts/bench_vs_dynamo.sh --only ours "${LOAD[@]}" 2>"$OUT/$label-r$round.log")
   cp "$(ls -td "$ROOT"/.bench/results/2*/ | head -1)/ours-r1.json" "$OUT/$label-r$round.json"
 }
 
