@@ -30,7 +30,7 @@ from ._evict import evict_oldest
 from ._keystate import HAS_PARENT, KeyState
 from ._masks import MaskMap, as_u64
 from .events import EventBatch
-from .hashing import ROOT_SEED, block_hashes, root_hash, salted_block_hashes
+from .hashing import ROOT_SEED, event_own_hashes, root_hash
 from .indexer import DEFAULT_MAX_BLOCKS, KvIndexer
 from .matching import WorkerKey, linear_matches, prefix_matches
 
@@ -129,18 +129,14 @@ class PackedKvIndexer(KvIndexer):
                     masks[oh] = m | bit if m else bit
                 return
         try:
-            if own_hashes is not None:
-                owns = own_hashes
-            elif extra_keys is not None and any(k is not None for k in extra_keys):
-                if len(extra_keys) != n:
-                    stats.bad_length += 1
-                    return
-                owns = salted_block_hashes(token_ids, block_size, seed, extra_keys)
-            else:
-                owns = block_hashes(token_ids, block_size, seed)
+            maybe = event_own_hashes(token_ids, block_size, seed, n, own_hashes, extra_keys)
         except ValueError:
             stats.bad_tokens += 1
             return
+        if maybe is None:
+            stats.bad_length += 1
+            return
+        owns = maybe
         # Common case, in a few numpy calls: engine hashes new to this key (and not parents of
         # its orphans), distinct, own hashes it does not hold yet.
         masks, bit = self._packed_masks, st.bit

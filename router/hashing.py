@@ -7,6 +7,9 @@ token ids each KV event carries, or taken from the event's ``own_hashes`` when t
 declares that very scheme (``KvHashScheme``: our mocker and vLLM adapters hash at the edge).
 """
 
+from collections.abc import Sequence
+from typing import Any
+
 from dynamo_zmq.llm._block_hashing import HASH_SCHEME as HASH_SCHEME
 from dynamo_zmq.llm._block_hashing import HASH_SCHEME_VERSION as HASH_SCHEME_VERSION
 from dynamo_zmq.llm._block_hashing import ROOT_SEED as ROOT_SEED
@@ -25,8 +28,28 @@ __all__ = [
     "KvHashScheme",
     "TokenIds",
     "block_hashes",
+    "event_own_hashes",
     "extra_key_hash",
     "root_hash",
     "salted_block_hashes",
     "token_bytes",
 ]
+
+
+def event_own_hashes(token_ids: Sequence[int], block_size: int, seed: int, n: int,
+                     own_hashes: list[int] | None,
+                     extra_keys: list[Any] | None) -> list[int] | None:
+    """The router's hashes of a stored event's ``n`` blocks chained from ``seed``: the worker's
+    ``own_hashes`` (hashed at the edge), else computed from ``token_ids``, salted per block by
+    ``extra_keys`` when any is set. None when ``extra_keys`` is not one per block.
+
+    Raises:
+        ValueError: a token id outside [0, 2**32).
+    """
+    if own_hashes is not None:
+        return own_hashes
+    if extra_keys is not None and any(k is not None for k in extra_keys):
+        if len(extra_keys) != n:
+            return None
+        return salted_block_hashes(token_ids, block_size, seed, extra_keys)
+    return block_hashes(token_ids, block_size, seed)

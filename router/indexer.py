@@ -42,7 +42,7 @@ from ._keystate import HAS_PARENT as _HAS_PARENT
 from ._keystate import MASK64 as _MASK64
 from ._keystate import KeyState, KeyTable, relink, unlink
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
-from .hashing import ROOT_SEED, TokenIds, block_hashes, root_hash, salted_block_hashes
+from .hashing import ROOT_SEED, TokenIds, block_hashes, event_own_hashes, root_hash
 from .matching import WorkerKey as WorkerKey
 from .matching import linear_matches, prefix_matches
 
@@ -193,18 +193,14 @@ class KvIndexer:
                     masks[oh] = m | bit if m else bit
                 return
         try:
-            if own_hashes is not None:
-                owns = own_hashes
-            elif extra_keys is not None and any(k is not None for k in extra_keys):
-                if len(extra_keys) != n:
-                    stats.bad_length += 1
-                    return
-                owns = salted_block_hashes(token_ids, block_size, seed, extra_keys)
-            else:
-                owns = block_hashes(token_ids, block_size, seed)
+            maybe = event_own_hashes(token_ids, block_size, seed, n, own_hashes, extra_keys)
         except ValueError:
             stats.bad_tokens += 1
             return
+        if maybe is None:
+            stats.bad_length += 1
+            return
+        owns = maybe
         # Common case, mostly in C: engine hashes new to this key (and not parents of its
         # orphans), own hashes it does not hold yet.
         masks, bit = self._masks, st.bit
