@@ -21,7 +21,12 @@ from ._kv_events import BlockSize as BlockSize
 from ._kv_events import BlockStored as BlockStored
 from ._kv_events import EventBatch as EventBatch
 from ._kv_events import KvEvent as KvEvent
+from ._kv_events import OwnBatch as OwnBatch
+from ._kv_events import OwnEvent as OwnEvent
+from ._kv_events import OwnRemoved as OwnRemoved
+from ._kv_events import OwnStored as OwnStored
 from ._kv_events import encode_batch as encode_batch
+from ._kv_events import encode_own_batch as encode_own_batch
 from ._load import LOAD_TOPIC as LOAD_TOPIC
 from ._load import LOAD_VERSION as LOAD_VERSION
 from ._load import MAX_LOAD_INTERVAL as MAX_LOAD_INTERVAL
@@ -136,6 +141,10 @@ __all__ = [
     "NotAnOutput",
     "OutputOptions",
     "OutputStream",
+    "OwnBatch",
+    "OwnEvent",
+    "OwnRemoved",
+    "OwnStored",
     "PostProcessor",
     "PreprocessedRequest",
     "Resume",
@@ -155,6 +164,7 @@ __all__ = [
     "cancelled_output",
     "decode_report",
     "encode_batch",
+    "encode_own_batch",
     "encode_report",
     "error_output",
     "length_output",

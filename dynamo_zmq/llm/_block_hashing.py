@@ -29,6 +29,8 @@ import numpy as np
 import xxhash
 
 __all__ = [
+    "FORM_DELTAS",
+    "FORM_STORES",
     "HASH_SCHEME",
     "HASH_SCHEME_VERSION",
     "ROOT_SEED",
@@ -45,22 +47,30 @@ ROOT_SEED = xxhash.xxh3_64_intdigest(b"dynamo-zmq/router/block-hash/v1")
 #: Name and version of the scheme this module implements, as workers declare it.
 HASH_SCHEME = "dynamo-zmq/xxh3-chain"
 HASH_SCHEME_VERSION = 1
+#: ``KvHashScheme.form`` values: vLLM's event shape with own hashes, or own-hash deltas.
+FORM_STORES = "stores"
+FORM_DELTAS = "deltas"
 
 
 class KvHashScheme(msgspec.Struct, forbid_unknown_fields=False):
     """How a worker hashes the ``own_hashes`` it publishes with each ``BlockStored`` (advertised
     in its ``EngineConfig.kv_hash_scheme``). A router uses them instead of hashing the event's
-    token ids only when it knows the scheme and its block size and seed are the router's."""
+    token ids only when it knows the scheme and its block size and seed are the router's.
+
+    ``form`` says what its KV-event payloads are: ``"stores"``, vLLM's events with
+    ``own_hashes`` added to each ``BlockStored``; ``"deltas"``, ``OwnBatch`` payloads
+    (``OwnStored`` / ``OwnRemoved``, see ``dynamo_zmq.llm._kv_events``)."""
 
     name: str
     version: int
     block_size: int
     seed: int
+    form: str = FORM_STORES
 
     @classmethod
-    def ours(cls, block_size: int) -> KvHashScheme:
-        """This module's scheme for ``block_size``-token blocks."""
-        return cls(HASH_SCHEME, HASH_SCHEME_VERSION, block_size, ROOT_SEED)
+    def ours(cls, block_size: int, form: str = FORM_STORES) -> KvHashScheme:
+        """This module's scheme for ``block_size``-token blocks, published in ``form``."""
+        return cls(HASH_SCHEME, HASH_SCHEME_VERSION, block_size, ROOT_SEED, form)
 
     def usable_by(self, block_size: int) -> bool:
         """Are hashes under this scheme exactly what a router with ``block_size`` computes?"""
