@@ -113,7 +113,8 @@ class EndpointCanary:
         stream: AsyncIterator[Any] | None = None
         try:
             stream = self._handler(self._payload, ctx)
-            await asyncio.wait_for(anext(stream, None), self.config.request_timeout)
+            async with asyncio.timeout(self.config.request_timeout):
+                await anext(stream, None)
             return True
         except Exception as exc:
             log.warning("health check of %s failed: %s: %s", self.path, type(exc).__name__, exc)

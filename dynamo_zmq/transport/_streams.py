@@ -335,8 +335,11 @@ class ResponseStream(Generic[T]):
                 await st.waiter.wait()
                 continue
             try:
-                await asyncio.wait_for(st.waiter.wait(), self._idle_timeout)
-            except asyncio.TimeoutError:
+                # (asyncio.timeout, not wait_for: wait_for can swallow a cancellation that
+                # comes just as the waiter is set.)
+                async with asyncio.timeout(self._idle_timeout):
+                    await st.waiter.wait()
+            except TimeoutError:
                 self._conn.send_control(Kind.KILL, Control(st.request_id))
                 st.terminate(errors.ResponseTimeout(f"no response within {self._idle_timeout}s"))
 

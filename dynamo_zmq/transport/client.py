@@ -21,7 +21,7 @@ import zmq
 
 from .. import errors
 from ..context import Context
-from ..resources import Resources
+from ..resources import Resources, wait_event
 from ..tracing import outgoing
 from ..wire import (
     PROTOCOL_VERSION,
@@ -153,12 +153,10 @@ class PeerConnection:
 
     async def wait_described(self, timeout: float) -> Description:
         """Wait for the first DESCRIBE answer; raises ConnectionTimeout."""
-        try:
-            await asyncio.wait_for(self._described.wait(), timeout)
-        except asyncio.TimeoutError:
+        if not await wait_event(self._described, timeout):
             raise errors.ConnectionTimeout(
                 f"{self.address} did not answer within {timeout}s"
-            ) from None
+            )
         assert self.description is not None
         return self.description
 

@@ -22,7 +22,7 @@ import zmq
 
 from .. import errors
 from ..context import Context
-from ..resources import Resources
+from ..resources import Resources, wait_event
 from ..tracing import handled
 from ..wire import (
     Control,
@@ -154,11 +154,7 @@ class Server:
 
     async def wait_idle(self, timeout: float | None = None) -> bool:
         """Wait until no stream is open; returns False on timeout."""
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
-            return True
-        except asyncio.TimeoutError:
-            return False
+        return await wait_event(self._idle, timeout)
 
     async def close(self) -> None:
         """Cancel open streams (their clients see EngineShutdown; their terminals get up to
