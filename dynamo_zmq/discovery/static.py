@@ -8,12 +8,12 @@ entry may carry the peer's CURVE key (``tcp://host:port key=<Z85>``), which the 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 from collections.abc import AsyncIterator
 
 from ..errors import InvalidArgument
+from ..resources import wait_event
 from ._base import Advert, Discovery, DiscoveryEvent, PeerAdded, PeerRemoved
 from ._config import DiscoveryConfig, read_static_file, split_entry
 
@@ -69,8 +69,7 @@ class StaticDiscovery(Discovery):
             await self._closed.wait()
             return
         while not self._closed.is_set():
-            with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
-                await asyncio.wait_for(self._closed.wait(), self._poll_interval)
+            if await wait_event(self._closed, self._poll_interval):
                 return
             stamp, from_file = self._load(path, stamp, from_file)
             new = _merge(self._cfg.static_addresses, from_file)

@@ -76,7 +76,8 @@ class Health:
         started = time.monotonic()
         detail: dict[str, Any]
         try:
-            out = await asyncio.wait_for(self._last_output(request, ctx), CANARY_TIMEOUT)
+            async with asyncio.timeout(CANARY_TIMEOUT):
+                out = await self._last_output(request, ctx)
             ok = out is not None and out.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
             detail = {"status": "healthy" if ok else "unhealthy",
                       "finish_reason": out and out.finish_reason}

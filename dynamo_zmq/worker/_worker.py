@@ -132,8 +132,9 @@ class Worker:
         log.info("grace period over: refusing new requests; engine drain with %d in flight",
                  self.runtime.inflight)
         try:
-            await asyncio.wait_for(self._drain(), self.runtime.config.graceful_timeout)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self.runtime.config.graceful_timeout):
+                await self._drain()
+        except TimeoutError:
             log.warning("graceful timeout (%gs) over with %d requests in flight",
                         self.runtime.config.graceful_timeout, self.runtime.inflight)
 
