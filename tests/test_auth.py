@@ -15,7 +15,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +29,7 @@ from dynamo_zmq.tools.keys import load_keypair
 from dynamo_zmq.wire import Describe, Kind, encode
 from tests.support.http_calls import get
 from tests.support.procs import ROOT, Proc
+from tests.support.waiting import eventually
 
 BLOCK = 16
 
@@ -120,16 +120,6 @@ def complete(url: str, tokens: list[int]) -> str:
     with urllib.request.urlopen(req, timeout=30) as resp:
         assert resp.status == 200
         return resp.headers["x-dynamo-worker"].split("/")[0]
-
-
-async def eventually(check, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = await check()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"{what} not reached in {timeout}s"
-        await asyncio.sleep(0.2)
 
 
 async def health_models(url: str) -> dict:

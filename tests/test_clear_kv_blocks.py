@@ -15,6 +15,7 @@ import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.procs import Proc
+from tests.support.waiting import eventually
 
 BLOCK = 16
 PROMPT_BLOCKS = 8
@@ -42,15 +43,6 @@ def request(method: str, url: str, body: bytes | None = None) -> tuple[int, byte
             return resp.status, resp.read()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read()
-
-
-async def eventually(check, timeout: float = 15.0, what: str = "condition"):
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not (value := await check()):
-        assert loop.time() < deadline, f"{what} not reached in {timeout}s"
-        await asyncio.sleep(0.1)
-    return value
 
 
 async def index_blocks(url: str) -> dict[str, float]:

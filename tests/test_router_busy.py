@@ -25,6 +25,7 @@ from router.metrics import RouterMetrics
 from router.options import add_kv_router_args, kv_router_options
 from router.scheduler import LoadTracker
 from tests.support.http_calls import get
+from tests.support.waiting import eventually, serving
 
 BLOCK = 16
 TOTAL_BLOCKS = 32  # each worker's KV cache
@@ -40,17 +41,6 @@ def metric(text: str, name: str, **labels: str) -> float | None:
         if all(got.get(k) == v for k, v in labels.items()):
             return float(m.group(2))
     return None
-
-
-async def eventually(check: Any, timeout: float, what: str) -> Any:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        value = await check()
-        if value:
-            return value
-        assert loop.time() < deadline, f"{what} not reached in {timeout}s"
-        await asyncio.sleep(0.1)
 
 
 @pytest.fixture
@@ -193,16 +183,8 @@ async def test_unprefilled_prompt_tokens_make_a_worker_busy(namespace, spawn, ti
                   "--router-mode", "kv", "--busy-kv-threshold", "0",
                   "--busy-prefill-tokens", "500", "--busy-queue-size", "1",
                   "--busy-queue-timeout", "60", ready=False)
-    for proc in [*workers, front]:
-        proc.wait_ready()
-    url = front.address
+    url = await serving(front, workers)
     ids = {f"{w.instance_id:x}" for w in workers}
-
-    async def serving() -> bool:
-        status, body = await asyncio.to_thread(get, f"{url}/health")
-        return status == 200 and set(json.loads(body)["models"].get("tiny", [])) == ids
-
-    await eventually(serving, 30, "both workers serving")
     rng = random.Random(7)
 
     def prompt(tokens: int) -> list[int]:

@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from router.diagnostics import FLAT_STREAK, SILENT_AFTER
 from tests.support.http_calls import get
 from tests.support.procs import Proc
+from tests.support.waiting import eventually
 
 BLOCK = 16
 
@@ -37,15 +38,6 @@ def complete(url: str, tokens: list[int], max_tokens: int = 4) -> str:
     with urllib.request.urlopen(req, timeout=30) as resp:
         assert resp.status == 200
         return str(resp.headers["x-dynamo-worker"]).split("/")[0]
-
-
-async def eventually(check, timeout: float, what: str):
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not (value := await check()):
-        assert loop.time() < deadline, f"{what} not reached in {timeout}s"
-        await asyncio.sleep(0.1)
-    return value
 
 
 async def metric(url: str, name: str, **labels: str) -> float:

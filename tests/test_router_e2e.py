@@ -20,6 +20,7 @@ import pytest
 from dynamo_zmq import errors
 from tests.support.http_calls import get
 from tests.support.procs import Proc
+from tests.support.waiting import eventually, serving
 
 BLOCK = 16
 PREFIX_BLOCKS = 6
@@ -43,17 +44,6 @@ def complete(url: str, tokens: list[int], max_tokens: int = 4) -> tuple[str, dic
         return resp.headers["x-dynamo-worker"], json.loads(resp.read())
 
 
-async def eventually(check, timeout: float = 15.0, what: str = "condition"):
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        value = await check()
-        if value:
-            return value
-        assert loop.time() < deadline, f"{what} not reached in {timeout}s"
-        await asyncio.sleep(0.1)
-
-
 def index_blocks(metrics: str) -> dict[str, float]:
     """``dynamo_router_kv_index_blocks`` per ``"<worker>/<rank>"`` from a /metrics page."""
     out = {}
@@ -69,16 +59,7 @@ async def cluster(namespace, spawn, tiny_model):
     workers = [worker(spawn, namespace, tiny_model) for _ in range(4)]
     front = spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
                   "--router-mode", "kv", ready=False)
-    for proc in [*workers, front]:
-        proc.wait_ready()
-    url = front.address
-    ids = {f"{w.instance_id:x}" for w in workers}
-
-    async def all_workers() -> bool:
-        status, body = await asyncio.to_thread(get, f"{url}/health")
-        return status == 200 and set(json.loads(body)["models"].get("tiny", [])) == ids
-
-    await eventually(all_workers, 30, "all four workers serving 'tiny'")
+    url = await serving(front, workers)
     return url, workers
 
 
@@ -187,16 +168,7 @@ async def test_approximate_kv_routing_without_kv_events(namespace, spawn, tiny_m
                      "--speedup-ratio", "1000", ready=False) for _ in range(2)]
     front = spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
                   "--router-mode", "kv", "--no-kv-events", "--router-temperature", "0", ready=False)
-    for proc in [*workers, front]:
-        proc.wait_ready()
-    url = front.address
-    ids = {f"{w.instance_id:x}" for w in workers}
-
-    async def all_workers() -> bool:
-        status, body = await asyncio.to_thread(get, f"{url}/health")
-        return status == 200 and set(json.loads(body)["models"].get("tiny", [])) == ids
-
-    await eventually(all_workers, 30, "both workers serving 'tiny'")
+    url = await serving(front, workers)
     prefix = list(range(20, 20 + 4 * BLOCK))
     target, _ = await asyncio.to_thread(complete, url, [*prefix, 5])
     for tail in ([6], [7, 8], list(range(30, 60))):

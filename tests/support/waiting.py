@@ -1,9 +1,16 @@
-"""Wait for a condition on a client's view of the cluster, woken by peer changes."""
+"""Waits for tests: a condition on a client's view of the cluster, any async check, and a
+frontend that serves every worker it was started with."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import json
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+from .http_calls import get
+
+T = TypeVar("T")
 
 
 async def until(client, predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
@@ -16,3 +23,32 @@ async def until(client, predicate: Callable[[], bool], timeout: float = 10.0) ->
             return False
         await client._pool.wait_changed(min(remaining, 0.1))
     return True
+
+
+async def eventually(check: Callable[[], Awaitable[T]], timeout: float = 15.0,
+                     what: str = "condition", interval: float = 0.1) -> T:
+    """The first truthy value of ``await check()``, polled every ``interval`` seconds; fails the
+    test if there is none within ``timeout`` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not (value := await check()):
+        assert loop.time() < deadline, f"{what} not reached in {timeout}s"
+        await asyncio.sleep(interval)
+    return value
+
+
+async def serving(front: Any, workers: Sequence[Any], model: str = "tiny",
+                  timeout: float = 30.0) -> str:
+    """Wait until the frontend and ``workers`` (``spawn``ed with ``ready=False``) are ready and
+    the frontend's ``/health`` lists exactly those workers for ``model``; returns its URL."""
+    for proc in [*workers, front]:
+        proc.wait_ready()
+    url = front.address
+    ids = {f"{w.instance_id:x}" for w in workers}
+
+    async def all_listed() -> bool:
+        status, body = await asyncio.to_thread(get, f"{url}/health")
+        return status == 200 and set(json.loads(body)["models"].get(model, [])) == ids
+
+    await eventually(all_listed, timeout, f"{len(ids)} workers serving {model!r}")
+    return str(url)
