@@ -225,6 +225,7 @@ class ResponseStream(Generic[T]):
         self._reopen: Reopen[T] | None = None
         self._on_item: Callable[[T], object] | None = None
         self._on_release: Callable[[], object] | None = None
+        self._loop = asyncio.get_running_loop()
 
     def set_reopen(self, reopen: Reopen[T] | None) -> None:
         """What to do when the stream fails before its first item (see the class docstring)."""
@@ -372,9 +373,24 @@ class ResponseStream(Generic[T]):
     def __del__(self) -> None:
         # Dropped without being read to the end: the caller is gone, so is the request. Release
         # it even when its terminal already arrived, or the connection keeps it forever.
-        if not self._closed or self._on_release is not None:
-            with contextlib.suppress(Exception):
-                if not self._closed and not self._st.done:
-                    self._conn.send_control(Kind.KILL, Control(self._st.request_id))
-                    self._st.terminate(None)
-                self._release()
+        if self._closed and self._on_release is None:
+            return
+        loop = self._loop
+        try:
+            here: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
+        if here is loop or not loop.is_running():
+            self._drop()
+        else:
+            # Collected on another thread: the socket and the release callback belong to the
+            # loop's thread (this resurrects the stream until the loop has run the drop).
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._drop)
+
+    def _drop(self) -> None:
+        with contextlib.suppress(Exception):
+            if not self._closed and not self._st.done:
+                self._conn.send_control(Kind.KILL, Control(self._st.request_id))
+                self._st.terminate(None)
+            self._release()
