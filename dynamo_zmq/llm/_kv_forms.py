@@ -29,28 +29,29 @@ class EdgeKvState:
             raise ValueError(f"KV event form must be one of {KV_EVENT_FORMS}, got {form!r}")
         self.form = form
         self.mirror = KvStateMirror()
-        self._ledgers: dict[int, OwnHashLedger] = {}
+        self._ledgers: dict[int | None, OwnHashLedger] = {}
 
     @property
     def deltas(self) -> bool:
         return self.form == FORM_DELTAS
 
-    def live(self, events: list[KvEvent], dp_rank: int, keep_empty: bool = False) -> bytes | None:
+    def live(self, events: list[KvEvent], dp_rank: int | None, keep_empty: bool = False,
+             ts: float | None = None) -> bytes | None:
         """The payload publishing ``events`` (edge-hashed, vLLM-shaped) of ``dp_rank``, after
         following them; None in deltas form when they change no own hash (unless
         ``keep_empty``: then an empty ``OwnBatch``, for a relay that keeps the engine's seqs)."""
         if not self.deltas:
             self.mirror.apply(events, dp_rank)
-            return encode_batch(events, dp_rank)
+            return encode_batch(events, dp_rank, ts)
         ledger = self._ledgers.get(dp_rank)
         if ledger is None:
             ledger = self._ledgers[dp_rank] = OwnHashLedger()
         deltas = ledger.apply(events)
         if not deltas and not keep_empty:
             return None
-        return encode_own_batch(deltas, dp_rank)
+        return encode_own_batch(deltas, dp_rank, ts)
 
-    def empty(self, dp_rank: int) -> bytes:
+    def empty(self, dp_rank: int | None) -> bytes:
         """A payload of no events in this form."""
         return encode_own_batch([], dp_rank) if self.deltas else encode_batch([], dp_rank)
 
@@ -59,7 +60,7 @@ class EdgeKvState:
         if not self.deltas:
             return [encode_batch(events, rank) for rank, events in self.mirror.snapshot()]
         out: list[bytes] = []
-        for rank, ledger in sorted(self._ledgers.items()):
+        for rank, ledger in sorted(self._ledgers.items(), key=lambda kv: kv[0] or 0):
             events: list[OwnEvent] = list(ledger.snapshot())
             if not events:
                 out.append(encode_own_batch([], rank))

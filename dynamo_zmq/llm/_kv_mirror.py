@@ -36,9 +36,9 @@ class KvStateMirror:
     """Per rank: engine hash -> the held block (its parent, tokens and event fields)."""
 
     def __init__(self) -> None:
-        self._ranks: dict[int, dict[int, _Block]] = {}
+        self._ranks: dict[int | None, dict[int, _Block]] = {}
 
-    def apply(self, events: list[KvEvent], dp_rank: int) -> None:
+    def apply(self, events: list[KvEvent], dp_rank: int | None) -> None:
         """Follow one published batch of ``dp_rank``."""
         blocks = self._ranks.get(dp_rank)
         if blocks is None:
@@ -62,13 +62,13 @@ class KvStateMirror:
             elif isinstance(ev, AllBlocksCleared):
                 blocks.clear()
 
-    def num_blocks(self, dp_rank: int) -> int:
+    def num_blocks(self, dp_rank: int | None) -> int:
         return len(self._ranks.get(dp_rank, ()))
 
-    def snapshot(self) -> list[tuple[int, list[KvEvent]]]:
+    def snapshot(self) -> list[tuple[int | None, list[KvEvent]]]:
         """``(dp_rank, events)`` batches storing every held block, each rank's parents first."""
-        out: list[tuple[int, list[KvEvent]]] = []
-        for rank, blocks in sorted(self._ranks.items()):
+        out: list[tuple[int | None, list[KvEvent]]] = []
+        for rank, blocks in sorted(self._ranks.items(), key=_rank_order):
             events: list[KvEvent] = [AllBlocksCleared()]
             count = 0
             run: BlockStored | None = None
@@ -99,6 +99,10 @@ class KvStateMirror:
                 count += 1
             out.append((rank, events))
         return out
+
+
+def _rank_order(item: tuple[int | None, object]) -> int:
+    return -1 if item[0] is None else item[0]
 
 
 def _parents_first(blocks: dict[int, _Block]) -> list[int]:
