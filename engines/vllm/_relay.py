@@ -98,14 +98,34 @@ class KvRelay:
         self.events_ports: list[int] = []
         self.replay_ports: list[int] = []
 
+    @property
+    def started(self) -> bool:
+        return bool(self.events_ports)
+
+    def given_ports(self) -> tuple[int, ...]:
+        """The ports given to bind (each rank's), which a dead predecessor may still hold."""
+        return tuple(port + rank for port in self._ports if port
+                     for rank in range(self._dp_size))
+
     def start(self) -> None:
-        """Bind every socket and start forwarding (in the running loop)."""
-        for rank in range(self._dp_size):
-            sub = make_socket(self._res.zctx, zmq.SUB, bind=_offset(self.vllm_events, rank),
-                              hwm=_HWM, heartbeat_ms=0, curve=False)
-            sub.setsockopt(zmq.SUBSCRIBE, b"")
-            pub = make_socket(self._res.zctx, zmq.PUB, bind=self._bind(0, rank), hwm=_HWM)
-            router = make_socket(self._res.zctx, zmq.ROUTER, bind=self._bind(1, rank), hwm=_HWM)
+        """Bind every socket and start forwarding (in the running loop). All or nothing: when a
+        bind fails, the sockets bound so far are closed and it may be called again."""
+        made: list[list[zmq.Socket[bytes]]] = []
+        try:
+            for rank in range(self._dp_size):
+                sub = make_socket(self._res.zctx, zmq.SUB, bind=_offset(self.vllm_events, rank),
+                                  hwm=_HWM, heartbeat_ms=0, curve=False)
+                made.append([sub])
+                sub.setsockopt(zmq.SUBSCRIBE, b"")
+                made[-1].append(make_socket(self._res.zctx, zmq.PUB, bind=self._bind(0, rank),
+                                            hwm=_HWM))
+                made[-1].append(make_socket(self._res.zctx, zmq.ROUTER,
+                                            bind=self._bind(1, rank), hwm=_HWM))
+        except BaseException:
+            for sock in (s for group in made for s in group):
+                sock.close(linger=0)
+            raise
+        for rank, (sub, pub, router) in enumerate(made):
             self.events_ports.append(_port(pub))
             self.replay_ports.append(_port(router))
             socks = [AsyncSocket(s) for s in (sub, pub, router)]
