@@ -31,6 +31,9 @@ async def main(key_dir: str, name: str, out: str, form: str = "stores") -> None:
              "vllm_events": relay.vllm_events, "vllm_replay": relay.vllm_replay}
     await asyncio.to_thread(Path(out).write_text, json.dumps(ports))
     print(f"READY tcp://127.0.0.1:{relay.events_ports[0]} 1", flush=True)
+    # vLLM's PUB connects to the relay's SUB: a batch sent before that is done is lost to the
+    # relay (a real engine publishes only once requests run, long after).
+    await asyncio.sleep(0.5)
     try:
         for i in range(100_000):
             stored = BlockStored(block_hashes=[i + 1], parent_block_hash=None, token_ids=[1, 2],
