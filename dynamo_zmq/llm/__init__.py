@@ -63,6 +63,7 @@ from ._model_card import CardFile as CardFile
 from ._model_card import ModelCard as ModelCard
 from ._model_card import build_card as build_card
 from ._model_card import read_card_file as read_card_file
+from ._own_ledger import OwnHashLedger as OwnHashLedger
 from ._plugins import ENGINES as ENGINES
 from ._plugins import ROUTERS as ROUTERS
 from ._plugins import TOKENIZERS as TOKENIZERS
@@ -143,6 +144,7 @@ __all__ = [
     "OutputStream",
     "OwnBatch",
     "OwnEvent",
+    "OwnHashLedger",
     "OwnRemoved",
     "OwnStored",
     "PostProcessor",

@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from dynamo_zmq.errors import InvalidArgument
+from dynamo_zmq.llm._block_hashing import FORM_STORES
+from dynamo_zmq.llm._kv_forms import KV_EVENT_FORMS
 
 __all__ = ["MockerConfig", "add_mocker_args", "config_from_args", "read_model_dir"]
 
@@ -61,6 +63,9 @@ class MockerConfig:
     #: Root seed of the router hashes the mocker publishes with its blocks (None: the router's
     #: own, ``ROOT_SEED``). Another one is advertised as such: routers then hash the tokens.
     kv_hash_seed: int | None = None
+    #: What the KV-event payloads are (``KvHashScheme.form``): "stores" (vLLM's events with the
+    #: router's own hashes) or "deltas" (own-hash deltas, ``OwnBatch``).
+    kv_event_form: str = FORM_STORES
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "context_length", "block_size", "num_gpu_blocks", "max_num_seqs",
@@ -85,6 +90,9 @@ class MockerConfig:
             )
         if self.embedding_dim < 0:
             raise ValueError(f"embedding_dim must be >= 0, got {self.embedding_dim}")
+        if self.kv_event_form not in KV_EVENT_FORMS:
+            raise ValueError(f"kv_event_form must be one of {KV_EVENT_FORMS}, "
+                             f"got {self.kv_event_form!r}")
 
     @property
     def bind_host(self) -> str:
@@ -135,6 +143,10 @@ def add_mocker_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -
     add("--kv-hash-seed", type=int, default=None,
         help="root seed of the block hashes published with KV events (default: the router's; "
              "another one shows the router's hash-scheme mismatch diagnosis)")
+    add("--kv-event-form", choices=KV_EVENT_FORMS, default=FORM_STORES,
+        help="KV-event payloads: 'stores' (vLLM's events with the router's own block hashes) or "
+             "'deltas' (only the own hashes that enter or leave each rank; smaller and cheaper "
+             "for routers that read them)")
 
 
 def read_model_dir(path: str | Path) -> dict[str, Any]:
@@ -201,6 +213,7 @@ def _config_from_args(args: argparse.Namespace) -> MockerConfig:
         kv_bytes_per_token=get("kv_bytes_per_token", 131072),
         kv_transfer_bandwidth=get("kv_transfer_bandwidth", 25.0),
         kv_hash_seed=get("kv_hash_seed", None),
+        kv_event_form=get("kv_event_form", FORM_STORES),
         **from_dir,
     )
 

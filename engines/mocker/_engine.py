@@ -102,7 +102,8 @@ class MockerEngine(LLMEngine):
         try:
             if cfg.enable_kv_events:
                 self._publisher = KvEventPublisher(
-                    cfg.bind_host, cfg.kv_events_port, cfg.kv_replay_port, cfg.replay_buffer_size
+                    cfg.bind_host, cfg.kv_events_port, cfg.kv_replay_port, cfg.replay_buffer_size,
+                    form=cfg.kv_event_form,
                 )
                 await self._publisher.start()
             for rank in range(cfg.data_parallel_size):
@@ -138,7 +139,7 @@ class MockerEngine(LLMEngine):
 
     def _hash_scheme(self) -> KvHashScheme:
         """The router's scheme, under the configured root seed if one is (``--kv-hash-seed``)."""
-        scheme = KvHashScheme.ours(self.config.block_size)
+        scheme = KvHashScheme.ours(self.config.block_size, self.config.kv_event_form)
         if self.config.kv_hash_seed is not None:
             scheme.seed = self.config.kv_hash_seed
         return scheme

@@ -11,6 +11,10 @@ first clearing the rank, all carrying the seq of the last published batch (the s
 after it), then the end marker. Nothing published yet: only the end marker. A publisher without
 the extension (vLLM's) answers the same request with the end marker alone (no kept seq reaches
 that high), so a router falls back to replaying from seq 0.
+
+Form (``KvHashScheme.form``, ``--kv-event-form``): ``"stores"`` publishes the events as given;
+``"deltas"`` publishes their own-hash deltas (``OwnBatch``, ``EdgeKvState``), a batch that
+changes no own hash not at all; replays and full dumps are in the same form.
 """
 
 from __future__ import annotations
@@ -20,10 +24,12 @@ import logging
 
 import zmq
 
+from dynamo_zmq.llm._block_hashing import FORM_STORES
+from dynamo_zmq.llm._kv_forms import EdgeKvState
 from dynamo_zmq.resources import Resources
 from dynamo_zmq.transport import AsyncSocket, BadInput, SendResult, make_socket
 
-from ._kv_events import KvEvent, encode_batch
+from ._kv_events import KvEvent
 from ._kv_mirror import KvStateMirror
 
 __all__ = ["END_SEQ", "SNAPSHOT_SEQ", "TOPIC", "KvEventPublisher"]
@@ -45,14 +51,15 @@ class KvEventPublisher:
     """Publishes KV-event batches and serves replays. One owner of both sockets and the task."""
 
     def __init__(self, bind_host: str = "*", events_port: int = 0, replay_port: int = 0,
-                 buffer_size: int = 10_000, topic: bytes = TOPIC) -> None:
+                 buffer_size: int = 10_000, topic: bytes = TOPIC,
+                 form: str = FORM_STORES) -> None:
         self._bind_host = bind_host
         self._ports = (events_port, replay_port)
         self.topic = topic
         self._buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=buffer_size)
         self._next_seq = 0
-        #: What the published events leave held, for full dumps.
-        self.mirror = KvStateMirror()
+        #: What the published events leave held, in the published form, for full dumps.
+        self.state = EdgeKvState(form)
         self._res: Resources | None = None
         self._pub: zmq.Socket[bytes] | None = None
         self._replay: AsyncSocket | None = None
@@ -61,6 +68,11 @@ class KvEventPublisher:
         self.dropped = 0
         #: Malformed replay requests: counted, logged at most once per 10 s.
         self.bad_input = BadInput(log)
+
+    @property
+    def mirror(self) -> KvStateMirror:
+        """The held blocks (followed in the stores form only)."""
+        return self.state.mirror
 
     @property
     def next_seq(self) -> int:
@@ -91,13 +103,15 @@ class KvEventPublisher:
     def _endpoint(self, port: int) -> str:
         return f"tcp://{self._bind_host}:{port}"
 
-    def publish(self, events: list[KvEvent], dp_rank: int) -> int:
-        """Send one batch now (never blocks) and keep it for replay; returns its seq."""
+    def publish(self, events: list[KvEvent], dp_rank: int) -> int | None:
+        """Send one batch now (never blocks) and keep it for replay; returns its seq (None: in
+        deltas form, the events changed no own hash and nothing was sent)."""
+        payload = self.state.live(events, dp_rank)
+        if payload is None:
+            return None
         seq = self._next_seq
         self._next_seq += 1
-        payload = encode_batch(events, dp_rank)
         self._buffer.append((seq, payload))
-        self.mirror.apply(events, dp_rank)
         if self._pub is not None:
             try:
                 self._pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload], zmq.NOBLOCK)
@@ -150,8 +164,7 @@ class KvEventPublisher:
         if self._next_seq == 0:
             return []
         seq = (self._next_seq - 1).to_bytes(8, "big")
-        return [[*prefix, self.topic, seq, encode_batch(events, rank)]
-                for rank, events in self.mirror.snapshot()]
+        return [[*prefix, self.topic, seq, payload] for payload in self.state.snapshot()]
 
     async def close(self) -> None:
         """Stop the replay task and close the sockets (idempotent)."""

@@ -43,18 +43,22 @@ def _given(given: Any, name: str) -> Any:
 
 
 def relay_for(given: Any, opts: VllmOptions, resources: Resources) -> KvRelay | None:
-    """With auth on, the relay that republishes vLLM's plaintext KV events over CURVE (vLLM's
-    own sockets then stay on loopback); None with auth off or a ``kv_events_config`` of the
-    caller's own (used as given, with a warning that it is plaintext)."""
-    if not opts.kv_events or current_curve() is None:
+    """With KV events on, the relay that republishes vLLM's KV events hashed at the edge, in the
+    configured form, and answers full dumps (``_relay.py``; vLLM's own sockets then stay on
+    loopback; CURVE with auth on, plaintext without). None with KV events off or a
+    ``kv_events_config`` of the caller's own (used as given; with auth on, with a warning that
+    it is plaintext)."""
+    if not opts.kv_events:
         return None
     own = _given(given, "kv_events_config")
     if own is not None:
-        log.warning("auth is on but vLLM's own kv_events_config (%s) publishes in plaintext:"
-                    " anyone who can reach it reads the KV events", own.endpoint)
+        if current_curve() is not None:
+            log.warning("auth is on but vLLM's own kv_events_config (%s) publishes in plaintext:"
+                        " anyone who can reach it reads the KV events", own.endpoint)
         return None
     dp_size = _given(given, "data_parallel_size") or 1
-    return KvRelay(resources, dp_size, opts.kv_events_port, opts.kv_replay_port)
+    return KvRelay(resources, dp_size, opts.kv_events_port, opts.kv_replay_port,
+                   form=opts.kv_event_form, buffer_size=opts.kv_buffer_steps)
 
 
 def build_engine_args(given: Any, opts: VllmOptions, cpu: bool,
@@ -103,7 +107,7 @@ def build_engine_args(given: Any, opts: VllmOptions, cpu: bool,
         if kw.get("disable_hybrid_kv_cache_manager") is None:
             kw["disable_hybrid_kv_cache_manager"] = True  # our connector has one KV group
     if opts.kv_events and kw.get("kv_events_config") is None:
-        if relay is not None:  # auth on: vLLM on loopback, relayed over CURVE
+        if relay is not None:  # vLLM on loopback, relayed (``_relay.py``)
             endpoint, replay_endpoint = relay.vllm_events, relay.vllm_replay
         else:
             events = opts.kv_events_port or free_port()
@@ -146,7 +150,7 @@ def disagg_transfer_config(opts: VllmOptions) -> Any:
 
 def reported_config(llm: Any, options: VllmOptions, relay: KvRelay | None = None) -> EngineConfig:
     """The ``EngineConfig`` a started ``AsyncLLM`` reports (served name, sizes, KV-event
-    endpoints as routers reach them: the relay's CURVE sockets when there is one)."""
+    endpoints as routers reach them: the relay's sockets when there is one)."""
     cfg = llm.vllm_config
     model, cache, sched, par = (
         cfg.model_config, cfg.cache_config, cfg.scheduler_config, cfg.parallel_config
@@ -187,7 +191,8 @@ def reported_config(llm: Any, options: VllmOptions, relay: KvRelay | None = None
         kv_events_endpoint=events,
         kv_replay_endpoint=replay,
         # The relay hashes at the edge (``_edge.py``); vLLM's own publisher does not.
-        kv_hash_scheme=KvHashScheme.ours(int(cache.block_size)) if relay is not None else None,
+        kv_hash_scheme=(KvHashScheme.ours(int(cache.block_size), relay.form)
+                        if relay is not None else None),
         extra={
             "engine": "vllm",
             "vllm_version": vllm_version(),

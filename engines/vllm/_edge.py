@@ -37,10 +37,15 @@ class EdgeHasher:
 
     def rewrite(self, payload: bytes) -> bytes:
         """``payload`` with the own hashes of its stores (unchanged if it is in another form)."""
+        batch = self.hash_batch(payload)
+        return payload if batch is None else _encoder.encode(batch)
+
+    def hash_batch(self, payload: bytes) -> EventBatch | None:
+        """``payload`` decoded, with the own hashes of its stores (None: not vLLM's form)."""
         try:
             batch = _decoder.decode(payload)
         except (msgspec.DecodeError, TypeError, ValueError, RecursionError, MemoryError):
-            return payload
+            return None
         own_of = self._own
         for ev in batch.events:
             if type(ev) is BlockStored:
@@ -53,7 +58,7 @@ class EdgeHasher:
                     own_of.pop(eh & _MASK64, None)
             else:
                 own_of.clear()
-        return _encoder.encode(batch)
+        return batch
 
     def _hash(self, ev: BlockStored) -> list[int] | None:
         n, size = len(ev.block_hashes), ev.block_size

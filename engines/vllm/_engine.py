@@ -132,19 +132,21 @@ class VllmEngine(LLMEngine):
             # process); vLLM's CPU platform only allows it with this set. Inherited by the child.
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         install_parent_watch()  # engine-core processes end with this one
-        self._relay = relay_for(self.engine_args, self.options, self._res)
-        if self._relay is not None:
-            self._relay.start()  # before vLLM: its PUB connects to the relay's loopback SUB
+        self._relay = relay = relay_for(self.engine_args, self.options, self._res)
 
         def build() -> tuple[Any, tuple[int, ...]]:
-            args = build_engine_args(self.engine_args, self.options, cpu, self._relay)
-            return args, kv_ports(args)
+            args = build_engine_args(self.engine_args, self.options, cpu, relay)
+            return args, kv_ports(args) + (relay.given_ports() if relay is not None else ())
+
+        def prepare() -> None:  # before vLLM: its PUB connects to the relay's loopback SUB
+            if relay is not None and not relay.started:
+                relay.start()
 
         def create(args: Any) -> Any:
             return AsyncLLM.from_engine_args(args, stat_loggers=[make_stat_logger(self._stats)])
 
         try:
-            llm = await start_llm(build, create)
+            llm = await start_llm(build, create, prepare=prepare)
         except Exception as exc:
             self._state = "new"
             if self._relay is not None:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from dynamo_zmq import errors
+from dynamo_zmq.llm._block_hashing import FORM_STORES
+from dynamo_zmq.llm._kv_forms import KV_EVENT_FORMS
 
 __all__ = [
     "INSTALL_HINT",
@@ -53,8 +55,10 @@ class VllmOptions:
     kv_events: bool = True
     kv_events_port: int = 0
     kv_replay_port: int = 0
-    #: Published batches kept for replay (vLLM's ``buffer_steps``).
+    #: Published batches kept for replay (vLLM's ``buffer_steps``; the relay's in deltas form).
     kv_buffer_steps: int = 10_000
+    #: What the relay publishes (``KvHashScheme.form``): "stores" or "deltas".
+    kv_event_form: str = FORM_STORES
     #: Address advertised for the KV-event sockets; None: see ``advertised_host``.
     advertise: str | None = None
     #: Bind host of the worker (only used to choose the advertised address).
@@ -74,6 +78,9 @@ class VllmOptions:
         for name in ("kv_events_port", "kv_replay_port", "kv_transfer_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise errors.InvalidArgument(f"{name} out of range: {getattr(self, name)}")
+        if self.kv_event_form not in KV_EVENT_FORMS:
+            raise errors.InvalidArgument(
+                f"kv_event_form must be one of {KV_EVENT_FORMS}: {self.kv_event_form!r}")
 
     def advertised_host(self) -> str:
         """``advertise``, else the concrete bind host, else loopback (no host given) or this
@@ -115,6 +122,9 @@ def add_vllm_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> 
         help="KV-event replay ROUTER port (0 = a free one)")
     add("--no-kv-events", action="store_true", default=False,
         help="do not publish KV events (also keeps vLLM's --kv-events-config if given)")
+    add("--kv-event-form", choices=KV_EVENT_FORMS, default=FORM_STORES,
+        help="KV-event payloads of the relay: 'stores' (vLLM's events with the router's own block "
+             "hashes) or 'deltas' (only the own hashes that enter or leave each rank)")
     add("--kv-advertise-host", default=None,
         help="address routers use for the KV-event sockets (and decode workers for KV pulls)")
     # --kv-transfer-port and --kv-transfer-ttl are worker flags (dynamo_zmq.kv_transfer); the
@@ -171,6 +181,7 @@ def options_from_args(args: argparse.Namespace) -> VllmOptions:
         kv_events=not getattr(args, "no_kv_events", False),
         kv_events_port=int(getattr(args, "kv_events_port", 0) or 0),
         kv_replay_port=int(getattr(args, "kv_replay_port", 0) or 0),
+        kv_event_form=str(getattr(args, "kv_event_form", None) or FORM_STORES),
         advertise=advertise,
         host=host,
         disaggregation_mode=str(getattr(args, "disaggregation_mode", None) or "agg"),

@@ -96,14 +96,18 @@ async def start_llm(
     create: Callable[[Any], Any],
     attempts: int = ATTEMPTS,
     port_wait: float = PORT_WAIT,
+    prepare: Callable[[], None] | None = None,
 ) -> Any:
     """``create(args)`` in a thread, with ``args, kv_ports = build()`` (``build`` picks free
-    ports afresh each call where they were not given); tried again when it fails with a KV-event
-    port in use, at most ``attempts`` times. Raises the last failure."""
+    ports afresh each call where they were not given), after ``prepare()`` (in the loop: the KV
+    relay binding its ports); tried again when either fails with a KV-event port in use, at most
+    ``attempts`` times. Raises the last failure."""
     for attempt in range(1, attempts + 1):
         args, ports = build()
         await _wait_free(ports, port_wait)
         try:
+            if prepare is not None:
+                prepare()
             return await asyncio.to_thread(create, args)
         except Exception as exc:
             if attempt == attempts or not ports or not address_in_use(exc, ports):
