@@ -1,0 +1,52 @@
+"""Decoding of own-hash delta payloads (``KvHashScheme.form == "deltas"``, docs/wire.md).
+
+A deltas publisher's payload is an ``OwnBatch``: ``[ts, [events...], dp_rank]`` whose events are
+maps tagged ``"OwnStored"`` / ``"OwnRemoved"`` (``own_hashes``, ``holes``) or
+``"AllBlocksCleared"``. One msgspec decode builds the public structs; own hashes sent as signed
+int64 are masked to uint64 (as engine hashes are in ``router.events``), and a negative ``holes``
+fails the batch. Anything else (garbage, another wire form, a wrong type, an unknown event)
+raises ``EventDecodeError``: a deltas subscriber never falls back to the token path, since its
+publisher's payloads carry no token ids.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from dynamo_zmq.llm import AllBlocksCleared
+from dynamo_zmq.llm._kv_events import OwnBatch, OwnEvent, OwnRemoved, OwnStored
+
+from .events import EventDecodeError
+
+__all__ = ["OwnBatch", "OwnEvent", "OwnRemoved", "OwnStored", "decode_own_batch"]
+
+_MASK64 = (1 << 64) - 1
+_decoder = msgspec.msgpack.Decoder(OwnBatch)
+
+
+def decode_own_batch(payload: bytes) -> tuple[OwnBatch, int]:
+    """Decode one own-hash delta payload.
+
+    Returns:
+        The batch and how many own hashes its ``OwnStored`` events store (the blocks indexed
+        without token ids, counted like edge-hashed ones).
+
+    Raises:
+        EventDecodeError: the payload is not a valid ``OwnBatch`` (the only exception raised).
+    """
+    try:
+        batch = _decoder.decode(payload)
+    except (msgspec.DecodeError, TypeError, ValueError, RecursionError, MemoryError) as exc:
+        raise EventDecodeError(f"not an own-hash delta batch: {exc}") from exc
+    stored = 0
+    for ev in batch.events:
+        if isinstance(ev, AllBlocksCleared):
+            continue
+        owns = ev.own_hashes
+        if ev.holes < 0:
+            raise EventDecodeError(f"negative holes in an own-hash delta: {ev!r}")
+        if owns and min(owns) < 0:
+            ev.own_hashes = [h & _MASK64 for h in owns]
+        if type(ev) is OwnStored:
+            stored += len(owns)
+    return batch, stored
