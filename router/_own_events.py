@@ -11,14 +11,16 @@ publisher's payloads carry no token ids.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import msgspec
 
-from dynamo_zmq.llm import AllBlocksCleared
-from dynamo_zmq.llm._kv_events import OwnBatch, OwnEvent, OwnRemoved, OwnStored
+from dynamo_zmq.llm import AllBlocksCleared, OwnBatch, OwnEvent, OwnRemoved, OwnStored
 
-from .events import EventDecodeError
+from .events import EventBatch, EventDecodeError, decode_batch, decode_edge_batch
 
-__all__ = ["OwnBatch", "OwnEvent", "OwnRemoved", "OwnStored", "decode_own_batch"]
+__all__ = ["OwnBatch", "OwnEvent", "OwnRemoved", "OwnStored", "decode_own_batch",
+           "pick_decoder"]
 
 _MASK64 = (1 << 64) - 1
 _decoder = msgspec.msgpack.Decoder(OwnBatch)
@@ -50,3 +52,19 @@ def decode_own_batch(payload: bytes) -> tuple[OwnBatch, int]:
         if type(ev) is OwnStored:
             stored += len(owns)
     return batch, stored
+
+
+Decoded = tuple[EventBatch | OwnBatch, int]
+
+
+def _decode_tokens(payload: bytes) -> Decoded:
+    return decode_batch(payload), 0
+
+
+def pick_decoder(edge_hashed: bool, deltas: bool) -> Callable[[bytes], Decoded]:
+    """The payload decoder of a subscriber: own-hash deltas (``deltas``, only with a usable
+    scheme), edge-hashed stores (``edge_hashed``) or the token path. Each returns the batch and
+    the blocks it stores without token ids, and raises only ``EventDecodeError``."""
+    if edge_hashed and deltas:
+        return decode_own_batch
+    return decode_edge_batch if edge_hashed else _decode_tokens
