@@ -63,12 +63,14 @@ def apply_own_batch(index: KvIndexer, key: WorkerKey, batch: OwnBatch) -> None:
 
 def _store(index: KvIndexer, key: WorkerKey, st: KeyState, owns: list[int]) -> None:
     n = len(owns)
-    if index._total + n > index.max_blocks:
-        owns = _make_room(index, key, st, owns)
+    masks, bit, stats = index._masks, st.bit, index.stats
+    if index._total + n > index.max_blocks:  # only what is new needs room
+        new = [h for h in dict.fromkeys(owns) if not masks.get(h, 0) & bit]
+        stats.duplicate_stores += n - len(new)
+        owns = _make_room(index, key, st, new)
         n = len(owns)
         if not n:
             return
-    masks, bit, stats = index._masks, st.bit, index.stats
     if type(masks) is dict:
         if masks.keys().isdisjoint(owns):  # the common case: blocks new to the index
             size = len(masks)
