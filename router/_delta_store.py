@@ -58,7 +58,8 @@ def apply_own_batch(index: KvIndexer, key: WorkerKey, batch: OwnBatch) -> None:
                 _store(index, key, st, ev.own_hashes)
             else:
                 _remove(index, st, ev.own_hashes)
-        index._set_orphans(st, ev.holes)
+        if ev.holes != st.orphans or st.poisoned:
+            index._set_orphans(st, ev.holes)
 
 
 def _store(index: KvIndexer, key: WorkerKey, st: KeyState, owns: list[int]) -> None:
@@ -74,7 +75,7 @@ def _store(index: KvIndexer, key: WorkerKey, st: KeyState, owns: list[int]) -> N
     if type(masks) is dict:
         if masks.keys().isdisjoint(owns):  # the common case: blocks new to the index
             size = len(masks)
-            masks.update(zip(owns, itertools.repeat(bit, n), strict=True))
+            masks.update(zip(owns, itertools.repeat(bit, n), strict=False))
             added = len(masks) - size  # < n only if the event repeats a hash
         else:
             held = list(map(masks.get, owns, itertools.repeat(0, n)))

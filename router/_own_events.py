@@ -2,11 +2,12 @@
 
 A deltas publisher's payload is an ``OwnBatch``: ``[ts, [events...], dp_rank]`` whose events are
 maps tagged ``"OwnStored"`` / ``"OwnRemoved"`` (``own_hashes``, ``holes``) or
-``"AllBlocksCleared"``. One msgspec decode builds the public structs; own hashes sent as signed
-int64 are masked to uint64 (as engine hashes are in ``router.events``), and a negative ``holes``
-fails the batch. Anything else (garbage, another wire form, a wrong type, an unknown event)
-raises ``EventDecodeError``: a deltas subscriber never falls back to the token path, since its
-publisher's payloads carry no token ids.
+``"AllBlocksCleared"``. One msgspec decode builds the public structs; a negative ``holes`` fails
+the batch. Own hashes are taken as sent: the contract says uint64, and a negative one (a
+publisher bug) is indexed harmlessly, since no prompt's hash is ever negative. Anything else
+(garbage, another wire form, a wrong type, an unknown event) raises ``EventDecodeError``: a
+deltas subscriber never falls back to the token path, since its publisher's payloads carry no
+token ids.
 """
 
 from __future__ import annotations
@@ -15,14 +16,13 @@ from collections.abc import Callable
 
 import msgspec
 
-from dynamo_zmq.llm import AllBlocksCleared, OwnBatch, OwnEvent, OwnRemoved, OwnStored
+from dynamo_zmq.llm import OwnBatch, OwnEvent, OwnRemoved, OwnStored
 
 from .events import EventBatch, EventDecodeError, decode_batch, decode_edge_batch
 
 __all__ = ["OwnBatch", "OwnEvent", "OwnRemoved", "OwnStored", "decode_own_batch",
            "pick_decoder"]
 
-_MASK64 = (1 << 64) - 1
 _decoder = msgspec.msgpack.Decoder(OwnBatch)
 
 
@@ -42,15 +42,12 @@ def decode_own_batch(payload: bytes) -> tuple[OwnBatch, int]:
         raise EventDecodeError(f"not an own-hash delta batch: {exc}") from exc
     stored = 0
     for ev in batch.events:
-        if isinstance(ev, AllBlocksCleared):
+        if type(ev) is OwnStored:
+            stored += len(ev.own_hashes)
+        elif type(ev) is not OwnRemoved:
             continue
-        owns = ev.own_hashes
         if ev.holes < 0:
             raise EventDecodeError(f"negative holes in an own-hash delta: {ev!r}")
-        if owns and min(owns) < 0:
-            ev.own_hashes = [h & _MASK64 for h in owns]
-        if type(ev) is OwnStored:
-            stored += len(owns)
     return batch, stored
 
 

@@ -301,12 +301,17 @@ def test_malformed_delta_payloads_raise_event_decode_error(payload: bytes) -> No
         decode_own_batch(payload)
 
 
-def test_signed_hashes_are_masked_and_counts_returned() -> None:
+def test_stored_counts_and_signed_hashes_index_harmlessly() -> None:
     batch, stored = decode_own_batch(_enc([2.0, [
         {"type": "OwnStored", "own_hashes": [-1, 5], "holes": 1},
         {"type": "OwnRemoved", "own_hashes": [5]}, {"type": "AllBlocksCleared"}], None]))
     assert stored == 2 and batch.dp_rank is None
-    assert batch.events[0] == OwnStored([(1 << 64) - 1, 5], 1)
+    assert batch.events[0] == OwnStored([-1, 5], 1)
+    idx = KvIndexer(BS)
+    idx.apply_batch(1, batch)  # ends cleared
+    assert idx.num_blocks() == 0 and not idx._masks
+    send(idx, (1, 0), [OwnStored([-1], 1)])  # a bug, but no prompt hashes to it
+    assert idx.num_blocks() == 1 and idx.find_matches(PROMPTS[0]) == {}
 
 
 @settings(max_examples=300, deadline=None)
