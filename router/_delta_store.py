@@ -48,16 +48,30 @@ def apply_own_batch(index: KvIndexer, key: WorkerKey, batch: OwnBatch) -> None:
     if not st.delta:
         index._clear(key)  # token-path blocks of this key (none, normally)
         st.delta = True
+    masks = index._masks
     for ev in batch.events:
         if isinstance(ev, AllBlocksCleared):
             index.clear(key)
             st.delta = True
             continue
-        if ev.own_hashes:
-            if type(ev) is OwnStored:
-                _store(index, key, st, ev.own_hashes)
-            else:
-                _remove(index, st, ev.own_hashes)
+        owns = ev.own_hashes
+        if type(ev) is OwnStored:
+            n = len(owns)
+            if (type(masks) is dict and index._total + n <= index.max_blocks
+                    and masks.keys().isdisjoint(owns)):
+                # The common case inline: blocks new to the index, under the cap.
+                size = len(masks)
+                masks.update(zip(owns, itertools.repeat(st.bit, n), strict=False))
+                added = len(masks) - size  # < n only if the event repeats a hash
+                st.count += added
+                index._total += added
+                index.stats.stored_blocks += added
+                if added != n:
+                    index.stats.duplicate_stores += n - added
+            elif n:
+                _store(index, key, st, owns)
+        elif owns:
+            _remove(index, st, owns)
         if ev.holes != st.orphans or st.poisoned:
             index._set_orphans(st, ev.holes)
 
@@ -73,17 +87,12 @@ def _store(index: KvIndexer, key: WorkerKey, st: KeyState, owns: list[int]) -> N
         if not n:
             return
     if type(masks) is dict:
-        if masks.keys().isdisjoint(owns):  # the common case: blocks new to the index
-            size = len(masks)
-            masks.update(zip(owns, itertools.repeat(bit, n), strict=False))
-            added = len(masks) - size  # < n only if the event repeats a hash
-        else:
-            held = list(map(masks.get, owns, itertools.repeat(0, n)))
-            if any(map(_and, held, itertools.repeat(bit, n))) or len(set(owns)) != n:
-                added = _store_each(masks, bit, owns)
-            else:
-                masks.update(zip(owns, map(_or, held, itertools.repeat(bit, n)), strict=True))
-                added = n
+        held = list(map(masks.get, owns, itertools.repeat(0, n)))
+        if any(map(_and, held, itertools.repeat(bit, n))) or len(set(owns)) != n:
+            added = _store_each(masks, bit, owns)
+        else:  # blocks other keys hold: their bits stay
+            masks.update(zip(owns, map(_or, held, itertools.repeat(bit, n)), strict=True))
+            added = n
     else:
         added = _store_each(masks, bit, owns)
     st.count += added
