@@ -6,7 +6,7 @@ reference) its cache, with ``holes`` (held hashes whose parent it does not hold)
 key" keeps no per-block container: its state is its bit in the index's ``_masks``, ``count``
 (own hashes held) and the publisher's ``holes`` (in ``KeyState.orphans``, which sets the key's
 dirty bit, so lookups scan it exactly while it has holes). A 64-block store of blocks no key
-holds yet is one ``dict.update``.
+holds yet is one C-level pass of ``dict.setdefault``.
 
 Ignored and counted: a stored hash the key already holds (``stats.duplicate_stores``: a
 publisher bug) and a removed hash it does not hold (``stats.unknown_removed``). Capacity: stores
@@ -22,9 +22,10 @@ first, and the token path clears a delta key before its first store.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import operator
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, cast
 
 from dynamo_zmq.llm import AllBlocksCleared, OwnBatch, OwnStored
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
 __all__ = ["apply_own_batch", "clear_delta", "evict_delta"]
 
 _and = operator.and_
-_or = operator.or_
+_consume: Callable[[Iterable[int]], None] = collections.deque[int](maxlen=0).extend
 
 
 def apply_own_batch(index: KvIndexer, key: WorkerKey, batch: OwnBatch) -> None:
@@ -57,12 +58,8 @@ def apply_own_batch(index: KvIndexer, key: WorkerKey, batch: OwnBatch) -> None:
         owns = ev.own_hashes
         if type(ev) is OwnStored:
             n = len(owns)
-            if (type(masks) is dict and index._total + n <= index.max_blocks
-                    and masks.keys().isdisjoint(owns)):
-                # The common case inline: blocks new to the index, under the cap.
-                size = len(masks)
-                masks.update(zip(owns, itertools.repeat(st.bit, n), strict=False))
-                added = len(masks) - size  # < n only if the event repeats a hash
+            if type(masks) is dict and index._total + n <= index.max_blocks:
+                added = _set_bits(masks, st.bit, owns)  # the common case, inline
                 st.count += added
                 index._total += added
                 index.stats.stored_blocks += added
@@ -87,18 +84,29 @@ def _store(index: KvIndexer, key: WorkerKey, st: KeyState, owns: list[int]) -> N
         if not n:
             return
     if type(masks) is dict:
-        held = list(map(masks.get, owns, itertools.repeat(0, n)))
-        if any(map(_and, held, itertools.repeat(bit, n))) or len(set(owns)) != n:
-            added = _store_each(masks, bit, owns)
-        else:  # blocks other keys hold: their bits stay
-            masks.update(zip(owns, map(_or, held, itertools.repeat(bit, n)), strict=True))
-            added = n
+        added = _set_bits(masks, bit, owns)
     else:
         added = _store_each(masks, bit, owns)
     st.count += added
     index._total += added
     stats.stored_blocks += added
     stats.duplicate_stores += n - added
+
+
+def _set_bits(masks: dict[int, int], bit: int, owns: list[int]) -> int:
+    """Set ``bit`` in the masks of ``owns``; returns how many did not have it. Blocks new to the
+    index (the common case) are inserted in C by ``setdefault``, which leaves the masks of held
+    ones as they were; only when some were held does a Python pass add the bit to those."""
+    size = len(masks)
+    _consume(map(masks.setdefault, owns, itertools.repeat(bit, len(owns))))
+    added = len(masks) - size
+    if added != len(owns):
+        for oh in owns:
+            m = masks[oh]
+            if not m & bit:
+                masks[oh] = m | bit
+                added += 1
+    return added
 
 
 def _store_each(masks: dict[int, int], bit: int, owns: Iterable[int]) -> int:
