@@ -524,9 +524,37 @@ def find_dynamo_python(given: str | None) -> str | None:
     return None
 
 
+def ours_big_deltas(npz: str) -> None:
+    """Our big index from own-hash delta payloads, built alone in this fresh process (as
+    Dynamo's is): its RSS delta holds no workload generation. Payloads are encoded 5,000 events
+    at a time, then decoded and applied, so the index's ints fill the encoder's freed ones."""
+    from dynamo_zmq.llm import OwnStored, encode_own_batch
+    from router._own_events import decode_own_batch
+    from router.indexer import KvIndexer
+
+    w = dict(np.load(npz))
+    own = w.pop("big_own")
+    gc.collect()
+    rss0 = _rss()
+    idx = KvIndexer(int(w["block_size"][0]))
+    cols = [w[f"big_{c}"] for c in ("worker", "start", "len")]
+    for lo in range(0, len(cols[0]), 5_000):
+        payloads = [(wid, encode_own_batch([OwnStored(own[s:s + n].tolist())], 0, 1.0))
+                    for wid, s, n in zip(*(c[lo:lo + 5_000].tolist() for c in cols),
+                                         strict=True)]
+        for wid, b in payloads:
+            idx.apply_batch(wid, decode_own_batch(b)[0])
+        del payloads
+    gc.collect()
+    res = {"big_fresh_rss_bpb": (_rss() - rss0) / idx.num_blocks(),
+           "big_fresh_computed_bpb": idx.bytes_per_block()}
+    print("RESULT " + json.dumps(res))
+
+
 def _dynamo_phase(py: str, path: str, phase: str, timeout: float) -> dict[str, Any] | str:
+    side = "--ours-side" if phase == "ours" else "--dynamo-side"
     try:
-        proc = subprocess.run([py, __file__, "--dynamo-side", path, "--phase", phase],
+        proc = subprocess.run([py, __file__, side, path, "--phase", phase],
                               capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return f"timed out after {timeout:.0f} s"
@@ -568,12 +596,16 @@ def main() -> None:
                     help="build the 8-worker and big indexes from own-hash delta payloads "
                     "(every key a delta key) instead of token events")
     ap.add_argument("--dynamo-side", help=argparse.SUPPRESS)
+    ap.add_argument("--ours-side", help=argparse.SUPPRESS)
     ap.add_argument("--phase", default="small", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.dynamo_side:
         dynamo_side(args.dynamo_side, args.phase)
         return
     sys.path.insert(0, str(ROOT))
+    if args.ours_side:
+        ours_big_deltas(args.ours_side)
+        return
     if args.packed:  # every measurement below imports router.indexer.KvIndexer when it runs
         import router.indexer
         from router._packed_indexer import PackedKvIndexer
@@ -599,8 +631,13 @@ def main() -> None:
         bench_big(np.random.default_rng(args.seed), bs, args.workers, args.blocks_per_worker,
                   res, dyn, args.delta_keys)
         gc.collect()
+        path = os.path.join(tmp, "big.npz")
+        if args.delta_keys:  # the same index again, built alone in a fresh process
+            np.savez(path, **dyn)
+            got = _dynamo_phase(sys.executable, path, "ours", args.dynamo_timeout)
+            if isinstance(got, dict):
+                res.update(got)
         if py is not None and isinstance(d, dict):
-            path = os.path.join(tmp, "big.npz")
             np.savez(path, **dyn)
             got = _dynamo_phase(py, path, "big", args.dynamo_timeout)
             d = got if isinstance(got, str) else {**dres, **got}
@@ -699,6 +736,11 @@ def print_table(r: dict[str, Any], d: dict[str, Any] | str, py: str | None,
         "Dynamo RSS delta, fresh process)",
         f"{r['big_rss_bpb']:.0f} B / {r['big_computed_bpb']:.0f} B",
         f"{dd['big_bytes_per_block']:.0f} B" if have else "-")
+    if "big_fresh_rss_bpb" in r:
+        row("memory per entry, big index built alone from delta bytes in a fresh process "
+            "(ours RSS delta / bytes_per_block(); Dynamo RSS delta, fresh process)",
+            f"{r['big_fresh_rss_bpb']:.0f} B / {r['big_fresh_computed_bpb']:.0f} B",
+            f"{dd['big_bytes_per_block']:.0f} B" if have else "-")
 
     print(f"# KV indexer benchmark (block size {args.block_size}, seed {args.seed}, "
           f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}, "

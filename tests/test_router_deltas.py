@@ -31,7 +31,7 @@ from dynamo_zmq.llm import (
     encode_own_batch,
 )
 from dynamo_zmq.resources import Resources
-from router._own_events import decode_own_batch
+from router._own_events import decode_own_batch, pick_decoder
 from router._packed_indexer import PackedKvIndexer
 from router.events import EventDecodeError, decode_batch
 from router.hashing import block_hashes
@@ -404,3 +404,14 @@ def test_publisher_support_ledger_holes() -> None:
     assert led.apply(_stores(a[:2])) is None  # references only
     assert led.apply(BlockRemoved([a[1] ^ SALT])) is None
     assert led.apply(BlockRemoved([a[1] ^ SALT])) == OwnRemoved([a[1]], 1)
+
+
+def test_a_deltas_advert_with_another_scheme_is_not_indexed() -> None:
+    """Without a usable scheme (block size, seed...) the subscriber keeps the token decoder, so
+    a deltas publisher's payloads are counted as undecodable, never indexed as something else."""
+    payload = encode_own_batch([OwnStored(block_hashes(PROMPTS[0], BS))], 0)
+    assert pick_decoder(True, True)(payload)[1] == 4
+    with pytest.raises(EventDecodeError):
+        pick_decoder(False, True)(payload)
+    with pytest.raises(EventDecodeError):
+        pick_decoder(True, False)(payload)
