@@ -35,7 +35,7 @@ def store_batch(index: PackedKvIndexer, key: WorkerKey, events: list[KvEvent]) -
         Whether they were applied; False leaves the index untouched.
     """
     st = index._state.get(key) or index._add_key(key)  # as apply_stored does
-    if not index._packed_masks.narrow(st.bit):
+    if st.delta or not index._packed_masks.narrow(st.bit):
         return False
     e2o, bs = cast(E2OTable, st.e2o), index.block_size
     ehs: list[int] = []

@@ -8,7 +8,8 @@ valid). A block with children newer than the window stays; the next window is tr
 yields too little. Evicting by ``chunk`` (at least 1/256 of the cap) pays rarely for the walk
 over a dict's front, where CPython skips deleted entries one by one. The parent of the store
 being made room for and the blocks it stores again are never evicted, so that the store chains
-and applies just as it would without the cap.
+and applies just as it would without the cap. A delta key (``router._delta_store``) has no parent
+links: its oldest blocks in the masks' insertion order go, and it is scanned exactly from then on.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import itertools
 from collections.abc import Collection
 from typing import TYPE_CHECKING
 
+from ._delta_store import evict_delta
 from ._keystate import CHILD_SHIFT, HAS_PARENT, MASK64, KeyState
 from .matching import WorkerKey
 
@@ -45,11 +47,15 @@ def evict_oldest(index: KvIndexer, key: WorkerKey, need: int, parent: int | None
     protect = {*stored, parent}
     none: set[int | None] = set()
     done = 0
-    for victim in sorted(states, key=lambda k: len(states[k].e2o), reverse=True):
+    for victim in sorted(states, key=lambda k: len(states[k].e2o) + states[k].count,
+                         reverse=True):
         if done >= need:
             break
-        done += _evict_key(index, victim, states[victim], want - done,
-                           protect if victim == key else none)
+        vst = states[victim]
+        if vst.delta:  # no parent links: oldest in the masks' order (router._delta_store)
+            done += evict_delta(index, vst, want - done)
+            continue
+        done += _evict_key(index, victim, vst, want - done, protect if victim == key else none)
     index.stats.removed_blocks -= done
     index.stats.evicted += done
     return done

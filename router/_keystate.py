@@ -18,6 +18,9 @@ stay small ints) and maps the bit back to the key. A key's state chains the bloc
   engine hashes), never under-counts.
 * ``poisoned``: an engine hash was stored again, under its held children, with other content;
   the bookkeeping is no longer trusted until the key's next clear.
+* ``delta``: the key is fed own-hash deltas (``router._delta_store``): it keeps no per-block
+  container at all, only its bit in the masks, ``count`` (own hashes held), its publisher's
+  ``holes`` in ``orphans``, and ``poisoned`` once the index itself dropped some of its blocks.
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ CHILD = 1 << CHILD_SHIFT
 class KeyState:
     """The blocks one key holds (see the module docstring); ``bit`` is its bit in the masks."""
 
-    __slots__ = ("bit", "dups", "e2o", "orphan_parents", "orphans", "poisoned", "shared")
+    __slots__ = ("bit", "count", "delta", "dups", "e2o", "orphan_parents", "orphans", "poisoned",
+                 "shared")
 
     def __init__(self, bit: int) -> None:
         self.bit = bit
@@ -54,6 +58,8 @@ class KeyState:
         self.orphan_parents: dict[int, tuple[int, int]] = {}  # gone parent -> (children, own)
         self.orphans = 0  # held blocks whose parent engine block is not held
         self.poisoned = False  # bookkeeping no longer trusted: always scan linearly
+        self.delta = False  # fed own-hash deltas: no e2o, see the module docstring
+        self.count = 0  # own hashes held (delta keys only)
 
 
 class KeyTable:

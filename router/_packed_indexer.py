@@ -25,11 +25,12 @@ import numpy as np
 import xxhash
 
 from ._batch_store import store_batch
+from ._delta_store import clear_delta
 from ._e2o import E2OTable
 from ._evict import evict_oldest
 from ._keystate import HAS_PARENT, KeyState
 from ._masks import MaskMap, as_u64
-from .events import EventBatch
+from .events import EventBatch, OwnBatch
 from .hashing import ROOT_SEED, event_own_hashes, root_hash
 from .indexer import DEFAULT_MAX_BLOCKS, KvIndexer
 from .matching import WorkerKey, linear_matches, prefix_matches
@@ -68,10 +69,10 @@ class PackedKvIndexer(KvIndexer):
             st.e2o = cast(dict[int, int], E2OTable())
         return st
 
-    def apply_batch(self, worker_id: int, batch: EventBatch) -> None:
+    def apply_batch(self, worker_id: int, batch: EventBatch | OwnBatch) -> None:
         """``KvIndexer.apply_batch``; a batch of independent edge-hashed stores at once."""
-        if len(batch.events) > 1 and store_batch(self, (worker_id, batch.dp_rank or 0),
-                                                 batch.events):
+        if type(batch) is EventBatch and len(batch.events) > 1 and store_batch(
+                self, (worker_id, batch.dp_rank or 0), batch.events):
             return
         super().apply_batch(worker_id, batch)
 
@@ -84,6 +85,8 @@ class PackedKvIndexer(KvIndexer):
         """
         stats = self.stats
         st = self._state.get(key) or self._add_key(key)
+        if st.delta:
+            self._clear(key)
         n = len(engine_hashes)
         if block_size != self.block_size:
             stats.block_size_mismatch += 1
@@ -182,6 +185,8 @@ class PackedKvIndexer(KvIndexer):
         st = self._state.get(key)
         if st is None:
             return
+        if st.delta:
+            return clear_delta(self, st)
         e2o = cast(E2OTable, st.e2o)
         self._packed_masks.drop_bit(set(e2o.owns().tolist()), st.bit)
         self._total -= len(e2o)

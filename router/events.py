@@ -48,6 +48,7 @@ from dynamo_zmq.llm import (
     BlockStored,
     EventBatch,
     KvEvent,
+    OwnBatch,
     encode_batch,
 )
 
@@ -58,6 +59,7 @@ __all__ = [
     "EventBatch",
     "EventDecodeError",
     "KvEvent",
+    "OwnBatch",
     "decode_batch",
     "decode_edge_batch",
     "encode_batch",

@@ -17,6 +17,7 @@ import zmq
 
 from dynamo_zmq import errors
 from dynamo_zmq.llm import EngineLoad, ModelAdvert, advert_of
+from dynamo_zmq.llm._block_hashing import FORM_DELTAS
 from dynamo_zmq.resources import Resources
 from dynamo_zmq.runtime import Client, DistributedRuntime
 from dynamo_zmq.transport import PeerConnection
@@ -166,6 +167,7 @@ class InstanceFollower:
             self._res, iid, endpoint, self._indexer,
             replay_endpoint=known.advert.kv_replay_endpoint, metrics=self._metrics,
             model=self._model, replay_timeout=self._replay_timeout, edge_hashed=edge,
+            deltas=scheme is not None and scheme.form == FORM_DELTAS,
         )
         if _started(sub, iid, "KV events", endpoint):
             known.subscriber = sub

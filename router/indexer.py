@@ -33,6 +33,7 @@ from typing import Any
 
 import xxhash
 
+from ._delta_store import apply_own_batch, clear_delta
 from ._evict import evict_oldest
 from ._index_stats import IndexerStats as IndexerStats
 from ._index_stats import bytes_per_block
@@ -41,7 +42,7 @@ from ._keystate import CHILD_SHIFT as _CHILD_SHIFT
 from ._keystate import HAS_PARENT as _HAS_PARENT
 from ._keystate import MASK64 as _MASK64
 from ._keystate import KeyState, KeyTable, relink, unlink
-from .events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from .events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, OwnBatch
 from .hashing import ROOT_SEED, TokenIds, block_hashes, event_own_hashes, root_hash
 from .matching import WorkerKey as WorkerKey
 from .matching import linear_matches, prefix_matches
@@ -106,7 +107,7 @@ class KvIndexer:
         if key is None:
             return self._total
         st = self._state.get(key)
-        return 0 if st is None else len(st.e2o)
+        return 0 if st is None else len(st.e2o) + st.count
 
     def num_unique_blocks(self) -> int:
         """Distinct own hashes (prefixes) held by at least one key."""
@@ -114,9 +115,12 @@ class KvIndexer:
 
     # --- events ----------------------------------------------------------------------------------
 
-    def apply_batch(self, worker_id: int, batch: EventBatch) -> None:
-        """Apply one decoded batch from ``worker_id`` (``dp_rank`` None means rank 0)."""
+    def apply_batch(self, worker_id: int, batch: EventBatch | OwnBatch) -> None:
+        """Apply one decoded batch from ``worker_id`` (``dp_rank`` None means rank 0); an
+        ``OwnBatch`` (own-hash deltas) goes to ``router._delta_store``."""
         key = (worker_id, batch.dp_rank or 0)
+        if type(batch) is OwnBatch:
+            return apply_own_batch(self, key, batch)
         for ev in batch.events:
             if isinstance(ev, BlockStored):
                 lora = ev.lora_name if ev.lora_name is not None else ev.lora_id
@@ -147,6 +151,8 @@ class KvIndexer:
         """
         stats = self.stats
         st = self._state.get(key) or self._keys.add(key)
+        if st.delta:
+            self._clear(key)
         n = len(engine_hashes)
         if block_size != self.block_size:
             stats.block_size_mismatch += 1
@@ -336,6 +342,8 @@ class KvIndexer:
         st = self._state.get(key)
         if st is None:
             return
+        if st.delta:
+            return clear_delta(self, st)
         masks, keep = self._masks, ~st.bit
         for oh in {packed & _MASK64 for packed in st.e2o.values()}:
             m = masks.get(oh)
@@ -350,6 +358,9 @@ class KvIndexer:
         st.poisoned = False
         self._set_orphans(st, 0)
         st.e2o, st.dups, st.shared, st.orphan_parents = {}, {}, {}, {}
+
+    def _add_key(self, key: WorkerKey) -> KeyState:
+        return self._keys.add(key)
 
     def remove_worker(self, worker_id: int) -> None:
         """Forget ``worker_id`` entirely: all its DP ranks, their blocks and their keys."""

@@ -43,8 +43,9 @@ from dynamo_zmq import errors
 from dynamo_zmq.resources import Resources
 from dynamo_zmq.transport import AsyncSocket, BadInput, make_socket, peer_key
 
+from ._own_events import pick_decoder
 from ._replay import END_SEQ, SNAPSHOT_SEQ, MalformedReplay, fetch_replay
-from .events import EventBatch, EventDecodeError, decode_batch, decode_edge_batch
+from .events import EventBatch, EventDecodeError, OwnBatch
 from .metrics import RouterMetrics
 
 __all__ = ["END_SEQ", "SNAPSHOT_SEQ", "KvEventSubscriber", "SubscriberStats"]
@@ -68,7 +69,7 @@ YIELD_EVERY = 2000
 
 
 class Index(Protocol):
-    def apply_batch(self, worker_id: int, batch: EventBatch) -> object: ...
+    def apply_batch(self, worker_id: int, batch: EventBatch | OwnBatch) -> object: ...
     def remove_worker(self, worker_id: int) -> object: ...
 
 
@@ -107,6 +108,7 @@ class KvEventSubscriber:
         max_replay_bytes: a replay bringing more counts as failed.
         edge_hashed: the worker declared the router's hash scheme: take the ``own_hashes`` of
             its events (``decode_edge_batch``) instead of hashing their tokens.
+        deltas: with ``edge_hashed``, its payloads are own-hash deltas (``decode_own_batch``).
     """
 
     def __init__(
@@ -123,13 +125,15 @@ class KvEventSubscriber:
         max_batch_bytes: int = MAX_BATCH_BYTES,
         max_replay_bytes: int = MAX_REPLAY_BYTES,
         edge_hashed: bool = False,
+        deltas: bool = False,
     ) -> None:
         self._owner = owner
         self._res: Resources | None = None
         self._max_batch_bytes = max_batch_bytes
         self._max_replay_bytes = max_replay_bytes
         self.worker_id = worker_id
-        self.edge_hashed = edge_hashed
+        self.edge_hashed, self.deltas = edge_hashed, deltas
+        self._decode = pick_decoder(edge_hashed, deltas)
         self.events_endpoint = events_endpoint
         self.replay_endpoint = replay_endpoint
         self._indexer = indexer
@@ -292,8 +296,7 @@ class KvEventSubscriber:
             )
             return
         try:
-            batch, edge = (decode_edge_batch(payload) if self.edge_hashed
-                           else (decode_batch(payload), 0))
+            batch, edge = self._decode(payload)
         except EventDecodeError as exc:
             self._count_decode_error("undecodable KV event batch %d: %s", seq, exc)
             return

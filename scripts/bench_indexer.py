@@ -14,8 +14,10 @@ indexes answer the same questions and the answers are compared):
   Ours is timed three times: ``apply_stored`` on decoded events (it hashes the tokens itself),
   ``decode_batch`` + ``apply_batch`` from vLLM msgpack payloads, and ``decode_edge_batch`` +
   ``apply_batch`` from the same payloads with ``own_hashes`` (hashed at the edge, as our workers
-  publish them: the token ids are skipped, not decoded). Dynamo's ``apply_event`` parses JSON
-  whose blocks already carry their hashes (Dynamo hashes tokens in the publisher).
+  publish them: the token ids are skipped, not decoded), and ``decode_own_batch`` +
+  ``apply_batch`` from own-hash delta payloads (``OwnStored``: the own hashes alone, as a
+  worker declaring ``kv_hash_scheme.form = "deltas"`` publishes them). Dynamo's ``apply_event``
+  parses JSON whose blocks already carry their hashes (Dynamo hashes tokens in the publisher).
 * find_matches, 2,000-block prompt, 8 workers: worker w holds the first 2000*(w+1)/8 blocks plus
   20k unrelated blocks; p50/p99 over repeated queries of the full prompt.
 * big index: W workers x B blocks, tree-shaped: 64 shared roots (8-40 blocks), 1,024 prefixes on
@@ -24,7 +26,8 @@ indexes answer the same questions and the answers are compared):
   requests plus 4 uncached blocks.
 * memory per (worker, block) entry: tracemalloc on the 8-worker index, RSS delta on the big one
   (built first, in a fresh process); Dynamo: RSS delta (it allocates in Rust) of a fresh process
-  per index.
+  per index. With ``--delta-keys`` both of our indexes are built from own-hash delta payloads
+  (decoded from bytes) instead of token events, so every key is a delta key.
 
 Timings on a shared machine are noisy: the small measurements run in ``--rounds`` alternating
 rounds (ours, then Dynamo's process) and each side keeps its best round (store rates: best of 3
@@ -255,6 +258,8 @@ def apply_all(idx: Any, events: list[OurEvent], bs: int) -> float:
 
 def bench_stores(rng: np.random.Generator, bs: int, n_single: int, n_batched: int,
                  res: dict[str, Any], dyn: dict[str, np.ndarray]) -> None:
+    from dynamo_zmq.llm import OwnStored, encode_own_batch
+    from router._own_events import decode_own_batch
     from router.events import BlockStored, decode_batch, decode_edge_batch, encode_batch
     from router.indexer import KvIndexer
 
@@ -296,11 +301,42 @@ def bench_stores(rng: np.random.Generator, bs: int, n_single: int, n_batched: in
                                   for _, eh, p, t in events[i:i + per]], 0, 1.0)
                     for i in range(0, len(events), per)]
             res[f"{name}_edge_many_rate"] = nblocks / min(run_edge(many) for _ in range(3))
-        del events, payloads, edge
+        deltas = [encode_own_batch([OwnStored([h ^ ENGINE_XOR for h in eh])], 0, 1.0)
+                  for _, eh, _, _ in events]
+
+        def run_deltas(payloads: list[bytes] = deltas) -> float:
+            idx = KvIndexer(bs)
+            apply = idx.apply_batch
+            t = time.perf_counter()
+            for b in payloads:
+                apply(0, decode_own_batch(b)[0])
+            return time.perf_counter() - t
+
+        res[f"{name}_delta_rate"] = nblocks / min(run_deltas() for _ in range(3))
+        if per_event > 1:
+            many = [encode_own_batch([OwnStored([h ^ ENGINE_XOR for h in eh])
+                                      for _, eh, _, _ in events[i:i + per]], 0, 1.0)
+                    for i in range(0, len(events), per)]
+            res[f"{name}_delta_many_rate"] = nblocks / min(run_deltas(many) for _ in range(3))
+        del events, payloads, edge, deltas
+
+
+def apply_deltas(idx: Any, events: list[OurEvent]) -> float:
+    """Our events as own-hash delta payloads (encoded untimed), decoded and applied (timed)."""
+    from dynamo_zmq.llm import OwnStored, encode_own_batch
+    from router._own_events import decode_own_batch
+
+    payloads = [(key[0], encode_own_batch([OwnStored([h ^ ENGINE_XOR for h in eh])], key[1], 1.0))
+                for key, eh, _, _ in events]
+    apply = idx.apply_batch
+    t = time.perf_counter()
+    for wid, b in payloads:
+        apply(wid, decode_own_batch(b)[0])
+    return time.perf_counter() - t
 
 
 def bench_fm8(rng: np.random.Generator, bs: int, reps: int, res: dict[str, Any],
-              dyn: dict[str, np.ndarray]) -> None:
+              dyn: dict[str, np.ndarray], delta_keys: bool = False) -> None:
     from router.hashing import block_hashes
     from router.indexer import KvIndexer
 
@@ -333,8 +369,15 @@ def bench_fm8(rng: np.random.Generator, bs: int, reps: int, res: dict[str, Any],
     gc.collect()
     tracemalloc.start()
     idx = KvIndexer(bs)
-    for key, e_arr, parent, t_arr in flat:
-        idx.apply_stored(key, e_arr.tolist(), parent, t_arr.tolist(), bs)
+    if delta_keys:
+        from dynamo_zmq.llm import OwnBatch, OwnStored
+
+        for key, e_arr, _, _ in flat:
+            owns = (e_arr ^ np.uint64(ENGINE_XOR)).tolist()
+            idx.apply_batch(key[0], OwnBatch(1.0, [OwnStored(owns)], key[1]))
+    else:
+        for key, e_arr, parent, t_arr in flat:
+            idx.apply_stored(key, e_arr.tolist(), parent, t_arr.tolist(), bs)
     gc.collect()
     traced = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
@@ -373,7 +416,7 @@ def bench_fm8(rng: np.random.Generator, bs: int, reps: int, res: dict[str, Any],
 
 
 def bench_big(rng: np.random.Generator, bs: int, workers: int, per_worker: int,
-              res: dict[str, Any], dyn: dict[str, np.ndarray]) -> None:
+              res: dict[str, Any], dyn: dict[str, np.ndarray], delta_keys: bool = False) -> None:
     from router.hashing import block_hashes
     from router.indexer import KvIndexer
 
@@ -432,7 +475,7 @@ def bench_big(rng: np.random.Generator, bs: int, workers: int, per_worker: int,
                 full = roots[r][0] + ptoks + stoks + tail
                 q_hashes.append(np.array(block_hashes(full, bs), dtype=np.uint64))
                 q_toks.append(np.array(full, dtype=np.uint32))
-        build_t += apply_all(idx, events, bs)
+        build_t += apply_deltas(idx, events) if delta_keys else apply_all(idx, events, bs)
         del events
         arr.flush()
     gc.collect()
@@ -481,9 +524,37 @@ def find_dynamo_python(given: str | None) -> str | None:
     return None
 
 
+def ours_big_deltas(npz: str) -> None:
+    """Our big index from own-hash delta payloads, built alone in this fresh process (as
+    Dynamo's is): its RSS delta holds no workload generation. Payloads are encoded 5,000 events
+    at a time, then decoded and applied, so the index's ints fill the encoder's freed ones."""
+    from dynamo_zmq.llm import OwnStored, encode_own_batch
+    from router._own_events import decode_own_batch
+    from router.indexer import KvIndexer
+
+    w = dict(np.load(npz))
+    own = w.pop("big_own")
+    gc.collect()
+    rss0 = _rss()
+    idx = KvIndexer(int(w["block_size"][0]))
+    cols = [w[f"big_{c}"] for c in ("worker", "start", "len")]
+    for lo in range(0, len(cols[0]), 5_000):
+        payloads = [(wid, encode_own_batch([OwnStored(own[s:s + n].tolist())], 0, 1.0))
+                    for wid, s, n in zip(*(c[lo:lo + 5_000].tolist() for c in cols),
+                                         strict=True)]
+        for wid, b in payloads:
+            idx.apply_batch(wid, decode_own_batch(b)[0])
+        del payloads
+    gc.collect()
+    res = {"big_fresh_rss_bpb": (_rss() - rss0) / idx.num_blocks(),
+           "big_fresh_computed_bpb": idx.bytes_per_block()}
+    print("RESULT " + json.dumps(res))
+
+
 def _dynamo_phase(py: str, path: str, phase: str, timeout: float) -> dict[str, Any] | str:
+    side = "--ours-side" if phase == "ours" else "--dynamo-side"
     try:
-        proc = subprocess.run([py, __file__, "--dynamo-side", path, "--phase", phase],
+        proc = subprocess.run([py, __file__, side, path, "--phase", phase],
                               capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return f"timed out after {timeout:.0f} s"
@@ -521,13 +592,20 @@ def main() -> None:
     ap.add_argument("--packed", action="store_true",
                     help="time router._packed_indexer.PackedKvIndexer (packed integer tables) "
                     "in place of KvIndexer")
+    ap.add_argument("--delta-keys", action="store_true",
+                    help="build the 8-worker and big indexes from own-hash delta payloads "
+                    "(every key a delta key) instead of token events")
     ap.add_argument("--dynamo-side", help=argparse.SUPPRESS)
+    ap.add_argument("--ours-side", help=argparse.SUPPRESS)
     ap.add_argument("--phase", default="small", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.dynamo_side:
         dynamo_side(args.dynamo_side, args.phase)
         return
     sys.path.insert(0, str(ROOT))
+    if args.ours_side:
+        ours_big_deltas(args.ours_side)
+        return
     if args.packed:  # every measurement below imports router.indexer.KvIndexer when it runs
         import router.indexer
         from router._packed_indexer import PackedKvIndexer
@@ -551,10 +629,15 @@ def main() -> None:
         # The big indexes first, each in a fresh process: their RSS deltas mean something.
         dyn: dict[str, np.ndarray] = {"block_size": np.array([bs]), "reps": np.array([reps])}
         bench_big(np.random.default_rng(args.seed), bs, args.workers, args.blocks_per_worker,
-                  res, dyn)
+                  res, dyn, args.delta_keys)
         gc.collect()
+        path = os.path.join(tmp, "big.npz")
+        if args.delta_keys:  # the same index again, built alone in a fresh process
+            np.savez(path, **dyn)
+            got = _dynamo_phase(sys.executable, path, "ours", args.dynamo_timeout)
+            if isinstance(got, dict):
+                res.update(got)
         if py is not None and isinstance(d, dict):
-            path = os.path.join(tmp, "big.npz")
             np.savez(path, **dyn)
             got = _dynamo_phase(py, path, "big", args.dynamo_timeout)
             d = got if isinstance(got, str) else {**dres, **got}
@@ -564,7 +647,7 @@ def main() -> None:
             part: dict[str, Any] = {}
             dyn = {"block_size": np.array([bs]), "reps": np.array([reps])}
             rng = np.random.default_rng(args.seed + 1)  # same workload every round
-            bench_fm8(rng, bs, reps, part, dyn)
+            bench_fm8(rng, bs, reps, part, dyn, args.delta_keys)
             bench_stores(rng, bs, n_single, n_batched, part, dyn)
             _merge(res, part)
             if py is not None and isinstance(d, dict):
@@ -616,6 +699,15 @@ def print_table(r: dict[str, Any], d: dict[str, Any] | str, py: str | None,
             row(f"stores, {label}, from bytes, edge-hashed, {EDGE_EVENTS_PER_BATCH} events per "
                 "payload (one decode_edge_batch + apply_batch each) vs Dynamo apply_event(JSON "
                 "bytes)", rate(rm), rate(dr) if dr else "-", x(rm, dr) if dr else "-")
+        rd = r[f"{name}_delta_rate"]
+        row(f"stores, {label}, from bytes, own-hash deltas: ours decode_own_batch(OwnStored) + "
+            "apply_batch vs Dynamo apply_event(JSON bytes)",
+            rate(rd), rate(dr) if dr else "-", x(rd, dr) if dr else "-")
+        if f"{name}_delta_many_rate" in r:
+            rm = r[f"{name}_delta_many_rate"]
+            row(f"stores, {label}, from bytes, own-hash deltas, {EDGE_EVENTS_PER_BATCH} events "
+                "per payload vs Dynamo apply_event(JSON bytes)",
+                rate(rm), rate(dr) if dr else "-", x(rm, dr) if dr else "-")
     f8 = r["fm8_lat"]
     row("find_matches, 2,000-block prompt, 8 workers (from hashes), p50 / p99 us", us(f8),
         us(dd["fm8_lat"]) if have else "-",
@@ -626,7 +718,8 @@ def print_table(r: dict[str, Any], d: dict[str, Any] | str, py: str | None,
         us(r["hash_lat"]), us(dd["hash_lat"]) if have else "-",
         x(_pct(r["hash_lat"], 0.5), _pct(dd["hash_lat"], 0.5)) + " time" if have else "-")
     row("hash 2,000 blocks from a uint32 numpy array, p50 / p99 us", us(r["hash_np_lat"]))
-    row(f"big index build: {args.workers} workers x {args.blocks_per_worker:,} blocks "
+    built = "from own-hash delta bytes" if args.delta_keys else "apply_stored of token events"
+    row(f"big index build ({built}): {args.workers} workers x {args.blocks_per_worker:,} blocks "
         f"({r['big_blocks']:,} entries, {r['big_unique']:,} unique), stores/s",
         rate(r["big_rate"]), rate(dd["big_rate"]) if have else "-",
         x(r["big_rate"], dd["big_rate"]) if have else "-")
@@ -643,9 +736,15 @@ def print_table(r: dict[str, Any], d: dict[str, Any] | str, py: str | None,
         "Dynamo RSS delta, fresh process)",
         f"{r['big_rss_bpb']:.0f} B / {r['big_computed_bpb']:.0f} B",
         f"{dd['big_bytes_per_block']:.0f} B" if have else "-")
+    if "big_fresh_rss_bpb" in r:
+        row("memory per entry, big index built alone from delta bytes in a fresh process "
+            "(ours RSS delta / bytes_per_block(); Dynamo RSS delta, fresh process)",
+            f"{r['big_fresh_rss_bpb']:.0f} B / {r['big_fresh_computed_bpb']:.0f} B",
+            f"{dd['big_bytes_per_block']:.0f} B" if have else "-")
 
     print(f"# KV indexer benchmark (block size {args.block_size}, seed {args.seed}, "
-          f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}, best of {args.rounds} "
+          f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}, "
+          f"{'delta keys, ' if args.delta_keys else ''}best of {args.rounds} "
           f"alternating rounds; took {took_s:.0f} s)\n")
     ours = "PackedKvIndexer" if args.packed else "router.indexer"
     print(f"| measurement | dynamo-zmq {ours} | Dynamo 1.6.1 RadixTree | ours / Dynamo |")

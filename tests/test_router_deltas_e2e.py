@@ -1,0 +1,80 @@
+"""Own-hash deltas through real processes: mocker workers that publish ``OwnBatch`` payloads and
+advertise ``kv_hash_scheme.form = "deltas"`` (``tests/support/delta_worker.py``), a kv-mode
+frontend that indexes them (``decode_own_batch``, no token ids) and routes each prefix to its
+worker, and a second frontend started later that gets the same state from the workers' dumps
+(in delta form) and routes the same way before any request went through it."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.support.http_calls import get
+from tests.support.procs import Proc
+from tests.test_router_warm_restart import BLOCK, PREFIX_BLOCKS, complete, eventually, serving
+
+
+def delta_worker(spawn, namespace, model_dir) -> Proc:
+    return spawn("-m", "tests.support.delta_worker", "--model-path", str(model_dir),
+                 "--model-name", "tiny", "--namespace", namespace, "--host", "127.0.0.1",
+                 "--block-size", str(BLOCK), "--num-gpu-blocks-override", "256",
+                 "--kv-replay-buffer-size", "2", "--speedup-ratio", "1000", ready=False)
+
+
+async def samples(url: str, name: str) -> dict[str, float]:
+    """Samples of metric ``name`` for model 'tiny', summed per worker label ('' when none)."""
+    status, page = await asyncio.to_thread(get, f"{url}/metrics")
+    assert status == 200
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(page.decode()):
+        for s in family.samples:
+            if s.name == name and s.labels.get("model") == "tiny":
+                w = s.labels.get("worker", "")
+                out[w] = out.get(w, 0) + s.value
+    return out
+
+
+async def test_kv_frontends_route_by_prefix_from_delta_events_and_dumps(
+    namespace, spawn, tiny_model
+):
+    w1, w2 = delta_worker(spawn, namespace, tiny_model), delta_worker(spawn, namespace, tiny_model)
+    front = spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
+                  "--router-mode", "kv", ready=False)
+    for proc in (w1, w2, front):
+        proc.wait_ready()
+    ids = {f"{w1.instance_id:x}", f"{w2.instance_id:x}"}
+    await eventually(lambda: serving(front.address, ids), 30, "both workers routed")
+
+    rng = random.Random(26)
+    prefixes = [[rng.randrange(10, 500) for _ in range(PREFIX_BLOCKS * BLOCK + 3)]
+                for _ in range(6)]
+    # Each prefix's first request lands somewhere; every later one with that prefix (and
+    # another tail) must follow it, which only the index of the delta events can tell.
+    placed = {}
+    for i, tokens in enumerate(prefixes):
+        placed[i] = await asyncio.to_thread(complete, front.address, tokens)
+
+    async def indexed(url: str) -> bool:
+        blocks = await samples(url, "dynamo_router_kv_index_blocks")
+        return sum(blocks.get(w, 0) for w in ids) >= len(prefixes) * PREFIX_BLOCKS
+
+    await eventually(lambda: indexed(front.address), 10, "the delta events indexed")
+    for i, tokens in enumerate(prefixes):
+        got = await asyncio.to_thread(complete, front.address, [*tokens[:-3], 7, 8, 9])
+        assert got == placed[i], (i, got, placed[i])
+    edge = await samples(front.address, "dynamo_router_edge_hashed_blocks_total")
+    assert edge.get("", 0) >= len(prefixes) * PREFIX_BLOCKS
+    errors = await samples(front.address, "dynamo_router_kv_event_decode_errors_total")
+    assert sum(errors.values()) == 0
+
+    # A frontend started now gets each worker's state in one dump (the workers keep only 2
+    # batches for replay) and routes every prefix to its worker without a request of its own.
+    late = spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
+                 "--router-mode", "kv", ready=False).wait_ready()
+    await eventually(lambda: serving(late.address, ids), 30, "both workers routed (late)")
+    await eventually(lambda: indexed(late.address), 10, "the dumps indexed")
+    for i, tokens in enumerate(prefixes):
+        got = await asyncio.to_thread(complete, late.address, [*tokens[:-3], 5, 6])
+        assert got == placed[i], (i, got, placed[i])
