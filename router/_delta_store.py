@@ -11,7 +11,9 @@ holds yet is one C-level pass of ``dict.setdefault``.
 Ignored and counted: a stored hash the key already holds (``stats.duplicate_stores``: a
 publisher bug) and a removed hash it does not hold (``stats.unknown_removed``). Capacity: stores
 past ``max_blocks`` are refused or, with ``evict_oldest``, make room first (``router._evict``);
-a delta key's blocks are evicted in ``_masks`` insertion order (oldest first). Either way the key
+a delta key's blocks are evicted oldest first: in ``_masks`` insertion order for dicts, and in
+the key's ``order`` log (8 bytes per stored block, compacted as removals leave it stale) in the
+packed layout, whose tables keep no order. Either way the key
 then lacks blocks its publisher counts as held, so its ``holes`` no longer describe it: it is
 marked ``poisoned`` (exact linear lookups) until its next clear. Clearing a delta key scans
 ``_masks`` for its bit (rare: ``AllBlocksCleared``, a dump, a worker leaving).
@@ -22,6 +24,7 @@ first, and the token path clears a delta key before its first store.
 
 from __future__ import annotations
 
+import array
 import collections
 import itertools
 import operator
@@ -86,7 +89,9 @@ def _store(index: KvIndexer, key: WorkerKey, st: KeyState, owns: list[int]) -> N
     if type(masks) is dict:
         added = _set_bits(masks, bit, owns)
     else:
-        added = _store_each(masks, bit, owns)
+        added = _store_each(masks, bit, owns, _order_of(st))
+        if len(st.order or ()) > 2 * (st.count + added) + 1024:  # mostly removed since: compact
+            st.order = array.array("Q", [h for h in _order_of(st) if masks.get(h, 0) & bit])
     st.count += added
     index._total += added
     stats.stored_blocks += added
@@ -109,14 +114,22 @@ def _set_bits(masks: dict[int, int], bit: int, owns: list[int]) -> int:
     return added
 
 
-def _store_each(masks: dict[int, int], bit: int, owns: Iterable[int]) -> int:
+def _store_each(masks: dict[int, int], bit: int, owns: Iterable[int],
+                order: array.array[int]) -> int:
     added = 0
     for oh in owns:
         m = masks.get(oh, 0)
         if not m & bit:
             masks[oh] = m | bit
+            order.append(oh)
             added += 1
     return added
+
+
+def _order_of(st: KeyState) -> array.array[int]:
+    if st.order is None:
+        st.order = array.array("Q")
+    return st.order
 
 
 def _make_room(index: KvIndexer, key: WorkerKey, st: KeyState, owns: list[int]) -> list[int]:
@@ -174,6 +187,7 @@ def clear_delta(index: KvIndexer, st: KeyState) -> None:
                 masks[oh] = m ^ bit
         index._total -= st.count
     st.count = 0
+    st.order = None
     st.delta = st.poisoned = False
     index._set_orphans(st, 0)
 
@@ -182,7 +196,19 @@ def evict_delta(index: KvIndexer, st: KeyState, want: int) -> int:
     """Evict up to ``want`` of the delta key ``st``'s oldest blocks (counted as removed; the
     caller moves them to ``evicted``). The key is poisoned: its publisher's ``holes`` no longer
     describe it."""
-    victims = list(itertools.islice(_held(index, st.bit), want))
+    if type(index._masks) is dict:
+        victims = list(itertools.islice(_held(index, st.bit), want))
+    else:  # the packed tables keep no order: the key's log does
+        masks, bit, order = index._masks, st.bit, _order_of(st)
+        victims, i = [], 0
+        seen: set[int] = set()  # (a hash stored, removed and stored again is logged twice)
+        while len(victims) < want and i < len(order):
+            h = order[i]
+            if h not in seen and masks.get(h, 0) & bit:
+                seen.add(h)
+                victims.append(h)
+            i += 1
+        del order[:i]
     if victims:
         _remove(index, st, victims)
         st.poisoned = True

@@ -25,6 +25,8 @@ stay small ints) and maps the bit back to the key. A key's state chains the bloc
 
 from __future__ import annotations
 
+import array
+
 from .matching import WorkerKey
 
 __all__ = [
@@ -47,8 +49,8 @@ CHILD = 1 << CHILD_SHIFT
 class KeyState:
     """The blocks one key holds (see the module docstring); ``bit`` is its bit in the masks."""
 
-    __slots__ = ("bit", "count", "delta", "dups", "e2o", "orphan_parents", "orphans", "poisoned",
-                 "shared")
+    __slots__ = ("bit", "count", "delta", "dups", "e2o", "order", "orphan_parents", "orphans",
+                 "poisoned", "shared")
 
     def __init__(self, bit: int) -> None:
         self.bit = bit
@@ -60,6 +62,8 @@ class KeyState:
         self.poisoned = False  # bookkeeping no longer trusted: always scan linearly
         self.delta = False  # fed own-hash deltas: no e2o, see the module docstring
         self.count = 0  # own hashes held (delta keys only)
+        #: Delta keys in the packed layout: own hashes in store order (``router._delta_store``).
+        self.order: array.array[int] | None = None
 
 
 class KeyTable:

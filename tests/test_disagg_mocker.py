@@ -41,8 +41,9 @@ def worker(spawn, namespace: str, model: Path, role: str, *extra: str, ready: bo
     return spawn("-m", "dynamo_zmq.worker", "--engine", engine, "--model-path", str(model),
                  "--model-name", "tiny", "--namespace", namespace, "--component", role,
                  "--host", "127.0.0.1", "--discovery", "static", "--disaggregation-mode", role,
-                 *(("--block-size", str(BLOCK), "--speedup-ratio", "100") if engine == "mocker"
-                   else ()), *extra,
+                 # (vLLM-shaped KV events: stored_hashes reads their engine block hashes)
+                 *(("--block-size", str(BLOCK), "--speedup-ratio", "100", "--kv-event-form",
+                    "stores") if engine == "mocker" else ()), *extra,
                  env={"DYN_SYSTEM_PORT": "0"}, ready=ready)
 
 

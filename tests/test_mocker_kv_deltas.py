@@ -1,5 +1,5 @@
 """The mocker's own-hash deltas (issue 18, item 1) through real processes: two mocker workers get
-the same requests, one publishing ``--kv-event-form deltas`` and one the default stores form.
+the same requests, one publishing ``--kv-event-form deltas`` (the default) and one ``stores``.
 A ZMQ SUB and replay DEALER in the test decode the deltas worker's ``OwnBatch`` payloads with
 msgspec: the own hashes its live deltas leave held equal its full dump's (``SNAPSHOT_SEQ``), the
 stores worker's (own hashes of its ``BlockStored`` events, minus its removals), and, before any
@@ -137,7 +137,7 @@ async def test_deltas_replay_to_the_dump_and_to_the_stores_forms_state(
 ) -> None:
     ports = [(_free_port(), _free_port()) for _ in range(2)]
     deltas_w = _worker(spawn, namespace, tiny_model, "deltas", ports[0])
-    stores_w = _worker(spawn, namespace, tiny_model, None, ports[1])
+    stores_w = _worker(spawn, namespace, tiny_model, "stores", ports[1])
     front = spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
                   "--router-mode", "direct", ready=False)
     for proc in (deltas_w, stores_w, front):

@@ -39,7 +39,8 @@ async def zctx() -> AsyncIterator[zmq.asyncio.Context]:
 
 async def start_engine(**overrides: Any) -> MockerEngine:
     base: dict[str, Any] = {"speedup_ratio": 1e6, "host": "127.0.0.1", "block_size": BS,
-                            "num_gpu_blocks": 24, "vocab_size": 1000}
+                            "num_gpu_blocks": 24, "vocab_size": 1000,
+                            "kv_event_form": "stores"}  # vLLM's event shape
     engine = MockerEngine(MockerConfig(**{**base, **overrides}))
     await engine.start(worker_id=1)
     return engine

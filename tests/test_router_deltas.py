@@ -30,7 +30,9 @@ from dynamo_zmq.llm import (
     encode_batch,
     encode_own_batch,
 )
+from dynamo_zmq.llm._block_hashing import FORM_DELTAS
 from dynamo_zmq.resources import Resources
+from engines.mocker._publisher import KvEventPublisher
 from router._own_events import decode_own_batch, pick_decoder
 from router._packed_indexer import PackedKvIndexer
 from router.events import EventDecodeError, decode_batch
@@ -38,7 +40,6 @@ from router.hashing import block_hashes
 from router.indexer import KvIndexer, WorkerKey
 from router.metrics import RouterMetrics
 from router.subscriber import KvEventSubscriber
-from tests.support.delta_worker import DeltaPublisher
 
 BS = 2
 SALT = 0x5A5A5A5A5A5A5A5A
@@ -334,7 +335,7 @@ def test_any_bytes_decode_or_raise_event_decode_error(payload: bytes) -> None:
 WID = 0xDE17A
 
 
-def _raw(pub: DeltaPublisher, payload: bytes) -> None:
+def _raw(pub: KvEventPublisher, payload: bytes) -> None:
     """Publish ``payload`` as the next batch, whatever it holds (seq, replay buffer, PUB)."""
     seq = pub._next_seq
     pub._next_seq += 1
@@ -348,7 +349,7 @@ def _stores(hashes: list[int], parent: int | None = None) -> BlockStored:
     return BlockStored([h ^ SALT for h in hashes], parent, [], BS, own_hashes=hashes)
 
 
-async def _following(pub: DeltaPublisher, idx: KvIndexer,
+async def _following(pub: KvEventPublisher, idx: KvIndexer,
                      metrics: RouterMetrics | None = None) -> KvEventSubscriber:
     sub = KvEventSubscriber(Resources("test"), WID, f"tcp://127.0.0.1:{pub.events_port}", idx,
                             replay_endpoint=f"tcp://127.0.0.1:{pub.replay_port}",
@@ -359,7 +360,7 @@ async def _following(pub: DeltaPublisher, idx: KvIndexer,
 
 
 async def test_a_dump_in_delta_form_replaces_stale_state_and_garbage_is_counted() -> None:
-    pub = DeltaPublisher("127.0.0.1")
+    pub = KvEventPublisher("127.0.0.1", form=FORM_DELTAS)
     await pub.start()
     idx = KvIndexer(BS)
     a, b = block_hashes(PROMPTS[5], BS), block_hashes(PROMPTS[10], BS)
@@ -393,17 +394,6 @@ async def test_a_dump_in_delta_form_replaces_stale_state_and_garbage_is_counted(
         assert idx.keys() == set() and idx.num_blocks() == 0 and not idx._masks
     finally:
         await pub.close()
-
-
-def test_publisher_support_ledger_holes() -> None:
-    """The test publisher's ledger (tests/support/delta_worker.py) reports holes exactly."""
-    from tests.support.delta_worker import RankLedger
-
-    led, a = RankLedger(), block_hashes(PROMPTS[3], BS)
-    assert led.apply(_stores(a)) == OwnStored(a, 0)
-    assert led.apply(_stores(a[:2])) is None  # references only
-    assert led.apply(BlockRemoved([a[1] ^ SALT])) is None
-    assert led.apply(BlockRemoved([a[1] ^ SALT])) == OwnRemoved([a[1]], 1)
 
 
 def test_a_deltas_advert_with_another_scheme_is_not_indexed() -> None:

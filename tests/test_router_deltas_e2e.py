@@ -1,5 +1,5 @@
 """Own-hash deltas through real processes: mocker workers that publish ``OwnBatch`` payloads and
-advertise ``kv_hash_scheme.form = "deltas"`` (``tests/support/delta_worker.py``), a kv-mode
+advertise ``kv_hash_scheme.form = "deltas"`` (the mocker's default ``--kv-event-form``), a kv-mode
 frontend that indexes them (``decode_own_batch``, no token ids) and routes each prefix to its
 worker, and a second frontend started later that gets the same state from the workers' dumps
 (in delta form) and routes the same way before any request went through it."""
@@ -17,10 +17,11 @@ from tests.test_router_warm_restart import BLOCK, PREFIX_BLOCKS, complete, event
 
 
 def delta_worker(spawn, namespace, model_dir) -> Proc:
-    return spawn("-m", "tests.support.delta_worker", "--model-path", str(model_dir),
+    return spawn("-m", "dynamo_zmq.worker", "--engine", "mocker", "--model-path", str(model_dir),
                  "--model-name", "tiny", "--namespace", namespace, "--host", "127.0.0.1",
                  "--block-size", str(BLOCK), "--num-gpu-blocks-override", "256",
-                 "--kv-replay-buffer-size", "2", "--speedup-ratio", "1000", ready=False)
+                 "--kv-replay-buffer-size", "2", "--speedup-ratio", "1000",
+                 "--kv-event-form", "deltas", ready=False)
 
 
 async def samples(url: str, name: str) -> dict[str, float]:

@@ -122,7 +122,9 @@ async def test_a_block_size_mismatch_is_reported(namespace, spawn, tiny_model):
         proc.wait_ready()
     url = front.address
     await eventually(lambda: serving(url, [first]), 30, "the first worker routed")
-    other = worker(spawn, namespace, tiny_model, block=2 * BLOCK).wait_ready()
+    # (The stores form: its events carry their block size, which the router checks.)
+    other = worker(spawn, namespace, tiny_model, "--kv-event-form", "stores",
+                   block=2 * BLOCK).wait_ready()
     await eventually(lambda: serving(url, [first, other]), 30, "both workers routed")
 
     async def mismatched() -> bool:
@@ -151,7 +153,9 @@ async def test_a_block_size_mismatch_is_reported(namespace, spawn, tiny_model):
 async def test_a_hash_scheme_mismatch_is_reported(namespace, spawn, tiny_model):
     # The worker hashes its blocks from another root seed: its published hashes are not the
     # router's, so the router says so and hashes the tokens of its events instead.
-    other = worker(spawn, namespace, tiny_model, "--kv-hash-seed", "12345")
+    # (The stores form: its events carry the tokens the router falls back to.)
+    other = worker(spawn, namespace, tiny_model, "--kv-hash-seed", "12345", "--kv-event-form",
+                   "stores")
     front = kv_frontend(spawn, namespace)
     for proc in (other, front):
         proc.wait_ready()

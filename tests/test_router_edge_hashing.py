@@ -24,10 +24,13 @@ from dynamo_zmq.llm import (
     EngineConfig,
     KvEvent,
     KvHashScheme,
+    OwnHashLedger,
     encode_batch,
+    encode_own_batch,
 )
 from engines.vllm._edge import EdgeHasher
 from router import events as events_mod
+from router._own_events import decode_own_batch
 from router.events import decode_batch, decode_edge_batch
 from router.hashing import ROOT_SEED, block_hashes, root_hash
 from router.indexer import KvIndexer
@@ -118,6 +121,29 @@ def test_edge_hashed_and_token_hashed_ingestion_build_the_same_index(scenario, d
     for field in ("stored_blocks", "removed_blocks", "unknown_parent", "duplicate_stores",
                   "conflicts", "unknown_removed", "clears"):
         assert getattr(edge, field) == getattr(tok, field), field
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios(), st.integers(0, 3))
+def test_own_hash_deltas_and_token_hashed_ingestion_build_the_same_index(scenario,
+                                                                         dp_rank) -> None:
+    """The same engine events, once as vLLM's events hashed by the router and once through the
+    publishers' ledger (``OwnHashLedger``) as own-hash deltas, index to the same answers."""
+    size, batches, queries = scenario
+    by_tokens, by_deltas, ledger = KvIndexer(size), KvIndexer(size), OwnHashLedger()
+    for events in batches:
+        by_tokens.apply_batch(7, decode_batch(encode_batch(events, dp_rank)))
+        batch, _ = decode_own_batch(encode_own_batch(ledger.apply(events), dp_rank))
+        by_deltas.apply_batch(7, batch)
+    assert by_deltas.num_unique_blocks() == by_tokens.num_unique_blocks() == len(ledger.held())
+    for lora in (None, "ad"):
+        for q in queries:
+            assert by_deltas.find_matches(q, lora=lora) == by_tokens.find_matches(q, lora=lora), q
+    # A router that follows only from here on gets the same index from the ledger's dump.
+    late = KvIndexer(size)
+    late.apply_batch(7, decode_own_batch(encode_own_batch(ledger.snapshot(), dp_rank))[0])
+    for q in queries:
+        assert late.find_matches(q) == by_tokens.find_matches(q), q
 
 
 # --- the wire stays compatible -------------------------------------------------------------------

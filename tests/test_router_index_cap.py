@@ -33,7 +33,9 @@ async def capped(request, namespace, spawn, tiny_model):
         spawn("-m", "dynamo_zmq.worker", "--engine", "mocker", "--model-path", str(tiny_model),
               "--model-name", "tiny", "--namespace", namespace, "--host", "127.0.0.1",
               "--block-size", str(BLOCK), "--num-gpu-blocks-override", "512",
-              "--speedup-ratio", "1000", ready=False)
+              # The stores form: its parent links let the cap evict leaves first, which keeps
+              # a hot prefix's head (delta keys evict strictly oldest first: docs/operations.md).
+              "--speedup-ratio", "1000", "--kv-event-form", "stores", ready=False)
         for _ in range(2)
     ]
     front = spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,

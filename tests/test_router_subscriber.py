@@ -43,7 +43,8 @@ def zctx() -> Any:
 
 async def start_engine(**overrides: Any) -> MockerEngine:
     base: dict[str, Any] = {"speedup_ratio": 1e6, "host": "127.0.0.1", "block_size": BS,
-                            "num_gpu_blocks": 16, "vocab_size": 1000, "data_parallel_size": 2}
+                            "num_gpu_blocks": 16, "vocab_size": 1000, "data_parallel_size": 2,
+                            "kv_event_form": "stores"}  # vLLM's event shape, read below
     engine = MockerEngine(MockerConfig(**{**base, **overrides}))
     await engine.start(worker_id=1)
     return engine

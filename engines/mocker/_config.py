@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from dynamo_zmq.errors import InvalidArgument
-from dynamo_zmq.llm._block_hashing import FORM_STORES
+from dynamo_zmq.llm._block_hashing import FORM_DELTAS
 from dynamo_zmq.llm._kv_forms import KV_EVENT_FORMS
 
 __all__ = ["MockerConfig", "add_mocker_args", "config_from_args", "read_model_dir"]
@@ -65,7 +65,7 @@ class MockerConfig:
     kv_hash_seed: int | None = None
     #: What the KV-event payloads are (``KvHashScheme.form``): "stores" (vLLM's events with the
     #: router's own hashes) or "deltas" (own-hash deltas, ``OwnBatch``).
-    kv_event_form: str = FORM_STORES
+    kv_event_form: str = FORM_DELTAS
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "context_length", "block_size", "num_gpu_blocks", "max_num_seqs",
@@ -143,10 +143,10 @@ def add_mocker_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -
     add("--kv-hash-seed", type=int, default=None,
         help="root seed of the block hashes published with KV events (default: the router's; "
              "another one shows the router's hash-scheme mismatch diagnosis)")
-    add("--kv-event-form", choices=KV_EVENT_FORMS, default=FORM_STORES,
+    add("--kv-event-form", choices=KV_EVENT_FORMS, default=FORM_DELTAS,
         help="KV-event payloads: 'stores' (vLLM's events with the router's own block hashes) or "
-             "'deltas' (only the own hashes that enter or leave each rank; smaller and cheaper "
-             "for routers that read them)")
+             "'deltas', the default (only the own hashes that enter or leave each rank; smaller "
+             "and cheaper for routers that read them; Dynamo's router cannot read them)")
 
 
 def read_model_dir(path: str | Path) -> dict[str, Any]:
@@ -213,7 +213,7 @@ def _config_from_args(args: argparse.Namespace) -> MockerConfig:
         kv_bytes_per_token=get("kv_bytes_per_token", 131072),
         kv_transfer_bandwidth=get("kv_transfer_bandwidth", 25.0),
         kv_hash_seed=get("kv_hash_seed", None),
-        kv_event_form=get("kv_event_form", FORM_STORES),
+        kv_event_form=get("kv_event_form", FORM_DELTAS),
         **from_dir,
     )
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dynamo_zmq import errors
-from dynamo_zmq.llm._block_hashing import FORM_STORES
+from dynamo_zmq.llm._block_hashing import FORM_DELTAS
 from dynamo_zmq.llm._kv_forms import KV_EVENT_FORMS
 
 __all__ = [
@@ -58,7 +58,7 @@ class VllmOptions:
     #: Published batches kept for replay (vLLM's ``buffer_steps``; the relay's in deltas form).
     kv_buffer_steps: int = 10_000
     #: What the relay publishes (``KvHashScheme.form``): "stores" or "deltas".
-    kv_event_form: str = FORM_STORES
+    kv_event_form: str = FORM_DELTAS
     #: Address advertised for the KV-event sockets; None: see ``advertised_host``.
     advertise: str | None = None
     #: Bind host of the worker (only used to choose the advertised address).
@@ -122,9 +122,9 @@ def add_vllm_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> 
         help="KV-event replay ROUTER port (0 = a free one)")
     add("--no-kv-events", action="store_true", default=False,
         help="do not publish KV events (also keeps vLLM's --kv-events-config if given)")
-    add("--kv-event-form", choices=KV_EVENT_FORMS, default=FORM_STORES,
+    add("--kv-event-form", choices=KV_EVENT_FORMS, default=FORM_DELTAS,
         help="KV-event payloads of the relay: 'stores' (vLLM's events with the router's own block "
-             "hashes) or 'deltas' (only the own hashes that enter or leave each rank)")
+             "hashes) or 'deltas', the default (only the own hashes that enter or leave each rank)")
     add("--kv-advertise-host", default=None,
         help="address routers use for the KV-event sockets (and decode workers for KV pulls)")
     # --kv-transfer-port and --kv-transfer-ttl are worker flags (dynamo_zmq.kv_transfer); the
@@ -181,7 +181,7 @@ def options_from_args(args: argparse.Namespace) -> VllmOptions:
         kv_events=not getattr(args, "no_kv_events", False),
         kv_events_port=int(getattr(args, "kv_events_port", 0) or 0),
         kv_replay_port=int(getattr(args, "kv_replay_port", 0) or 0),
-        kv_event_form=str(getattr(args, "kv_event_form", None) or FORM_STORES),
+        kv_event_form=str(getattr(args, "kv_event_form", None) or FORM_DELTAS),
         advertise=advertise,
         host=host,
         disaggregation_mode=str(getattr(args, "disaggregation_mode", None) or "agg"),
