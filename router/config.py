@@ -19,6 +19,9 @@ class KvRouterConfig:
 
     #: Weight of blocks to prefill against decode load [--kv-overlap-score-weight].
     overlap_score_weight: float = 1.0
+    #: Event-driven mode: the prompt blocks of requests in flight count as matched on the rank
+    #: they went to, before its KV events arrive (router/_inflight.py) [--no-kv-inflight-overlap].
+    inflight_overlap: bool = True
     #: Weight of a candidate's queued prefill (uncached prompt blocks routed to it and not yet
     #: prefilled) added to its load; 0: off, Dynamo's cost [--kv-prefill-load-weight].
     prefill_load_weight: float = 0.0

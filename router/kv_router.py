@@ -32,6 +32,7 @@ from dynamo_zmq.runtime import MAX_ATTEMPTS, Client, DistributedRuntime, failove
 from dynamo_zmq.transport import PeerConnection, ResponseStream, item_decoder
 from dynamo_zmq.wire import encode_item
 
+from ._inflight import with_inflight
 from .approx import ApproxIndexer
 from .busy import AdmissionQueue, BusyPolicy, PrefillTokens
 from .config import KvRouterConfig, kv_indexer
@@ -117,6 +118,7 @@ class KvRouter:
         self.loads = LoadTracker(report_ttl=cfg.load_report_ttl, report_grace=cfg.load_report_grace)
         self.busy = BusyPolicy(cfg.busy_kv_threshold, cfg.busy_prefill_tokens)
         self._prefill_weight = cfg.prefill_load_weight
+        self._inflight = cfg.use_kv_events and cfg.inflight_overlap
         #: Track each request's prompt tokens until its first output (busy rule, prefill load).
         self._track_prefill = cfg.busy_prefill_tokens > 0 or cfg.prefill_load_weight > 0
         self.prefill = PrefillTokens()
@@ -285,8 +287,7 @@ class KvRouter:
         return max(0, len(request.token_ids) - decision.overlap_blocks * self.block_size)
 
     def _load(self) -> Callable[[Candidate], float]:
-        """The scheduler's load: predicted active blocks, plus the queued prefill in blocks
-        times ``prefill_load_weight`` (TTFT waits for that when prefill dominates)."""
+        """Predicted active blocks plus ``prefill_load_weight`` x queued prefill blocks."""
         w, load = self._prefill_weight, self.loads.load
         if w <= 0:
             return load
@@ -316,6 +317,8 @@ class KvRouter:
             elif admit:
                 raise AllBusy
         matches = self.indexer.find_matches_for_hashes(hashes) if overlap else {}
+        if overlap and self._inflight:  # what the events cannot say yet (router/_inflight.py)
+            matches = with_inflight(matches, hashes, candidates, self.loads)
         sel = self.scheduler.select(candidates, len(hashes), matches, self._load())
         live = set(candidates)
         if overlap and hashes and len(candidates) > 1:

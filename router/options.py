@@ -15,10 +15,10 @@ __all__ = ["add_kv_router_args", "check_kv_router_args", "kv_router_options"]
 
 def add_kv_router_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """``--kv-overlap-score-weight``, ``--kv-prefill-load-weight``, ``--router-temperature``,
-    ``--no-kv-events``, ``--router-ttl``, ``--load-report-ttl``, ``--load-report-grace``,
-    ``--kv-index-max-blocks`` and the busy-worker bounds ``--busy-kv-threshold``,
-    ``--busy-prefill-tokens``, ``--busy-queue-size`` and ``--busy-queue-timeout`` (each with its
-    DYN_* variable)."""
+    ``--no-kv-events``, ``--no-kv-inflight-overlap``, ``--router-ttl``, ``--load-report-ttl``,
+    ``--load-report-grace``, ``--kv-index-max-blocks`` and the busy-worker bounds
+    ``--busy-kv-threshold``, ``--busy-prefill-tokens``, ``--busy-queue-size`` and
+    ``--busy-queue-timeout`` (each with its DYN_* variable)."""
     env = os.environ.get
     parser.add_argument(
         "--kv-overlap-score-weight", type=float, default=env("DYN_KV_OVERLAP_SCORE_WEIGHT", "1.0"),
@@ -40,6 +40,13 @@ def add_kv_router_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup
         "--no-kv-events", action="store_true", default=env("DYN_KV_EVENTS", "1") == "0",
         help="kv routing: predict caches from routing decisions instead of KV events "
              "[DYN_KV_EVENTS=0]",
+    )
+    parser.add_argument(
+        "--no-kv-inflight-overlap", dest="kv_inflight_overlap", action="store_false",
+        default=env("DYN_KV_INFLIGHT_OVERLAP", "1") != "0",
+        help="kv routing with events: match prompts only against the KV events, not also against "
+             "the requests in flight the router sent (whose blocks the events may not carry yet) "
+             "[DYN_KV_INFLIGHT_OVERLAP=0]",
     )
     parser.add_argument(
         "--router-ttl", type=float, default=env("DYN_ROUTER_TTL", "120"), metavar="SECONDS",
@@ -155,6 +162,7 @@ def kv_router_options(args: argparse.Namespace) -> dict[str, Any]:
         "router_temperature": args.router_temperature,
         "prefill_load_weight": args.kv_prefill_load_weight,
         "use_kv_events": not args.no_kv_events,
+        "inflight_overlap": args.kv_inflight_overlap,
         "approx_ttl": args.router_ttl,
         "load_report_ttl": args.load_report_ttl,
         "load_report_grace": args.load_report_grace,

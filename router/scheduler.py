@@ -369,6 +369,12 @@ class LoadTracker:
         while recent and (recent[0].routed_at < horizon or recent[0].released):
             recent.popleft()
 
+    def active_blocks(self, candidate: Candidate) -> Mapping[int, int] | None:
+        """Prompt block hash -> active requests holding it on ``candidate`` (None: none known).
+        Read only: ``router._inflight`` extends index matches with it."""
+        state = self._loads.get(candidate)
+        return None if state is None else state.blocks
+
     def prompt_blocks(self, candidate: Candidate) -> int:
         """Distinct prompt blocks counted for ``candidate`` (for tests)."""
         state = self._loads.get(candidate)
