@@ -598,6 +598,8 @@ def main() -> None:
     ap.add_argument("--dynamo-side", help=argparse.SUPPRESS)
     ap.add_argument("--ours-side", help=argparse.SUPPRESS)
     ap.add_argument("--phase", default="small", help=argparse.SUPPRESS)
+    ap.add_argument("--plot", help="save a bar chart of the store rates and lookup times here "
+                    "(needs matplotlib)")
     args = ap.parse_args()
     if args.dynamo_side:
         dynamo_side(args.dynamo_side, args.phase)
@@ -659,6 +661,51 @@ def main() -> None:
                 else:
                     _merge(d, got)
     print_table(res, d, py, args, time.time() - t0)
+    if args.plot:
+        try:
+            plot(res, d if isinstance(d, dict) else {}, args.plot)
+        except ImportError:
+            print("matplotlib missing: no plot", file=sys.stderr)
+
+
+def plot(r: dict[str, Any], dd: dict[str, Any], out: str) -> None:
+    """Store rates from bytes per path (1 and 64 blocks per event) and lookup p50s, ours beside
+    Dynamo's, as two bar charts in one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    paths = [("token ids", "decode"), ("edge-hashed", "edge"), ("own-hash deltas", "delta")]
+    for i, (name, label) in enumerate((("single", "1 block/event"),
+                                       ("batched", "64 blocks/event"))):
+        xs = [i * (len(paths) + 2) + j for j in range(len(paths) + 1)]
+        vals = [r[f"{name}_{k}_rate"] / 1e6 for _, k in paths]
+        vals.append(dd.get(f"{name}_rate", 0.0) / 1e6)
+        bars = left.bar(xs, vals, color=["#9ecae1", "#4292c6", "#08519c", "#e6550d"])
+        left.bar_label(bars, fmt="%.2f", fontsize=7)
+        left.text(xs[1] + 0.5, -0.08, label, transform=left.get_xaxis_transform(), ha="center")
+    left.set_xticks([])
+    left.set_ylabel("stores from bytes, M blocks/s (higher is better)")
+    left.legend(handles=left.patches[:4], labels=[p for p, _ in paths] + ["Dynamo RadixTree"],
+                fontsize=8)
+    names = ["2,000-block prompt, 8 workers", "big index"]
+    ours = [_pct(r["fm8_lat"], 0.5) * 1e6, _pct(r["big_lat"], 0.5) * 1e6]
+    theirs = ([_pct(dd["fm8_lat"], 0.5) * 1e6, _pct(dd["big_lat"], 0.5) * 1e6]
+              if "fm8_lat" in dd else [0.0, 0.0])
+    xs = np.arange(len(names))
+    right.bar_label(right.bar(xs - 0.2, ours, 0.4, label="ours", color="#08519c"), fmt="%.0f",
+                    fontsize=7)
+    right.bar_label(right.bar(xs + 0.2, theirs, 0.4, label="Dynamo", color="#e6550d"),
+                    fmt="%.0f", fontsize=7)
+    right.set_xticks(xs, names, fontsize=8)
+    right.set_ylabel("find_matches p50, us (lower is better)")
+    right.legend(fontsize=8)
+    fig.suptitle("KV indexer: ours vs Dynamo 1.6.1 (scripts/bench_indexer.py)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print(f"plot saved to {out}")
 
 
 def print_table(r: dict[str, Any], d: dict[str, Any] | str, py: str | None,

@@ -297,7 +297,10 @@ async def test_what_vllm_rejects_is_invalid_argument(engine):
 
 
 async def test_kv_events_block_stored_and_indexed(engine):
-    from router.events import BlockStored, decode_batch
+    # The relay publishes vLLM's stores as own-hash deltas (the default --kv-event-form).
+    from dynamo_zmq.llm import OwnStored
+    from router._own_events import decode_own_batch
+    from router.hashing import block_hashes
     from router.indexer import KvIndexer
 
     cfg = engine.engine_config
@@ -328,16 +331,14 @@ async def test_kv_events_block_stored_and_indexed(engine):
             if int.from_bytes(seq, "big", signed=True) == -1:
                 break
             batches.setdefault(int.from_bytes(seq, "big"), payload)
-        stored = []
+        stored: list[int] = []
         for seq in sorted(batches):
-            batch = decode_batch(batches[seq])
+            batch, _ = decode_own_batch(batches[seq])
             index.apply_batch(42, batch)
-            stored += [e for e in batch.events if isinstance(e, BlockStored)]
-        ours = [e for e in stored if e.token_ids and e.token_ids[0] in prompt]
-        tokens = [t for e in ours for t in e.token_ids]
-        assert tokens[: 7 * BLOCK] == prompt[: 7 * BLOCK], tokens
-        assert all(e.block_size == BLOCK for e in ours)
-        assert index.find_matches(prompt) == {(42, 0): 7}
+            stored += [h for e in batch.events if isinstance(e, OwnStored) for h in e.own_hashes]
+        assert cfg.kv_hash_scheme is not None and cfg.kv_hash_scheme.form == "deltas"
+        assert set(block_hashes(prompt, BLOCK)) <= set(stored)  # its 7 full blocks, hashed as
+        assert index.find_matches(prompt) == {(42, 0): 7}  # the router hashes them
     finally:
         sub.close(0)
         replay.close(0)
