@@ -551,10 +551,11 @@ def ours_big_deltas(npz: str) -> None:
     print("RESULT " + json.dumps(res))
 
 
-def _dynamo_phase(py: str, path: str, phase: str, timeout: float) -> dict[str, Any] | str:
+def _dynamo_phase(py: str, path: str, phase: str, timeout: float,
+                  extra: tuple[str, ...] = ()) -> dict[str, Any] | str:
     side = "--ours-side" if phase == "ours" else "--dynamo-side"
     try:
-        proc = subprocess.run([py, __file__, side, path, "--phase", phase],
+        proc = subprocess.run([py, __file__, side, path, "--phase", phase, *extra],
                               capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return f"timed out after {timeout:.0f} s"
@@ -605,13 +606,13 @@ def main() -> None:
         dynamo_side(args.dynamo_side, args.phase)
         return
     sys.path.insert(0, str(ROOT))
-    if args.ours_side:
-        ours_big_deltas(args.ours_side)
-        return
     if args.packed:  # every measurement below imports router.indexer.KvIndexer when it runs
         import router.indexer
         from router._packed_indexer import PackedKvIndexer
         router.indexer.KvIndexer = PackedKvIndexer  # type: ignore[misc]
+    if args.ours_side:
+        ours_big_deltas(args.ours_side)
+        return
     bs = args.block_size
     if args.quick:
         args.workers, args.blocks_per_worker = (
@@ -636,7 +637,8 @@ def main() -> None:
         path = os.path.join(tmp, "big.npz")
         if args.delta_keys:  # the same index again, built alone in a fresh process
             np.savez(path, **dyn)
-            got = _dynamo_phase(sys.executable, path, "ours", args.dynamo_timeout)
+            got = _dynamo_phase(sys.executable, path, "ours", args.dynamo_timeout,
+                                ("--packed",) if args.packed else ())
             if isinstance(got, dict):
                 res.update(got)
         if py is not None and isinstance(d, dict):
