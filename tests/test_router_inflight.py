@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 
 import pytest
@@ -17,7 +16,7 @@ from router._inflight import with_inflight
 from router.hashing import block_hashes
 from router.options import add_kv_router_args, kv_router_options
 from router.scheduler import LoadTracker
-from tests.support.http_calls import get
+from tests.support.waiting import serving
 from tests.test_router_busy import complete, eventually, metric, metrics_of
 
 BLOCK = 16
@@ -35,16 +34,7 @@ async def test_a_prefix_in_flight_counts_as_matched(namespace, spawn, tiny_model
     flags = [] if inflight else ["--no-kv-inflight-overlap"]
     front = spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
                   "--router-mode", "kv", "--kv-overlap-score-weight", "8", *flags, ready=False)
-    for proc in [*workers, front]:
-        proc.wait_ready()
-    url = front.address
-    ids = {f"{w.instance_id:x}" for w in workers}
-
-    async def serving() -> bool:
-        status, body = await asyncio.to_thread(get, f"{url}/health")
-        return status == 200 and set(json.loads(body)["models"].get("tiny", [])) == ids
-
-    await eventually(serving, 30, "both workers serving")
+    url = await serving(front, workers)
     rng = random.Random(7)
     prefix = [rng.randrange(10, 500) for _ in range(62 * BLOCK)]
     first = asyncio.create_task(asyncio.to_thread(complete, url, prefix, 1))

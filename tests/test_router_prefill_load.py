@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import sys
 import pytest
 
 from router.options import add_kv_router_args, kv_router_options
-from tests.support.http_calls import get
+from tests.support.waiting import serving
 from tests.test_router_busy import complete, eventually, metric, metrics_of
 
 BLOCK = 16
@@ -34,16 +33,7 @@ async def test_queued_prefill_steers_a_shared_prefix_away(namespace, spawn, tiny
     front = spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
                   "--router-mode", "kv", "--kv-overlap-score-weight", "8",
                   "--kv-prefill-load-weight", str(weight), ready=False)
-    for proc in [*workers, front]:
-        proc.wait_ready()
-    url = front.address
-    ids = {f"{w.instance_id:x}" for w in workers}
-
-    async def serving() -> bool:
-        status, body = await asyncio.to_thread(get, f"{url}/health")
-        return status == 200 and set(json.loads(body)["models"].get("tiny", [])) == ids
-
-    await eventually(serving, 30, "both workers serving")
+    url = await serving(front, workers)
     rng = random.Random(11)
     prefix = [rng.randrange(10, 500) for _ in range(62 * BLOCK)]
 
