@@ -114,27 +114,25 @@ class OwnHashLedger:
         out: list[OwnEvent] = []
         for ev in events:
             if type(ev) is BlockStored:
-                owns = self._store(ev)
-                if owns:
-                    last = out[-1] if out else None
-                    if type(last) is OwnStored:
-                        last.own_hashes.extend(owns)
-                        last.holes = self._set.holes
-                    else:
-                        out.append(OwnStored(owns, self._set.holes))
+                self._emit(out, OwnStored, self._store(ev))
             elif type(ev) is BlockRemoved:
-                gone = self._remove(ev.block_hashes)
-                if gone:
-                    last = out[-1] if out else None
-                    if type(last) is OwnRemoved:
-                        last.own_hashes.extend(gone)
-                        last.holes = self._set.holes
-                    else:
-                        out.append(OwnRemoved(gone, self._set.holes))
+                self._emit(out, OwnRemoved, self._remove(ev.block_hashes))
             elif type(ev) is AllBlocksCleared:
                 self.clear()
                 out.append(AllBlocksCleared())
         return out
+
+    def _emit(self, out: list[OwnEvent], kind: type[OwnStored] | type[OwnRemoved],
+              owns: list[int]) -> None:
+        """Add ``owns`` to ``out`` as a ``kind`` event, merged into the last one if it is one."""
+        if not owns:
+            return
+        last = out[-1] if out else None
+        if type(last) is kind:
+            last.own_hashes.extend(owns)
+            last.holes = self._set.holes
+        else:
+            out.append(kind(owns, self._set.holes))
 
     def clear(self) -> None:
         """Forget everything (the rank holds nothing)."""
