@@ -18,6 +18,10 @@ its keys that the worker holds; the hit rate is hits / all full blocks.
   random tiny traces it lost to an online run about once in 500), hence the maximum. It
   ignores what a real engine also spends cache on (blocks of running requests, generated
   tokens), so real engines sit below it even with a perfect router.
+
+Each takes ``measure_from``: requests before that index warm the caches (they are placed,
+admitted and evicted as usual) but their blocks are not counted, as when a benchmark replays a
+trace's earlier rows before the window it measures.
 """
 
 from __future__ import annotations
@@ -56,14 +60,15 @@ def block_keys(prompts: Sequence[Sequence[int]], block_size: int) -> list[list[i
     return out
 
 
-def infinite_bound(reqs: Sequence[Sequence[int]]) -> float:
-    """Hit rate with one unbounded cache: blocks whose prefix appeared in an earlier request."""
+def infinite_bound(reqs: Sequence[Sequence[int]], measure_from: int = 0) -> float:
+    """Hit rate with one unbounded cache: blocks whose prefix appeared in an earlier request
+    (counted from request ``measure_from`` on; earlier ones only fill the cache)."""
     seen: set[int] = set()
     hit = tot = 0
-    for keys in reqs:
-        for k in keys:
-            hit += k in seen
-            tot += 1
+    for i, keys in enumerate(reqs):
+        if i >= measure_from:
+            hit += sum(k in seen for k in keys)
+            tot += len(keys)
         seen.update(keys)
     return hit / tot if tot else 0.0
 
@@ -164,6 +169,7 @@ def simulate(
     eviction: str = "belady",
     window: int = 32,
     slack: float | None = 1.5,
+    measure_from: int = 0,
 ) -> SimResult:
     """Replay ``reqs`` on ``workers`` caches of ``capacity`` blocks (``math.inf``: unbounded).
 
@@ -171,7 +177,8 @@ def simulate(
     of the request (ties: fewest requests in the window, then the lowest index), like a KV
     router that sees every event. eviction: ``lru``, or ``belady`` (clairvoyant: farthest
     next use first). Greedy with Belady eviction is the oracle's main candidate.
-    slack: the balance rule's factor, None for no rule.
+    slack: the balance rule's factor, None for no rule. measure_from: the first request whose
+    hits and blocks count (earlier ones only warm the caches).
     """
     if workers < 1 or not capacity >= 1:
         raise ValueError("workers and capacity must be >= 1")
@@ -189,8 +196,9 @@ def simulate(
             w = i % workers
         else:
             w = max(allowed, key=lambda c: (caches[c].match(keys), -counts[c], -c))
-        res.hits += caches[w].match(keys)
-        res.blocks += len(keys)
+        if i >= measure_from:
+            res.hits += caches[w].match(keys)
+            res.blocks += len(keys)
         res.placement.append(w)
         caches[w].admit(keys, nexts[i])
         recent.append(w)
@@ -206,8 +214,9 @@ def finite_bound(
     capacity: float,
     window: int = 32,
     slack: float | None = 1.5,
+    measure_from: int = 0,
 ) -> SimResult:
     """The best hit rate of the heuristic oracle's candidate runs (see the module docstring)."""
-    runs = [simulate(reqs, workers, capacity, p, e, window, slack)
+    runs = [simulate(reqs, workers, capacity, p, e, window, slack, measure_from)
             for p in PLACEMENTS for e in ("belady", "lru")]
     return max(runs, key=lambda r: r.hits)

@@ -1,7 +1,7 @@
 """Replay a Mooncake-format trace against N mocker workers under each router mode.
 
     python scripts/bench_router_trace.py [--trace /work/shared/traces/synthetic_trace.jsonl]
-        [--start 0] [--max-requests 300] [--max-seconds 120] [--speedup 10]
+        [--start 0] [--max-requests 300] [--warmup 0] [--max-seconds 120] [--speedup 10]
         [--workers 4] [--dp 1] [--tokens-per-block 64] [--max-output 32]
         [--mocker-speedup 2] [--num-gpu-blocks 512] [--modes round-robin,random,kv,approx]
         [--frontends 1] [--no-replica-sync] [--prefill-ms-per-token 0]
@@ -15,6 +15,11 @@ lists: hash id ``h`` maps to ``--tokens-per-block`` ids drawn from ``random.Rand
 trace's partial last block. The mocker runs with ``--block-size`` = ``--tokens-per-block``.
 Arrivals follow the trace timestamps divided by ``--speedup`` (open loop); outputs are
 ``min(output_length, --max-output)`` tokens (``min_tokens`` = ``max_tokens``, ``ignore_eos``).
+
+``--warmup N`` replays the N rows before ``--start`` first, in the same open-loop stream and
+through the same router, so the window is measured on caches that hold what the trace sent
+before it (as a serving fleet's caches do); every figure below (TTFT, hit rate, the bounds)
+counts only the window's requests, while failures count over all of them.
 
 Each mode runs on a fresh set of processes (N workers + one frontend, own namespace; with
 ``--frontends N``, N frontends taking requests in turn, in kv modes with
@@ -134,21 +139,6 @@ class Prompts:
         return toks
 
 
-def upper_bound(prompts: list[list[int]], tpb: int) -> float:
-    """Infinite-cache hit rate over full blocks of the replayed prompts."""
-    seen: set[tuple] = set()
-    hit = tot = 0
-    for p in prompts:
-        full = len(p) // tpb
-        for i in range(full):
-            key = tuple(p[: (i + 1) * tpb])
-            tot += 1
-            if key in seen:
-                hit += 1
-            seen.add(key)
-    return hit / tot if tot else 0.0
-
-
 # -- processes --------------------------------------------------------------------------------
 
 
@@ -230,8 +220,9 @@ def metric_sum(text: str, name: str) -> float | None:
 
 async def replay(
     url: str | list[str], model: str, rows: list[dict], prompts: list[list[int]],
-    args: argparse.Namespace,
+    args: argparse.Namespace, warmup: int = 0,
 ):
+    """Send ``rows`` open loop; the first ``warmup`` are marked unmeasured (``box["measured"]``)."""
     fronts = [(u.hostname or "127.0.0.1", u.port or 80)
               for u in map(be.urlsplit, [url] if isinstance(url, str) else url)]
     turn = iter(range(1 << 62))
@@ -239,7 +230,7 @@ async def replay(
     results: list[tuple[be.Result, dict]] = []
     sem = asyncio.Semaphore(args.max_inflight)
 
-    async def one(row: dict, prompt: list[int]) -> None:
+    async def one(row: dict, prompt: list[int], measured: bool) -> None:
         out = max(1, min(int(row["output_length"]), args.max_output))
         host, port = fronts[next(turn) % len(fronts)]  # --frontends N: alternate between them
         body = json.dumps({"model": model, "prompt": prompt, "max_tokens": out, "min_tokens": out,
@@ -248,7 +239,7 @@ async def replay(
         head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
                 f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
         res = be.Result(ok=False, t_send=time.perf_counter())
-        box: dict = {"prompt_len": len(prompt)}
+        box: dict = {"prompt_len": len(prompt), "measured": measured}
         _cached.set(box)
         results.append((res, box))
         async with sem:
@@ -263,14 +254,14 @@ async def replay(
 
     tasks: list[asyncio.Task] = []
     start = time.perf_counter()
-    for row, prompt in zip(rows, prompts, strict=True):
+    for i, (row, prompt) in enumerate(zip(rows, prompts, strict=True)):
         due = start + (row["timestamp"] - t0_trace) / 1000.0 / args.speedup
         now = time.perf_counter()
         if now - start > args.max_seconds:
             break
         if due > now:
             await asyncio.sleep(due - now)
-        tasks.append(asyncio.create_task(one(row, prompt)))
+        tasks.append(asyncio.create_task(one(row, prompt, i >= warmup)))
     left = max(1.0, args.max_seconds + args.request_timeout - (time.perf_counter() - start))
     _done, pending = await asyncio.wait(tasks, timeout=left) if tasks else (set(), set())
     for t in pending:
@@ -326,7 +317,8 @@ def run_mode(mode: str, rows: list[dict], prompts: list[list[int]], args: argpar
         else:
             raise RuntimeError("frontend never listed the model")
         time.sleep(args.settle)  # let every worker be discovered (and KV subscriptions connect)
-        results, wall, skipped = asyncio.run(replay(urls, args.model_name, rows, prompts, args))
+        results, wall, skipped = asyncio.run(
+            replay(urls, args.model_name, rows, prompts, args, args.warmup))
         try:
             mtext = "\n".join(http_get(u + "/metrics").decode() for u in urls)
         except OSError:
@@ -335,15 +327,17 @@ def run_mode(mode: str, rows: list[dict], prompts: list[list[int]], args: argpar
         procs.stop()
 
     ok = [r for r, _ in results if r.ok]
-    ttft = [(r.t_first - r.t_send) * 1000 for r in ok if not math.isnan(r.t_first)]
+    window = [(r, b) for r, b in results if b["measured"]]  # --warmup rows only fill caches
+    ttft = [(r.t_first - r.t_send) * 1000 for r, _ in window
+            if r.ok and not math.isnan(r.t_first)]
     errs: dict[str, int] = {}
     for r, _ in results:
         if not r.ok:
             key = re.sub(r"\d+", "N", (r.error or "unknown"))[:80]
             errs[key] = errs.get(key, 0) + 1
-    cached = [(b["cached"], b["prompt_len"]) for r, b in results if r.ok and "cached" in b]
+    cached = [(b["cached"], b["prompt_len"]) for r, b in window if r.ok and "cached" in b]
     hit, hit_src = None, "n/a"
-    if cached and len(cached) == len(ok):
+    if cached and len(cached) == sum(r.ok for r, _ in window):
         full = sum(pl // args.tokens_per_block * args.tokens_per_block for _, pl in cached)
         hit, hit_src = (sum(c for c, _ in cached) / full if full else 0.0), "usage"
     else:
@@ -351,13 +345,14 @@ def run_mode(mode: str, rows: list[dict], prompts: list[list[int]], args: argpar
         pb = metric_sum(mtext, "dynamo_router_prompt_blocks")
         if mb is not None and pb:
             hit, hit_src = mb / pb, "router"
-    t_first_send = min((r.t_send for r, _ in results), default=0.0)
-    t_last_end = max((r.t_end for r in ok if not math.isnan(r.t_end)), default=t_first_send)
-    span = max(1e-9, t_last_end - t_first_send) if ok else wall
+    w_ok = [r for r, _ in window if r.ok]
+    t_first_send = min((r.t_send for r, _ in window), default=0.0)
+    t_last_end = max((r.t_end for r in w_ok if not math.isnan(r.t_end)), default=t_first_send)
+    span = max(1e-9, t_last_end - t_first_send) if w_ok else wall
     return {
         "mode": mode, "sent": len(results), "ok": len(ok), "failed": len(results) - len(ok),
         "not_sent": skipped, "errors": errs, "wall_s": wall, "span_s": span,
-        "req_s": len(ok) / span, "out_tok_s": sum(r.tokens for r in ok) / span,
+        "req_s": len(w_ok) / span, "out_tok_s": sum(r.tokens for r in w_ok) / span,
         "ttft_p50_ms": be.pct(ttft, 0.5), "ttft_p99_ms": be.pct(ttft, 0.99),
         "ttft_mean_ms": (sum(ttft) / len(ttft)) if ttft else math.nan,
         "hit_rate": hit, "hit_source": hit_src,
@@ -374,12 +369,13 @@ def bounds(prompts: list[list[int]], args: argparse.Namespace) -> dict[str, floa
     and, for reference, round-robin and the online greedy placement in the same simulator with
     LRU caches (what an ideal event-driven router reaches on engines that evict LRU)."""
     keys = block_keys(prompts, args.tokens_per_block)
-    caches, cap = args.workers * args.dp, args.num_gpu_blocks
-    fin = finite_bound(keys, caches, cap, window=args.oracle_window, slack=args.oracle_slack)
+    caches, cap, warm = args.workers * args.dp, args.num_gpu_blocks, args.warmup
+    fin = finite_bound(keys, caches, cap, window=args.oracle_window, slack=args.oracle_slack,
+                       measure_from=warm)
     sims = {f"sim_{p}_lru": simulate(keys, caches, cap, p, "lru", args.oracle_window,
-                                     args.oracle_slack).rate
+                                     args.oracle_slack, measure_from=warm).rate
             for p in ("round-robin", "greedy")}
-    return {"infinite": infinite_bound(keys), "finite": fin.rate, **sims}
+    return {"infinite": infinite_bound(keys, warm), "finite": fin.rate, **sims}
 
 
 def fmt(x: Any, nd: int = 1) -> str:
@@ -443,6 +439,8 @@ def main() -> int:
     ap.add_argument("--trace", default="/work/shared/traces/synthetic_trace.jsonl")
     ap.add_argument("--start", type=int, default=0, help="first trace row")
     ap.add_argument("--max-requests", type=int, default=300)
+    ap.add_argument("--warmup", type=int, default=0,
+                    help="replay this many rows before --start first, unmeasured (warm caches)")
     ap.add_argument("--max-seconds", type=float, default=120.0,
                     help="stop issuing after this (per mode)")
     ap.add_argument("--speedup", type=float, default=10.0, help="arrival time compression")
@@ -494,19 +492,23 @@ def main() -> int:
         mcfg["max_position_embeddings"] = args.context_length
         cfg_path.write_text(json.dumps(mcfg, indent=2))
 
-    rows = load_trace(args.trace, args.start, args.max_requests)
-    if not rows:
+    if not 0 <= args.warmup <= args.start:
+        ap.error("--warmup must be between 0 and --start")
+    rows = load_trace(args.trace, args.start - args.warmup, args.warmup + args.max_requests)
+    if len(rows) <= args.warmup:
         print("no trace rows", file=sys.stderr)
         return 1
     pm = Prompts(args.tokens_per_block, args.vocab_size)
     prompts = [pm.build(r) for r in rows]
-    bound = upper_bound(prompts, args.tokens_per_block)
     bnd = bounds(prompts, args)
-    finite = bnd["finite"]
+    bound, finite = bnd["infinite"], bnd["finite"]
     span = (rows[-1]["timestamp"] - rows[0]["timestamp"]) / 1000 / args.speedup
-    print(f"trace {Path(args.trace).name} rows {args.start}..{args.start + len(rows) - 1}: "
-          f"{len(rows)} requests over {span:.1f}s replayed, mean prompt "
-          f"{sum(map(len, prompts)) / len(prompts):.0f} tokens, "
+    measured = prompts[args.warmup:]
+    warm = (f" after {args.warmup} warm-up rows from {args.start - args.warmup}"
+            if args.warmup else "")
+    print(f"trace {Path(args.trace).name} rows {args.start}..{args.start + len(measured) - 1}"
+          f"{warm}: {len(rows)} requests over {span:.1f}s replayed, mean prompt "
+          f"{sum(map(len, measured)) / len(measured):.0f} tokens, "
           f"infinite-cache bound {100 * bound:.1f}%, finite-capacity bound {100 * finite:.1f}% "
           f"({args.workers * args.dp} caches of {args.num_gpu_blocks} blocks); simulated with "
           f"LRU caches: round-robin {100 * bnd['sim_round-robin_lru']:.1f}%, online greedy "

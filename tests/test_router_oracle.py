@@ -64,3 +64,36 @@ def test_block_keys_are_chained() -> None:
     assert keys[0][0] == keys[1][0] and keys[0][1] != keys[1][1]
     assert keys[2][0] != keys[0][1]  # equal tokens, different prefix
     assert block_keys([[1, 2, 3]], 2) == [[0]]  # the partial last block is not a key
+
+
+@settings(max_examples=200, deadline=None)
+@given(_traces, _traces, st.integers(1, 3), st.integers(1, 8), st.sampled_from([None, 1.5]))
+def test_warm_up_requests_fill_caches_but_are_not_counted(
+    warm_paths: list[list[int]], paths: list[list[int]], workers: int, capacity: int,
+    slack: float | None,
+) -> None:
+    warm = len(warm_paths)
+    reqs = _keys(warm_paths + paths)
+    window = reqs[warm:]
+    blocks = sum(map(len, window))
+    # The measured part counts only the window's blocks, and the warm cache can only add hits
+    # to the infinite bound.
+    assert infinite_bound(reqs, warm) >= infinite_bound(window) - 1e-12
+    assert infinite_bound(reqs, warm) <= 1.0
+    bound = finite_bound(reqs, workers, capacity, window=4, slack=slack, measure_from=warm)
+    assert bound.blocks == blocks
+    assert bound.rate <= infinite_bound(reqs, warm) + 1e-12
+    for placement in ("round-robin", "greedy"):
+        online = simulate(reqs, workers, capacity, placement, "lru", 4, slack, warm)
+        assert online.blocks == blocks and bound.hits >= online.hits
+    # measure_from=0 is the whole trace, as before.
+    assert finite_bound(reqs, workers, capacity, 4, slack, 0).hits == finite_bound(
+        reqs, workers, capacity, window=4, slack=slack).hits
+
+
+def test_a_warm_cache_turns_a_cold_window_into_hits() -> None:
+    reqs = block_keys([[1, 2, 3], [4, 5, 6], [1, 2, 3], [4, 5, 6]], 1)
+    assert infinite_bound(reqs[2:]) == 0.0  # alone, the window has no reuse
+    assert infinite_bound(reqs, measure_from=2) == 1.0
+    assert finite_bound(reqs, 2, 3, window=2, slack=1.0, measure_from=2).hits == 6
+    assert simulate(reqs, 1, 3, "greedy", "lru", measure_from=2).hits == 0  # it thrashes
