@@ -339,6 +339,40 @@ async def test_a_decode_worker_lost_mid_stream_migrates_the_request(
     ) == 1
 
 
+async def test_a_migration_that_waits_for_a_new_decode_worker_counts_one_local_prefill(
+    namespace, spawn, tiny_model, client_of
+):
+    # The only decode worker dies mid-stream; the migration polls until a new one is up, and
+    # each poll that finds none is not a local prefill (only the continuation that was sent).
+    Worker(spawn, namespace, tiny_model, "prefill")
+    lost = Worker(spawn, namespace, tiny_model, "decode", speedup="1")
+    url = frontend(spawn, namespace, "--disagg-mode", "always")
+    await wait_pools(url, prefill=1)
+
+    stream = await client_of(url).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hello there"}], max_tokens=300,
+        stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    )
+    chunks, usage, started = 0, None, None
+    async for chunk in stream:
+        if chunk.choices:
+            chunks += 1
+            if chunks == 5:
+                lost.proc.signal(signal.SIGKILL)
+                started = asyncio.create_task(asyncio.to_thread(
+                    Worker, spawn, namespace, tiny_model, "decode", "1"))
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert started is not None
+    replacement = await started
+    assert usage.completion_tokens == 300
+    assert await replacement.metric("requests_total") == 1
+    assert await frontend_metric(url, "dynamo_frontend_migrations_total") == 1
+    assert await frontend_metric(
+        url, "dynamo_frontend_local_prefills_total", reason="migrated"
+    ) == 1
+
+
 async def test_conditional_mode_prefills_locally_while_the_prefill_pool_is_busy(
     namespace, spawn, tiny_model, client_of
 ):

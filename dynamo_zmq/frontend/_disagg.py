@@ -224,6 +224,7 @@ class DisaggRouter:
             extra["timeout"] = timeout
         if exclude:
             extra["exclude"] = exclude
+        reason = None
         if request.embedding is None:  # an embedding has no prefill to move
             reason = self.local_reason(request)
             if reason is None:
@@ -237,11 +238,12 @@ class DisaggRouter:
                         request, disaggregated_params={"do_remote_prefill": True, **handoff},
                         migration_link=link,  # the decode's engine.generate links to the prefill
                     )
-            if reason is not None:
-                self._local[reason].inc()
-        return await self.generation.generate(
+        stream = await self.generation.generate(
             request, context, instance_id=instance_id, idle_timeout=idle_timeout, **extra
         )
+        if reason is not None:  # counted once sent: a migration may try several times
+            self._local[reason].inc()
+        return stream
 
     async def close(self) -> None:
         """Close both pools' routers."""
