@@ -13,9 +13,10 @@ its keys that the worker holds; the hit rate is hits / all full blocks.
   general): a greedy placement that sends each request to the worker where it hits most
   (ties: the worker with the fewest requests in the window) while every cache evicts by
   Belady's rule (farthest next use anywhere in the trace first, deeper blocks first on ties,
-  so caches stay prefix-closed); and round-robin and that greedy placement with LRU caches,
-  and round-robin with Belady's rule. Greedy with Belady's rule alone is not always best (on
-  random tiny traces it lost to an online run about once in 500), hence the maximum. It
+  so caches stay prefix-closed); and round-robin, that greedy placement and the approximate
+  placement (greedy on what was sent to each worker, as a router without KV events) with LRU
+  caches or Belady's rule. Greedy with Belady's rule alone is not always best (on random tiny
+  traces it lost to an online run about once in 500), hence the maximum. It
   ignores what a real engine also spends cache on (blocks of running requests, generated
   tokens), so real engines sit below it even with a perfect router.
 
@@ -41,7 +42,7 @@ __all__ = [
     "simulate",
 ]
 
-PLACEMENTS = ("round-robin", "greedy")
+PLACEMENTS = ("round-robin", "greedy", "approx")
 _INF = math.inf
 
 
@@ -175,8 +176,10 @@ def simulate(
 
     placement: ``round-robin``, or ``greedy``: the worker whose cache holds the longest prefix
     of the request (ties: fewest requests in the window, then the lowest index), like a KV
-    router that sees every event. eviction: ``lru``, or ``belady`` (clairvoyant: farthest
-    next use first). Greedy with Belady eviction is the oracle's main candidate.
+    router that sees every event; or ``approx``: the same choice made on what was sent to each
+    worker instead of what its cache holds (a router without KV events, whose belief never
+    expires and never learns of an eviction). eviction: ``lru``, or ``belady`` (clairvoyant:
+    farthest next use first). Greedy with Belady eviction is the oracle's main candidate.
     slack: the balance rule's factor, None for no rule. measure_from: the first request whose
     hits and blocks count (earlier ones only warm the caches).
     """
@@ -189,11 +192,15 @@ def simulate(
     cap = math.ceil(slack * window / workers) if slack is not None else None
     recent: collections.deque[int] = collections.deque()
     counts = [0] * workers
+    sent: list[set[int]] = [set() for _ in range(workers)]  # approx's belief
     res = SimResult(0, 0)
     for i, keys in enumerate(reqs):
         allowed = [w for w in range(workers) if cap is None or counts[w] < cap]
         if placement == "round-robin":
             w = i % workers
+        elif placement == "approx":
+            w = max(allowed, key=lambda c: (_believed(sent[c], keys), -counts[c], -c))
+            sent[w].update(keys)
         else:
             w = max(allowed, key=lambda c: (caches[c].match(keys), -counts[c], -c))
         if i >= measure_from:
@@ -206,6 +213,15 @@ def simulate(
         if len(recent) > window - 1:  # the next request's window holds window - 1 others
             counts[recent.popleft()] -= 1
     return res
+
+
+def _believed(sent: set[int], keys: Sequence[int]) -> int:
+    n = 0
+    for k in keys:
+        if k not in sent:
+            break
+        n += 1
+    return n
 
 
 def finite_bound(

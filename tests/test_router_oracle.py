@@ -26,7 +26,7 @@ def test_finite_bound_beats_online_policies(
 ) -> None:
     reqs = _keys(paths)
     bound = finite_bound(reqs, workers, capacity, window=4, slack=slack)
-    for placement in ("round-robin", "greedy"):
+    for placement in ("round-robin", "greedy", "approx"):
         online = simulate(reqs, workers, capacity, placement, "lru", window=4, slack=slack)
         assert bound.hits >= online.hits
         assert online.blocks == bound.blocks
@@ -43,6 +43,10 @@ def test_unbounded_capacity_reaches_the_infinite_bound(
     assert simulate(reqs, workers, math.inf, "greedy", "belady", slack=None).rate == inf
     assert finite_bound(reqs, workers, math.inf, slack=None).rate == inf
     assert finite_bound(reqs, 1, math.inf).rate == inf
+    # With nothing evicted, what was sent to a worker is what it holds: approx is greedy.
+    greedy = simulate(reqs, workers, math.inf, "greedy", "lru", slack=None)
+    approx = simulate(reqs, workers, math.inf, "approx", "lru", slack=None)
+    assert approx.placement == greedy.placement and approx.hits == greedy.hits
 
 
 def test_capacity_and_placement_matter() -> None:
@@ -97,3 +101,14 @@ def test_a_warm_cache_turns_a_cold_window_into_hits() -> None:
     assert infinite_bound(reqs, measure_from=2) == 1.0
     assert finite_bound(reqs, 2, 3, window=2, slack=1.0, measure_from=2).hits == 6
     assert simulate(reqs, 1, 3, "greedy", "lru", measure_from=2).hits == 0  # it thrashes
+
+
+def test_approx_sends_a_prefix_back_to_the_cache_that_evicted_it() -> None:
+    # Worker 0 evicts [2] for [1, 2]. Approx still believes worker 0 holds [2] and sends [2, 3]
+    # there, which evicts [1]; greedy sees the eviction, sends [2, 3] to the idler worker 1,
+    # and the last [1] hits on worker 0.
+    reqs = block_keys([[2], [3], [1, 2], [2, 3], [1]], 1)
+    greedy = simulate(reqs, 2, 2, "greedy", "lru", slack=None)
+    approx = simulate(reqs, 2, 2, "approx", "lru", slack=None)
+    assert greedy.placement == [0, 1, 0, 1, 0] and approx.placement == [0, 1, 0, 0, 0]
+    assert (greedy.hits, approx.hits) == (1, 0)
