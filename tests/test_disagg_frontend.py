@@ -15,6 +15,7 @@ import pytest
 from tests.support.http_calls import get, post
 from tests.support.metrics import sample
 from tests.support.procs import Proc
+from tests.support.waiting import eventually
 from tests.test_status import status_json
 
 LONG = "hello " * 600  # well over any threshold below, in the tiny model's tokens
@@ -316,6 +317,12 @@ async def test_a_decode_worker_lost_mid_stream_migrates_the_request(
     url = frontend(spawn, namespace, "--disagg-mode", "always")
     await wait_pools(url, prefill=1)
     by_id = {f"{w.proc.instance_id:x}": w for w in decodes}
+
+    async def both_decodes_listed() -> bool:  # so the migration has a known worker to go to
+        status, body = await asyncio.to_thread(get, f"{url}/health")
+        return status == 200 and set(json.loads(body)["models"].get("tiny", [])) == set(by_id)
+
+    await eventually(both_decodes_listed, 30, "both decode workers serving")
 
     raw = await client_of(url).chat.completions.with_raw_response.create(
         model="tiny", messages=[{"role": "user", "content": "Hello there"}], max_tokens=300,
