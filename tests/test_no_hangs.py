@@ -19,6 +19,7 @@ import socket
 from collections import Counter
 
 from dynamo_zmq import errors
+from dynamo_zmq.llm._migration import MIGRATION_WAIT
 from tests.support.churn import (
     Outcome,
     frontend,
@@ -251,12 +252,21 @@ async def test_requests_with_no_live_worker_end_at_once(namespace, spawn, tiny_m
     async with openai_client(url) as client:
         tasks = await start_streams(client, 2, tokens=150)
         workers[0].signal(signal.SIGKILL)
-        waiting = [asyncio.create_task(stream_completion(client, 5)) for _ in range(4)]
-        outcomes = await asyncio.wait_for(asyncio.gather(*tasks, *waiting), DEADLINE + MARGIN)
+        # Sent as the worker dies: routed to it before its death is known, a request fails
+        # before any output and waits up to MIGRATION_WAIT for another worker, never to its
+        # deadline.
+        racing = [asyncio.create_task(stream_completion(client, 5)) for _ in range(4)]
+        outcomes = await asyncio.wait_for(asyncio.gather(*tasks, *racing), DEADLINE + MARGIN)
         tally = assert_all_ended(outcomes)
         assert tally["ok"] == 0, tally
         for out in outcomes[2:]:
-            assert out.seconds < DEADLINE / 2, out  # refused, not held to the deadline
+            assert out.seconds < MIGRATION_WAIT + MARGIN < DEADLINE, out
+        # Once the frontend knows no worker is live, a request is refused at once.
+        await wait_live(url, lambda ids: not ids)
+        refused = await asyncio.gather(*(stream_completion(client, 5) for _ in range(4)))
+        assert assert_all_ended(refused)["ok"] == 0
+        for out in refused:
+            assert out.seconds < MARGIN, out  # refused, not held to the deadline
         back = worker(spawn, namespace, tiny_model)
         await wait_live(url, lambda ids: ids == {hexid(back)})
         out = await stream_completion(client, 3)
