@@ -30,7 +30,7 @@ from __future__ import annotations
 import collections
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 
 __all__ = [
@@ -98,16 +98,11 @@ class _Cache:
         self.depth: dict[int, int] = {}
         self.heap: list[tuple[float, int, int]] = []  # (-next use, -depth, key), lazy
 
-    def __contains__(self, key: int) -> bool:
+    def __contains__(self, key: object) -> bool:
         return key in self.next_use if self.belady else key in self.lru
 
     def match(self, keys: Sequence[int]) -> int:
-        n = 0
-        for k in keys:
-            if k not in self:
-                break
-            n += 1
-        return n
+        return _prefix_len(self, keys)
 
     def admit(self, keys: Sequence[int], nexts: Sequence[float]) -> None:
         """Touch or insert the request's blocks (at most ``capacity`` of them)."""
@@ -199,7 +194,7 @@ def simulate(
         if placement == "round-robin":
             w = i % workers
         elif placement == "approx":
-            w = max(allowed, key=lambda c: (_believed(sent[c], keys), -counts[c], -c))
+            w = max(allowed, key=lambda c: (_prefix_len(sent[c], keys), -counts[c], -c))
             sent[w].update(keys)
         else:
             w = max(allowed, key=lambda c: (caches[c].match(keys), -counts[c], -c))
@@ -215,10 +210,11 @@ def simulate(
     return res
 
 
-def _believed(sent: set[int], keys: Sequence[int]) -> int:
+def _prefix_len(held: Container[int], keys: Sequence[int]) -> int:
+    """How many of ``keys``, from the first, are in ``held``."""
     n = 0
     for k in keys:
-        if k not in sent:
+        if k not in held:
             break
         n += 1
     return n
