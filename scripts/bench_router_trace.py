@@ -435,6 +435,22 @@ def plot(res: list[dict], bound: float, out: str, finite: float | None = None) -
     fig.savefig(out, dpi=110)
 
 
+def tiny_model(work: Path, args: argparse.Namespace) -> Path:
+    """The mockers' tiny model under ``work`` (built once), its context widened for the trace's
+    prompts (they exceed the tiny model's 2048 positions)."""
+    work.mkdir(parents=True, exist_ok=True)
+    model_dir = work / "model"
+    if not (model_dir / "config.json").exists():
+        subprocess.run([sys.executable, "-m", "dynamo_zmq", "tiny-model", str(model_dir),
+                        "--vocab-size", str(args.vocab_size)], check=True, cwd=ROOT, timeout=120)
+    cfg_path = model_dir / "config.json"
+    mcfg = json.loads(cfg_path.read_text())
+    if mcfg.get("max_position_embeddings", 0) < args.context_length:
+        mcfg["max_position_embeddings"] = args.context_length
+        cfg_path.write_text(json.dumps(mcfg, indent=2))
+    return model_dir
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", default="/work/shared/traces/synthetic_trace.jsonl")
@@ -483,18 +499,6 @@ def main() -> int:
         if m not in MODES:
             ap.error(f"unknown mode {m!r}; choose from {sorted(MODES)}")
 
-    work = Path(args.workdir)
-    work.mkdir(parents=True, exist_ok=True)
-    model_dir = work / "model"
-    if not (model_dir / "config.json").exists():
-        subprocess.run([sys.executable, "-m", "dynamo_zmq", "tiny-model", str(model_dir),
-                        "--vocab-size", str(args.vocab_size)], check=True, cwd=ROOT, timeout=120)
-    cfg_path = model_dir / "config.json"  # trace prompts exceed the tiny model's 2048 positions
-    mcfg = json.loads(cfg_path.read_text())
-    if mcfg.get("max_position_embeddings", 0) < args.context_length:
-        mcfg["max_position_embeddings"] = args.context_length
-        cfg_path.write_text(json.dumps(mcfg, indent=2))
-
     if not 0 <= args.warmup <= args.start:
         ap.error("--warmup must be between 0 and --start")
     rows = load_trace(args.trace, args.start - args.warmup, args.warmup + args.max_requests)
@@ -520,6 +524,8 @@ def main() -> int:
     if args.bounds_only:
         return 0
 
+    work = Path(args.workdir)
+    model_dir = tiny_model(work, args)
     res: list[dict] = []
     for m in modes:
         t = time.monotonic()
