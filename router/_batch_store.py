@@ -95,5 +95,5 @@ def store_batch(index: PackedKvIndexer, key: WorkerKey, events: list[KvEvent]) -
     e2o.insert_many(ehs_np, owns_np, as_u64(parents), as_u64(lows))
     masks.put_many(owns_np, held | bit)
     index._total += total
-    index.stats.stored_blocks += total
+    index._stats.stored_blocks += total
     return True

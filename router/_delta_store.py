@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, cast
 
 from dynamo_zmq.llm import AllBlocksCleared, OwnBatch, OwnStored
 
-from ._keystate import KeyState
+from ._keystate import MASK64, KeyState
 from ._masks import MaskMap
 from .matching import WorkerKey
 
@@ -65,9 +65,9 @@ def apply_own_batch(index: KvIndexer, key: WorkerKey, batch: OwnBatch) -> None:
                 added = _set_bits(masks, st.bit, owns)  # the common case, inline
                 st.count += added
                 index._total += added
-                index.stats.stored_blocks += added
+                index._stats.stored_blocks += added
                 if added != n:
-                    index.stats.duplicate_stores += n - added
+                    index._stats.duplicate_stores += n - added
             elif n:
                 _store(index, key, st, owns)
         elif owns:
@@ -78,7 +78,12 @@ def apply_own_batch(index: KvIndexer, key: WorkerKey, batch: OwnBatch) -> None:
 
 def _store(index: KvIndexer, key: WorkerKey, st: KeyState, owns: list[int]) -> None:
     n = len(owns)
-    masks, bit, stats = index._masks, st.bit, index.stats
+    masks, bit, stats = index._masks, st.bit, index._stats
+    if type(masks) is not dict:
+        packed = cast(MaskMap, masks)
+        if index._total + n <= index.max_blocks and not bit >> 64:
+            return _store_front(index, st, packed, owns)
+        packed.merge()  # exact counts before the cap's arithmetic
     if index._total + n > index.max_blocks:  # only what is new needs room
         new = [h for h in dict.fromkeys(owns) if not masks.get(h, 0) & bit]
         stats.duplicate_stores += n - len(new)
@@ -96,6 +101,26 @@ def _store(index: KvIndexer, key: WorkerKey, st: KeyState, owns: list[int]) -> N
     index._total += added
     stats.stored_blocks += added
     stats.duplicate_stores += n - added
+
+
+def _store_front(index: KvIndexer, st: KeyState, masks: MaskMap, owns: list[int]) -> None:
+    """The packed layout's common case: the bits go to the masks' front (``router._masks``),
+    the hashes to the key's store log; held blocks the front cannot see are corrected by
+    ``PackedKvIndexer._settle_dups`` when it meets them."""
+    n = len(owns)
+    order = _order_of(st)
+    try:
+        order.extend(owns)
+    except OverflowError:  # a signed hash (a publisher's bug) is held but never evicted
+        order.extend([h for h in owns if 0 <= h <= MASK64])
+    added = masks.add_bit(st.bit, owns)
+    st.count += added
+    index._total += added
+    index._stats.stored_blocks += added
+    index._stats.duplicate_stores += n - added
+    if len(order) > 2 * st.count + 1024:  # mostly removed since: compact
+        bit = st.bit
+        st.order = array.array("Q", [h for h in order if masks.get(h, 0) & bit])
 
 
 def _set_bits(masks: dict[int, int], bit: int, owns: list[int]) -> int:
@@ -121,7 +146,8 @@ def _store_each(masks: dict[int, int], bit: int, owns: Iterable[int],
         m = masks.get(oh, 0)
         if not m & bit:
             masks[oh] = m | bit
-            order.append(oh)
+            if 0 <= oh <= MASK64:
+                order.append(oh)
             added += 1
     return added
 
@@ -147,7 +173,7 @@ def _make_room(index: KvIndexer, key: WorkerKey, st: KeyState, owns: list[int]) 
 
 
 def _remove(index: KvIndexer, st: KeyState, owns: list[int]) -> int:
-    masks, bit, stats = index._masks, st.bit, index.stats
+    masks, bit, stats = index._masks, st.bit, index._stats
     removed = 0
     for oh in owns:
         m = masks.get(oh, 0)
@@ -171,6 +197,7 @@ def _held(index: KvIndexer, bit: int) -> Iterable[int]:
     if type(masks) is dict:
         return itertools.compress(masks, map(_and, masks.values(), itertools.repeat(bit)))
     packed = cast(MaskMap, masks)
+    packed.merge()
     return itertools.chain((k for k, m in packed.table.items() if m & bit),
                            [k for k, m in packed.wide.items() if m & bit])
 

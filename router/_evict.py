@@ -56,8 +56,8 @@ def evict_oldest(index: KvIndexer, key: WorkerKey, need: int, parent: int | None
             done += evict_delta(index, vst, want - done)
             continue
         done += _evict_key(index, victim, vst, want - done, protect if victim == key else none)
-    index.stats.removed_blocks -= done
-    index.stats.evicted += done
+    index._stats.removed_blocks -= done
+    index._stats.evicted += done
     return done
 
 

@@ -32,7 +32,7 @@ from ._keystate import HAS_PARENT, KeyState
 from ._masks import MaskMap, as_u64
 from .events import EventBatch, OwnBatch
 from .hashing import ROOT_SEED, event_own_hashes, root_hash
-from .indexer import DEFAULT_MAX_BLOCKS, KvIndexer
+from .indexer import DEFAULT_MAX_BLOCKS, IndexerStats, KvIndexer
 from .matching import WorkerKey, linear_matches, prefix_matches
 
 __all__ = ["PackedKvIndexer"]
@@ -62,6 +62,30 @@ class PackedKvIndexer(KvIndexer):
         super().__init__(block_size, max_blocks, evict_oldest=evict_oldest)
         self._masks = cast(dict[int, int], MaskMap())  # the dict API KvIndexer's code reads
         self._packed_masks = cast(MaskMap, self._masks)
+        self._packed_masks.on_dup = self._settle_dups
+
+    def _settle_dups(self, bits: int) -> None:
+        """Each of ``bits`` is a delta key whose store of a block it already held went to the
+        masks' front and was counted as new (``router._masks``): count it as a duplicate."""
+        stats, bit_keys, states = self._stats, self._bit_keys, self._state
+        while bits:
+            bit = bits & -bits
+            bits ^= bit
+            states[bit_keys[bit]].count -= 1
+            self._total -= 1
+            stats.stored_blocks -= 1
+            stats.duplicate_stores += 1
+
+    @property
+    def stats(self) -> IndexerStats:
+        """``KvIndexer.stats``, after the masks' front is merged (its duplicates counted)."""
+        self._packed_masks.merge()
+        return self._stats
+
+    def num_blocks(self, key: WorkerKey | None = None) -> int:
+        """``KvIndexer.num_blocks``, after the masks' front is merged."""
+        self._packed_masks.merge()
+        return super().num_blocks(key)
 
     def _add_key(self, key: WorkerKey) -> KeyState:
         st = self._keys.add(key)
@@ -83,7 +107,7 @@ class PackedKvIndexer(KvIndexer):
                      own_hashes: list[int] | None = None) -> None:
         """``KvIndexer.apply_stored`` on the packed tables (same arguments, same index).
         """
-        stats = self.stats
+        stats = self._stats
         st = self._state.get(key) or self._add_key(key)
         if st.delta:
             self._clear(key)
@@ -104,6 +128,8 @@ class PackedKvIndexer(KvIndexer):
             if seed < 0:
                 stats.unknown_parent += 1
                 return
+        if self._total + n > self.max_blocks:
+            self._packed_masks.merge()  # exact counts before the cap's arithmetic
         if self._total + n > self.max_blocks and self.evict_oldest:
             evict_oldest(self, key, self._total + n - self.max_blocks, parent_engine_hash,
                          engine_hashes)

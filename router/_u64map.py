@@ -194,6 +194,31 @@ class U64Map:
                 self._rehash(new.size)
             self._insert_new(keys[new], vals[new])
 
+    def or_many(self, keys: U64, vals: U64) -> U64:
+        """OR each of ``vals`` into the value of its key in ``keys`` (distinct; absent keys are
+        added with it); returns the values before (0 where absent)."""
+        low = keys < 2
+        if low.any():
+            old = np.zeros(len(keys), dtype=np.uint64)
+            for j in np.flatnonzero(low).tolist():
+                k, v = int(keys[j]), int(vals[j])
+                old[j] = self._side.get(k, 0)
+                self._side[k] = int(old[j]) | v
+            hi = np.flatnonzero(~low)
+            old[hi] = self.or_many(keys[hi], vals[hi])
+            return old
+        slots = self.find_many(keys)
+        found = slots >= 0
+        old = np.where(found, self._vv[slots], np.uint64(0))
+        at = slots[found]
+        self._vv[at] = old[found] | vals[found]
+        new = np.flatnonzero(~found)
+        if new.size:
+            if (self._filled + new.size) * 4 > (self._mask + 1) * 3:
+                self._rehash(new.size)
+            self._insert_new(keys[new], vals[new])
+        return old
+
     def delete_many(self, keys: U64) -> int:
         """Remove those of ``keys`` (distinct) present; how many were."""
         low = keys < 2

@@ -84,7 +84,7 @@ class KvIndexer:
         self.block_size = block_size
         self.max_blocks = max_blocks
         self.evict_oldest = evict_oldest
-        self.stats = IndexerStats()
+        self._stats = IndexerStats()
         self._masks: dict[int, int] = {}
         self._dirty = 0  # bits of the keys with orphans (or poisoned)
         self._keys = KeyTable()
@@ -93,6 +93,11 @@ class KvIndexer:
         self._bit_keys: dict[int, WorkerKey] = self._keys.bit_keys
         self._total = 0
         self._warned_full = False
+
+    @property
+    def stats(self) -> IndexerStats:
+        """What the index counted (stores, removals, what it ignored and why), exact as of now."""
+        return self._stats
 
     # --- keys ------------------------------------------------------------------------------------
 
@@ -149,7 +154,7 @@ class KvIndexer:
             extra_keys: per block, the engine's extra hash inputs or ``None``.
             own_hashes: per block, the router's hash from an edge-hashing worker; tokens unread.
         """
-        stats = self.stats
+        stats = self._stats
         st = self._state.get(key) or self._keys.add(key)
         if st.delta:
             self._clear(key)
@@ -245,7 +250,7 @@ class KvIndexer:
     def _store_each(self, st: KeyState, engine_hashes: list[int], owns: list[int],
                     parent: int | None) -> None:
         """Block-by-block store: duplicates, conflicts, re-stored parents, the capacity bound."""
-        stats, e2o, masks, bit = self.stats, st.e2o, self._masks, st.bit
+        stats, e2o, masks, bit = self._stats, st.e2o, self._masks, st.bit
         room = self.max_blocks - self._total
         added = 0
         for eh, oh in zip(engine_hashes, owns, strict=True):
@@ -287,7 +292,7 @@ class KvIndexer:
             self._dirty &= ~st.bit
 
     def _refuse(self, n: int) -> None:
-        self.stats.refused += n
+        self._stats.refused += n
         if not self._warned_full:
             self._warned_full = True
             log.warning("KV index full (%d blocks); refusing new stores", self.max_blocks)
@@ -295,7 +300,7 @@ class KvIndexer:
     def apply_removed(self, key: WorkerKey, engine_hashes: list[int]) -> None:
         """Drop one reference per engine hash; a block leaves the key with its last reference."""
         st = self._state.get(key)
-        stats = self.stats
+        stats = self._stats
         if st is None:
             stats.unknown_removed += len(engine_hashes)
             return
@@ -335,7 +340,7 @@ class KvIndexer:
 
     def clear(self, key: WorkerKey) -> None:
         """Forget every block of ``key`` (its ``AllBlocksCleared``); the key stays known."""
-        self.stats.clears += 1
+        self._stats.clears += 1
         self._clear(key)
 
     def _clear(self, key: WorkerKey) -> None:

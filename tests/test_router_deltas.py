@@ -117,18 +117,31 @@ class DeltaMachine(RuleBasedStateMachine):
     @rule(key=st.sampled_from(DELTA_KEYS), nodes=_subset, stored=st.booleans())
     def publisher_bug(self, key: WorkerKey, nodes: list[int], stored: bool) -> None:
         """A store of hashes already held or a removal of hashes not held: ignored, counted."""
-        held, stats = self.held[key], self.idx.stats
-        exact = self.idx.max_blocks > 100  # (capped: the index may lack what is held)
+        held, idx = self.held[key], self.idx
+        exact = idx.max_blocks > 100  # (capped: the index may lack what is held)
         if stored:
             bad = [h for h in nodes if h in held]
-            before = stats.duplicate_stores
-            send(self.idx, key, [OwnStored(bad, holes(held))])
-            assert stats.duplicate_stores - before == len(bad) or not exact
+            before = idx.stats.duplicate_stores
+            send(idx, key, [OwnStored(bad, holes(held))])
+            assert idx.stats.duplicate_stores - before == len(bad) or not exact
         else:
             bad = [h for h in dict.fromkeys(nodes) if h not in held]
-            before = stats.unknown_removed
-            send(self.idx, key, [OwnRemoved(bad, holes(held))])
-            assert stats.unknown_removed - before == len(bad) or not exact
+            before = idx.stats.unknown_removed
+            send(idx, key, [OwnRemoved(bad, holes(held))])
+            assert idx.stats.unknown_removed - before == len(bad) or not exact
+
+    @rule(key=st.sampled_from(DELTA_KEYS), nodes=_subset)
+    def duplicate_then_removed(self, key: WorkerKey, nodes: list[int]) -> None:
+        """A store of held hashes and their removal in one batch: the duplicates are counted
+        even though the removal comes before anything reads the index."""
+        held, idx = self.held[key], self.idx
+        bad = [h for h in dict.fromkeys(nodes) if h in held]
+        before, holes_before = idx.stats.duplicate_stores, holes(held)
+        for h in bad:
+            del held[h]
+        send(idx, key, [OwnStored(bad, holes_before), OwnRemoved(bad, holes(held))])
+        if idx.max_blocks > 100:
+            assert idx.stats.duplicate_stores - before == len(bad)
 
     @rule(w=st.sampled_from([1, 2]))
     def restart(self, w: int) -> None:
@@ -204,6 +217,15 @@ class PackedDeltaMachine(DeltaMachine):
         return PackedKvIndexer(BS)
 
 
+class PackedTinyFrontDeltaMachine(DeltaMachine):
+    """The packed layout with a front of 2 hashes: stores merge it into the table mid-batch."""
+
+    def make_index(self) -> KvIndexer:
+        idx = PackedKvIndexer(BS)
+        idx._packed_masks.front_max = 2
+        return idx
+
+
 CAP = 8
 
 
@@ -235,16 +257,23 @@ class PackedCappedDeltaMachine(CappedDeltaMachine):
         return PackedKvIndexer(BS, max_blocks=CAP, evict_oldest=True)
 
 
+class PackedRefusingDeltaMachine(CappedDeltaMachine):
+    def make_index(self) -> KvIndexer:
+        return PackedKvIndexer(BS, max_blocks=CAP)
+
+
 _settings = settings(max_examples=120, stateful_step_count=30, deadline=None,
                      suppress_health_check=[HealthCheck.too_slow])
-for _m in (DeltaMachine, PackedDeltaMachine, CappedDeltaMachine, RefusingDeltaMachine,
-           PackedCappedDeltaMachine):
+for _m in (DeltaMachine, PackedDeltaMachine, PackedTinyFrontDeltaMachine, CappedDeltaMachine,
+           RefusingDeltaMachine, PackedCappedDeltaMachine, PackedRefusingDeltaMachine):
     _m.TestCase.settings = _settings
 test_deltas_match_brute_force_model = DeltaMachine.TestCase
 test_packed_deltas_match_brute_force_model = PackedDeltaMachine.TestCase
 test_capped_deltas_stay_under_cap_and_exact = CappedDeltaMachine.TestCase
 test_refusing_cap_with_deltas = RefusingDeltaMachine.TestCase
 test_packed_capped_deltas = PackedCappedDeltaMachine.TestCase
+test_packed_deltas_through_a_tiny_front = PackedTinyFrontDeltaMachine.TestCase
+test_packed_refusing_cap_with_deltas = PackedRefusingDeltaMachine.TestCase
 
 
 # --- examples ------------------------------------------------------------------------------------
@@ -302,17 +331,22 @@ def test_malformed_delta_payloads_raise_event_decode_error(payload: bytes) -> No
         decode_own_batch(payload)
 
 
-def test_stored_counts_and_signed_hashes_index_harmlessly() -> None:
+@pytest.mark.parametrize("layout", [KvIndexer, PackedKvIndexer])
+def test_stored_counts_and_signed_hashes_index_harmlessly(layout: type[KvIndexer]) -> None:
     batch, stored = decode_own_batch(_enc([2.0, [
         {"type": "OwnStored", "own_hashes": [-1, 5], "holes": 1},
         {"type": "OwnRemoved", "own_hashes": [5]}, {"type": "AllBlocksCleared"}], None]))
     assert stored == 2 and batch.dp_rank is None
     assert batch.events[0] == OwnStored([-1, 5], 1)
-    idx = KvIndexer(BS)
+    idx = layout(BS)
     idx.apply_batch(1, batch)  # ends cleared
     assert idx.num_blocks() == 0 and not idx._masks
-    send(idx, (1, 0), [OwnStored([-1], 1)])  # a bug, but no prompt hashes to it
-    assert idx.num_blocks() == 1 and idx.find_matches(PROMPTS[0]) == {}
+    send(idx, (1, 0), [OwnStored([-1, 7], 1)])  # a bug, but no prompt hashes to it
+    assert idx.find_matches(PROMPTS[0]) == {} and idx.num_blocks() == 2
+    send(idx, (1, 0), [OwnStored([-1], 1)])  # stored twice: a duplicate
+    assert idx.num_blocks() == 2 and idx.stats.duplicate_stores == 1
+    send(idx, (1, 0), [OwnRemoved([-1, 7], 0)])
+    assert idx.num_blocks() == 0 and not idx._masks
 
 
 @settings(max_examples=300, deadline=None)

@@ -58,6 +58,14 @@ class MapVsDict(RuleBasedStateMachine):
                         np.array(list(kv.values()), dtype=np.uint64))
         self.d.update(kv)
 
+    @rule(kv=st.dictionaries(keys_st, vals_st, max_size=40))
+    def or_many(self, kv: dict[int, int]) -> None:
+        old = self.m.or_many(np.array(list(kv), dtype=np.uint64),
+                             np.array(list(kv.values()), dtype=np.uint64))
+        assert old.tolist() == [self.d.get(k, 0) for k in kv]
+        for k, v in kv.items():
+            self.d[k] = self.d.get(k, 0) | v
+
     @rule(ks=st.lists(keys_st, max_size=40, unique=True))
     def delete_many(self, ks: list[int]) -> None:
         gone = self.m.delete_many(np.array(ks, dtype=np.uint64))
