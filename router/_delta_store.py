@@ -6,15 +6,16 @@ reference) its cache, with ``holes`` (held hashes whose parent it does not hold)
 key" keeps no per-block container: its state is its bit in the index's ``_masks``, ``count``
 (own hashes held) and the publisher's ``holes`` (in ``KeyState.orphans``, which sets the key's
 dirty bit, so lookups scan it exactly while it has holes). A 64-block store of blocks no key
-holds yet is one C-level pass of ``dict.setdefault``.
+holds yet is one C-level pass of ``dict.setdefault``: into ``_masks`` itself for dicts, into the
+masks' front (``router._masks``, merged into the uint64 table in bulk) in the packed layout.
 
 Ignored and counted: a stored hash the key already holds (``stats.duplicate_stores``: a
 publisher bug) and a removed hash it does not hold (``stats.unknown_removed``). Capacity: stores
 past ``max_blocks`` are refused or, with ``evict_oldest``, make room first (``router._evict``);
 a delta key's blocks are evicted oldest first: in ``_masks`` insertion order for dicts, and in
-the key's ``order`` log (8 bytes per stored block, compacted as removals leave it stale) in the
-packed layout, whose tables keep no order. Either way the key
-then lacks blocks its publisher counts as held, so its ``holes`` no longer describe it: it is
+the key's ``order`` log in the packed layout, whose tables keep no order (8 bytes per stored
+block, compacted as removals leave it stale, kept only by an index that evicts). Either way the
+key then lacks blocks its publisher counts as held, so its ``holes`` no longer describe it: it is
 marked ``poisoned`` (exact linear lookups) until its next clear. Clearing a delta key scans
 ``_masks`` for its bit (rare: ``AllBlocksCleared``, a dump, a worker leaving).
 
@@ -94,7 +95,7 @@ def _store(index: KvIndexer, key: WorkerKey, st: KeyState, owns: list[int]) -> N
     if type(masks) is dict:
         added = _set_bits(masks, bit, owns)
     else:
-        added = _store_each(masks, bit, owns, _order_of(st))
+        added = _store_each(masks, bit, owns, _order_of(st) if index.evict_oldest else None)
         if len(st.order or ()) > 2 * (st.count + added) + 1024:  # mostly removed since: compact
             st.order = array.array("Q", [h for h in _order_of(st) if masks.get(h, 0) & bit])
     st.count += added
@@ -108,19 +109,20 @@ def _store_front(index: KvIndexer, st: KeyState, masks: MaskMap, owns: list[int]
     the hashes to the key's store log; held blocks the front cannot see are corrected by
     ``PackedKvIndexer._settle_dups`` when it meets them."""
     n = len(owns)
-    order = _order_of(st)
-    try:
-        order.extend(owns)
-    except OverflowError:  # a signed hash (a publisher's bug) is held but never evicted
-        order.extend([h for h in owns if 0 <= h <= MASK64])
     added = masks.add_bit(st.bit, owns)
     st.count += added
     index._total += added
     index._stats.stored_blocks += added
     index._stats.duplicate_stores += n - added
-    if len(order) > 2 * st.count + 1024:  # mostly removed since: compact
-        bit = st.bit
-        st.order = array.array("Q", [h for h in order if masks.get(h, 0) & bit])
+    if index.evict_oldest:  # only eviction reads the log
+        order = _order_of(st)
+        try:
+            order.extend(owns)
+        except OverflowError:  # a signed hash (a publisher's bug) is held but never evicted
+            order.extend([h for h in owns if 0 <= h <= MASK64])
+        if len(order) > 2 * st.count + 1024:  # mostly removed since: compact
+            bit = st.bit
+            st.order = array.array("Q", [h for h in order if masks.get(h, 0) & bit])
 
 
 def _set_bits(masks: dict[int, int], bit: int, owns: list[int]) -> int:
@@ -140,13 +142,13 @@ def _set_bits(masks: dict[int, int], bit: int, owns: list[int]) -> int:
 
 
 def _store_each(masks: dict[int, int], bit: int, owns: Iterable[int],
-                order: array.array[int]) -> int:
+                order: array.array[int] | None) -> int:
     added = 0
     for oh in owns:
         m = masks.get(oh, 0)
         if not m & bit:
             masks[oh] = m | bit
-            if 0 <= oh <= MASK64:
+            if order is not None and 0 <= oh <= MASK64:
                 order.append(oh)
             added += 1
     return added
