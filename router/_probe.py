@@ -1,9 +1,11 @@
 """Vectorized linear probing shared by ``router._u64map`` and ``router._e2o``.
 
-Each round looks at one slot per pending key (one gather) and moves the unresolved keys to their
-next slot, so a round costs a fixed handful of numpy calls over the keys still pending, and the
-pending set shrinks fast at the tables' fill (at most 3/4). One slot per round measured 3-5x
-cheaper per key than gathering a window of slots per key (docs/benchmarks.md, round 28).
+A round costs a fixed handful of numpy calls over the keys still pending, so both the rounds
+and the keys set a batch's price. While many keys are pending, a round looks at one slot per
+key (one gather; most keys stop at their home slot or the next); once few are left (``SMALL``),
+a round looks at a window of ``WINDOW`` consecutive slots per key, so the long probe sequences
+of a full table take a few rounds, not one per slot. (The windows alone cost 3-5x more per key
+in a bulk merge; one slot alone cost a 64-block store ~20 rounds.)
 
 Tables mark their slots in one of two ways: by sentinel keys (``state`` None: key 0 empty,
 key 1 deleted, real keys >= 2) or by a ``state`` byte per slot (0 empty, 1 live, 2 deleted).
@@ -14,8 +16,11 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["find", "home", "place"]
+__all__ = ["SMALL", "WINDOW", "find", "home", "place"]
 
+WINDOW = 8
+SMALL = 256  # pending keys at or below which a round probes windows
+_AR = np.arange(WINDOW, dtype=np.int64)
 _THIRTY_TWO = np.uint64(32)
 U64 = npt.NDArray[np.uint64]
 I64 = npt.NDArray[np.int64]
@@ -33,7 +38,7 @@ def find(kv: U64, keys: U64, mask: int, state: U8 | None) -> I64:
     pending = np.arange(len(keys))
     slot = home(keys, mask)
     want = keys
-    while pending.size:
+    while pending.size > SMALL:  # one slot per key
         k = kv[slot]
         hit = k == want
         if state is None:
@@ -45,6 +50,22 @@ def find(kv: U64, keys: U64, mask: int, state: U8 | None) -> I64:
         out[pending[hit]] = slot[hit]
         go = ~stop
         pending, want, slot = pending[go], want[go], (slot[go] + 1) & mask
+    while pending.size:  # a window per key
+        win = (slot[:, None] + _AR) & mask
+        hit = kv[win] == want[:, None]
+        if state is None:
+            empty = kv[win] == 0
+        else:
+            s = state[win]
+            hit &= s == 1
+            empty = s == 0
+        stop = hit | empty
+        first = stop.argmax(1)
+        rows = np.arange(pending.size)
+        found = hit[rows, first]
+        out[pending[found]] = win[rows, first][found]
+        go = ~stop[rows, first]
+        pending, want, slot = pending[go], want[go], (slot[go] + WINDOW) & mask
     return out
 
 
@@ -52,8 +73,9 @@ def place(kv: U64, keys: U64, mask: int, state: U8 | None) -> tuple[I64, int]:
     """Claim a slot for each of ``keys`` (distinct, none in the table, room made): the first
     free one of its probe sequence. Writes the keys (and their live state).
 
-    Keys that reach the same free slot in a round all write it; the one whose write stayed (read
-    back) has it, the others go on probing.
+    One slot per key: keys that reach the same free slot all write it, and the one whose write
+    reads back has it. Windows: one winner per free slot, the first key claiming it. The losers
+    go on probing.
 
     Returns:
         Each key's slot, and how many of them were deleted slots (reused).
@@ -63,7 +85,7 @@ def place(kv: U64, keys: U64, mask: int, state: U8 | None) -> tuple[I64, int]:
     slot = home(keys, mask)
     want = keys
     reused = 0
-    while pending.size:
+    while pending.size > SMALL:
         free = np.flatnonzero(kv[slot] <= 1 if state is None else state[slot] != 1)
         go = np.ones(pending.size, dtype=np.bool_)
         if free.size:
@@ -81,4 +103,26 @@ def place(kv: U64, keys: U64, mask: int, state: U8 | None) -> tuple[I64, int]:
             out[pending[winners]] = taken
             go[winners] = False
         pending, want, slot = pending[go], want[go], (slot[go] + 1) & mask
+    while pending.size:
+        win = (slot[:, None] + _AR) & mask
+        free_w = kv[win] <= 1 if state is None else state[win] != 1
+        first = free_w.argmax(1)
+        rows = np.arange(pending.size)
+        anyf = free_w[rows, first]
+        at = win[rows, first]
+        cand = np.flatnonzero(anyf)
+        keep = np.ones(pending.size, dtype=np.bool_)
+        if cand.size:
+            taken, firsts = np.unique(at[cand], return_index=True)
+            winners = cand[firsts]
+            if state is None:
+                reused += int(np.count_nonzero(kv[taken] == 1))
+            else:
+                reused += int(np.count_nonzero(state[taken] == 2))
+                state[taken] = 1
+            kv[taken] = want[winners]
+            out[pending[winners]] = taken
+            keep[winners] = False
+        slot = np.where(anyf, slot, (slot + WINDOW) & mask)[keep]
+        pending, want = pending[keep], want[keep]
     return out, reused

@@ -5,11 +5,13 @@ reserved keys 0 and 1."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from router._e2o import E2OTable
+from router._probe import SMALL, find, place
 from router._u64map import U64Map
 
 MASK64 = (1 << 64) - 1
@@ -196,3 +198,44 @@ def test_e2o_insertion_order_survives_growth_and_seq_renumbering() -> None:
     t[5] = 1
     d[5] = 1
     assert list(t) == list(d) and dict(t.items()) == d
+
+
+# --- router._probe: both round kinds, both slot markings -------------------------------------
+
+
+@pytest.mark.parametrize("marking", ["sentinel", "state"])
+def test_probe_places_and_finds_racing_and_colliding_keys(marking: str) -> None:
+    """More than ``SMALL`` keys (rounds of one slot, racing claims) that mostly share a home
+    slot (long runs, then window rounds), into a table with live and deleted slots."""
+    bits = 12
+    mask = (1 << bits) - 1
+    rng = np.random.default_rng(3)
+    kv = np.zeros(1 << bits, dtype=np.uint64)
+    state = None if marking == "sentinel" else np.zeros(1 << bits, dtype=np.uint8)
+    old = np.array(_colliding(300, bits)[:100] + rng.integers(2, 2**63, 500).tolist(),
+                   dtype=np.uint64)
+    old = np.unique(old)
+    old_slots, _ = place(kv, old, mask, state)
+    gone = old_slots[::3]  # delete a third: tombstones the next keys may reuse
+    if state is None:
+        kv[gone] = 1
+    else:
+        state[gone] = 2
+    new = np.array(_colliding(300, bits)[100:] + rng.integers(2, 2**63, 600).tolist(),
+                   dtype=np.uint64)
+    new = np.setdiff1d(np.unique(new), old)
+    assert len(new) > SMALL
+    slots, reused = place(kv, new, mask, state)
+    assert len(set(slots.tolist())) == len(new) and (kv[slots] == new).all()
+    assert reused == len(set(slots.tolist()) & set(gone.tolist()))
+    assert (find(kv, new, mask, state) == slots).all()
+    live_old = np.delete(old, np.arange(0, len(old), 3))
+    assert (find(kv, live_old, mask, state) >= 0).all()
+    assert (find(kv, old[::3], mask, state) == -1).all()
+    # Each key sits at the first slot of its probe sequence that was free when it was placed:
+    # no key's run from home to its slot crosses an empty slot.
+    occupied = kv > 1 if state is None else state != 0
+    for k, s in zip(new.tolist(), slots.tolist(), strict=True):
+        h = (k ^ k >> 32) & mask
+        run = [(h + i) & mask for i in range((s - h) & mask)]
+        assert occupied[run].all()
