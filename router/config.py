@@ -44,9 +44,9 @@ class KvRouterConfig:
     #: Cap on the KV index's (worker, block) entries; when full the oldest blocks are evicted.
     #: None: no cap but the index's safety bound, which refuses [--kv-index-max-blocks].
     index_max_blocks: int | None = None
-    #: The index's storage: "dicts" (fast stores) or "packed" (uint64 tables, a third of the
-    #: memory) [--kv-index-layout].
-    index_layout: str = "dicts"
+    #: The index's storage: "packed" (uint64 tables: a third of the memory) or "dicts" (the
+    #: fastest stores) [--kv-index-layout].
+    index_layout: str = "packed"
     #: A rank is busy above this fraction of its KV blocks active (0: off) [--busy-kv-threshold].
     busy_kv_threshold: float = 0.95
     #: ... or above this many prompt tokens not yet prefilled (0: off) [--busy-prefill-tokens].
@@ -61,7 +61,7 @@ class KvRouterConfig:
     replica_ttl: float = 600.0
 
 
-def kv_indexer(block_size: int, max_blocks: int | None, layout: str = "dicts") -> KvIndexer:
+def kv_indexer(block_size: int, max_blocks: int | None, layout: str = "packed") -> KvIndexer:
     """The event-driven index, capped with eviction of the oldest blocks when ``max_blocks``
     is set; ``layout`` "packed" stores it in packed uint64 tables (``PackedKvIndexer``)."""
     if layout not in ("dicts", "packed"):

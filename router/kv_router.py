@@ -132,7 +132,7 @@ class KvRouter:
             if cfg.use_kv_events
             else ApproxIndexer(block_size, cfg.approx_ttl)
         )
-        if cfg.use_kv_events and cfg.index_layout != "dicts":
+        if cfg.use_kv_events:
             log.info("kv-router %s: KV index in the %s layout", model or self.path,
                      cfg.index_layout)
         name = f"kv-router {model or self.path}"

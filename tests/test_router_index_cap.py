@@ -114,9 +114,9 @@ def test_cap_flag_and_env(monkeypatch):
 
 def test_layout_flag_and_env(monkeypatch):
     parse = router_main.build_parser().parse_args
-    assert kv_router_options(parse([]))["index_layout"] == "dicts"
-    assert kv_router_options(parse(["--kv-index-layout", "packed"]))["index_layout"] == "packed"
-    monkeypatch.setenv("DYN_KV_INDEX_LAYOUT", "packed")  # read when the parser is built
-    assert kv_router_options(router_main.build_parser().parse_args([]))["index_layout"] == "packed"
+    assert kv_router_options(parse([]))["index_layout"] == "packed"
+    assert kv_router_options(parse(["--kv-index-layout", "dicts"]))["index_layout"] == "dicts"
+    monkeypatch.setenv("DYN_KV_INDEX_LAYOUT", "dicts")  # read when the parser is built
+    assert kv_router_options(router_main.build_parser().parse_args([]))["index_layout"] == "dicts"
     with pytest.raises(SystemExit):
         parse(["--kv-index-layout", "trie"])
