@@ -1,6 +1,5 @@
 """The KV index on packed integer tables: ``PackedKvIndexer``, a ``KvIndexer`` with no
-per-entry Python objects (issue 18, item 2), for indexes where memory matters more than the
-store rate.
+per-entry Python objects (issue 18, item 2): the router's default layout.
 
 Same rules, events and answers as ``KvIndexer`` (the same brute-force property tests run on
 both); only the containers differ: the own hash -> key bitmask map is a ``MaskMap``
@@ -9,8 +8,9 @@ both); only the containers differ: the own hash -> key bitmask map is a ``MaskMa
 multi-block store probes and inserts its blocks in a few numpy calls, a batch of independent
 edge-hashed stores all at once (``router._batch_store``); the rest (single blocks, duplicates,
 removals, eviction) runs ``KvIndexer``'s code block by block through the tables' dict API.
-The price: every table operation is Python or a numpy call rather than a dict's C, so stores
-cost several times what ``KvIndexer``'s do (docs/benchmarks.md has the figures).
+Own-hash delta stores go through the masks' front (``router._masks``) and cost about twice
+``KvIndexer``'s; token events' stores, where every table operation is Python or a numpy call
+rather than a dict's C, cost about four times (docs/benchmarks.md has the figures).
 """
 
 from __future__ import annotations
