@@ -18,7 +18,6 @@ Events are handled conservatively (never index data the event does not prove): a
 block size, misaligned tokens, an unknown parent or a conflicting re-store is ignored and
 counted, and stores past ``max_blocks`` are refused or, with ``evict_oldest``, evict the oldest
 blocks (``router._evict``). docs/architecture.md ("The KV index's rules") lists each case.
-
 Memory: ``bytes_per_block()`` computes the live figure (``router._index_stats``).
 """
 

@@ -60,12 +60,16 @@ def named(spans: list[Span], name: str, trace_id: str) -> list[Span]:
 
 
 def stderr_lines(proc: Proc) -> list[str]:
-    """Every line the process wrote to stderr (``logs()`` is only the tail)."""
-    return [ln for ln in Path(proc.log.name).read_text().splitlines() if ln.strip()]
+    """Every whole line the process wrote to stderr so far (``logs()`` is only the tail; a
+    running process may be in the middle of its last line)."""
+    text = Path(proc.log.name).read_text()
+    return [ln for ln in text[:text.rfind("\n") + 1].splitlines() if ln.strip()]
 
 
-def json_lines(proc: Proc) -> list[dict]:
-    return [json.loads(line) for line in stderr_lines(proc) if line.startswith("{")]
+def json_lines(proc: Proc, lines: list[str] | None = None) -> list[dict]:
+    """The JSON records among ``lines`` (default: the process's stderr lines now)."""
+    return [json.loads(line) for line in (stderr_lines(proc) if lines is None else lines)
+            if line.startswith("{")]
 
 
 @pytest.mark.parametrize("mode", ["round-robin", "kv"])
@@ -120,9 +124,10 @@ async def test_one_trace_from_http_to_engine(namespace, spawn, tiny_model, recei
 
     # Every stderr line is a JSON record; the request's carry its trace id.
     for proc in (worker, front):
-        records = json_lines(proc)
-        lines = stderr_lines(proc)
-        assert records and len(records) == len(lines), lines[:5]
+        lines = stderr_lines(proc)  # read once: a running process goes on logging
+        records = json_lines(proc, lines)
+        assert records and len(records) == len(lines), [ln for ln in lines
+                                                        if not ln.startswith("{")][:5]
         assert {"time", "level", "target", "message"} <= records[0].keys()
         mine = [r for r in records if r.get("trace_id") == CLIENT_TRACE]
         assert mine and all(len(r["span_id"]) == 16 for r in mine), proc.logs()[-2000:]
