@@ -13,6 +13,7 @@ import json
 import os
 import random
 import re
+import socket
 import sys
 from pathlib import Path
 
@@ -169,3 +170,71 @@ async def test_a_frontend_started_later_routes_a_vllm_workers_prefix_to_it(
     assert await asyncio.to_thread(_snapshot_count, front.address) >= 1
     got = await asyncio.to_thread(complete, front.address, [*prompt[:-3], 7, 8, 9])
     assert got == f"{w.instance_id:x}/0"
+
+
+async def test_a_taken_loopback_port_for_vllm_is_picked_again_and_replays_reach_it(
+    tiny_model,
+) -> None:
+    """The relay's loopback port for vLLM's replay socket was picked free and taken by another
+    process before vLLM bound it, and a worker failed to start (a CI run of round 28). Now
+    ``start_llm`` sees the port in use, the relay picks fresh loopback ports and the second
+    attempt starts. The part of vLLM that binds them is its own ``ZmqEventPublisher`` (what its
+    engine core makes from ``kv_events_config``). Replays the relay passes on reach vLLM at the
+    new port."""
+    from vllm.distributed.kv_events import BlockStored as VllmBlockStored
+    from vllm.distributed.kv_events import KVEventBatch, ZmqEventPublisher
+
+    from dynamo_zmq.resources import Resources
+    from engines.vllm import VllmOptions
+    from engines.vllm._config import build_engine_args, relay_for
+    from engines.vllm._start import kv_ports, start_llm
+
+    res = Resources("test-relay")
+    opts = VllmOptions(kv_event_form="stores")
+    given = {"model": str(tiny_model)}
+    relay = relay_for(given, opts, res)
+    assert relay is not None
+    first = relay.vllm_replay
+    taken = socket.socket()  # another process got there first
+    taken.bind(("127.0.0.1", int(first.rpartition(":")[2])))
+    taken.listen()
+    publishers: list[ZmqEventPublisher] = []
+
+    def build() -> tuple[object, tuple[int, ...]]:
+        args = build_engine_args(given, opts, True, relay)
+        return args, kv_ports(args)
+
+    def create(args) -> ZmqEventPublisher:
+        cfg = args.kv_events_config
+        pub = ZmqEventPublisher(0, endpoint=cfg.endpoint, replay_endpoint=cfg.replay_endpoint,
+                                topic=cfg.topic)
+        publishers.append(pub)
+        return pub
+
+    def prepare() -> None:
+        if not relay.started:
+            relay.start()
+
+    try:
+        pub = await start_llm(build, create, prepare=prepare, repick=relay.repick,
+                              port_wait=0.5)
+        assert relay.vllm_replay != first and pub._replay_endpoint == relay.vllm_replay
+        await asyncio.sleep(0.5)  # vLLM's PUB connects to the relay's SUB
+        stored = VllmBlockStored(block_hashes=[7], parent_block_hash=None, token_ids=[1, 2],
+                                 block_size=2, lora_id=None, medium=None, lora_name=None)
+        pub.publish(KVEventBatch(ts=0.0, events=[stored]))
+        replay = f"tcp://127.0.0.1:{relay.replay_ports[0]}"
+        answers: list[list[bytes]] = []
+        for _ in range(50):  # until vLLM's buffer holds the batch
+            answers = await asyncio.to_thread(_ask, replay, 0)
+            if answers:
+                break
+            await asyncio.sleep(0.1)
+        replayed = [ev for a in answers
+                    for ev in msgspec.msgpack.decode(a[3], type=EventBatch).events]
+        assert [ev.block_hashes for ev in replayed] == [[7]]  # type: ignore[union-attr]
+    finally:
+        for p in publishers:
+            p.shutdown()
+        taken.close()
+        await res.close()

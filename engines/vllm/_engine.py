@@ -146,7 +146,8 @@ class VllmEngine(LLMEngine):
             return AsyncLLM.from_engine_args(args, stat_loggers=[make_stat_logger(self._stats)])
 
         try:
-            llm = await start_llm(build, create, prepare=prepare)
+            llm = await start_llm(build, create, prepare=prepare,
+                                  repick=relay.repick if relay is not None else None)
         except Exception as exc:
             self._state = "new"
             if self._relay is not None:

@@ -108,6 +108,14 @@ class KvRelay:
     def started(self) -> bool:
         return bool(self.events_ports)
 
+    def repick(self) -> None:
+        """Fresh loopback ports for vLLM, before vLLM is started again because a port was
+        taken: its replay port (vLLM binds it) and, until ``start`` has bound it, its events
+        port. Replays read ``vllm_replay`` when they are asked."""
+        if not self.started:
+            self.vllm_events = f"tcp://{_LOOPBACK}:{free_port()}"
+        self.vllm_replay = f"tcp://{_LOOPBACK}:{free_port()}"
+
     def given_ports(self) -> tuple[int, ...]:
         """The ports given to bind (each rank's), which a dead predecessor may still hold."""
         return tuple(port + rank for port in self._ports if port
@@ -139,7 +147,7 @@ class KvRelay:
                 self._res.on_close(s.close)
             state = self._ranks[rank]
             self._res.spawn(self._forward(socks[0], socks[1], state), f"kv-relay-events-{rank}")
-            self._res.spawn(self._serve_replays(socks[2], _offset(self.vllm_replay, rank), state),
+            self._res.spawn(self._serve_replays(socks[2], rank, state),
                             f"kv-relay-replay-{rank}")
         log.info("KV events of vLLM relayed over %s in %s form: PUB ports %s, replay ports %s",
                  "CURVE" if current_curve() is not None else "plaintext", self.form,
@@ -163,7 +171,7 @@ class KvRelay:
 
         await sub.drain_forever(relay, "vLLM's KV events")
 
-    async def _serve_replays(self, router: AsyncSocket, vllm_replay: str, state: _Rank) -> None:
+    async def _serve_replays(self, router: AsyncSocket, rank: int, state: _Rank) -> None:
         while not router.closed:
             await router.wait_readable()
             while (frames := router.recv_nowait()) is not None:
@@ -174,8 +182,8 @@ class KvRelay:
                     self._res.spawn(self._answer(router, frames[0], state, start),
                                     "kv-relay-replay-answer")
                 else:
-                    self._res.spawn(self._replay(router, vllm_replay, frames),
-                                    "kv-relay-replay-request")
+                    self._res.spawn(self._replay(router, _offset(self.vllm_replay, rank),
+                                                 frames), "kv-relay-replay-request")
 
     async def _answer(self, router: AsyncSocket, identity: bytes, state: _Rank,
                       start: int) -> None:

@@ -6,7 +6,8 @@ command line can still be held by a dead predecessor's engine core that is shutt
 (``_parent_watch`` ends it within seconds). So before each attempt ``start_llm`` waits (a
 bounded time) for the ports to be free, and when vLLM fails while one of them is in use, it
 tries again: with freshly picked ports where they were picked, with the same ones where they
-were given; at most ``ATTEMPTS`` times.
+were given; at most ``ATTEMPTS`` times. The KV relay's loopback ports for vLLM are picked too,
+and picked again (``repick``) for another attempt.
 """
 
 from __future__ import annotations
@@ -57,16 +58,17 @@ def address_in_use(exc: BaseException, ports: tuple[int, ...]) -> bool:
 
 
 def kv_ports(args: Any) -> tuple[int, ...]:
-    """The TCP ports vLLM will bind for KV events with engine args ``args`` (wildcard
-    endpoints; each data-parallel rank's port is offset by its rank), and our KV connector's
-    block server's."""
+    """The TCP ports vLLM will bind for KV events with engine args ``args`` (the events
+    endpoint when it is a wildcard one, the replay endpoint always, loopback included; each
+    data-parallel rank's port is offset by its rank), and our KV connector's block server's."""
     cfg = getattr(args, "kv_events_config", None)
     if cfg is None or not cfg.enable_kv_cache_events:
         return ()
     ranks = int(getattr(args, "data_parallel_size", 1) or 1)
     ports: list[int] = []
-    for endpoint in (cfg.endpoint, cfg.replay_endpoint):
-        if not endpoint or not endpoint.startswith("tcp://*:"):
+    for endpoint in (cfg.endpoint if cfg.endpoint and "*" in cfg.endpoint else None,
+                     cfg.replay_endpoint):
+        if not endpoint or not endpoint.startswith("tcp://"):
             continue
         port = int(endpoint.rpartition(":")[2])
         if port:
@@ -97,12 +99,16 @@ async def start_llm(
     attempts: int = ATTEMPTS,
     port_wait: float = PORT_WAIT,
     prepare: Callable[[], None] | None = None,
+    repick: Callable[[], None] | None = None,
 ) -> Any:
     """``create(args)`` in a thread, with ``args, kv_ports = build()`` (``build`` picks free
     ports afresh each call where they were not given), after ``prepare()`` (in the loop: the KV
     relay binding its ports); tried again when either fails with a KV-event port in use, at most
-    ``attempts`` times. Raises the last failure."""
+    ``attempts`` times, after ``repick()`` (the relay's fresh loopback ports for vLLM). Raises
+    the last failure."""
     for attempt in range(1, attempts + 1):
+        if attempt > 1 and repick is not None:
+            repick()
         args, ports = build()
         await _wait_free(ports, port_wait)
         try:
