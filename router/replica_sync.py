@@ -187,6 +187,9 @@ class ReplicaSync:
             "events": self.endpoint,
             "sent": self._seq,
             "peers": {f"{p.iid:x}": len(p.requests) for p in self._peers.values()},
+            # The last event heard from each peer (None: none yet, its PUB may not have our
+            # subscription: a SUB cannot tell when it is live, and what it misses is lost).
+            "heard": {f"{p.iid:x}": p.last_seq for p in self._peers.values()},
             "blocks": {f"{w:x}/{r}": n for (w, r), n in sorted(self._blocks.items())},
         }
 

@@ -227,6 +227,16 @@ async def test_python_m_router_weighs_a_frontends_requests(namespace, spawn, tin
         return len(got) == 2 and all(s["peers"] for s in got)
 
     await eventually(both_replicas, 30, "the frontend and python -m router following each other")
+
+    async def router_hears_the_frontend() -> bool:
+        # ZeroMQ's slow joiner: the router's subscription reaches the frontend's PUB some time
+        # after it connects, and what is published before is lost. Short requests until the
+        # router has heard one event from the frontend.
+        await asyncio.to_thread(complete, front.address, prompt(8), 1)
+        return any(s["peers"] and not s["sent"] and None not in s["heard"].values()
+                   for s in await statuses())
+
+    await eventually(router_hears_the_frontend, 30, "python -m router hearing the frontend", 0.5)
     long = asyncio.create_task(asyncio.to_thread(complete, front.address, prompt(7), 300))
 
     async def router_counts() -> dict | None:
