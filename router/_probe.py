@@ -86,18 +86,16 @@ def place(kv: U64, keys: U64, mask: int, state: U8 | None) -> tuple[I64, int]:
     want = keys
     reused = 0
     while pending.size > SMALL:
-        free = np.flatnonzero(kv[slot] <= 1 if state is None else state[slot] != 1)
+        free = np.flatnonzero(_free(kv, state, slot))
         go = np.ones(pending.size, dtype=np.bool_)
         if free.size:
             fs, fk = slot[free], want[free]
-            was = kv[fs] if state is None else state[fs]
+            was = _marks(kv, state, fs)
             kv[fs] = fk
             won = kv[fs] == fk
             taken = fs[won]
-            if state is None:
-                reused += int(np.count_nonzero(was[won] == 1))
-            else:
-                reused += int(np.count_nonzero(was[won] == 2))
+            reused += _deleted(was[won], state)
+            if state is not None:
                 state[taken] = 1
             winners = free[won]
             out[pending[winners]] = taken
@@ -105,7 +103,7 @@ def place(kv: U64, keys: U64, mask: int, state: U8 | None) -> tuple[I64, int]:
         pending, want, slot = pending[go], want[go], (slot[go] + 1) & mask
     while pending.size:
         win = (slot[:, None] + _AR) & mask
-        free_w = kv[win] <= 1 if state is None else state[win] != 1
+        free_w = _free(kv, state, win)
         first = free_w.argmax(1)
         rows = np.arange(pending.size)
         anyf = free_w[rows, first]
@@ -115,10 +113,8 @@ def place(kv: U64, keys: U64, mask: int, state: U8 | None) -> tuple[I64, int]:
         if cand.size:
             taken, firsts = np.unique(at[cand], return_index=True)
             winners = cand[firsts]
-            if state is None:
-                reused += int(np.count_nonzero(kv[taken] == 1))
-            else:
-                reused += int(np.count_nonzero(state[taken] == 2))
+            reused += _deleted(_marks(kv, state, taken), state)
+            if state is not None:
                 state[taken] = 1
             kv[taken] = want[winners]
             out[pending[winners]] = taken
@@ -126,3 +122,18 @@ def place(kv: U64, keys: U64, mask: int, state: U8 | None) -> tuple[I64, int]:
         slot = np.where(anyf, slot, (slot + WINDOW) & mask)[keep]
         pending, want = pending[keep], want[keep]
     return out, reused
+
+
+def _marks(kv: U64, state: U8 | None, slots: npt.NDArray[np.int64]) -> npt.NDArray[np.generic]:
+    """What marks ``slots`` empty, live or deleted: their keys (sentinels) or state bytes."""
+    return kv[slots] if state is None else state[slots]
+
+
+def _free(kv: U64, state: U8 | None, slots: npt.NDArray[np.int64]) -> npt.NDArray[np.bool_]:
+    """Whether ``slots`` are empty or deleted."""
+    return kv[slots] <= 1 if state is None else state[slots] != 1
+
+
+def _deleted(marks: npt.NDArray[np.generic], state: U8 | None) -> int:
+    """How many of ``marks`` (``_marks``) are deleted slots."""
+    return int(np.count_nonzero(marks == (1 if state is None else 2)))
