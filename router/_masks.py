@@ -12,7 +12,7 @@ it holds ``FRONT_MAX`` hashes (or before anything reads the table in bulk), so t
 per-key cost is paid vectorized. A hash's mask is its ``front`` bits OR its table (or wide) mask.
 A bit in both is a store the front counted as new of a block the key already held: ``merge``
 and the scalar writes find it and report it to ``on_dup``, which the index uses to correct its
-counts (``PackedKvIndexer._settle_dups``).
+counts (``PackedKvIndexer._settle_dups``). ``settle`` reports a hash's duplicates at once.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ class MaskMap:
         self.wide: dict[int, int] = {}  # masks >= 2**64
         self.front: dict[int, int] = {}  # own hash -> bits (< 2**64) stored since the merge
         self.front_max = FRONT_MAX
-        #: Told the bits of one hash found both in ``front`` and in the table (duplicates).
-        self.on_dup: Callable[[int], None] | None = None
+        #: Told a hash and its bits found both in ``front`` and in the table (duplicates).
+        self.on_dup: Callable[[int, int], None] | None = None
 
     def __len__(self) -> int:
         self.merge()
@@ -97,14 +97,14 @@ class MaskMap:
         front = self.front
         if not front:
             return
-        dups: list[int] = []
+        dups: list[tuple[int, int]] = []
         wide = self.wide
         if wide:
             for own in [o for o in front if o in wide]:
                 f = front.pop(own)
                 w = wide[own]
                 if f & w:
-                    dups.append(f & w)
+                    dups.append((own, f & w))
                 wide[own] = w | f
         try:
             keys = np.fromiter(front.keys(), np.uint64, len(front))
@@ -113,17 +113,18 @@ class MaskMap:
                 f = front.pop(own)
                 m = self.table.get(own, 0)
                 if f & m:
-                    dups.append(f & m)
+                    dups.append((own, f & m))
                 self.table.set(own, m | f)
             keys = np.fromiter(front.keys(), np.uint64, len(front))
         n = len(front)
         bits = np.fromiter(front.values(), np.uint64, n)
         front.clear()
         both = self.table.or_many(keys, bits) & bits
-        dups += both[both != 0].tolist()
+        nz = np.flatnonzero(both)
+        dups += zip(keys[nz].tolist(), both[nz].tolist(), strict=True)
         if dups and self.on_dup is not None:
-            for d in dups:
-                self.on_dup(d)
+            for own, d in dups:
+                self.on_dup(own, d)
 
     def _settle(self, own: int) -> None:
         """Take ``own`` out of the front before a scalar write, reporting its duplicates."""
@@ -132,7 +133,13 @@ class MaskMap:
             w = self.wide.get(own) if self.wide else None
             d = f & (self.table.get(own, 0) if w is None else w)
             if d and self.on_dup is not None:
-                self.on_dup(d)
+                self.on_dup(own, d)
+
+    def settle(self, own: int) -> None:
+        """Move ``own``'s front bits into the table now, reporting its duplicates (``on_dup``),
+        so that the index's counts for it are exact before it reads them."""
+        if self.front and own in self.front:
+            self[own] = self.get(own)
 
     def __setitem__(self, own: int, mask: int) -> None:
         if self.front:

@@ -17,19 +17,20 @@ from __future__ import annotations
 
 import array
 import itertools
+import operator
 import sys
 from collections.abc import Sequence
 from typing import Any, cast
 
-import numpy as np
 import xxhash
 
 from ._batch_store import store_batch
 from ._delta_store import clear_delta
+from ._e2o import FRONT_MAX as E2O_FRONT_MAX
 from ._e2o import E2OTable
 from ._evict import evict_oldest
-from ._keystate import HAS_PARENT, KeyState
-from ._masks import MaskMap, as_u64
+from ._keystate import CHILD, HAS_PARENT, KeyState
+from ._masks import MaskMap
 from .events import EventBatch, OwnBatch
 from .hashing import ROOT_SEED, event_own_hashes, root_hash
 from .indexer import DEFAULT_MAX_BLOCKS, IndexerStats, KvIndexer
@@ -38,6 +39,8 @@ from .matching import WorkerKey, linear_matches, prefix_matches
 __all__ = ["PackedKvIndexer"]
 
 _NO_EXTRA = [None]
+_SIXTY_FOUR = itertools.repeat(64)
+_and, _or, _lshift = operator.and_, operator.or_, operator.lshift
 _h64 = xxhash.xxh3_64_intdigest
 
 
@@ -63,15 +66,23 @@ class PackedKvIndexer(KvIndexer):
         self._masks = cast(dict[int, int], MaskMap())  # the dict API KvIndexer's code reads
         self._packed_masks = cast(MaskMap, self._masks)
         self._packed_masks.on_dup = self._settle_dups
+        #: Each key's engine hash table merges its front at this many entries (``E2OTable``).
+        self.e2o_front_max = E2O_FRONT_MAX
 
-    def _settle_dups(self, bits: int) -> None:
-        """Each of ``bits`` is a delta key whose store of a block it already held went to the
-        masks' front and was counted as new (``router._masks``): count it as a duplicate."""
+    def _settle_dups(self, own: int, bits: int) -> None:
+        """Each of ``bits`` is a key whose store of ``own``, which it already held, went to the
+        masks' front (``router._masks``). A delta key counted it as a new block: it is a
+        duplicate. A token key stored a new engine block: it is one more engine hash of
+        ``own`` (``st.shared``)."""
         stats, bit_keys, states = self._stats, self._bit_keys, self._state
         while bits:
             bit = bits & -bits
             bits ^= bit
-            states[bit_keys[bit]].count -= 1
+            st = states[bit_keys[bit]]
+            if not st.delta:
+                st.shared[own] = st.shared.get(own, 0) + 1
+                continue
+            st.count -= 1
             self._total -= 1
             stats.stored_blocks -= 1
             stats.duplicate_stores += 1
@@ -90,7 +101,7 @@ class PackedKvIndexer(KvIndexer):
     def _add_key(self, key: WorkerKey) -> KeyState:
         st = self._keys.add(key)
         if not isinstance(st.e2o, E2OTable):
-            st.e2o = cast(dict[int, int], E2OTable())
+            st.e2o = cast(dict[int, int], E2OTable(self.e2o_front_max))
         return st
 
     def apply_batch(self, worker_id: int, batch: EventBatch | OwnBatch) -> None:
@@ -150,6 +161,10 @@ class PackedKvIndexer(KvIndexer):
                     e2o.add_children(parent_engine_hash, 1)
                 self._total += 1
                 stats.stored_blocks += 1
+                if st.bit >> 64 == 0:  # through the masks' front, as below
+                    if not self._packed_masks.add_bit(st.bit, [oh]):
+                        st.shared[oh] = st.shared.get(oh, 0) + 1
+                    return
                 masks, bit = self._packed_masks, st.bit
                 m = masks.get(oh, 0)
                 if m & bit:
@@ -166,46 +181,51 @@ class PackedKvIndexer(KvIndexer):
             stats.bad_length += 1
             return
         owns = maybe
-        # Common case, in a few numpy calls: engine hashes new to this key (and not parents of
-        # its orphans), distinct, own hashes it does not hold yet.
+        # Common case, at dict speed through the tables' fronts: engine hashes new to this key
+        # (and not parents of its orphans), distinct, own hashes the masks' front does not hold
+        # with this key's bit. One the table holds with it is an extra engine hash of a held
+        # own hash (``st.shared``): the masks report it when they merge (``_settle_dups``).
         masks, bit = self._packed_masks, st.bit
+        front = masks.front
         try:
-            ehs, owns_np = as_u64(engine_hashes), as_u64(owns)
+            held = e2o.holds_any(engine_hashes)
         except OverflowError:
             stats.bad_tokens += 1
             return
-        if (self._total + n > self.max_blocks or (e2o.find_many(ehs) >= 0).any()
+        if (held or self._total + n > self.max_blocks or bit >> 64
                 or (st.orphan_parents and not st.orphan_parents.keys().isdisjoint(engine_hashes))
-                or len(set(engine_hashes)) != n or len(set(owns)) != n):
+                or len(set(owns)) != n
+                or (not front.keys().isdisjoint(owns)
+                    and any(map(_and, map(front.get, owns, _zeros(n)), itertools.repeat(bit))))):
             self._store_each(st, engine_hashes, owns, parent_engine_hash)
             return
-        if masks.narrow(bit):
-            held, wide = masks.get_many(owns_np), None
-            clash = bool((held & np.uint64(bit)).any())
-        else:  # a key past bit 63 or a wide mask: int masks
-            wide = list(map(masks.get, owns, _zeros(n)))
-            held, clash = owns_np, any(m & bit for m in wide)
-        if clash:
-            self._store_each(st, engine_hashes, owns, parent_engine_hash)
-            return
-        parents = np.empty(n, dtype=np.uint64)
-        parents[0] = parent_engine_hash or 0
-        parents[1:] = ehs[:-1]
-        low = np.full(n, 3, dtype=np.uint64)  # has a parent, one child
-        low[-1] = 1
+        flags = [HAS_PARENT | CHILD] * n
+        flags[-1] = HAS_PARENT
         if parent_engine_hash is None:
-            low[0] ^= 1
-        else:
+            flags[0] ^= HAS_PARENT
+        parents = itertools.chain((parent_engine_hash or 0,), engine_hashes)
+        if not e2o.add_new(engine_hashes,
+                           map(_or, map(_or, owns, map(_lshift, parents, _SIXTY_FOUR)), flags)):
+            self._store_each(st, engine_hashes, owns, parent_engine_hash)  # a repeated hash
+            return
+        if parent_engine_hash is not None:
             e2o.add_children(parent_engine_hash, 1)
-        e2o.insert_many(ehs, owns_np, parents, low)
-        if wide is None:
-            masks.put_many(owns_np, held | np.uint64(bit))
-        else:
-            for oh, m in zip(owns, wide, strict=True):
-                masks[oh] = m | bit
+        masks.add_bit(bit, owns)
         self._total += n
         stats.stored_blocks += n
 
+    def apply_removed(self, key: WorkerKey, engine_hashes: list[int]) -> None:
+        """``KvIndexer.apply_removed``, once the masks have reported the duplicates of the
+        removed blocks' own hashes (their ``st.shared`` counts decide what a removal clears)."""
+        st = self._state.get(key)
+        masks = self._packed_masks
+        if st is not None and masks.front and not st.delta:
+            own = cast(E2OTable, st.e2o).own
+            for eh in engine_hashes:
+                oh = own(eh)
+                if oh >= 0:
+                    masks.settle(oh)
+        super().apply_removed(key, engine_hashes)
 
     def _clear(self, key: WorkerKey) -> None:
         st = self._state.get(key)
@@ -218,7 +238,8 @@ class PackedKvIndexer(KvIndexer):
         self._total -= len(e2o)
         st.poisoned = False
         self._set_orphans(st, 0)
-        st.e2o, st.dups, st.shared, st.orphan_parents = cast(dict[int, int], E2OTable()), {}, {}, {}
+        st.e2o = cast(dict[int, int], E2OTable(self.e2o_front_max))
+        st.dups, st.shared, st.orphan_parents = {}, {}, {}
 
     def find_matches_for_hashes(self, own_hashes: Sequence[int]) -> dict[WorkerKey, int]:
         """Like ``find_matches`` for hashes already computed with ``router.hashing``."""

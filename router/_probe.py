@@ -16,11 +16,14 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["SMALL", "WINDOW", "find", "home", "place"]
+__all__ = ["SMALL", "WINDOW", "any_held", "find", "home", "place"]
 
 WINDOW = 8
 SMALL = 256  # pending keys at or below which a round probes windows
 _AR = np.arange(WINDOW, dtype=np.int64)
+#: ``any_held``'s windows: the first for every key, then wider ones for the few keys whose
+#: run of occupied slots went on (runs are long in a table near its fill limit).
+_FIRST, _THEN = np.arange(16, dtype=np.int64), np.arange(128, dtype=np.int64)
 _THIRTY_TWO = np.uint64(32)
 U64 = npt.NDArray[np.uint64]
 I64 = npt.NDArray[np.int64]
@@ -67,6 +70,33 @@ def find(kv: U64, keys: U64, mask: int, state: U8 | None) -> I64:
         go = ~stop[rows, first]
         pending, want, slot = pending[go], want[go], (slot[go] + WINDOW) & mask
     return out
+
+
+def any_held(kv: U64, keys: U64, mask: int, state: U8 | None) -> bool:
+    """Whether any of ``keys`` is in the table (sentinel tables: keys >= 2): as
+    ``(find(...) >= 0).any()``, in fewer calls.
+
+    A key held is in the run of occupied slots from its home, so a window of slots answers for
+    a key once it holds the key or an empty slot; only keys whose window is all occupied look
+    further (rarely, at the tables' fill)."""
+    slot = home(keys, mask)
+    want = keys[:, None]
+    ar = _FIRST
+    while slot.size:
+        win = (slot[:, None] + ar) & mask
+        k = kv[win]
+        if state is None:
+            if (k == want).any():
+                return True
+            more = (k != 0).all(1)
+        else:
+            s = state[win]
+            if ((k == want) & (s == 1)).any():
+                return True
+            more = (s != 0).all(1)
+        slot, want = slot[more] + ar.size, want[more]
+        ar = _THEN
+    return False
 
 
 def place(kv: U64, keys: U64, mask: int, state: U8 | None) -> tuple[I64, int]:

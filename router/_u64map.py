@@ -1,7 +1,7 @@
 """A packed uint64 -> uint64 hash map: open addressing over two ``array('Q')`` columns.
 
 Why: a ``dict[int, int]`` of 64-bit ints costs ~90 B per entry in CPython (two int objects and
-the table's share); this map costs 16 B per slot, 22-43 B per entry at its fill (between 3/8
+the table's share); this map costs 16 B per slot, 22-48 B per entry at its fill (between 1/3
 and 3/4 of the slots hold live keys or tombstones). Scalar ``get`` / ``set`` / ``pop`` are
 plain Python over the arrays (indexing an ``array`` returns a Python int cheaply); the ``*_many``
 methods take numpy ``uint64`` arrays and probe all keys at once through zero-copy numpy views
@@ -12,7 +12,8 @@ Layout: slot ``i`` holds key ``keys[i]`` and value ``vals[i]``; a key's home slo
 like CPython's int hash, patterned keys only cost probes), collisions probe linearly. Key
 ``EMPTY`` (0) marks a never-used slot and ``TOMBSTONE`` (1) a deleted one (a probe goes on past
 it); the real keys 0 and 1 live in a small side dict. The table doubles when live keys plus
-tombstones pass 3/4 of the slots, and is rebuilt at the same size when tombstones alone fill it.
+tombstones pass 3/4 of the slots (sized so that live keys then fill at most 1/2 of it, and a
+bulk insert at most 2/3), and is rebuilt at the same size when tombstones alone fill it.
 """
 
 from __future__ import annotations
@@ -241,11 +242,12 @@ class U64Map:
         self._filled += slots.size - reused
 
     def _rehash(self, extra: int) -> None:
-        """Rebuild the table for ``extra`` more keys: double while live keys would pass 1/2."""
+        """Rebuild the table for ``extra`` more keys: double while live keys would pass 1/2,
+        or the table with the extra ones 2/3 (a bulk insert fills it no fuller)."""
         live = np.flatnonzero(self._kv > TOMBSTONE)
         keys, vals = self._kv[live].copy(), self._vv[live].copy()
         bits = max(_MIN_BITS, self._bits)
-        while 1 << bits < (keys.size + extra) * 2:
+        while 1 << bits < keys.size * 2 or (1 << bits) * 2 < (keys.size + extra) * 3:
             bits += 1
         self._alloc(bits)
         if keys.size:

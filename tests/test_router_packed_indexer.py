@@ -27,10 +27,56 @@ class PackedCappedIndexerMachine(CappedIndexerMachine):
         self.idx = PackedKvIndexer(SBS, max_blocks=CAP, evict_oldest=True)
 
 
-PackedIndexerMachine.TestCase.settings = IndexerMachine.TestCase.settings
-PackedCappedIndexerMachine.TestCase.settings = IndexerMachine.TestCase.settings
+def _tiny_fronts(idx: PackedKvIndexer) -> PackedKvIndexer:
+    """Fronts of 2 entries: token stores merge them into the tables mid-sequence, so stores
+    sit in either part when they are removed, twinned or stored again."""
+    idx._packed_masks.front_max = 2
+    idx.e2o_front_max = 2
+    return idx
+
+
+class PackedTinyFrontsIndexerMachine(IndexerMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.idx = _tiny_fronts(PackedKvIndexer(SBS))
+
+
+class PackedCappedTinyFrontsIndexerMachine(CappedIndexerMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.idx = _tiny_fronts(PackedKvIndexer(SBS, max_blocks=CAP, evict_oldest=True))
+
+
+for _machine in (PackedIndexerMachine, PackedCappedIndexerMachine,
+                 PackedTinyFrontsIndexerMachine, PackedCappedTinyFrontsIndexerMachine):
+    _machine.TestCase.settings = IndexerMachine.TestCase.settings
 test_packed_indexer_matches_brute_force_model = PackedIndexerMachine.TestCase
 test_packed_capped_indexer_matches_model_without_evicted = PackedCappedIndexerMachine.TestCase
+test_packed_tiny_fronts_match_brute_force_model = PackedTinyFrontsIndexerMachine.TestCase
+test_packed_capped_tiny_fronts_match_model = PackedCappedTinyFrontsIndexerMachine.TestCase
+
+
+def test_a_twin_in_the_masks_front_is_counted_before_a_removal_reads_it() -> None:
+    """A token key stores one block under two engine hashes (``twin_store``), the second
+    after the first was merged into the tables: the masks' front holds the key's bit again
+    for the same own hash. Removing either engine hash must keep the block (one reference
+    left), and removing both drops it, whether or not anything merged in between."""
+    toks = list(range(SBS))
+    own = block_hashes(toks, SBS)[0]
+    for merge_between in (False, True):
+        idx = PackedKvIndexer(SBS)
+        idx.apply_stored((1, 0), [100], None, toks, SBS)
+        idx._packed_masks.merge()
+        idx.apply_stored((1, 0), [200], None, toks, SBS)  # its bit goes to the front again
+        assert idx._packed_masks.front == {own: idx._state[(1, 0)].bit}
+        if merge_between:
+            idx._packed_masks.merge()
+        idx.apply_removed((1, 0), [100])
+        assert idx.find_matches(toks) == {(1, 0): 1}
+        assert idx.num_blocks((1, 0)) == 1
+        idx.apply_removed((1, 0), [200])
+        assert idx.find_matches(toks) == {}
+        assert idx.num_blocks() == 0 and idx._state[(1, 0)].shared == {}
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from router._e2o import E2OTable
-from router._probe import SMALL, find, place
+from router._probe import SMALL, any_held, find, place
 from router._u64map import U64Map
 
 MASK64 = (1 << 64) - 1
@@ -158,6 +158,22 @@ class E2OVsDict(RuleBasedStateMachine):
             self.t.add_children(k, n)
             self.d[k] += n << 129
 
+    @rule(new=st.dictionaries(keys_st, PACKED_ST, max_size=20), repeat=st.booleans())
+    def add_new(self, new: dict[int, int], repeat: bool) -> None:
+        """The token path's store: a check that none is held, then the front."""
+        fresh = [k for k in new if k not in self.d]
+        assert self.t.holds_any(list(new)) == (len(fresh) != len(new))
+        ehs = fresh + fresh[:1] if repeat else fresh
+        ok = self.t.add_new(ehs, [new[k] for k in ehs])
+        assert ok == (not (repeat and fresh))
+        if ok:
+            self.d.update((k, new[k]) for k in fresh)
+
+    @rule()
+    def merge(self) -> None:
+        self.t.merge()
+        assert not self.t.front
+
     @rule(new=st.dictionaries(keys_st, PACKED_ST, max_size=40))
     def insert_many(self, new: dict[int, int]) -> None:
         new = {k: p for k, p in new.items() if k not in self.d}
@@ -180,9 +196,19 @@ class E2OVsDict(RuleBasedStateMachine):
         assert self.t._filled * 5 <= (self.t._mask + 1) * 4
 
 
+class E2OTinyFrontVsDict(E2OVsDict):
+    """A front of 3 entries: merges run in the middle of stores."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.t = E2OTable(front_max=3)
+
+
 TestE2OVsDict = E2OVsDict.TestCase
-TestE2OVsDict.settings = settings(max_examples=150, stateful_step_count=60, deadline=None,
-                                  suppress_health_check=[HealthCheck.too_slow])
+TestE2OTinyFrontVsDict = E2OTinyFrontVsDict.TestCase
+for _case in (TestE2OVsDict, TestE2OTinyFrontVsDict):
+    _case.settings = settings(max_examples=150, stateful_step_count=60, deadline=None,
+                              suppress_health_check=[HealthCheck.too_slow])
 
 
 def test_e2o_insertion_order_survives_growth_and_seq_renumbering() -> None:
@@ -232,6 +258,13 @@ def test_probe_places_and_finds_racing_and_colliding_keys(marking: str) -> None:
     live_old = np.delete(old, np.arange(0, len(old), 3))
     assert (find(kv, live_old, mask, state) >= 0).all()
     assert (find(kv, old[::3], mask, state) == -1).all()
+    # any_held: colliding keys never stored (their home's run is hundreds of slots: several
+    # windows), deleted ones (a state table keeps their key in the slot), random absent ones.
+    absent = np.setdiff1d(np.array(_colliding(340, bits)[300:] + rng.integers(2, 2**63, 60)
+                                   .tolist(), dtype=np.uint64), np.concatenate([old, new]))
+    assert not any_held(kv, np.concatenate([absent, old[::3]]), mask, state)
+    for k in [*new[:40].tolist(), *new[-40:].tolist(), *live_old[:40].tolist()]:
+        assert any_held(kv, np.array([*absent[:8].tolist(), k], dtype=np.uint64), mask, state)
     # Each key sits at the first slot of its probe sequence that was free when it was placed:
     # no key's run from home to its slot crosses an empty slot.
     occupied = kv > 1 if state is None else state != 0
