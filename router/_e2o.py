@@ -181,6 +181,13 @@ class E2OTable:
             return False
         return any_held(self._vk, np.array(ehs, dtype=np.uint64), self._mask, self._vs)
 
+    def put_new(self, eh: int, packed: int) -> None:
+        """Store ``eh``, not held (the caller checked), through the front."""
+        front = self.front
+        front[eh] = packed
+        if len(front) >= self.front_max:
+            self.merge()
+
     def add_new(self, ehs: list[int], packed: Iterable[int]) -> bool:
         """Store the entries ``zip(ehs, packed)``, none of ``ehs`` held (``holds_any``), in
         order, through the front. False, and nothing stored, if ``ehs`` repeats a hash."""

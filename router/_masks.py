@@ -92,6 +92,20 @@ class MaskMap:
             self.merge()
         return added
 
+    def add_one(self, bit: int, own: int) -> bool:
+        """``add_bit`` for one hash: False if the front held it with ``bit`` already."""
+        front = self.front
+        f = front.get(own)
+        if f is None:
+            front[own] = bit
+        elif f & bit:
+            return False
+        else:
+            front[own] = f | bit
+        if len(front) >= self.front_max:
+            self.merge()
+        return True
+
     def merge(self) -> None:
         """Move the front into the table (and wide masks), reporting duplicates to ``on_dup``."""
         front = self.front

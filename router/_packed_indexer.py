@@ -155,14 +155,14 @@ class PackedKvIndexer(KvIndexer):
                     stats.bad_tokens += 1
                     return
                 if parent_engine_hash is None:
-                    e2o[eh] = oh
+                    e2o.put_new(eh, oh)
                 else:
-                    e2o[eh] = oh | parent_engine_hash << 64 | HAS_PARENT
+                    e2o.put_new(eh, oh | parent_engine_hash << 64 | HAS_PARENT)
                     e2o.add_children(parent_engine_hash, 1)
                 self._total += 1
                 stats.stored_blocks += 1
                 if st.bit >> 64 == 0:  # through the masks' front, as below
-                    if not self._packed_masks.add_bit(st.bit, [oh]):
+                    if not self._packed_masks.add_one(st.bit, oh):
                         st.shared[oh] = st.shared.get(oh, 0) + 1
                     return
                 masks, bit = self._packed_masks, st.bit
