@@ -4,13 +4,17 @@ per-entry Python objects (issue 18, item 2): the router's default layout.
 Same rules, events and answers as ``KvIndexer`` (the same brute-force property tests run on
 both); only the containers differ: the own hash -> key bitmask map is a ``MaskMap``
 (``router._masks``, 16 B a slot) and each key's engine hash -> entry map an ``E2OTable``
-(``router._e2o``, 33 B a slot), both open addressing over ``array('Q')`` columns. A
-multi-block store probes and inserts its blocks in a few numpy calls, a batch of independent
-edge-hashed stores all at once (``router._batch_store``); the rest (single blocks, duplicates,
-removals, eviction) runs ``KvIndexer``'s code block by block through the tables' dict API.
-Own-hash delta stores go through the masks' front (``router._masks``) and cost about twice
-``KvIndexer``'s; token events' stores, where every table operation is Python or a numpy call
-rather than a dict's C, cost about four times (docs/benchmarks.md has the figures).
+(``router._e2o``, 33 B a slot), both open addressing over ``array('Q')`` columns.
+
+Both tables take new entries in a plain dict first, their *front*, merged in bulk: a token
+event's store is a dict update into the key's ``E2OTable`` front plus the masks' front
+(``MaskMap.add_bit``), after one vectorized probe that none of its engine hashes is held
+(``E2OTable.holds_any``). An own hash the key already held under another engine hash (a twin,
+``st.shared``) is found when the masks merge or settle it (``_settle_dups``); a removal settles
+its own hashes first. A batch of independent edge-hashed stores goes all at once
+(``router._batch_store``); the rest (duplicates, conflicts, orphans, removals, eviction) runs
+``KvIndexer``'s code block by block through the tables' dict API. Stores cost about twice
+``KvIndexer``'s (docs/benchmarks.md has the figures).
 """
 
 from __future__ import annotations
