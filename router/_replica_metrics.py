@@ -33,7 +33,10 @@ class ReplicaMetrics:
                             "Events of a router replica missed (sequence gaps)", m, registry=r)
         self.expired = Counter("dynamo_router_replica_expired_requests",
                                "Replicas' requests dropped without their FREE, by reason "
-                               "(peer_left, ttl)", [*m, "reason"], registry=r)
+                               "(peer_left, ttl, snapshot)", [*m, "reason"], registry=r)
+        self.snapshots = Counter("dynamo_router_replica_snapshots",
+                                 "Snapshots of a replica's in-flight requests asked for, by "
+                                 "outcome (applied, failed)", [*m, "outcome"], registry=r)
         self.peers = Gauge("dynamo_router_replica_peers", "Router replicas followed", m,
                            registry=r)
         self.requests = Gauge("dynamo_router_replica_requests",

@@ -4,19 +4,20 @@ they route, peer to peer, so their load estimates agree (Dynamo's router replica
 
 Each router of a model binds a PUB socket and advertises it as an endpoint of its own,
 ``<namespace>.kv-router.replica-<hash of model endpoint and name>`` (``replica_path``), whose
-metadata names the socket; the endpoint answers a request with the replica's status. Every
-other live instance of that endpoint is a peer: the router SUBs to its socket (CURVE with
-``--auth-keys`` like any other socket) and applies its events (``router/_replica_wire.py``) to
-its own ``LoadTracker`` and prefill counts, never to the KV index (that comes from the workers'
-events). A peer's request counts until its ``FREE``, until the peer leaves discovery or liveness
-(killed, partitioned), or for at most ``ttl`` seconds (a lost ``FREE``). Malformed messages are
-counted and skipped; events naming a worker the router does not follow are skipped.
+metadata names the socket; the endpoint answers a request with the replica's status, or with
+a snapshot of its in-flight requests. Every other live instance of that endpoint is a peer: the
+router SUBs to its socket (CURVE with ``--auth-keys`` like any other socket) and applies its
+events (``router/_replica_wire.py``) to its own ``LoadTracker`` and prefill counts, never to the
+KV index (that comes from the workers' events). It asks a new peer, and one whose events show a
+gap, for a snapshot (``router/_replica_snapshot.py``), so a router that joins late counts what
+was in flight before. A peer's request counts until its ``FREE``, until the peer leaves
+discovery or liveness (killed, partitioned), or for at most ``ttl`` seconds (a lost ``FREE``).
+Malformed messages are counted and skipped, and so are events naming a worker not followed.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -30,19 +31,16 @@ from dynamo_zmq.resources import Resources
 from dynamo_zmq.runtime import Client, DistributedRuntime
 from dynamo_zmq.transport import AsyncSocket, BadInput, make_socket, peer_key
 
+from . import _replica_snapshot as snapshots
 from ._replica_metrics import ReplicaMetrics
+from ._replica_publisher import ReplicaPublisher
 from ._replica_wire import (
     ADD,
     FREE,
     KINDS,
-    PREFILLED,
     REPLICA_TOPIC,
-    REPLICA_VERSION,
     ReplicaDecodeError,
-    ReplicaEvent,
     decode_event,
-    encode_event,
-    pack_hashes,
     unpack_hashes,
 )
 from .busy import PrefillTokens
@@ -62,6 +60,9 @@ DEFAULT_REPLICA_TTL = 600.0
 META_KEY = "kv_router_replica"
 #: Seconds between two looks at the peers when discovery signals nothing.
 FOLLOW_INTERVAL = 1.0
+#: Seconds a replica waits after subscribing to a peer before asking it for a snapshot, and at
+#: most for the answer.
+SNAPSHOT_DELAY, SNAPSHOT_TIMEOUT = 0.2, 5.0
 PUB_HWM = SUB_HWM = 100_000
 
 
@@ -83,26 +84,6 @@ async def start_replicas(sync: ReplicaSync) -> ReplicaSync | None:
         await sync.close()
         return None
     return sync
-
-
-class _PeerRequest:
-    __slots__ = ("at", "prefill", "route")
-
-    def __init__(self, route: Route, prefill: tuple[Candidate, int] | None, at: float) -> None:
-        self.route = route
-        self.prefill = prefill
-        self.at = at
-
-
-class _Peer:
-    """One other replica: its SUB socket and its in-flight requests."""
-
-    def __init__(self, iid: int, endpoint: str) -> None:
-        self.iid = iid
-        self.endpoint = endpoint
-        self.res: Resources | None = None
-        self.requests: dict[int, _PeerRequest] = {}
-        self.last_seq: int | None = None
 
 
 class ReplicaSync:
@@ -133,11 +114,9 @@ class ReplicaSync:
         self._known = known
         self._m = ReplicaMetrics.for_router(metrics)
         self._ttl = ttl
-        self._ids = itertools.count(1)
-        self._seq = 0
-        self._pub: zmq.Socket[bytes] | None = None
+        self._pub = ReplicaPublisher(model, self._m)
         self._client: Client | None = None
-        self._peers: dict[int, _Peer] = {}
+        self._peers: dict[int, snapshots.Peer] = {}
         self._blocks: dict[Candidate, int] = {}
         self._bad = BadInput(log)
         self.endpoint = ""
@@ -147,10 +126,10 @@ class ReplicaSync:
     async def start(self) -> None:
         """Bind the PUB socket, advertise it and start following the peers."""
         rc = self._runtime.config
-        self._pub = make_socket(self._res.zctx, zmq.PUB, bind=f"tcp://{rc.bind_host}:0",
-                                hwm=PUB_HWM)
-        self._res.on_close(self._close_socket)
-        port = self._pub.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]
+        sock = make_socket(self._res.zctx, zmq.PUB, bind=f"tcp://{rc.bind_host}:0", hwm=PUB_HWM)
+        self._pub.sock, self._pub.replica = sock, self._runtime.instance_id
+        self._res.on_close(self._pub.close)
+        port = sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]
         self.endpoint = f"tcp://{rc.advertised_hosts()[0]}:{port}"
         meta = {META_KEY: {"events": self.endpoint, "model": self._model,
                            "path": self._client_path}}
@@ -171,21 +150,19 @@ class ReplicaSync:
         except Exception:  # the runtime may be closing already
             log.debug("withdrawing %s failed", self.path, exc_info=True)
 
-    def _close_socket(self) -> None:
-        if self._pub is not None:
-            self._pub.close(linger=0)
-            self._pub = None
-
     async def _status(self, request: Any) -> AsyncIterator[dict[str, Any]]:
-        """The replica endpoint's answer: what this replica counts of its peers."""
-        yield self.status()
+        """The replica endpoint's answer: the status, or a snapshot (``_replica_snapshot``)."""
+        if isinstance(request, dict) and request.get(snapshots.SNAPSHOT_KEY) is True:
+            yield self._pub.snapshot()
+        else:
+            yield self.status()
 
     def status(self) -> dict[str, Any]:
         return {
             "replica": f"{self._runtime.instance_id:x}",
             "model": self._model,
             "events": self.endpoint,
-            "sent": self._seq,
+            "sent": self._pub.seq,
             "peers": {f"{p.iid:x}": len(p.requests) for p in self._peers.values()},
             # The last event heard from each peer (None: none yet, its PUB may not have our
             # subscription: a SUB cannot tell when it is live, and what it misses is lost).
@@ -193,34 +170,17 @@ class ReplicaSync:
             "blocks": {f"{w:x}/{r}": n for (w, r), n in sorted(self._blocks.items())},
         }
 
-    # -- publishing this router's decisions --------------------------------------------------
+    # -- publishing this router's decisions (``router/_replica_publisher.py``) ---------------
 
     def added(self, route: Route, prefill_tokens: int) -> int:
         """This router routed a request (``route``): tell the peers; returns its id."""
-        rid = next(self._ids)
-        worker, rank = route.candidate
-        self._publish(ADD, rid, worker, rank, pack_hashes(route.hashes), route.extra,
-                      prefill_tokens)
-        return rid
+        return self._pub.added(route, prefill_tokens)
 
     def prefilled(self, rid: int) -> None:
-        self._publish(PREFILLED, rid)
+        self._pub.prefilled(rid)
 
     def freed(self, rid: int) -> None:
-        self._publish(FREE, rid)
-
-    def _publish(self, kind: int, rid: int, worker: int = 0, rank: int = 0, hashes: bytes = b"",
-                 extra: int = 0, prefill: int = 0) -> None:
-        if self._pub is None:
-            return
-        ev = ReplicaEvent(REPLICA_VERSION, kind, self._runtime.instance_id, self._seq, rid,
-                          worker, rank, hashes, extra, prefill)
-        try:
-            self._pub.send_multipart([REPLICA_TOPIC, encode_event(ev)], zmq.NOBLOCK)
-        except zmq.ZMQError as exc:  # a full queue: peers see a gap, their TTL covers it
-            self._bad.note("replica_send", "replica event not sent: %s", exc)
-        self._seq += 1
-        self._m.sent.labels(self._model, KINDS[kind]).inc()
+        self._pub.freed(rid)
 
     # -- following the peers -----------------------------------------------------------------
 
@@ -264,7 +224,7 @@ class ReplicaSync:
         return None
 
     def _add_peer(self, iid: int, endpoint: str) -> None:
-        peer = _Peer(iid, endpoint)
+        peer = snapshots.Peer(iid, endpoint)
         try:
             sock = make_socket(self._res.zctx, zmq.SUB, hwm=SUB_HWM, heartbeat_ms=0,
                                server_key=peer_key(iid))
@@ -284,9 +244,10 @@ class ReplicaSync:
         res.on_close(asock.close)
         res.spawn(self._receive(peer, asock), f"replica-{iid:x}")
         self._peers[iid] = peer
+        self._ask_snapshot(peer)
         log.info("router replica sync of %r follows replica %x at %s", self._model, iid, endpoint)
 
-    async def _drop_peer(self, peer: _Peer, reason: str) -> None:
+    async def _drop_peer(self, peer: snapshots.Peer, reason: str) -> None:
         if peer.res is not None:
             await peer.res.close()
         for req in list(peer.requests.values()):
@@ -307,7 +268,7 @@ class ReplicaSync:
             if old:
                 self._m.expired.labels(self._model, "ttl").inc(len(old))
 
-    async def _receive(self, peer: _Peer, sock: AsyncSocket) -> None:
+    async def _receive(self, peer: snapshots.Peer, sock: AsyncSocket) -> None:
         while not sock.closed:
             frames = sock.recv_nowait()
             if frames is None:
@@ -335,38 +296,85 @@ class ReplicaSync:
             if ev.seq <= peer.last_seq:
                 return False  # a duplicate (or a restart's, which is a new instance anyway)
             self._m.gaps.labels(self._model).inc(ev.seq - peer.last_seq - 1)
+            self._ask_snapshot(peer)
         peer.last_seq = ev.seq
         self._m.received.labels(self._model, KINDS[ev.kind]).inc()
         if ev.kind == ADD:
-            self._apply_add(peer, ev)
+            entry = (ev.worker, ev.dp_rank, ev.hashes, ev.extra, ev.prefill)
+            self._count(peer, ev.request, entry, ev.seq)
         elif ev.kind == FREE:
+            peer.heard("free", ev.request, ev.seq)  # (a pending snapshot may still hold it)
             req = peer.requests.pop(ev.request, None)
             if req is not None:
                 self._release(req)
         else:
+            peer.heard("prefilled", ev.request, ev.seq)
             req = peer.requests.get(ev.request)
-            if req is not None and req.prefill is not None:
-                self._prefill.done(*req.prefill)
-                req.prefill = None
+            if req is not None:
+                self._prefilled(req)
         self._update_gauges()
         return True
 
-    def _apply_add(self, peer: _Peer, ev: ReplicaEvent) -> None:
-        if not self._known(ev.worker) or ev.request in peer.requests:
+    def _count(self, peer: snapshots.Peer, rid: int, entry: snapshots.Entry, seq: int) -> None:
+        """Count ``peer``'s request ``rid`` (from its ADD, or a snapshot, as of event ``seq``)."""
+        worker, rank, hashes, extra, prefill_tokens = entry
+        if not self._known(worker) or rid in peer.requests:
             return
-        candidate = (ev.worker, ev.dp_rank)
-        route = self._loads.add(candidate, unpack_hashes(ev.hashes), ev.extra)
+        candidate = (worker, rank)
+        route = self._loads.add(candidate, unpack_hashes(hashes), extra)
         prefill = None
-        if ev.prefill > 0:
-            prefill = (candidate, ev.prefill)
-            self._prefill.add(candidate, ev.prefill)
-        peer.requests[ev.request] = _PeerRequest(route, prefill, time.monotonic())
+        if prefill_tokens > 0:
+            prefill = (candidate, prefill_tokens)
+            self._prefill.add(candidate, prefill_tokens)
+        peer.requests[rid] = snapshots.PeerRequest(route, prefill, time.monotonic(), seq)
         self._blocks[candidate] = self._blocks.get(candidate, 0) + route.size
 
-    def _release(self, req: _PeerRequest) -> None:
+    # -- snapshots (``router/_replica_snapshot.py``) -----------------------------------------
+
+    def _ask_snapshot(self, peer: snapshots.Peer) -> None:
+        """Ask ``peer`` for a snapshot of its in-flight requests, unless one is asked for."""
+        if peer.asking or peer.res is None:
+            return
+        peer.asking = True
+        peer.res.spawn(self._snapshot(peer), f"replica-snapshot-{peer.iid:x}")
+
+    async def _snapshot(self, peer: snapshots.Peer) -> None:
+        assert self._client is not None
+        await asyncio.sleep(SNAPSHOT_DELAY)  # the new subscription's way to the peer
+        try:
+            snap = await snapshots.fetch_snapshot(self._client, peer.iid, SNAPSHOT_TIMEOUT)
+        except (errors.DynamoError, snapshots.SnapshotError) as exc:
+            peer.give_up()
+            self._m.snapshots.labels(self._model, "failed").inc()
+            log.info("router replica %x sent no snapshot (%s): counting from its events only",
+                     peer.iid, exc)
+            return
+        self.apply_snapshot(peer.iid, snap)
+
+    def apply_snapshot(self, iid: int, snap: snapshots.Snapshot) -> None:
+        """Reconcile what peer ``iid``'s events made this router count with its snapshot."""
+        peer = self._peers.get(iid)
+        if peer is None:
+            return
+        released, prefilled, new = peer.reconcile(snap)
+        for req in released:
+            self._release(req)
+        for req in prefilled:
+            self._prefilled(req)
+        for rid, entry in new.items():
+            self._count(peer, rid, entry, snap.seq)
+        if released:
+            self._m.expired.labels(self._model, "snapshot").inc(len(released))
+        self._m.snapshots.labels(self._model, "applied").inc()
+        self._update_gauges()
+
+    def _prefilled(self, req: snapshots.PeerRequest) -> None:
         if req.prefill is not None:
             self._prefill.done(*req.prefill)
             req.prefill = None
+
+    def _release(self, req: snapshots.PeerRequest) -> None:
+        self._prefilled(req)
         self._loads.release(req.route)
         candidate = req.route.candidate
         left = self._blocks.get(candidate, 0) - req.route.size

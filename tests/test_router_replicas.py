@@ -3,7 +3,8 @@
 other's load for that worker until it completes; a replica killed mid-request has its
 contributions dropped; garbage on the sync socket is counted, not fatal, while a well-formed
 peer (a real runtime in the test) is applied, and its request whose end never comes expires after
-``--router-replica-ttl``."""
+``--router-replica-ttl``; a replica started while another's request is in flight counts it (the
+snapshot it asks for on joining)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import asyncio
 import random
 import signal
 
+import openai
 import zmq
 
 from router._replica_wire import ADD, FREE, REPLICA_TOPIC, ReplicaEvent, encode_event, pack_hashes
@@ -90,6 +92,50 @@ async def test_a_peer_routed_request_counts_until_it_completes(namespace, spawn,
                      "frontend 2 dropping the stopped replica")
 
 
+async def test_a_replica_that_joins_late_counts_what_was_in_flight(namespace, spawn, tiny_model):
+    """A frontend started while another's request is in flight counts that request: its ADD
+    went out before the newcomer subscribed, and the newcomer's snapshot of the peer brings it
+    in (router/_replica_snapshot.py). The request's end (its client leaves) releases it."""
+    # Slow workers (a twentieth of the mocker's speed): the request outlives frontend 2's
+    # start however slow the machine, and the test ends it by closing the stream.
+    workers = [spawn("-m", "dynamo_zmq.worker", "--engine", "mocker", "--model-path",
+                     str(tiny_model), "--model-name", "tiny", "--namespace", namespace,
+                     "--host", "127.0.0.1", "--block-size", str(BLOCK), "--speedup-ratio",
+                     "0.05", ready=False) for _ in range(2)]
+    f1 = frontend(spawn, namespace, *SYNC)
+    for proc in (*workers, f1):
+        proc.wait_ready()
+    await eventually(lambda: serving(f1.address, workers), 30, "both workers routed")
+    client = openai.AsyncOpenAI(base_url=f"{f1.address}/v1", api_key="none", max_retries=0)
+    stream = await client.completions.create(model="tiny", prompt=prompt(9), max_tokens=1900,
+                                             stream=True)
+    try:
+        assert (await anext(aiter(stream))).choices  # routed and generating
+        f2 = frontend(spawn, namespace, *SYNC)
+        f2.wait_ready()
+        await eventually(lambda: serving(f2.address, workers), 30, "both workers routed")
+        seen = await eventually(lambda: _nonzero(replica_blocks(f2.address, workers)), 30,
+                                "frontend 2 counting the request routed before it started")
+        assert len(seen) == 1 and next(iter(seen.values())) >= 4
+        assert await metric(f2.address, "dynamo_router_replica_requests") == 1
+        assert await metric(f2.address, "dynamo_router_replica_snapshots_total",
+                            outcome="applied") >= 1
+        # No ADD reached frontend 2: it went out once, before frontend 2 existed.
+        assert await metric(f1.address, "dynamo_router_replica_events_sent_total",
+                            kind="add") == 1
+        assert await metric(f2.address, "dynamo_router_replica_events_received_total",
+                            kind="add") == 0
+    finally:
+        await stream.close()
+        await client.close()
+
+    async def freed() -> bool:
+        return (await metric(f2.address, "dynamo_router_replica_requests") == 0
+                and not any((await replica_blocks(f2.address, workers)).values()))
+
+    await eventually(freed, 30, "frontend 2 releasing the request when it ends")
+
+
 async def test_a_killed_replica_stops_counting(namespace, spawn, tiny_model):
     workers, (f1, f2) = await start(spawn, namespace, tiny_model)
     long = asyncio.create_task(asyncio.to_thread(complete, f1.address, prompt(2), 600))
@@ -126,11 +172,14 @@ async def test_garbage_is_counted_and_a_peers_events_applied(
     rt = make_runtime()
     meta = {META_KEY: {"events": f"tcp://127.0.0.1:{port}", "model": "tiny", "path": path}}
 
-    async def nothing(request):
-        yield {}
+    # Its snapshots (asked for when the frontend starts following it, and after a gap).
+    snapshot = {"seq": -1, "requests": []}
+
+    async def answer(request):
+        yield snapshot if request == {"snapshot": True} else {}
 
     try:
-        await rt.endpoint(replica_path(path, "tiny")).start_serving(nothing, meta)
+        await rt.endpoint(replica_path(path, "tiny")).start_serving(answer, meta)
         await eventually(lambda: metric(url, "dynamo_router_replica_peers"), 30,
                          "the frontend following the test's replica")
         garbage = [[REPLICA_TOPIC, b"\xc1not msgpack"], [REPLICA_TOPIC], [b"x", b"y", b"z"],
@@ -159,9 +208,22 @@ async def test_garbage_is_counted_and_a_peers_events_applied(
                 url, "dynamo_router_replica_active_blocks", worker=w)
 
         await eventually(released, 10, "the peer's request released")
+        # A gap (events 2-4 lost): the frontend asks for a snapshot, which holds request 77.
+        snapshot["seq"] = 5
+        snapshot["requests"] = [[77, workers[0].instance_id, 0, hashes, 3, 0]]
+        pub.send_multipart([REPLICA_TOPIC, encode_event(ReplicaEvent(
+            1, FREE, rt.instance_id, 5, 55))])
+        await eventually(lambda: metric(url, "dynamo_router_replica_requests"), ttl,
+                         "the snapshot's request counted")
+        assert await metric(url, "dynamo_router_replica_gaps_total") == 3
+        assert await metric(url, "dynamo_router_replica_active_blocks", worker=w) == 4 + 3
+        pub.send_multipart([REPLICA_TOPIC, encode_event(ReplicaEvent(
+            1, FREE, rt.instance_id, 6, 77))])
+        await eventually(released, 10, "the snapshot's request released by its FREE")
+        assert await metric(url, "dynamo_router_replica_snapshots_total", outcome="applied") >= 1
         # An ADD whose FREE never comes counts for the TTL, then no more.
         pub.send_multipart([REPLICA_TOPIC, encode_event(ReplicaEvent(
-            1, ADD, rt.instance_id, 2, 10, workers[0].instance_id, 0, hashes, 3))])
+            1, ADD, rt.instance_id, 7, 10, workers[0].instance_id, 0, hashes, 3))])
         await eventually(lambda: metric(url, "dynamo_router_replica_requests"), ttl,
                          "the unanswered request counted")
         await eventually(lambda: metric(url, "dynamo_router_replica_expired_requests_total",
