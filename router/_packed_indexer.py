@@ -11,10 +11,10 @@ event's store is a dict update into the key's ``E2OTable`` front plus the masks'
 (``MaskMap.add_bit``), after one vectorized probe that none of its engine hashes is held
 (``E2OTable.holds_any``). An own hash the key already held under another engine hash (a twin,
 ``st.shared``) is found when the masks merge or settle it (``_settle_dups``); a removal settles
-its own hashes first. A batch of independent edge-hashed stores goes all at once
-(``router._batch_store``); the rest (duplicates, conflicts, orphans, removals, eviction) runs
-``KvIndexer``'s code block by block through the tables' dict API. Stores cost about twice
-``KvIndexer``'s (docs/benchmarks.md has the figures).
+its own hash first (``KvIndexer._settle_own``). A batch of independent edge-hashed stores goes
+all at once (``router._batch_store``); the rest (duplicates, conflicts, orphans, removals,
+eviction) runs ``KvIndexer``'s code block by block through the tables' dict API. Stores cost
+about twice ``KvIndexer``'s (docs/benchmarks.md has the figures).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from ._delta_store import clear_delta
 from ._e2o import FRONT_MAX as E2O_FRONT_MAX
 from ._e2o import E2OTable
 from ._evict import evict_oldest
-from ._keystate import CHILD, HAS_PARENT, KeyState
+from ._keystate import HAS_PARENT, KeyState, chain_entries
 from ._masks import MaskMap
 from .events import EventBatch, OwnBatch
 from .hashing import ROOT_SEED, event_own_hashes, root_hash
@@ -43,8 +43,7 @@ from .matching import WorkerKey, linear_matches, prefix_matches
 __all__ = ["PackedKvIndexer"]
 
 _NO_EXTRA = [None]
-_SIXTY_FOUR = itertools.repeat(64)
-_and, _or, _lshift = operator.and_, operator.or_, operator.lshift
+_and = operator.and_
 _h64 = xxhash.xxh3_64_intdigest
 
 
@@ -70,6 +69,7 @@ class PackedKvIndexer(KvIndexer):
         self._masks = cast(dict[int, int], MaskMap())  # the dict API KvIndexer's code reads
         self._packed_masks = cast(MaskMap, self._masks)
         self._packed_masks.on_dup = self._settle_dups
+        self._settle_own = self._packed_masks.settle  # a removal reads exact twin counts
         #: Each key's engine hash table merges its front at this many entries (``E2OTable``).
         self.e2o_front_max = E2O_FRONT_MAX
 
@@ -203,13 +203,8 @@ class PackedKvIndexer(KvIndexer):
                     and any(map(_and, map(front.get, owns, _zeros(n)), itertools.repeat(bit))))):
             self._store_each(st, engine_hashes, owns, parent_engine_hash)
             return
-        flags = [HAS_PARENT | CHILD] * n
-        flags[-1] = HAS_PARENT
-        if parent_engine_hash is None:
-            flags[0] ^= HAS_PARENT
-        parents = itertools.chain((parent_engine_hash or 0,), engine_hashes)
         if not e2o.add_new(engine_hashes,
-                           map(_or, map(_or, owns, map(_lshift, parents, _SIXTY_FOUR)), flags)):
+                           chain_entries(owns, engine_hashes, parent_engine_hash)):
             self._store_each(st, engine_hashes, owns, parent_engine_hash)  # a repeated hash
             return
         if parent_engine_hash is not None:
@@ -217,19 +212,6 @@ class PackedKvIndexer(KvIndexer):
         masks.add_bit(bit, owns)
         self._total += n
         stats.stored_blocks += n
-
-    def apply_removed(self, key: WorkerKey, engine_hashes: list[int]) -> None:
-        """``KvIndexer.apply_removed``, once the masks have reported the duplicates of the
-        removed blocks' own hashes (their ``st.shared`` counts decide what a removal clears)."""
-        st = self._state.get(key)
-        masks = self._packed_masks
-        if st is not None and masks.front and not st.delta:
-            own = cast(E2OTable, st.e2o).own
-            for eh in engine_hashes:
-                oh = own(eh)
-                if oh >= 0:
-                    masks.settle(oh)
-        super().apply_removed(key, engine_hashes)
 
     def _clear(self, key: WorkerKey) -> None:
         st = self._state.get(key)

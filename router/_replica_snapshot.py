@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from dynamo_zmq.resources import Resources
+
 from ._replica_wire import MAX_HASHES
 from .scheduler import Candidate, Route
 
@@ -121,7 +123,7 @@ class Peer:
     def __init__(self, iid: int, endpoint: str) -> None:
         self.iid = iid
         self.endpoint = endpoint
-        self.res: Any = None  # its ``Resources`` (the SUB socket, the receiver)
+        self.res: Resources | None = None  # the SUB socket, the receiver
         self.requests: dict[int, PeerRequest] = {}
         self.last_seq: int | None = None
         self.asking = False  # a snapshot is asked for: note FREEs and PREFILLEDs of unknown ids

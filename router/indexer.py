@@ -27,7 +27,7 @@ import array
 import itertools
 import logging
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import xxhash
@@ -40,7 +40,7 @@ from ._keystate import CHILD as _CHILD
 from ._keystate import CHILD_SHIFT as _CHILD_SHIFT
 from ._keystate import HAS_PARENT as _HAS_PARENT
 from ._keystate import MASK64 as _MASK64
-from ._keystate import KeyState, KeyTable, relink, unlink
+from ._keystate import KeyState, KeyTable, chain_entries, relink, unlink
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, OwnBatch
 from .hashing import ROOT_SEED, TokenIds, block_hashes, event_own_hashes, root_hash
 from .matching import WorkerKey as WorkerKey
@@ -54,8 +54,6 @@ DEFAULT_MAX_BLOCKS = 10_000_000
 
 _NO_EXTRA = [None]
 _h64 = xxhash.xxh3_64_intdigest
-_SIXTY_FOUR = itertools.repeat(64)
-_lshift = operator.lshift
 _and = operator.and_
 _or = operator.or_
 
@@ -92,6 +90,9 @@ class KvIndexer:
         self._bit_keys: dict[int, WorkerKey] = self._keys.bit_keys
         self._total = 0
         self._warned_full = False
+        #: Called with an own hash before a removal reads its ``shared`` count (a layout that
+        #: counts twins late settles it: ``PackedKvIndexer``).
+        self._settle_own: Callable[[int], None] | None = None
 
     @property
     def stats(self) -> IndexerStats:
@@ -224,14 +225,9 @@ class KvIndexer:
         if held is not None and any(map(_and, held, itertools.repeat(bit, n))):
             self._store_each(st, engine_hashes, owns, parent_engine_hash)
             return
-        flags = [_HAS_PARENT | _CHILD] * n
-        flags[-1] = _HAS_PARENT
-        if parent_engine_hash is None:
-            flags[0] ^= _HAS_PARENT
-        parents = itertools.chain((parent_engine_hash or 0,), engine_hashes)
-        packed_iter = map(_or, map(_or, owns, map(_lshift, parents, _SIXTY_FOUR)), flags)
         size = len(e2o)
-        e2o.update(zip(engine_hashes, packed_iter, strict=False))
+        e2o.update(zip(engine_hashes, chain_entries(owns, engine_hashes, parent_engine_hash),
+                       strict=False))
         if len(e2o) != size + n:  # an engine hash repeated within the event: undo, go slow
             for eh in engine_hashes:
                 e2o.pop(eh, None)
@@ -304,7 +300,7 @@ class KvIndexer:
             stats.unknown_removed += len(engine_hashes)
             return
         e2o, dups, shared, masks, bit = st.e2o, st.dups, st.shared, self._masks, st.bit
-        removed = 0
+        removed, settle = 0, self._settle_own
         for eh in engine_hashes:
             d = dups.get(eh)
             if d is not None:
@@ -322,6 +318,8 @@ class KvIndexer:
             children = packed >> _CHILD_SHIFT
             if children or packed & _HAS_PARENT:
                 self._set_orphans(st, unlink(st, eh, packed, oh, children))
+            if settle is not None:
+                settle(oh)
             s = shared.get(oh)
             if s is not None:
                 if s > 1:
