@@ -11,12 +11,17 @@ its keys that the worker holds; the hit rate is hits / all full blocks.
 - ``finite_bound``: the best of several runs, most of them knowing the whole trace. It is a
   **heuristic oracle**, not a proven optimum (placing prefixes optimally is NP-hard in
   general): a greedy placement that sends each request to the worker where it hits most
-  (ties: the worker with the fewest requests in the window) while every cache evicts by
-  Belady's rule (farthest next use anywhere in the trace first, deeper blocks first on ties,
-  so caches stay prefix-closed); and round-robin, that greedy placement and the approximate
-  placement (greedy on what was sent to each worker, as a router without KV events) with LRU
-  caches or Belady's rule. Greedy with Belady's rule alone is not always best (on random tiny
-  traces it lost to an online run about once in 500), hence the maximum. It
+  (less ``balance`` blocks per request the worker took in the window; ties: the fewest such
+  requests) while every cache evicts by Belady's rule (farthest next use anywhere in the trace
+  first, deeper blocks first on ties, so caches stay prefix-closed); and round-robin, that
+  greedy placement and the approximate placement (greedy on what was sent to each worker, as a
+  router without KV events) with LRU caches or Belady's rule, the greedy and approximate ones
+  with ``balance`` 0, 0.25 and 1. Greedy with Belady's rule alone is not always best (on
+  random tiny traces it lost to an online run about once in 500), hence the maximum. Without
+  a balance term greedy can leave a worker idle: when every request shares a first block, a
+  worker that never got one never matches, so the others win every tie until the window's cap
+  stops them (the conversation trace's warm window lost 3 points of bound that way before the
+  balanced candidates joined). It
   ignores what a real engine also spends cache on (blocks of running requests, generated
   tokens), so real engines sit below it even with a perfect router.
 
@@ -34,6 +39,7 @@ from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 
 __all__ = [
+    "BALANCES",
     "PLACEMENTS",
     "SimResult",
     "block_keys",
@@ -43,6 +49,8 @@ __all__ = [
 ]
 
 PLACEMENTS = ("round-robin", "greedy", "approx")
+#: The balance terms the oracle tries (blocks of hit one request in the window is worth).
+BALANCES = (0.0, 0.25, 1.0)
 _INF = math.inf
 
 
@@ -166,12 +174,14 @@ def simulate(
     window: int = 32,
     slack: float | None = 1.5,
     measure_from: int = 0,
+    balance: float = 0.0,
 ) -> SimResult:
     """Replay ``reqs`` on ``workers`` caches of ``capacity`` blocks (``math.inf``: unbounded).
 
     placement: ``round-robin``, or ``greedy``: the worker whose cache holds the longest prefix
-    of the request (ties: fewest requests in the window, then the lowest index), like a KV
-    router that sees every event; or ``approx``: the same choice made on what was sent to each
+    of the request, less ``balance`` blocks for each request it took in the window (ties:
+    fewest requests in the window, then the lowest index), like a KV router that sees every
+    event and weighs load; or ``approx``: the same choice made on what was sent to each
     worker instead of what its cache holds (a router without KV events, whose belief never
     expires and never learns of an eviction). eviction: ``lru``, or ``belady`` (clairvoyant:
     farthest next use first). Greedy with Belady eviction is the oracle's main candidate.
@@ -194,10 +204,12 @@ def simulate(
         if placement == "round-robin":
             w = i % workers
         elif placement == "approx":
-            w = max(allowed, key=lambda c: (_prefix_len(sent[c], keys), -counts[c], -c))
+            w = max(allowed, key=lambda c: (
+                _prefix_len(sent[c], keys) - balance * counts[c], -counts[c], -c))
             sent[w].update(keys)
         else:
-            w = max(allowed, key=lambda c: (caches[c].match(keys), -counts[c], -c))
+            w = max(allowed, key=lambda c: (
+                caches[c].match(keys) - balance * counts[c], -counts[c], -c))
         if i >= measure_from:
             res.hits += caches[w].match(keys)
             res.blocks += len(keys)
@@ -229,6 +241,7 @@ def finite_bound(
     measure_from: int = 0,
 ) -> SimResult:
     """The best hit rate of the heuristic oracle's candidate runs (see the module docstring)."""
-    runs = [simulate(reqs, workers, capacity, p, e, window, slack, measure_from)
-            for p in PLACEMENTS for e in ("belady", "lru")]
+    runs = [simulate(reqs, workers, capacity, p, e, window, slack, measure_from, b)
+            for p in PLACEMENTS for e in ("belady", "lru")
+            for b in (BALANCES if p != "round-robin" else (0.0,))]
     return max(runs, key=lambda r: r.hits)

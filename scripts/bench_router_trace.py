@@ -64,7 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_e2e as be  # its asyncio HTTP/SSE client
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from router.oracle import block_keys, finite_bound, infinite_bound, simulate
+from router.oracle import BALANCES, block_keys, finite_bound, infinite_bound, simulate
 
 ROOT = Path(__file__).resolve().parent.parent
 MODES = {
@@ -368,13 +368,15 @@ def bounds(prompts: list[list[int]], args: argparse.Namespace) -> dict[str, floa
     """The infinite-cache bound and the oracle's finite-capacity bound of the replayed prompts,
     and, for reference, round-robin, the online greedy placement (what an ideal event-driven
     router reaches on engines that evict LRU) and the approximate one (greedy on what was sent,
-    as a router without events) in the same simulator with LRU caches."""
+    as a router without events) in the same simulator with LRU caches, each at the best of
+    the oracle's balance terms."""
     keys = block_keys(prompts, args.tokens_per_block)
     caches, cap, warm = args.workers * args.dp, args.num_gpu_blocks, args.warmup
     fin = finite_bound(keys, caches, cap, window=args.oracle_window, slack=args.oracle_slack,
                        measure_from=warm)
-    sims = {f"sim_{p}_lru": simulate(keys, caches, cap, p, "lru", args.oracle_window,
-                                     args.oracle_slack, measure_from=warm).rate
+    sims = {f"sim_{p}_lru": max(simulate(keys, caches, cap, p, "lru", args.oracle_window,
+                                         args.oracle_slack, warm, b).rate
+                                for b in (BALANCES if p != "round-robin" else (0.0,)))
             for p in ("round-robin", "greedy", "approx")}
     return {"infinite": infinite_bound(keys, warm), "finite": fin.rate, **sims}
 

@@ -8,7 +8,7 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.oracle import block_keys, finite_bound, infinite_bound, simulate
+from router.oracle import BALANCES, block_keys, finite_bound, infinite_bound, simulate
 
 # A request: a path in a small prefix tree (each step picks one of 3 children).
 _paths = st.lists(st.integers(0, 2), max_size=6)
@@ -27,9 +27,11 @@ def test_finite_bound_beats_online_policies(
     reqs = _keys(paths)
     bound = finite_bound(reqs, workers, capacity, window=4, slack=slack)
     for placement in ("round-robin", "greedy", "approx"):
-        online = simulate(reqs, workers, capacity, placement, "lru", window=4, slack=slack)
-        assert bound.hits >= online.hits
-        assert online.blocks == bound.blocks
+        for balance in BALANCES:
+            online = simulate(reqs, workers, capacity, placement, "lru", window=4, slack=slack,
+                              balance=balance)
+            assert bound.hits >= online.hits
+            assert online.blocks == bound.blocks
     assert bound.rate <= infinite_bound(reqs) + 1e-12
 
 
@@ -112,3 +114,16 @@ def test_approx_sends_a_prefix_back_to_the_cache_that_evicted_it() -> None:
     approx = simulate(reqs, 2, 2, "approx", "lru", slack=None)
     assert greedy.placement == [0, 1, 0, 1, 0] and approx.placement == [0, 1, 0, 0, 0]
     assert (greedy.hits, approx.hits) == (1, 0)
+
+
+def test_a_balance_term_stops_greedy_leaving_a_worker_idle() -> None:
+    # Every request shares its first block. Without a balance term the worker holding it wins
+    # every request (the other never matches), so one cache of 3 blocks thrashes on three
+    # families; with one, the second worker takes families too and they hit.
+    fams = [[0, 1, 2], [0, 3, 4], [0, 5, 6]]
+    reqs = block_keys(fams * 4, 1)
+    lone = simulate(reqs, 2, 4, "greedy", "lru", slack=None)
+    assert set(lone.placement) == {0}
+    balanced = simulate(reqs, 2, 4, "greedy", "lru", slack=None, balance=1.0)
+    assert set(balanced.placement) == {0, 1} and balanced.hits > lone.hits
+    assert finite_bound(reqs, 2, 4, slack=None).hits >= balanced.hits
