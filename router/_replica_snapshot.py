@@ -11,6 +11,12 @@ the last event it had published then. Reconciled with what the events already di
 - a request of the snapshot the events did not add is added, unless its FREE came after
   ``seq``, and without its prefill tokens if its PREFILLED did;
 - events up to ``seq`` are then duplicates of what the snapshot holds.
+
+A FREE lost with no later event from that peer shows no gap, so a replica also asks again when
+one of a peer's requests has counted ``resync_interval(ttl)`` seconds (at most once per that
+interval): the snapshot releases it if it ended, where the TTL alone would take ``ttl``. A
+snapshot older than an event heard before it was asked for cannot come from a live peer (it
+answers as of its latest event) and is refused.
 """
 
 from __future__ import annotations
@@ -24,11 +30,19 @@ from .scheduler import Candidate, Route
 
 __all__ = [
     "SNAPSHOT_KEY", "OwnRequests", "Peer", "PeerRequest", "Snapshot", "SnapshotError",
-    "fetch_snapshot",
+    "fetch_snapshot", "resync_interval",
 ]
 
 #: The replica endpoint answers a request ``{SNAPSHOT_KEY: True}`` with a snapshot.
 SNAPSHOT_KEY = "snapshot"
+#: Seconds a peer's request counts before its replica is asked for a snapshot again (at most).
+RESYNC_AFTER = 60.0
+
+
+def resync_interval(ttl: float) -> float:
+    """Seconds after which a peer's counted request prompts a new snapshot: ``RESYNC_AFTER``,
+    or a tenth of the TTL if that is shorter."""
+    return min(RESYNC_AFTER, ttl / 10)
 
 #: One request of a snapshot: worker, dp rank, packed block hashes, extra blocks, prefill tokens.
 Entry = tuple[int, int, bytes, int, int]
@@ -67,15 +81,21 @@ class Snapshot:
         return cls(seq, requests)
 
 
-async def fetch_snapshot(client: Any, iid: int, timeout: float) -> Snapshot:
-    """Ask the replica ``iid`` for its snapshot through ``client`` (of the replica endpoint).
+async def fetch_snapshot(client: Any, iid: int, timeout: float, heard: int | None = None
+                         ) -> Snapshot:
+    """Ask the replica ``iid`` for its snapshot through ``client`` (of the replica endpoint);
+    ``heard``: the last of its events heard before asking.
 
     Raises:
-        DynamoError: the request failed; SnapshotError: the answer is not a snapshot.
+        DynamoError: the request failed; SnapshotError: the answer is not a snapshot, or one
+        older than ``heard``.
     """
     stream = await client.direct({SNAPSHOT_KEY: True}, iid, timeout=timeout)
     answers = [item.data() async for item in stream]
-    return Snapshot.parse(answers[0] if answers else None)
+    snap = Snapshot.parse(answers[0] if answers else None)
+    if heard is not None and snap.seq < heard:
+        raise SnapshotError(f"snapshot as of event {snap.seq}, older than event {heard} heard")
+    return snap
 
 
 class OwnRequests:
@@ -127,8 +147,25 @@ class Peer:
         self.requests: dict[int, PeerRequest] = {}
         self.last_seq: int | None = None
         self.asking = False  # a snapshot is asked for: note FREEs and PREFILLEDs of unknown ids
+        self.asked_at = -float("inf")  # when one was last asked for (monotonic seconds)
+        self.asked_seq: int | None = None  # the last event heard then
         self.freed: dict[int, int] = {}  # request id -> seq of its FREE
         self.prefilled: dict[int, int] = {}  # request id -> seq of its PREFILLED
+
+    def ask(self, now: float) -> None:
+        """A snapshot is asked for now."""
+        self.asking, self.asked_at, self.asked_seq = True, now, self.last_seq
+
+    def resync_due(self, now: float, after: float) -> bool:
+        """Whether to ask for a snapshot again: one of the requests has counted ``after``
+        seconds (its FREE may be lost) and none was asked for in the last ``after`` seconds."""
+        return (not self.asking and now - self.asked_at >= after
+                and any(req.at <= now - after for req in self.requests.values()))
+
+    def expire(self, horizon: float) -> list[PeerRequest]:
+        """Take out and return the requests counted before ``horizon`` (the TTL's)."""
+        old = [rid for rid, req in self.requests.items() if req.at < horizon]
+        return [self.requests.pop(rid) for rid in old]
 
     def heard(self, kind: str, rid: int, seq: int) -> None:
         """A FREE or PREFILLED heard: noted while a snapshot is asked for (it may be older)."""

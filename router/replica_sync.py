@@ -8,10 +8,11 @@ metadata names the socket; the endpoint answers a request with the replica's sta
 a snapshot of its in-flight requests. Every other live instance of that endpoint is a peer: the
 router SUBs to its socket (CURVE with ``--auth-keys`` like any other socket) and applies its
 events (``router/_replica_wire.py``) to its own ``LoadTracker`` and prefill counts, never to the
-KV index (that comes from the workers' events). It asks a new peer, and one whose events show a
-gap, for a snapshot (``router/_replica_snapshot.py``), so a router that joins late counts what
-was in flight before. A peer's request counts until its ``FREE``, until the peer leaves
-discovery or liveness (killed, partitioned), or for at most ``ttl`` seconds (a lost ``FREE``).
+KV index (that comes from the workers' events). It asks a new peer, one whose events show a
+gap, and one with a request counted for a while, for a snapshot (``router/_replica_snapshot.py``),
+so a router that joins late counts what was in flight before, and a lost ``FREE`` ends. A
+peer's request counts until its ``FREE`` (or a snapshot without it), until the peer leaves
+discovery or liveness (killed, partitioned), or for at most ``ttl`` seconds.
 Malformed messages are counted and skipped, and so are events naming a worker not followed.
 """
 
@@ -113,7 +114,7 @@ class ReplicaSync:
         self._prefill = prefill
         self._known = known
         self._m = ReplicaMetrics.for_router(metrics)
-        self._ttl = ttl
+        self._ttl, self._resync = ttl, snapshots.resync_interval(ttl)
         self._pub = ReplicaPublisher(model, self._m)
         self._client: Client | None = None
         self._peers: dict[int, snapshots.Peer] = {}
@@ -260,13 +261,14 @@ class ReplicaSync:
         log.info("router replica sync of %r dropped replica %x", self._model, peer.iid)
 
     def _expire(self, now: float) -> None:
-        horizon = now - self._ttl
         for peer in self._peers.values():
-            old = [rid for rid, req in peer.requests.items() if req.at < horizon]
-            for rid in old:
-                self._release(peer.requests.pop(rid))
+            old = peer.expire(now - self._ttl)
+            for req in old:
+                self._release(req)
             if old:
                 self._m.expired.labels(self._model, "ttl").inc(len(old))
+            if peer.resync_due(now, self._resync):
+                self._ask_snapshot(peer)
 
     async def _receive(self, peer: snapshots.Peer, sock: AsyncSocket) -> None:
         while not sock.closed:
@@ -335,14 +337,15 @@ class ReplicaSync:
         """Ask ``peer`` for a snapshot of its in-flight requests, unless one is asked for."""
         if peer.asking or peer.res is None:
             return
-        peer.asking = True
+        peer.ask(time.monotonic())
         peer.res.spawn(self._snapshot(peer), f"replica-snapshot-{peer.iid:x}")
 
     async def _snapshot(self, peer: snapshots.Peer) -> None:
         assert self._client is not None
         await asyncio.sleep(SNAPSHOT_DELAY)  # the new subscription's way to the peer
         try:
-            snap = await snapshots.fetch_snapshot(self._client, peer.iid, SNAPSHOT_TIMEOUT)
+            snap = await snapshots.fetch_snapshot(self._client, peer.iid, SNAPSHOT_TIMEOUT,
+                                                  peer.asked_seq)
         except (errors.DynamoError, snapshots.SnapshotError) as exc:
             peer.give_up()
             self._m.snapshots.labels(self._model, "failed").inc()

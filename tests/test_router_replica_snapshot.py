@@ -174,3 +174,52 @@ def test_any_answer_parses_or_raises_snapshot_error(answer: Any) -> None:
     assert type(snap.seq) is int
     for entry in snap.requests.values():
         assert len(entry) == 5 and len(entry[2]) % 8 == 0
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(st.one_of(_add, _ref), max_size=30), data=st.data())
+def test_a_resync_after_lost_events_counts_exactly_the_peers_requests(ops, data) -> None:
+    """A replica following a peer loses a run of its events (a FREE with no later event shows
+    no gap); the snapshot it asks for later, applied whenever it comes, restores the count."""
+    events, snaps, own = _events(ops)
+    n = len(events)
+    lost_from = data.draw(st.integers(0, n), label="lost from")
+    lost_to = data.draw(st.integers(lost_from, n), label="lost up to")
+    at = data.draw(st.integers(lost_to, n), label="snapshot as of")
+    applied = data.draw(st.integers(lost_to, n), label="applied after")
+    sync, loads, prefill = _sync()
+    peer = sync._peers[PEER]
+    for ev in events[:lost_from]:
+        _send(sync, ev)
+    peer.ask(0.0)  # the resync: asked after the last event heard
+    for ev in events[lost_to:applied]:
+        _send(sync, ev)
+    sync.apply_snapshot(PEER, snaps[at])
+    for ev in events[applied:]:
+        _send(sync, ev)
+    truth = own.snapshot(n - 1)["requests"]
+    assert set(peer.requests) == {r[0] for r in truth}
+    for rid, worker, rank, _, _, tokens in truth:
+        assert peer.requests[rid].route.candidate == (worker, rank)
+        assert (peer.requests[rid].prefill is not None) == (tokens > 0)
+    for i, r in enumerate(truth):
+        _send(sync, ReplicaEvent(REPLICA_VERSION, FREE, PEER, n + i, r[0]))
+    assert not peer.requests and not sync._blocks
+    assert all(loads.total_blocks((w, 0)) == 0 and prefill.get((w, 0)) == 0 for w in WORKERS)
+
+
+def test_a_request_counted_long_prompts_one_resync_per_interval() -> None:
+    ops = [("add", 0, 2, 0, 0)]
+    events, _, _ = _events(ops)
+    sync, _, _ = _sync()
+    peer = sync._peers[PEER]
+    assert not peer.resync_due(1e9, 60.0)  # nothing counted
+    _send(sync, events[0])
+    at = peer.requests[100].at
+    assert not peer.resync_due(at + 59.0, 60.0)
+    assert peer.resync_due(at + 60.0, 60.0)
+    peer.ask(at + 60.0)
+    assert not peer.resync_due(at + 200.0, 60.0)  # one is asked for
+    peer.give_up()
+    assert not peer.resync_due(at + 119.0, 60.0) and peer.resync_due(at + 120.0, 60.0)
+    assert peer.expire(at) == [] and len(peer.expire(at + 1.0)) == 1 and not peer.requests

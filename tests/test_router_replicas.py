@@ -2,9 +2,10 @@
 ``--router-replica-sync`` over mocker workers. A request routed by one frontend counts in the
 other's load for that worker until it completes; a replica killed mid-request has its
 contributions dropped; garbage on the sync socket is counted, not fatal, while a well-formed
-peer (a real runtime in the test) is applied, and its request whose end never comes expires after
-``--router-replica-ttl``; a replica started while another's request is in flight counts it (the
-snapshot it asks for on joining)."""
+peer (a real runtime in the test) is applied, its request whose end never comes expires after
+``--router-replica-ttl``, and one whose FREE was lost ends at the snapshot asked for again once
+it has counted a tenth of that; a replica started while another's request is in flight counts
+it (the snapshot it asks for on joining)."""
 
 from __future__ import annotations
 
@@ -226,9 +227,22 @@ async def test_garbage_is_counted_and_a_peers_events_applied(
             1, ADD, rt.instance_id, 7, 10, workers[0].instance_id, 0, hashes, 3))])
         await eventually(lambda: metric(url, "dynamo_router_replica_requests"), ttl,
                          "the unanswered request counted")
+        # (Meanwhile it counts for longer than ttl / 10, so the frontend asks for a snapshot
+        # again: this one, as of event 5, is older than event 7 it heard, and is refused.)
         await eventually(lambda: metric(url, "dynamo_router_replica_expired_requests_total",
                                         reason="ttl"), ttl + 10, "the request expired")
         assert await metric(url, "dynamo_router_replica_requests") == 0
+        assert await metric(url, "dynamo_router_replica_snapshots_total", outcome="failed") >= 1
+        # A FREE lost with no later event (no gap shows): the snapshot asked for once the
+        # request has counted ttl / 10 seconds, as of that FREE, releases it before the TTL.
+        snapshot["seq"], snapshot["requests"] = 9, []
+        pub.send_multipart([REPLICA_TOPIC, encode_event(ReplicaEvent(
+            1, ADD, rt.instance_id, 8, 11, workers[0].instance_id, 0, hashes, 3))])
+        await eventually(lambda: metric(url, "dynamo_router_replica_expired_requests_total",
+                                        reason="snapshot"), ttl + 10, "the resync releasing it")
+        assert await metric(url, "dynamo_router_replica_requests") == 0
+        assert await metric(url, "dynamo_router_replica_expired_requests_total",
+                            reason="ttl") == 1
         assert await asyncio.to_thread(complete, url, prompt(5), 2)  # still serving
     finally:
         pub.close(linger=0)
