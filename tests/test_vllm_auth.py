@@ -7,23 +7,14 @@ Runs only where vLLM is installed; skipped otherwise, except in CI (``CI=true``)
 from __future__ import annotations
 
 import json
-import os
 import re
-import sys
 import time
 import urllib.request
 from pathlib import Path
 
-import pytest
+import tests.support.needs_vllm  # noqa: F401  (skips this module without vLLM; fails it in CI)
 
-try:
-    import vllm  # noqa: F401
-except ImportError as _exc:  # pragma: no cover - depends on the environment
-    _why = f"vLLM is not installed ({_exc}); install the `vllm` extra to run the vLLM tests"
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"{_why} (CI=true: the vLLM tests must run in CI)", pytrace=False)
-    print(f"SKIP tests/test_vllm_auth.py: {_why}", file=sys.stderr)
-    pytest.skip(_why, allow_module_level=True)
+# isort: split
 
 import zmq
 

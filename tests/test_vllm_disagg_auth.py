@@ -18,14 +18,9 @@ from pathlib import Path
 
 import pytest
 
-try:
-    import vllm  # noqa: F401
-except ImportError as _exc:  # pragma: no cover - depends on the environment
-    _why = f"vLLM is not installed ({_exc}); install the `vllm` extra to run the vLLM tests"
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"{_why} (CI=true: the vLLM tests must run in CI)", pytrace=False)
-    print(f"SKIP tests/test_vllm_disagg_auth.py: {_why}", file=sys.stderr)
-    pytest.skip(_why, allow_module_level=True)
+import tests.support.needs_vllm  # noqa: F401  (skips this module without vLLM; fails it in CI)
+
+# isort: split
 
 from dynamo_zmq.tools.keys import authorize, create_keypair, load_keypair
 from tests.support.procs import ROOT, Proc, pythonpath

@@ -10,24 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import re
 import socket
-import sys
 from pathlib import Path
 
 import msgspec
-import pytest
 
-try:
-    import vllm  # noqa: F401
-except ImportError as _exc:  # pragma: no cover - depends on the environment
-    _why = f"vLLM is not installed ({_exc}); install the `vllm` extra to run the vLLM tests"
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"{_why} (CI=true: the vLLM tests must run in CI)", pytrace=False)
-    print(f"SKIP tests/test_vllm_relay.py: {_why}", file=sys.stderr)
-    pytest.skip(_why, allow_module_level=True)
+import tests.support.needs_vllm  # noqa: F401  (skips this module without vLLM; fails it in CI)
+
+# isort: split
 
 import zmq
 
