@@ -1,7 +1,8 @@
 """Replay a Mooncake-format trace against N mocker workers under each router mode.
 
     python scripts/bench_router_trace.py [--trace /work/shared/traces/synthetic_trace.jsonl]
-        [--start 0] [--max-requests 300] [--warmup 0] [--max-seconds 120] [--speedup 10]
+        [--start 0] [--max-requests 300] [--warmup 0] [--restart-after-warmup]
+        [--max-seconds 120] [--speedup 10]
         [--workers 4] [--dp 1] [--tokens-per-block 64] [--max-output 32]
         [--mocker-speedup 2] [--num-gpu-blocks 512] [--modes round-robin,random,kv,approx]
         [--frontends 1] [--no-replica-sync] [--prefill-ms-per-token 0]
@@ -19,7 +20,10 @@ Arrivals follow the trace timestamps divided by ``--speedup`` (open loop); outpu
 ``--warmup N`` replays the N rows before ``--start`` first, in the same open-loop stream and
 through the same router, so the window is measured on caches that hold what the trace sent
 before it (as a serving fleet's caches do); every figure below (TTFT, hit rate, the bounds)
-counts only the window's requests, while failures count over all of them.
+counts only the window's requests, while failures count over all of them. With
+``--restart-after-warmup`` the warm-up rows finish first and the frontends are then replaced by
+new ones, which route the window: a kv frontend rebuilds its index from the workers (a full
+dump on subscribing), an approximate one starts knowing nothing the caches hold.
 
 Each mode runs on a fresh set of processes (N workers + one frontend, own namespace; with
 ``--frontends N``, N frontends taking requests in turn, in kv modes with
@@ -172,15 +176,18 @@ class Procs:
             raise RuntimeError(f"{name} not READY within {timeout}s; see {self.logdir}/{name}.log")
         return box[0]
 
-    def stop(self) -> None:
-        for p in self.procs:
+    def stop(self, which: list[subprocess.Popen] | None = None) -> None:
+        """Stop ``which`` of the processes started (default: all of them)."""
+        stopping = list(self.procs if which is None else which)
+        self.procs = [p for p in self.procs if p not in stopping]
+        for p in stopping:
             if p.poll() is None:
                 try:
                     os.kill(p.pid, signal.SIGTERM)
                 except ProcessLookupError:
                     pass
         deadline = time.monotonic() + 10
-        for p in self.procs:
+        for p in stopping:
             try:
                 p.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -189,7 +196,6 @@ class Procs:
                 except ProcessLookupError:
                     pass
                 p.wait(timeout=5)
-        self.procs.clear()
 
 
 def http_get(url: str, timeout: float = 5.0) -> bytes:
@@ -271,19 +277,33 @@ async def replay(
     return results, wall, len(rows) - len(tasks)
 
 
-def start_frontends(procs: Procs, ns: str, mode: str, args: argparse.Namespace) -> list[str]:
+def start_frontends(procs: Procs, ns: str, mode: str, args: argparse.Namespace,
+                    tag: str = "") -> tuple[list[str], list[subprocess.Popen]]:
     """``--frontends N`` frontends of ``mode`` (kv modes: with ``--router-replica-sync`` unless
-    ``--no-replica-sync``); their URLs. Requests alternate between them."""
+    ``--no-replica-sync``), once they list the model and had ``--settle`` seconds to find every
+    worker; their URLs and processes. Requests alternate between them."""
     sync = (["--router-replica-sync"]
             if args.frontends > 1 and "kv" in MODES[mode] and args.replica_sync else [])
     urls = []
     for i in range(args.frontends):
-        line = procs.start(f"frontend{i or ''}", [
+        line = procs.start(f"frontend{i or ''}{tag}", [
             "-m", "dynamo_zmq.frontend", "--http-host", "127.0.0.1",
             "--http-port", "0", "--namespace", ns, *MODES[mode], *sync, *router_args(mode, args),
         ], timeout=60)
         urls.append(line.split()[1])
-    return urls
+    started = procs.procs[-args.frontends:]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            if args.model_name.encode() in http_get(urls[0] + "/v1/models"):
+                break
+        except OSError:
+            pass
+        time.sleep(0.2)
+    else:
+        raise RuntimeError("frontend never listed the model")
+    time.sleep(args.settle)  # let every worker be discovered (and KV subscriptions connect)
+    return urls, started
 
 
 def run_mode(mode: str, rows: list[dict], prompts: list[list[int]], args: argparse.Namespace,
@@ -304,21 +324,21 @@ def run_mode(mode: str, rows: list[dict], prompts: list[list[int]], args: argpar
                 "--max-num-batched-tokens", str(args.max_batched_tokens),
                 "--prefill-ms-per-token", str(args.prefill_ms_per_token),
             ], timeout=60)
-        urls = start_frontends(procs, ns, mode, args)
-        url = urls[0]
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                if args.model_name.encode() in http_get(url + "/v1/models"):
-                    break
-            except OSError:
-                pass
-            time.sleep(0.2)
+        urls, fronts = start_frontends(procs, ns, mode, args)
+        if args.restart_after_warmup and args.warmup:
+            # The warm-up rows through these frontends, then new ones for the window: a kv
+            # frontend rebuilds its index from the workers, an approximate one starts empty.
+            w = args.warmup
+            results, wall, skipped = asyncio.run(
+                replay(urls, args.model_name, rows[:w], prompts[:w], args, w))
+            procs.stop(fronts)
+            urls, fronts = start_frontends(procs, ns, mode, args, tag="-restarted")
+            more, wall2, skipped2 = asyncio.run(
+                replay(urls, args.model_name, rows[w:], prompts[w:], args, 0))
+            results, wall, skipped = results + more, wall + wall2, skipped + skipped2
         else:
-            raise RuntimeError("frontend never listed the model")
-        time.sleep(args.settle)  # let every worker be discovered (and KV subscriptions connect)
-        results, wall, skipped = asyncio.run(
-            replay(urls, args.model_name, rows, prompts, args, args.warmup))
+            results, wall, skipped = asyncio.run(
+                replay(urls, args.model_name, rows, prompts, args, args.warmup))
         try:
             mtext = "\n".join(http_get(u + "/metrics").decode() for u in urls)
         except OSError:
@@ -460,6 +480,8 @@ def main() -> int:
     ap.add_argument("--max-requests", type=int, default=300)
     ap.add_argument("--warmup", type=int, default=0,
                     help="replay this many rows before --start first, unmeasured (warm caches)")
+    ap.add_argument("--restart-after-warmup", action="store_true",
+                    help="replace the frontends between the warm-up rows and the window")
     ap.add_argument("--max-seconds", type=float, default=120.0,
                     help="stop issuing after this (per mode)")
     ap.add_argument("--speedup", type=float, default=10.0, help="arrival time compression")
