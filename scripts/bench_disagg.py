@@ -128,16 +128,7 @@ def run_mode(mode: str, rows: list[dict], prompts: list[list[int]], args: argpar
             "--namespace", ns, *frontend_flags(mode, args),
         ], timeout=60)
         url = line.split()[1]
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                if args.model_name.encode() in rt.http_get(url + "/v1/models"):
-                    break
-            except OSError:
-                pass
-            time.sleep(0.2)
-        else:
-            raise RuntimeError("frontend never listed the model")
+        rt.wait_listed(url, args.model_name)
         time.sleep(args.settle)  # every worker discovered, both pools known
         results, wall, skipped = asyncio.run(rt.replay(url, args.model_name, rows, prompts, args))
         front = scrape(url)

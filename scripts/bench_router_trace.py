@@ -203,6 +203,19 @@ def http_get(url: str, timeout: float = 5.0) -> bytes:
         return r.read()
 
 
+def wait_listed(url: str, model: str, timeout: float = 30.0) -> None:
+    """Wait until the frontend at ``url`` lists ``model``; RuntimeError after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if model.encode() in http_get(url + "/v1/models"):
+                return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError("frontend never listed the model")
+
+
 def metric_sum(text: str, name: str) -> float | None:
     total, found = 0.0, False
     for line in text.splitlines():
@@ -292,16 +305,7 @@ def start_frontends(procs: Procs, ns: str, mode: str, args: argparse.Namespace,
         ], timeout=60)
         urls.append(line.split()[1])
     started = procs.procs[-args.frontends:]
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            if args.model_name.encode() in http_get(urls[0] + "/v1/models"):
-                break
-        except OSError:
-            pass
-        time.sleep(0.2)
-    else:
-        raise RuntimeError("frontend never listed the model")
+    wait_listed(urls[0], args.model_name)
     time.sleep(args.settle)  # let every worker be discovered (and KV subscriptions connect)
     return urls, started
 

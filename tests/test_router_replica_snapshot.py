@@ -110,6 +110,14 @@ def test_a_late_joiner_counts_exactly_the_peers_requests(ops, data) -> None:
     for ev in events[applied:]:
         _send(sync, ev)
 
+    _assert_counts_exactly(sync, loads, prefill, own, n)
+
+
+def _assert_counts_exactly(sync: ReplicaSync, loads: LoadTracker, prefill: PrefillTokens,
+                           own: OwnRequests, n: int) -> None:
+    """The replica counts exactly the peer's requests in flight after its ``n`` events, once
+    each, with their prefill state and load; their FREEs then leave nothing counted."""
+    peer = sync._peers[PEER]
     truth = own.snapshot(n - 1)["requests"]
     assert set(peer.requests) == {r[0] for r in truth}
     for rid, worker, rank, _, _, tokens in truth:
@@ -197,15 +205,7 @@ def test_a_resync_after_lost_events_counts_exactly_the_peers_requests(ops, data)
     sync.apply_snapshot(PEER, snaps[at])
     for ev in events[applied:]:
         _send(sync, ev)
-    truth = own.snapshot(n - 1)["requests"]
-    assert set(peer.requests) == {r[0] for r in truth}
-    for rid, worker, rank, _, _, tokens in truth:
-        assert peer.requests[rid].route.candidate == (worker, rank)
-        assert (peer.requests[rid].prefill is not None) == (tokens > 0)
-    for i, r in enumerate(truth):
-        _send(sync, ReplicaEvent(REPLICA_VERSION, FREE, PEER, n + i, r[0]))
-    assert not peer.requests and not sync._blocks
-    assert all(loads.total_blocks((w, 0)) == 0 and prefill.get((w, 0)) == 0 for w in WORKERS)
+    _assert_counts_exactly(sync, loads, prefill, own, n)
 
 
 def test_a_request_counted_long_prompts_one_resync_per_interval() -> None:
