@@ -127,6 +127,9 @@ class LoadSubscriber:
         self.dp_size = dp_size
         self._metrics = metrics
         self._model = model
+        # The model's series, looked up once (a label lookup per report adds up at 256 workers)
+        self._applied = metrics.load_reports.labels(model) if metrics is not None else None
+        self._bytes = metrics.load_report_bytes.labels(model) if metrics is not None else None
         self.stats = LoadStats()
         self.clock = ReportClock()
         #: Seq of the last report applied (None: none yet).
@@ -188,6 +191,8 @@ class LoadSubscriber:
         if self._closed:
             return False
         self.stats.received += 1
+        if self._bytes is not None:
+            self._bytes.inc(sum(map(len, frames)))
         if len(frames) != 2 or frames[0] != LOAD_TOPIC:
             return self._reject("malformed load message (%d frames)", len(frames))
         try:
@@ -204,8 +209,8 @@ class LoadSubscriber:
             self._reject("load report names ranks beyond the worker's %d", self.dp_size)
         self.last_seq = report.seq
         self.stats.applied += 1
-        if self._metrics is not None:
-            self._metrics.load_reports.labels(self._model).inc()
+        if self._applied is not None:
+            self._applied.inc()
         if ranks:
             self._on_load(self.worker_id, ranks, self.clock.measured_at(report.ts))
         return True

@@ -11,7 +11,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 __all__ = ["RouterMetrics"]
 
-_LATENCY = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
+_LATENCY = (0.00005, 0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.0025, 0.005,
+            0.01, 0.025, 0.05, 0.1)
 _LAG = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 _WAIT = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _RATIO = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
@@ -54,6 +55,10 @@ class RouterMetrics:
             "dynamo_router_edge_hashed_blocks", "Blocks indexed with hashes their worker computed",
             m, registry=r,
         )
+        self.event_bytes = Counter(
+            "dynamo_router_kv_event_bytes", "Payload bytes of the KV-event batches applied", m,
+            registry=r,
+        )
         self.decode_errors = Counter(
             "dynamo_router_kv_event_decode_errors", "KV-event messages that could not be decoded",
             m, registry=r,
@@ -72,6 +77,10 @@ class RouterMetrics:
         )
         self.load_reports = Counter(
             "dynamo_router_load_reports", "Worker load reports applied", m, registry=r
+        )
+        self.load_report_bytes = Counter(
+            "dynamo_router_load_report_bytes", "Bytes of the worker load messages received", m,
+            registry=r,
         )
         self.load_decode_errors = Counter(
             "dynamo_router_load_decode_errors", "Worker load messages rejected as malformed", m,

@@ -306,6 +306,7 @@ class KvEventSubscriber:
         m = self._metrics
         if m is not None:
             m.event_batches.labels(self._model).inc()
+            m.event_bytes.labels(self._model).inc(len(payload))
             if edge:
                 m.edge_hashed_blocks.labels(self._model).inc(edge)
             lag = time.time() - batch.ts

@@ -17,11 +17,8 @@ against the reference (``tools.chaos_report``); migrations come from the fronten
 from __future__ import annotations
 
 import asyncio
-import http.client
-import json
 import random
 import shutil
-import socket
 import tempfile
 import time
 from collections.abc import Callable
@@ -32,12 +29,12 @@ import msgspec
 
 from .chaos_faults import FAULT_KINDS, Fault, Fleet, Worker, inject_faults
 from .chaos_load import LoadResult, LoadSpec, Prompt
+from .host_calls import HTTP_PORT, get, run_load, wait_instances
 from .netns import Cluster, Host
 
 __all__ = ["ChaosConfig", "ChaosResult", "RunResult", "make_prompts", "run_chaos"]
 
 MODEL = "tiny"
-HTTP_PORT = 8000
 WORKER_PORT = 7100
 #: Seconds between starting the load processes and the load (their imports take a while).
 START_DELAY = 3.0
@@ -134,7 +131,7 @@ async def _run(cfg: ChaosConfig) -> ChaosResult:
                               "--namespace", "chaos", timeout=120.0)
             for h in fronts))
         for h in fronts:
-            await _wait_instances(h, len(fleet.workers))
+            await wait_instances(h, MODEL, len(fleet.workers))
         cfg.log("cluster up; reference pass")
         reference = await _phase(cfg, fronts, fleet, prompts, "reference", 0.0, False)
         runs = []
@@ -171,7 +168,7 @@ async def _phase(cfg: ChaosConfig, fronts: list[Host], fleet: Fleet, prompts: li
                       max_requests=cfg.max_requests // n,
                       offset=0 if duration <= 0 else i, stride=1 if duration <= 0 else n)
              for i in range(n)]
-    loads = asyncio.gather(*(asyncio.to_thread(_load, h, s)
+    loads = asyncio.gather(*(asyncio.to_thread(run_load, h, s)
                              for h, s in zip(fronts, specs, strict=True)))
     cpu = asyncio.ensure_future(_busy(start, duration))
     faults: list[Fault] = []
@@ -192,7 +189,7 @@ async def _phase(cfg: ChaosConfig, fronts: list[Host], fleet: Fleet, prompts: li
                 rec.prompt = rec.prompt * n + i
     for h in fronts:  # every worker back before the next phase (and the metrics read)
         try:
-            await _wait_instances(h, len(fleet.workers))
+            await wait_instances(h, MODEL, len(fleet.workers))
         except TimeoutError as exc:  # a restart failed: reported by its fault; go on
             cfg.log(f"{name}: {exc}")
     after = [await asyncio.to_thread(_migrations, h) for h in fronts]
@@ -220,62 +217,11 @@ def _cpu_times() -> tuple[int, int]:
     return sum(fields) - idle, sum(fields)
 
 
-def _load(host: Host, spec: LoadSpec) -> LoadResult:
-    """Run one load process inside ``host`` to its end."""
-    tmp = Path(host.cluster.tmp)
-    spec_file = tmp / f"load-{host.name}-{time.monotonic_ns()}.json"
-    out = spec_file.with_suffix(".out")
-    spec_file.write_bytes(msgspec.json.encode(spec))
-    proc = host.python("-m", "dynamo_zmq.tools.chaos_load", str(spec_file), str(out),
-                       timeout=60.0)
-    limit = spec.start_at - time.monotonic() + spec.duration + spec.deadline + spec.margin
-    code = proc.wait(timeout=max(limit, 0) + 60 + (600 if spec.duration <= 0 else 0))
-    if code != 0:
-        raise RuntimeError(f"load process exited {code}:\n{proc.logs()}")
-    return msgspec.json.decode(out.read_bytes(), type=LoadResult)
-
-
-class _UnixHTTP(http.client.HTTPConnection):
-    def __init__(self, path: str) -> None:
-        super().__init__("localhost", timeout=10)
-        self.path = path
-
-    def connect(self) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(10)
-        self.sock.connect(self.path)
-
-
-def _get(host: Host, path: str) -> tuple[int, str]:
-    conn = _UnixHTTP(host.uds(HTTP_PORT))
-    try:
-        conn.request("GET", path)
-        resp = conn.getresponse()
-        return resp.status, resp.read().decode()
-    finally:
-        conn.close()
-
-
-async def _wait_instances(host: Host, count: int, timeout: float = 60.0) -> None:
-    """Until the frontend on ``host`` routes the model to ``count`` instances."""
-    deadline = time.monotonic() + timeout
-    body = ""
-    while time.monotonic() < deadline:
-        try:
-            status, body = await asyncio.to_thread(_get, host, "/health")
-            if status == 200 and len(json.loads(body)["models"].get(MODEL, [])) >= count:
-                return
-        except (OSError, http.client.HTTPException):
-            pass
-        await asyncio.sleep(0.2)
-    raise TimeoutError(f"frontend on {host.name} does not see {count} workers: {body}")
-
-
 def _migrations(host: Host) -> dict[str, float]:
     """The frontend's migrations counter by reason."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    _, body = _get(host, "/metrics")
+    _, body = get(host, "/metrics")
     found: dict[str, float] = {}
     for family in text_string_to_metric_families(body):
         for s in family.samples:

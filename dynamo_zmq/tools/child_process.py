@@ -78,10 +78,14 @@ class ChildProcess:
         self.address = ""
         #: The worker's instance id (0 when the READY line has none).
         self.instance_id = 0
+        #: Every READY line's address and instance id (several workers in one process).
+        self.addresses: list[str] = []
+        self.instance_ids: list[int] = []
 
-    def wait_ready(self, timeout: float = 30.0) -> ChildProcess:
-        """Wait for the ``READY`` line; raises RuntimeError if the process exits first and
-        TimeoutError after ``timeout`` seconds (both with the end of its log)."""
+    def wait_ready(self, timeout: float = 30.0, count: int = 1) -> ChildProcess:
+        """Wait for ``count`` ``READY`` lines (a process serving several workers prints one
+        each); raises RuntimeError if the process exits first and TimeoutError after
+        ``timeout`` seconds (both with the end of its log)."""
         assert self.popen.stdout is not None
         deadline = time.monotonic() + timeout
         buf = b""
@@ -91,13 +95,14 @@ class ChildProcess:
             ready, _, _ = select.select([self.popen.stdout], [], [], 0.1)
             if not ready:
                 continue
-            buf += os.read(self.popen.stdout.fileno(), 4096)
-            for line in buf.decode(errors="replace").splitlines():
-                if line.startswith("READY "):
-                    parts = line.split()
-                    self.address = parts[1]
-                    self.instance_id = int(parts[2], 16) if len(parts) > 2 else 0
-                    return self
+            buf += os.read(self.popen.stdout.fileno(), 65536)
+            lines = [ln.split() for ln in buf.decode(errors="replace").splitlines(keepends=True)
+                     if ln.startswith("READY ") and ln.endswith("\n")]
+            if len(lines) >= count:
+                self.addresses = [parts[1] for parts in lines]
+                self.instance_ids = [int(p[2], 16) if len(p) > 2 else 0 for p in lines]
+                self.address, self.instance_id = self.addresses[0], self.instance_ids[0]
+                return self
         raise TimeoutError(f"process not ready in {timeout}s:\n{self.logs()}")
 
     def logs(self) -> str:

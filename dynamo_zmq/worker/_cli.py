@@ -5,7 +5,7 @@
         [--host H] [--port P] [--discovery mdns|static] [--disaggregation-mode agg|prefill|decode]
         [--system-port P] [--health-check-payload JSON] [--load-interval 0.1] [--load-port P]
         [--native-framework-processing] [--tool-call-parser NAME] [--reasoning-parser NAME]
-        [engine flags...]
+        [--workers-per-process N] [engine flags...]
 
 Every flag has a ``DYN_*`` environment variable (``--model-path`` -> ``DYN_MODEL_PATH``).
 Engines are found by name in the ``dynamo_zmq.engines`` entry-point group, or as
@@ -40,7 +40,7 @@ from ..llm.parsers import REASONING_PARSERS, TOOL_PARSERS
 from ..runtime import add_runtime_args, setup_logging, system_port_from_env
 from ._config import DISAGGREGATION_MODES, WorkerConfig
 from ._model_path import resolve_model_path
-from ._run import run
+from ._run import run, run_many
 
 __all__ = [
     "NATIVE_PROCESSING_FLAGS",
@@ -173,6 +173,13 @@ def build_parser(
              "--migration-limit (default: the frontend's; 0 = never) [DYN_MIGRATION_LIMIT]",
     )
     parser.add_argument(
+        "--workers-per-process", type=int, default=_env("WORKERS_PER_PROCESS", "1"),
+        metavar="N",
+        help="serve N workers from this process, each with its own engine, runtime, sockets, "
+             "instance id and advert (test fleets; every port flag must then be 0) "
+             "[DYN_WORKERS_PER_PROCESS]",
+    )
+    parser.add_argument(
         "--debug-streams", action="store_true", default=_env("DEBUG_STREAMS", "") == "1",
         help="validate every engine stream (one terminal, last) [DYN_DEBUG_STREAMS=1]",
     )
@@ -231,6 +238,7 @@ def parse_args(
                 f"--engine {args.engine} given to {engine.__name__}.from_args"
             )
     _check_native_processing(engine_cls, args)
+    _check_fixed_ports(args)
     if args.system_port is not None and args.system_port < 0:
         args.system_port = None  # Dynamo's -1: no system server
     args.health_check_payload = parse_health_check_payload(args.health_check_payload)
@@ -255,6 +263,21 @@ def parse_health_check_payload(text: str | None) -> PreprocessedRequest | None:
         raise errors.InvalidArgument(
             f"--health-check-payload is not a PreprocessedRequest as JSON: {exc}"
         ) from exc
+
+
+def _check_fixed_ports(args: argparse.Namespace) -> None:
+    """Several workers in one process cannot share a fixed port: every port flag must be 0."""
+    if int(getattr(args, "workers_per_process", 1) or 1) <= 1:
+        return
+    fixed = sorted(
+        f"--{name.replace('_', '-')} {value}" for name, value in vars(args).items()
+        if (name == "port" or name.endswith("_port")) and isinstance(value, int) and value > 0
+    )
+    if fixed:
+        raise errors.InvalidArgument(
+            f"--workers-per-process {args.workers_per_process} needs every port to be 0 "
+            f"(any free one), got {', '.join(fixed)}"
+        )
 
 
 def _check_native_processing(engine_cls: type[LLMEngine], args: argparse.Namespace) -> None:
@@ -304,11 +327,14 @@ def from_args(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m dynamo_zmq.worker``: ``from_args`` then ``run``; returns the exit status."""
+    """``python -m dynamo_zmq.worker``: ``from_args`` then ``run`` (``run_many`` with
+    ``--workers-per-process N``); returns the exit status."""
     setup_logging()
     try:
         engine, config = from_args(argv)
+        count = config.workers_per_process
+        built = [(engine, config)] + [from_args(argv) for _ in range(count - 1)]
     except errors.DynamoError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2
-    return run(engine, config)
+    return run(engine, config) if count == 1 else run_many(built)

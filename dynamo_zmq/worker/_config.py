@@ -59,6 +59,9 @@ class WorkerConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     #: KV transfer of a ``prefill`` or ``decode`` worker (``--kv-transfer-*``).
     kv_transfer: KvTransferConfig = field(default_factory=KvTransferConfig)
+    #: Workers ``python -m dynamo_zmq.worker`` serves from one process, each built from the
+    #: same flags (``--workers-per-process``; test fleets). ``run`` serves one regardless.
+    workers_per_process: int = 1
 
     def __post_init__(self) -> None:
         for what in ("namespace", "component", "endpoint"):
@@ -81,6 +84,10 @@ class WorkerConfig:
             if value is not None and value not in known:
                 raise InvalidArgument(f"{what}: unknown parser {value!r} "
                                       f"(known: {', '.join(sorted(known))})")
+        if self.workers_per_process < 1:
+            raise InvalidArgument(
+                f"--workers-per-process must be >= 1, got {self.workers_per_process}"
+            )
         for name in ("system_port", "load_port"):
             port = getattr(self, name)
             if port is not None and not 0 <= port <= 65535:
@@ -115,4 +122,5 @@ class WorkerConfig:
             reasoning_parser=getattr(args, "reasoning_parser", None) or None,
             runtime=runtime,
             kv_transfer=KvTransferConfig.from_namespace(args),
+            workers_per_process=int(getattr(args, "workers_per_process", 1) or 1),
         )

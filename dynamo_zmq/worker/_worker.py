@@ -97,11 +97,14 @@ class Worker:
 
     # -- lifecycle -------------------------------------------------------------------------
 
-    async def run(self) -> int:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, self._on_signal)
+    async def run(self, *, signals: bool = True) -> int:
+        """Start, serve until shut down, stop in order; returns the exit status (1: the start
+        failed). ``signals``: install the SIGTERM/SIGINT handlers (``on_signal``) itself."""
+        if signals:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                with contextlib.suppress(NotImplementedError, RuntimeError):
+                    loop.add_signal_handler(sig, self.on_signal)
         try:
             await self._start()
         except Exception as exc:
@@ -157,7 +160,8 @@ class Worker:
         log.warning("handed over %d requests still in flight (EngineShutdown, retryable)",
                     handed)
 
-    def _on_signal(self) -> None:
+    def on_signal(self) -> None:
+        """SIGTERM/SIGINT: shut down in order; a second one skips the waiting."""
         if self.runtime.is_shutdown():
             self._force.set()
         self.runtime.shutdown()

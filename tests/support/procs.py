@@ -34,6 +34,6 @@ class Proc(ChildProcess):
         full_env = {**os.environ, **(env or {}), "PYTHONPATH": pythonpath(env)}
         super().__init__([sys.executable, *args], env=full_env, cwd=ROOT)
 
-    def wait_ready(self, timeout: float = 30.0) -> Proc:
-        super().wait_ready(timeout)
+    def wait_ready(self, timeout: float = 30.0, count: int = 1) -> Proc:
+        super().wait_ready(timeout, count)
         return self
