@@ -75,11 +75,17 @@ class BusyPolicy:
         #: Whether any bound is set (nothing is checked per request otherwise).
         self.enabled = kv_threshold > 0 or prefill_tokens > 0
 
-    def is_busy(self, candidate: Candidate, loads: LoadTracker, prefill: PrefillTokens) -> bool:
+    def is_busy(
+        self, candidate: Candidate, loads: LoadTracker, prefill: PrefillTokens,
+        load: float | None = None,
+    ) -> bool:
+        """Whether ``candidate`` is busy (``load``: its ``loads.load``, when already read)."""
         if self.kv_threshold > 0:
             total = loads.total_blocks(candidate)
-            if total and loads.load(candidate) > self.kv_threshold * total:
-                return True
+            if total:
+                held = loads.load(candidate) if load is None else load
+                if held > self.kv_threshold * total:
+                    return True
         return 0 < self.prefill_tokens < prefill.get(candidate)
 
 

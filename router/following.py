@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 import zmq
 
@@ -34,8 +35,9 @@ __all__ = ["FOLLOW_INTERVAL", "MAX_DP_SIZE", "InstanceFollower"]
 
 log = logging.getLogger(__name__)
 
-#: Seconds between two looks at the instance set when nothing signals a change.
-FOLLOW_INTERVAL = 1.0
+#: Seconds between two looks at the instance set when nothing signals a change (a look costs
+#: a pass over every instance: at 256 workers not worth doing every second for nothing).
+FOLLOW_INTERVAL = 5.0
 #: Most data-parallel ranks the router considers per instance (far above real deployments).
 MAX_DP_SIZE = 1024
 
@@ -43,13 +45,15 @@ MAX_DP_SIZE = 1024
 class _Instance:
     """What the router knows of one live instance."""
 
-    __slots__ = ("advert", "dp_size", "load_subscriber", "subscriber")
+    __slots__ = ("advert", "dp_size", "load_subscriber", "reported", "subscriber")
 
     def __init__(self, advert: ModelAdvert | None, dp_size: int) -> None:
         self.advert = advert
         self.dp_size = dp_size
         self.subscriber: KvEventSubscriber | None = None
         self.load_subscriber: LoadSubscriber | None = None
+        #: Its ``reported_blocks`` gauge per rank, looked up once.
+        self.reported: dict[int, Any] = {}
 
 
 class InstanceFollower:
@@ -185,14 +189,18 @@ class InstanceFollower:
     def _on_load(
         self, worker_id: int, ranks: list[EngineLoad], measured_at: float | None
     ) -> None:
-        if worker_id not in self._instances:  # left while the report was on its way
+        known = self._instances.get(worker_id)
+        if known is None:  # left while the report was on its way
             return
-        gauge = self._metrics.reported_blocks
         for rank in ranks:
             self._loads.report(
                 (worker_id, rank.dp_rank), rank.active_blocks, measured_at, rank.total_blocks
             )
-            gauge.labels(self._model, f"{worker_id:x}", str(rank.dp_rank)).set(rank.active_blocks)
+            gauge = known.reported.get(rank.dp_rank)
+            if gauge is None:
+                gauge = known.reported[rank.dp_rank] = self._metrics.reported_blocks.labels(
+                    self._model, f"{worker_id:x}", str(rank.dp_rank))
+            gauge.set(rank.active_blocks)
 
     async def _remove(self, iid: int) -> None:
         known = self._instances.pop(iid)
@@ -227,12 +235,13 @@ class InstanceFollower:
             self._evicted = evicted
 
     async def _follow(self) -> None:
+        seen: int | None = None
         while True:
             try:
                 if self._runtime is not None:
-                    await self._runtime.wait_peers_changed(timeout=FOLLOW_INTERVAL)
+                    seen = await self._runtime.wait_peers_changed(FOLLOW_INTERVAL, seen)
                 else:
-                    await asyncio.sleep(FOLLOW_INTERVAL / 4)
+                    await asyncio.sleep(0.25)  # nothing signals a change: look often
                 await self.sync()
             except Exception:
                 log.exception("KV router of %s: following instances failed", self.client.path)

@@ -21,7 +21,7 @@ import logging
 import math
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from dynamo_zmq import errors
@@ -119,6 +119,8 @@ class KvRouter:
         self.busy = BusyPolicy(cfg.busy_kv_threshold, cfg.busy_prefill_tokens)
         self._prefill_weight = cfg.prefill_load_weight
         self._inflight = cfg.use_kv_events and cfg.inflight_overlap
+        #: ``candidates()`` as of the client's generation.
+        self._candidates: tuple[int, list[Candidate]] | None = None
         #: Track each request's prompt tokens until its first output (busy rule, prefill load).
         self._track_prefill = cfg.busy_prefill_tokens > 0 or cfg.prefill_load_weight > 0
         self.prefill = PrefillTokens()
@@ -236,13 +238,15 @@ class KvRouter:
         self.loads.report((worker_id, dp_rank), active_blocks)
 
     def candidates(self, exclude: set[int] | frozenset[int] = frozenset()) -> list[Candidate]:
-        """Every (instance, rank) of the live instances."""
-        out: list[Candidate] = []
-        for conn in self.client.instances():
-            iid = conn.instance_id
-            if iid not in exclude:
-                out.extend((iid, rank) for rank in range(self._follower.dp_size(conn)))
-        return out
+        """Every (instance, rank) of the live instances (made once per change of the pool)."""
+        gen = self.client.generation
+        if self._candidates is None or self._candidates[0] != gen:
+            out: list[Candidate] = []
+            for conn in self.client.instances():
+                out.extend((conn.instance_id, r) for r in range(self._follower.dp_size(conn)))
+            self._candidates = (gen, out)
+        found = self._candidates[1]
+        return [c for c in found if c[0] not in exclude] if exclude else list(found)
 
     async def _send(
         self,
@@ -286,14 +290,6 @@ class KvRouter:
             return 0
         return max(0, len(request.token_ids) - decision.overlap_blocks * self.block_size)
 
-    def _load(self) -> Callable[[Candidate], float]:
-        """Predicted active blocks plus ``prefill_load_weight`` x queued prefill blocks."""
-        w, load = self._prefill_weight, self.loads.load
-        if w <= 0:
-            return load
-        prefill, size = self.prefill, self.block_size
-        return lambda c: load(c) + w * prefill.get(c) / size
-
     def _any_free(self, exclude: frozenset[int]) -> bool:
         """Whether some live (worker, rank) outside ``exclude`` is not busy."""
         busy, loads, prefill = self.busy.is_busy, self.loads, self.prefill
@@ -309,17 +305,21 @@ class KvRouter:
         candidates = self.candidates(exclude)
         if not candidates:
             raise errors.CannotConnect(f"no live instance of {self.path}")
+        values = self.loads.loads_of(candidates)
         if self.busy.enabled:  # busy ranks take nothing while another can
             busy, loads, prefill = self.busy.is_busy, self.loads, self.prefill
-            free = [c for c in candidates if not busy(c, loads, prefill)]
-            if free:
-                candidates = free
-            elif admit:
+            free = [i for i, c in enumerate(candidates) if not busy(c, loads, prefill, values[i])]
+            if not free and admit:
                 raise AllBusy
+            if free and len(free) < len(candidates):
+                candidates, values = [candidates[i] for i in free], [values[i] for i in free]
+        if (w := self._prefill_weight) > 0:  # plus the weighted blocks still to prefill there
+            values = [v + w * self.prefill.get(c) / self.block_size
+                      for c, v in zip(candidates, values, strict=True)]
         matches = self.indexer.find_matches_for_hashes(hashes) if overlap else {}
         if overlap and self._inflight:  # what the events cannot say yet (router/_inflight.py)
             matches = with_inflight(matches, hashes, candidates, self.loads)
-        sel = self.scheduler.select(candidates, len(hashes), matches, self._load())
+        sel = self.scheduler.select(candidates, len(hashes), matches, values)
         live = set(candidates)
         if overlap and hashes and len(candidates) > 1:
             flat = not any(matches.get(c) for c in candidates)

@@ -175,15 +175,8 @@ class LoadSubscriber:
     async def _run(self) -> None:
         sock = self._sock
         assert sock is not None
-        while not sock.closed:
-            frames = sock.recv_nowait()
-            if frames is None:
-                await sock.wait_readable()
-                continue
-            try:
-                self.handle(frames)
-            except Exception:  # the callback's failure; the next report may do better
-                log.exception("worker %x: applying a load report failed", self.worker_id)
+        # drain_forever logs a callback's failure; the next report may do better
+        await sock.drain_forever(self.handle, f"worker {self.worker_id:x}'s load reports")
 
     def handle(self, frames: list[bytes]) -> bool:
         """Apply one message's frames; False if it was rejected or stale. Never raises for

@@ -186,9 +186,10 @@ class ReplicaSync:
     # -- following the peers -----------------------------------------------------------------
 
     async def _follow(self) -> None:
+        seen: int | None = None
         while True:
             try:
-                await self._runtime.wait_peers_changed(timeout=FOLLOW_INTERVAL)
+                seen = await self._runtime.wait_peers_changed(FOLLOW_INTERVAL, seen)
                 await self.sync()
             except Exception:
                 log.exception("router replica sync of %r: following peers failed", self._model)

@@ -138,7 +138,7 @@ class Scheduler:
         candidates: Sequence[Candidate],
         prompt_blocks: int,
         matches: Mapping[Candidate, int],
-        load: Callable[[Candidate], float],
+        load: Callable[[Candidate], float] | Sequence[float],
     ) -> Selection:
         """The candidate to use.
 
@@ -146,7 +146,7 @@ class Scheduler:
             candidates: every (worker, rank) able to take the request now.
             prompt_blocks: full blocks of the prompt.
             matches: cached prefix blocks per candidate (missing: 0).
-            load: predicted active blocks of a candidate.
+            load: predicted active blocks of a candidate, or of each candidate in order.
 
         Raises:
             ValueError: no candidates.
@@ -154,7 +154,7 @@ class Scheduler:
         if not candidates:
             raise ValueError("no candidates to route to")
         w = self.overlap_score_weight
-        loads = [load(c) for c in candidates]
+        loads = [load(c) for c in candidates] if callable(load) else list(load)
         overlaps = [min(matches.get(c, 0), prompt_blocks) for c in candidates]
         costs = [cost(w, prompt_blocks, o, ld) for o, ld in zip(overlaps, loads, strict=True)]
         if self.temperature > 0:
@@ -215,6 +215,13 @@ class _Load:
         self.recent: deque[Route] = deque()  # routes of the last grace period, oldest first
         self.freed: deque[tuple[float, int]] = deque()  # (when, blocks) of recent releases
         self.total = 0  # the rank's KV blocks in all, from its reports (0: unknown)
+
+
+def _held(state: _Load, now: float, ttl: float) -> float:
+    """A fresh report plus what was routed since, else the prediction alone."""
+    if now - state.reported_at <= ttl:
+        return state.reported + state.since_report
+    return float(len(state.blocks) + state.extra)
 
 
 def _forget_releases(state: _Load, now: float) -> None:
@@ -312,11 +319,7 @@ class LoadTracker:
     def load(self, candidate: Candidate) -> float:
         """Predicted active blocks of ``candidate`` (0 when nothing is known)."""
         state = self._loads.get(candidate)
-        if state is None:
-            return 0.0
-        if self._clock() - state.reported_at <= self._report_ttl:
-            return state.reported + state.since_report
-        return float(len(state.blocks) + state.extra)
+        return 0.0 if state is None else _held(state, self._clock(), self._report_ttl)
 
     def report(
         self,
@@ -358,6 +361,12 @@ class LoadTracker:
                 state.since_report += route.size
         if self.on_change is not None:
             self.on_change()
+
+    def loads_of(self, candidates: Iterable[Candidate]) -> list[float]:
+        """``load`` of each candidate, read at one moment (one clock read for them all: a
+        decision among 256 workers asks for every one)."""
+        now, ttl, get = self._clock(), self._report_ttl, self._loads.get
+        return [0.0 if (st := get(c)) is None else _held(st, now, ttl) for c in candidates]
 
     def total_blocks(self, candidate: Candidate) -> int:
         """The candidate's KV blocks in all, as its last report said (0: unknown)."""

@@ -5,6 +5,7 @@ their load endpoint."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import msgpack
@@ -186,6 +187,30 @@ async def test_a_failing_or_empty_source_sends_nothing_and_the_publisher_carries
         assert pub.publish() is True and pub.sent == 1
     finally:
         await pub.close()
+        await pub.close()
+
+
+async def test_an_unchanged_load_is_sent_again_only_at_the_heartbeat(zctx):
+    ranks = [EngineLoad(0, 3, 64)]
+    pub = LoadPublisher(lambda: ranks, 7, "tcp://127.0.0.1:0", interval=3600, heartbeat=2.0)
+    await pub.start()  # its own loop sends the first report at once; ticks below are ours
+    sub = Sub(zctx, f"tcp://127.0.0.1:{pub.port}")
+    try:
+        while pub.publish() and not sub.sock.poll(50):
+            pass  # until the subscription is up (a PUB drops what it sends before)
+        now = time.monotonic() + 1000.0
+        assert pub.tick(now) is True  # a heartbeat past the start's report
+        assert pub.tick(now + 0.1) is False and pub.tick(now + 1.9) is False  # unchanged
+        ranks = [EngineLoad(0, 4, 64)]
+        assert pub.tick(now + 2.0) is True  # changed: sent at once
+        assert pub.tick(now + 2.1) is False
+        assert pub.tick(now + 4.0) is True  # the heartbeat of an unchanged load
+        sent = pub.sent
+        assert pub.publish() is True and pub.sent == sent + 1  # publish() always sends
+        seen = await sub.until(lambda r: r.seq == sent)
+        assert [(r.dp_rank, r.active_blocks) for r in seen.ranks] == [(0, 4)]
+    finally:
+        sub.close()
         await pub.close()
 
 

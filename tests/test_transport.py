@@ -210,3 +210,43 @@ async def test_a_stall_of_the_server_does_not_reap_a_client_that_kept_pinging(ma
         thread.join()
         sock.close()
         zctx.term()
+
+
+async def test_a_stream_longer_than_the_reapers_timeout_is_not_reaped(make_runtime):
+    """The caller keeps pinging while a stream's data flows (the pings, not the data, keep it
+    alive for the server's reaper): a stream twice CLIENT_TIMEOUT long ends whole."""
+    from dynamo_zmq.transport.server import CLIENT_TIMEOUT
+
+    rt = make_runtime(static=())
+
+    async def slow(request):
+        for i in range(int(2 * CLIENT_TIMEOUT / 0.1)):
+            await asyncio.sleep(0.1)
+            yield i
+
+    await rt.endpoint("ns.c.slow").start_serving(slow)
+    client = await make_runtime(static=(rt.address,)).endpoint("ns.c.slow").client()
+    await client.wait_for_instances(timeout=10)
+    items = [x async for x in await client.generate(None, annotated=False)]
+    assert items == list(range(int(2 * CLIENT_TIMEOUT / 0.1)))
+
+
+async def test_a_pools_connections_share_one_ping_task(make_runtime):
+    """However many peers a process knows, one task pings them all."""
+    servers = [make_runtime(static=()) for _ in range(3)]
+
+    async def echo(request):
+        yield request
+
+    for srv in servers:
+        await srv.endpoint("ns.c.echo").start_serving(echo)
+    caller = make_runtime(static=tuple(srv.address for srv in servers))
+    client = await caller.endpoint("ns.c.echo").client()
+    for _ in range(100):
+        if len(client.instance_ids()) == 3:
+            break
+        await asyncio.sleep(0.05)
+    assert len(client.instance_ids()) == 3
+    names = [t.get_name() for t in asyncio.all_tasks()]
+    assert names.count("peer-pings") == 1
+    assert not [n for n in names if n.startswith("peer-") and n.endswith("-ping")]

@@ -45,10 +45,13 @@ class PeerAdded:
 
 @dataclass(frozen=True)
 class PeerRemoved:
-    """A peer withdrew its advert (clean shutdown). Crashes are found by liveness, not here."""
+    """A peer withdrew its advert (clean shutdown), or its record went ``stale`` (a discovery
+    directory's file no longer refreshed). Crashes are found by liveness, not here: a stale
+    peer is dropped only if its connection finds it dead too."""
 
     address: str
     instance_id: int | None = None
+    stale: bool = False
 
 
 DiscoveryEvent = PeerAdded | PeerRemoved
@@ -81,6 +84,11 @@ class Discovery(abc.ABC):
             ``None`` while it is kept, else why it cannot be (the runtime's lease is then lost
             and the runtime shuts down). This default has nothing to lose.
         """
+        return None
+
+    def refresh(self) -> None:
+        """A hint from the caller: a peer it had lost answers again, so a link may have come
+        back and peers missed meanwhile may be found by asking soon. This default ignores it."""
         return None
 
     @abc.abstractmethod

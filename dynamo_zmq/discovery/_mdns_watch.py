@@ -4,9 +4,14 @@ the events it queues, and the periodic query that finds peers the browser would 
 zeroconf's browser asks a few times at start, then only to refresh records it already knows
 (RFC 6762 continuous querying). A peer it never heard, because its announcements were lost (its
 link was down, or it started while ours was), would then be found only when some other record
-needs refreshing: minutes. So every ``REQUERY_INTERVAL`` seconds the watch asks again, listing
-what it knows so that known peers stay quiet (known-answer suppression); only unknown ones
-answer.
+needs refreshing: minutes. So the watch asks again now and then, listing what it knows so that
+known peers stay quiet (known-answer suppression); only unknown ones answer.
+
+Such a query lists every known peer: about 9.5 KB in 7 packets at 256 workers, which every
+host receives and every responder parses. So it is paced: ``REQUERY_INTERVAL`` seconds after
+the watch last saw a change (a peer added, updated or removed, or ``kick``: the caller saw a
+lost peer come back, so a link may have healed), doubling while nothing changes, up to
+``REQUERY_MAX``.
 """
 
 from __future__ import annotations
@@ -19,16 +24,18 @@ from zeroconf import IPVersion, ServiceStateChange, Zeroconf, current_time_milli
 from zeroconf._services.browser import generate_service_query
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo
 
-from ..resources import cancel_and_wait
+from ..resources import cancel_and_wait, wait_event
 from ._base import PROTOCOL_VERSION, SERVICE_TYPE, DiscoveryEvent, PeerAdded, PeerRemoved
 from ._mdns_addresses import local_networks, pick_ip
 
-__all__ = ["REQUERY_INTERVAL", "Watch"]
+__all__ = ["REQUERY_INTERVAL", "REQUERY_MAX", "Watch"]
 
 log = logging.getLogger("dynamo_zmq.discovery.mdns")
 
-#: Seconds between the queries that find peers whose announcements this host missed.
+#: Seconds from a change to the first query for peers whose announcements this host missed;
+#: the interval doubles while nothing changes, up to ``REQUERY_MAX``.
 REQUERY_INTERVAL = 3.0
+REQUERY_MAX = 60.0
 _ADD_OR_UPDATE = (ServiceStateChange.Added, ServiceStateChange.Updated)
 
 
@@ -54,6 +61,8 @@ class Watch:
         self._resolving: dict[str, asyncio.Task[None]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopped = False
+        #: Set when something changed: the next query comes ``REQUERY_INTERVAL`` after it.
+        self._changed = asyncio.Event()
 
     def start(self) -> None:
         if self._stopped:
@@ -63,11 +72,25 @@ class Watch:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def kick(self) -> None:
+        """Query again soon (``REQUERY_INTERVAL``): a link may have come back."""
+        self._changed.set()
+
     async def _requery(self) -> None:
         """Ask for every peer now and then, known ones listed as known answers (they stay
-        quiet); the browser reports whoever answers."""
+        quiet); the browser reports whoever answers. Paced: see the module."""
+        loop = asyncio.get_running_loop()
+        interval = REQUERY_INTERVAL
+        due = loop.time() + interval
         while not self._zc.done:
-            await asyncio.sleep(REQUERY_INTERVAL)
+            self._changed.clear()
+            if await wait_event(self._changed, max(0.0, due - loop.time())):
+                # A change brings the next query to within REQUERY_INTERVAL, never later.
+                interval = REQUERY_INTERVAL
+                due = min(due, loop.time() + interval)
+                continue
+            interval = min(2 * interval, REQUERY_MAX)
+            due = loop.time() + interval
             try:
                 now = current_time_millis()
                 for out in generate_service_query(self._zc, now, {SERVICE_TYPE}, True, None):
@@ -108,6 +131,7 @@ class Watch:
                 task.add_done_callback(self._tasks.discard)
             elif (old := self._known.pop(name, None)) is not None:
                 self.queue.put_nowait(PeerRemoved(old.address, old.instance_id))
+                self._changed.set()
         except Exception:
             log.exception("mDNS: error handling %s for %s", state_change, name)
 
@@ -162,3 +186,4 @@ class Watch:
             return
         self._known[name] = event
         self.queue.put_nowait(event)
+        self._changed.set()

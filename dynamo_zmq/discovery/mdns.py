@@ -176,6 +176,11 @@ class MdnsDiscovery(Discovery):
                 return
             self._finish_later(sent)
 
+    def refresh(self) -> None:
+        """Ask the network for peers again soon (every watch's paced query)."""
+        for w in self._watches:
+            w.kick()
+
     async def watch(self, namespace: str | None = None) -> AsyncIterator[DiscoveryEvent]:
         """Yield peers advertising ``namespace`` (all when ``None``) and follow their changes.
 

@@ -58,6 +58,9 @@ __all__ = ["ModelEntry", "ModelManager"]
 
 log = logging.getLogger(__name__)
 
+#: Seconds between two refreshes of the model table when no peer changes.
+REFRESH_INTERVAL = 5.0
+
 
 @dataclass
 class ModelEntry:
@@ -150,12 +153,14 @@ class ModelManager:
         return [m for _, m in sorted(self.models.items()) if m.router.instance_ids()]
 
     async def _follow(self) -> None:
+        seen: int | None = None
         while not self._res.closed:
             try:
                 await self._refresh()
             except Exception:
                 log.exception("model table refresh failed")
-            await self.runtime.wait_peers_changed(timeout=1.0)
+            # Every change wakes it; the timeout is a safety net (a refresh walks every peer).
+            seen = await self.runtime.wait_peers_changed(REFRESH_INTERVAL, seen)
 
     async def _refresh(self) -> None:
         by_name: dict[str, list[ServedModel]] = {}

@@ -27,6 +27,7 @@ from ._kv_events import OwnRemoved as OwnRemoved
 from ._kv_events import OwnStored as OwnStored
 from ._kv_events import encode_batch as encode_batch
 from ._kv_events import encode_own_batch as encode_own_batch
+from ._load import LOAD_HEARTBEAT as LOAD_HEARTBEAT
 from ._load import LOAD_TOPIC as LOAD_TOPIC
 from ._load import LOAD_VERSION as LOAD_VERSION
 from ._load import MAX_LOAD_INTERVAL as MAX_LOAD_INTERVAL
@@ -100,6 +101,7 @@ __all__ = [
     "CHUNK",
     "DEFAULT_MIGRATION_LIMIT",
     "ENGINES",
+    "LOAD_HEARTBEAT",
     "LOAD_TOPIC",
     "LOAD_VERSION",
     "MAX_LOAD_INTERVAL",

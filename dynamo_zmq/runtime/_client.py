@@ -68,12 +68,24 @@ class Client:
         self.mode = router_mode
         self._pool = pool
         self._select = select
+        self._selected: tuple[int, list[PeerConnection]] | None = None
         self._rr = itertools.count()
 
+    @property
+    def generation(self) -> int:
+        """Bumped by every change of the instances (their pool's generation)."""
+        return self._pool.generation
+
     def instances(self) -> list[PeerConnection]:
-        """Connections to the instances able to take work now (narrowed by ``select``)."""
-        conns = self._pool.instances(self.path)
-        return conns if self._select is None else [c for c in conns if self._select(c)]
+        """Connections to the instances able to take work now (narrowed by ``select``, once
+        per change of the pool)."""
+        if self._select is None:
+            return self._pool.instances(self.path)
+        gen = self._pool.generation
+        if self._selected is None or self._selected[0] != gen:
+            conns = [c for c in self._pool.instances(self.path) if self._select(c)]
+            self._selected = (gen, conns)
+        return list(self._selected[1])
 
     def instance_ids(self) -> list[int]:
         """Ids of the instances currently able to take work, sorted."""

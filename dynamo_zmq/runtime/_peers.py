@@ -13,7 +13,14 @@ import time
 
 from ..discovery import Discovery, PeerAdded, PeerRemoved
 from ..resources import Resources, wait_event
-from ..transport import CurveAuth, CurveRefused, PeerConnection, PeerState, current_curve
+from ..transport import (
+    CurveAuth,
+    CurveRefused,
+    PeerConnection,
+    PeerState,
+    PingTicker,
+    current_curve,
+)
 
 __all__ = ["PeerPool"]
 
@@ -36,6 +43,8 @@ class PeerPool:
     def __init__(self, resources: Resources, discovery: Discovery) -> None:
         self._res = resources.child("peers")
         self._discovery = discovery
+        #: One task pings every connection of the pool.
+        self._pings = PingTicker(self._res)
         self.peers: dict[str, PeerConnection] = {}
         #: What discovery said about each address when it was last announced (mDNS: namespace,
         #: instance id, components; a static list: nothing but the address).
@@ -46,7 +55,14 @@ class PeerPool:
         #: The latest refused advert's key per address, retried when the authorized set changes.
         self._refused_adverts: dict[str, bytes | None] = {}
         self._watching: set[str | None] = set()
+        #: Addresses of connections that went DOWN: one answering again tells discovery.
+        self._lost: set[str] = set()
         self._changed = asyncio.Event()
+        #: Counts the changes (``wait_changed``); every change of a peer's state, description,
+        #: draining flag or withdrawal bumps it.
+        self.generation = 0
+        #: ``instances(path)`` as of a generation.
+        self._instances: dict[str, tuple[int, list[PeerConnection]]] = {}
         self._closed = False
 
     def watch(self, namespace: str | None) -> None:
@@ -59,7 +75,11 @@ class PeerPool:
         self._res.spawn(self._watch(namespace), f"discovery-watch-{namespace}")
 
     def instances(self, path: str) -> list[PeerConnection]:
-        """Routable connections serving endpoint ``path``, one per instance id, by instance id."""
+        """Routable connections serving endpoint ``path``, one per instance id, by instance id
+        (worked out once per generation: routers ask for every request)."""
+        cached = self._instances.get(path)
+        if cached is not None and cached[0] == self.generation:
+            return list(cached[1])
         by_id: dict[int, PeerConnection] = {}
         for conn in self.peers.values():
             desc = conn.description
@@ -67,12 +87,24 @@ class PeerPool:
                 continue
             if any(ep.path == path for ep in desc.endpoints):
                 by_id.setdefault(desc.instance_id, conn)
-        return [by_id[i] for i in sorted(by_id)]
+        found = [by_id[i] for i in sorted(by_id)]
+        self._instances[path] = (self.generation, found)
+        return list(found)
 
-    async def wait_changed(self, timeout: float | None = None) -> None:
-        """Wait for the next change of any peer (or the timeout)."""
-        self._changed.clear()
+    async def wait_changed(self, timeout: float | None = None, since: int | None = None) -> int:
+        """Wait for the next change of any peer (or the timeout); with ``since`` (a generation
+        this returned before), return at once if a change came after it. Returns the
+        generation now: a caller that passes it back misses no change made while it was busy."""
+        if since is not None and since != self.generation:
+            return self.generation
         await wait_event(self._changed, timeout)  # never loses a cancellation (a closing owner)
+        return self.generation
+
+    def _signal(self) -> None:
+        """A peer changed: wake every waiter (each waits on the event of its generation)."""
+        self.generation += 1
+        event, self._changed = self._changed, asyncio.Event()
+        event.set()
 
     def add(self, address: str, key: bytes | None = None) -> PeerConnection | None:
         """Connect to ``address`` unless already connected. With auth on, only with its
@@ -82,7 +114,8 @@ class PeerPool:
         if conn is None:
             try:
                 conn = PeerConnection(
-                    self._res, address, on_change=self._on_peer_change, server_key=key
+                    self._res, address, on_change=self._on_peer_change, server_key=key,
+                    ticker=self._pings,
                 )
                 conn.start()
             except CurveRefused as exc:
@@ -97,7 +130,7 @@ class PeerPool:
                 return None
             self.peers[address] = conn
         self._refused_adverts.pop(address, None)
-        self._changed.set()
+        self._signal()
         return conn
 
     async def close(self) -> None:
@@ -110,7 +143,12 @@ class PeerPool:
         self.hints.clear()
 
     def _on_peer_change(self, conn: PeerConnection) -> None:
-        self._changed.set()
+        self._signal()
+        if conn.state is PeerState.DOWN:
+            self._lost.add(conn.address)
+        elif conn.state is PeerState.READY and conn.address in self._lost:
+            self._lost.discard(conn.address)
+            self._discovery.refresh()  # a link may have healed: peers missed meanwhile
 
     async def _watch(self, namespace: str | None) -> None:
         async for event in self._discovery.watch(namespace):
@@ -121,9 +159,11 @@ class PeerPool:
                 del self._refused_adverts[event.address]
             elif isinstance(event, PeerRemoved) and event.address in self.peers:
                 conn = self.peers[event.address]
+                if event.stale and conn.state is PeerState.READY:
+                    continue  # its record is old, but it answers: liveness is ours
                 if event.instance_id is None or event.instance_id in (0, conn.instance_id):
                     self._withdrawn[event.address] = time.monotonic()
-                    self._changed.set()
+                    self._signal()
 
     async def _janitor_loop(self) -> None:
         """Close peers that withdrew and have nothing in flight, or are withdrawn and down;
@@ -143,8 +183,9 @@ class PeerPool:
                     del self._withdrawn[address]
                     del self.peers[address]
                     self.hints.pop(address, None)
+                    self._lost.discard(address)
                     await conn.close()
-                    self._changed.set()
+                    self._signal()
 
     async def _recheck_keys(self, curve: CurveAuth) -> None:
         """Connect to refused adverts whose key is now authorized; drop connections whose key
@@ -158,6 +199,7 @@ class PeerPool:
                 log.warning("the key of %r was revoked: disconnecting", conn)
                 del self.peers[address]
                 self._withdrawn.pop(address, None)
+                self._lost.discard(address)
                 self._refused_adverts[address] = conn.server_key
                 await conn.close()
-                self._changed.set()
+                self._signal()

@@ -296,10 +296,14 @@ class DistributedRuntime:
         pool = await self.peer_pool(namespace)
         return list(pool.peers.values())
 
-    async def wait_peers_changed(self, timeout: float | None = None) -> None:
-        """Wait until any discovered peer changes (or ``timeout``)."""
+    async def wait_peers_changed(
+        self, timeout: float | None = None, since: int | None = None
+    ) -> int:
+        """Wait until any discovered peer changes (or ``timeout``); ``since``: a generation
+        this returned before, so a change made meanwhile returns at once. Returns the
+        generation now."""
         pool = await self.peer_pool(None) if self._peers is None else self._peers
-        await pool.wait_changed(timeout)
+        return await pool.wait_changed(timeout, since)
 
     # -- lifecycle -------------------------------------------------------------------------
 

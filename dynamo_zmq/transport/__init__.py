@@ -8,6 +8,7 @@ from ._curve import current_curve as current_curve
 from ._curve import disable_curve as disable_curve
 from ._curve import enable_curve as enable_curve
 from ._curve import peer_key as peer_key
+from ._peer_liveness import PingTicker as PingTicker
 from ._sockets import AsyncSocket as AsyncSocket
 from ._sockets import SendResult as SendResult
 from ._sockets import make_socket as make_socket
@@ -37,6 +38,7 @@ __all__ = [
     "ItemStream",
     "PeerConnection",
     "PeerState",
+    "PingTicker",
     "Reopen",
     "Response",
     "ResponseStream",

@@ -2,6 +2,10 @@
 (handshake, disconnect, a failed CURVE handshake), application pings, and the silence check
 that marks a READY peer DOWN (but not right after this process itself stalled).
 
+A connection pings on its own (``ping_loop``), or, in a pool, on a ``PingTicker`` the pool's
+connections share: one task and one wake-up per interval for all of them, instead of one per
+connection (1,024 wake-ups a second at 256 peers).
+
 These run beside a ``PeerConnection`` on its own state; none of it is on the per-message path
 (that is ``PeerConnection._dispatch``, which only stamps ``_last_rx``).
 """
@@ -17,15 +21,23 @@ from typing import TYPE_CHECKING
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from ..resources import Resources
 from ..wire import Kind, Ping
 
 if TYPE_CHECKING:
     from .client import PeerConnection
 
-__all__ = ["HANDSHAKE_FAILED", "PeerState", "check_silence", "monitor_loop", "ping_loop"]
+__all__ = [
+    "HANDSHAKE_FAILED", "PING_INTERVAL", "PeerState", "PingTicker", "check_silence",
+    "monitor_loop", "ping_loop",
+]
 
 # Its lines were always the connection's: keep the logger they are filtered by.
 log = logging.getLogger("dynamo_zmq.transport.client")
+
+
+#: Seconds between two application pings of a peer (the liveness timeout is three of them).
+PING_INTERVAL = 0.5
 
 
 class PeerState(enum.Enum):
@@ -77,18 +89,67 @@ async def ping_loop(peer: PeerConnection) -> None:
     while True:
         await asyncio.sleep(peer._ping_interval)
         now = time.monotonic()
-        if now - last - peer._ping_interval > peer._liveness_timeout / 3:
-            # This process woke late: it (or the whole machine) stalled, and the peer may
-            # have stalled with it. Give it a few pings' time to answer before judging.
-            peer._quiet_until = now + 2 * peer._ping_interval
+        if _woke_late(now, last, peer._ping_interval, peer._liveness_timeout):
+            _quiet(peer, now)
         last = now
-        if peer.description is None:
-            peer._request_description()  # dropped harmlessly while not connected
-            continue
-        if not peer._connected:
-            continue
-        peer.send_control(Kind.PING, Ping(next(peer._nonce)))
-        check_silence(peer)
+        ping_once(peer)
+
+
+def _woke_late(now: float, last: float, interval: float, timeout: float) -> bool:
+    """This process woke late: it (or the whole machine) stalled, and peers may have stalled
+    with it. They get a few pings' time to answer before they are judged."""
+    return now - last - interval > timeout / 3
+
+
+def _quiet(peer: PeerConnection, now: float) -> None:
+    peer._quiet_until = now + 2 * peer._ping_interval
+
+
+def ping_once(peer: PeerConnection) -> None:
+    """One ping of ``peer`` (a DESCRIBE until it has described itself), then its silence
+    judged."""
+    if peer.description is None:
+        peer._request_description()  # dropped harmlessly while not connected
+        return
+    if not peer._connected:
+        return
+    # Always, even while its streams bring data: the pings are what keep this caller alive
+    # for the peer's reaper (``Server``'s CLIENT_TIMEOUT).
+    peer.send_control(Kind.PING, Ping(next(peer._nonce)))
+    check_silence(peer)
+
+
+class PingTicker:
+    """Pings every connection added to it once an interval, from one task owned by
+    ``resources`` (started with the first connection)."""
+
+    def __init__(self, resources: Resources, interval: float = PING_INTERVAL) -> None:
+        self._res = resources
+        self.interval = interval
+        self._peers: dict[PeerConnection, None] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def add(self, peer: PeerConnection) -> None:
+        self._peers[peer] = None
+        if self._task is None and not self._res.closed:
+            self._task = self._res.spawn(self._run(), "peer-pings")
+
+    def discard(self, peer: PeerConnection) -> None:
+        self._peers.pop(peer, None)
+
+    async def _run(self) -> None:
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(self.interval)
+            now = time.monotonic()
+            woke, last = last, now
+            for peer in list(self._peers):
+                if _woke_late(now, woke, self.interval, peer._liveness_timeout):
+                    _quiet(peer, now)
+                try:
+                    ping_once(peer)
+                except Exception:  # one peer's failure must not stop the others' liveness
+                    log.exception("pinging %s failed", peer.address)
 
 
 def check_silence(peer: PeerConnection) -> None:

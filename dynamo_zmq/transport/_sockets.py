@@ -117,6 +117,10 @@ class AsyncSocket:
     The ZMQ file descriptor is edge-triggered: it signals when the socket's event state may have
     changed, and reading ``EVENTS`` re-arms it. Every operation here therefore re-checks
     ``EVENTS`` afterwards, so a readiness change consumed by a send is never missed.
+
+    While ``drain_forever`` runs, messages are handed to its ``dispatch`` from the loop's reader
+    callback itself: no task wakes, no future is made per burst (at 256 peers, each pong and
+    load report costs a wake-up otherwise).
     """
 
     def __init__(self, sock: zmq.Socket[bytes]) -> None:
@@ -126,9 +130,16 @@ class AsyncSocket:
         self._writable = asyncio.Event()
         self._fd = sock.fileno()  # the ZMQ_FD option
         self._closed = False
+        #: ``drain_forever``'s dispatch and what the messages are from (None: none runs).
+        self._dispatch: tuple[Callable[[list[bytes]], object], str] | None = None
+        self._draining = False
+        self._drain_soon = False
         self._loop.add_reader(self._fd, self._poll_events)
 
-    def _poll_events(self) -> None:
+    def _poll_events(self, inline: bool = True) -> None:
+        """Read ``EVENTS`` (which re-arms the fd) and act on it. From a send (``inline``
+        False) messages are not dispatched there and then, inside the sender's code, but from
+        the loop's next turn."""
         if self._closed:
             return
         try:
@@ -137,9 +148,19 @@ class AsyncSocket:
         except zmq.ZMQError:
             return
         if events & _POLLIN:
-            self._readable.set()
+            if self._dispatch is None or self._draining:
+                self._readable.set()
+            elif inline:
+                self._drain_ready(*self._dispatch)
+            elif not self._drain_soon:
+                self._drain_soon = True
+                self._loop.call_soon(self._drain_later)
         if events & _POLLOUT:
             self._writable.set()
+
+    def _drain_later(self) -> None:
+        self._drain_soon = False
+        self._poll_events()
 
     def recv_nowait(self) -> list[bytes] | None:
         """One multipart message, or None when the queue is empty."""
@@ -152,21 +173,49 @@ class AsyncSocket:
     def closed(self) -> bool:
         return self._closed
 
-    def drain(self, dispatch: Callable[[list[bytes]], None], what: str) -> None:
+    def drain(self, dispatch: Callable[[list[bytes]], object], what: str) -> None:
         """Hand every message already queued to ``dispatch``, without waiting. A ``dispatch``
         that raises is a bug, not bad input: it is logged and the next message handled."""
-        while not self._closed and (frames := self.recv_nowait()) is not None:
-            try:
-                dispatch(frames)
-            except Exception:
-                log.exception("error handling a message from %s", what)
+        if not self._draining:  # else the drain running below this call reads them
+            self._drain_ready(dispatch, what)
 
-    async def drain_forever(self, dispatch: Callable[[list[bytes]], None], what: str) -> None:
-        """The drain loop: ``drain``, then wait until readable, until the socket is closed
-        (one ``await`` per burst of messages, not per message)."""
-        while not self._closed:
-            self.drain(dispatch, what)
-            await self.wait_readable()
+    def _drain_ready(self, dispatch: Callable[[list[bytes]], object], what: str) -> None:
+        self._draining = True
+        events = 0
+        try:
+            # Ask EVENTS before each receive: an empty queue then costs no zmq.Again raised.
+            while not self._closed:
+                events = cast(int, self.sock.getsockopt(_EVENTS))
+                if not events & _POLLIN:
+                    break
+                try:
+                    frames = self.sock.recv_multipart(_NOBLOCK)
+                except zmq.Again:
+                    break
+                try:
+                    dispatch(frames)
+                except Exception:
+                    log.exception("error handling a message from %s", what)
+        except zmq.ZMQError:
+            return  # closed under us
+        finally:
+            self._draining = False
+        if events & _POLLOUT:
+            self._writable.set()
+
+    async def drain_forever(self, dispatch: Callable[[list[bytes]], object], what: str) -> None:
+        """Hand every message to ``dispatch`` as it arrives (from the reader callback), until
+        the socket is closed or this coroutine is cancelled."""
+        if self._dispatch is not None:
+            raise RuntimeError("the socket is drained already")
+        self._dispatch = (dispatch, what)
+        try:
+            while not self._closed:
+                self.drain(dispatch, what)  # what arrived before, or while nobody listened
+                self._readable.clear()
+                await self._readable.wait()  # set only by close() while dispatching
+        finally:
+            self._dispatch = None
 
     async def wait_readable(self) -> None:
         """Return when a message can be received (or the socket was closed)."""
@@ -189,7 +238,7 @@ class AsyncSocket:
             raise
         finally:
             # A send may consume the readiness signal of pending input: look again.
-            self._poll_events()
+            self._poll_events(inline=False)
 
     async def send(self, frames: list[bytes], timeout: float | None = None) -> int:
         """Send, waiting while the peer's queue is full; returns SENT or GONE (or FULL on

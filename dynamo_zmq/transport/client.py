@@ -41,7 +41,9 @@ from ..wire import (
 from ._curve import current_curve
 from ._peer_liveness import (
     HANDSHAKE_FAILED,
+    PING_INTERVAL,
     PeerState,
+    PingTicker,
     check_silence,
     monitor_loop,
     ping_loop,
@@ -83,8 +85,10 @@ class PeerConnection:
         on_change: called (synchronously) whenever state, description or draining changes.
         server_key: the peer's advertised CURVE public key (Z85); with auth on, the connection
             is made only with it and only if it is authorized (``CurveRefused`` from start).
-        ping_interval: seconds between application pings.
+        ping_interval: seconds between application pings (a ``ticker``'s interval when it
+            has one).
         liveness_timeout: a READY peer silent for this long is marked DOWN.
+        ticker: the pool's shared pinger (``PingTicker``); None: a ping task of its own.
     """
 
     def __init__(
@@ -92,17 +96,19 @@ class PeerConnection:
         resources: Resources,
         address: str,
         on_change: Callable[[PeerConnection], None] | None = None,
-        ping_interval: float = 0.25,
+        ping_interval: float = PING_INTERVAL,
         liveness_timeout: float = 1.5,
         *,
         server_key: bytes | None = None,
+        ticker: PingTicker | None = None,
     ) -> None:
         self._res = resources.child(f"peer {address}")
         self.address = address
         self.server_key = server_key
         self._handshake_failed = False
         self._on_change = on_change
-        self._ping_interval = ping_interval
+        self._ticker = ticker
+        self._ping_interval = ticker.interval if ticker is not None else ping_interval
         self._liveness_timeout = liveness_timeout
         self.state = PeerState.CONNECTING
         self.description: Description | None = None
@@ -137,7 +143,11 @@ class PeerConnection:
 
     def start(self) -> None:
         """Create the socket and start connecting (never blocks; see ``wait_described``)."""
-        sock = make_socket(self._res.zctx, zmq.DEALER, server_key=self.server_key)
+        # No ZMTP heartbeats: our pings judge the peer (and keep us alive for its reaper), and
+        # its ROUTER's heartbeats close a dead connection; at 256 peers both would double the
+        # idle traffic of this process's I/O thread.
+        sock = make_socket(self._res.zctx, zmq.DEALER, server_key=self.server_key,
+                           heartbeat_ms=0)
         # Monitor before connecting, or a fast handshake is over before anyone listens.
         monitor = sock.get_monitor_socket(
             zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
@@ -149,7 +159,10 @@ class PeerConnection:
         name = f"peer-{self.address}"
         self._res.spawn(self._recv_loop(), f"{name}-recv")
         self._res.spawn(monitor_loop(self), f"{name}-monitor")
-        self._res.spawn(ping_loop(self), f"{name}-ping")
+        if self._ticker is not None:
+            self._ticker.add(self)
+        else:
+            self._res.spawn(ping_loop(self), f"{name}-ping")
 
     async def wait_described(self, timeout: float) -> Description:
         """Wait for the first DESCRIBE answer; raises ConnectionTimeout."""
@@ -165,6 +178,8 @@ class PeerConnection:
             return
         self._fail_streams(errors.Disconnected(f"connection to {self.address} closed"))
         self.state = PeerState.CLOSED
+        if self._ticker is not None:
+            self._ticker.discard(self)
         await self._res.close()  # the loops and any control message still waiting to go out
         if self._sock is not None:
             with contextlib.suppress(Exception):

@@ -109,7 +109,10 @@ class Server:
 
     async def start(self) -> str:
         """Bind and start receiving; returns the bound ``tcp://host:port``."""
-        sock = make_socket(self._res.zctx, zmq.ROUTER, bind=self._bind)
+        # ZMTP heartbeats close a dead caller's connection within CLIENT_TIMEOUT, as the
+        # reaper kills its streams (callers' pings are our liveness, not these).
+        sock = make_socket(self._res.zctx, zmq.ROUTER, bind=self._bind,
+                           heartbeat_ms=int(CLIENT_TIMEOUT * 1000 / 3))
         self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._sock = AsyncSocket(sock)
         self._res.spawn(self._recv_loop(), "server-recv")

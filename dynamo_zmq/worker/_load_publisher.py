@@ -1,5 +1,6 @@
 """``LoadPublisher``: the worker side of load reports (their format is ``dynamo_zmq.llm``'s
-``LoadReport``): reads the engine's ``load()`` every interval and publishes it on a PUB socket."""
+``LoadReport``): reads the engine's ``load()`` every interval and publishes it on a PUB socket
+when it changed, or when the last report is a heartbeat old (``LOAD_HEARTBEAT``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collections.abc import Callable
 
 import zmq
 
-from ..llm import LOAD_TOPIC, LOAD_VERSION, EngineLoad, LoadReport, encode_report
+from ..llm import LOAD_HEARTBEAT, LOAD_TOPIC, LOAD_VERSION, EngineLoad, LoadReport, encode_report
 from ..resources import Resources
 from ..transport import make_socket
 
@@ -23,14 +24,18 @@ PUB_HWM = 1000
 
 
 class LoadPublisher:
-    """Publishes an engine's ``load()`` on a PUB socket every ``interval`` seconds; owns the
-    socket and the task.
+    """Publishes an engine's ``load()`` on a PUB socket; owns the socket and the task.
+
+    Every ``interval`` seconds it reads the load and sends a report if the load changed since
+    the last report or that report is ``heartbeat`` seconds old: a busy worker reports every
+    interval, an idle one every heartbeat (``tick``).
 
     Args:
         source: ``engine.load`` (a list of ranks; None or empty: nothing to send this time).
         instance_id: the worker's instance id, sent in every report.
         bind: ``tcp://HOST:PORT`` to bind (port 0: any free one).
-        interval: seconds between two reports (> 0).
+        interval: seconds between two reads of the load (> 0).
+        heartbeat: seconds after which an unchanged load is sent again.
         resources: the owner it belongs to (closing that closes the publisher too); default
             a ``Resources`` of its own.
     """
@@ -42,6 +47,7 @@ class LoadPublisher:
         bind: str,
         interval: float,
         *,
+        heartbeat: float = LOAD_HEARTBEAT,
         resources: Resources | None = None,
     ) -> None:
         if not interval > 0:
@@ -50,6 +56,7 @@ class LoadPublisher:
         self.instance_id = instance_id
         self._bind = bind
         self.interval = interval
+        self.heartbeat = heartbeat
         self.port = 0
         #: Reports sent so far (the next report's seq).
         self.sent = 0
@@ -57,6 +64,9 @@ class LoadPublisher:
         self._res = owner.child("load-publisher")
         self._pub: zmq.Socket[bytes] | None = None
         self._failing = False
+        #: The ranks of the last report sent, and when (monotonic): what ``tick`` compares.
+        self._last: list[EngineLoad] | None = None
+        self._last_at = -float("inf")
 
     async def start(self) -> None:
         """Bind the socket and start publishing."""
@@ -71,17 +81,33 @@ class LoadPublisher:
     def publish(self) -> bool:
         """Read the engine's load and send one report now; False if there was nothing to send
         (no ranks, the engine failed, or the socket's queue is full)."""
+        ranks = self._read()
+        return ranks is not None and self._send(ranks, time.monotonic())
+
+    def tick(self, now: float | None = None) -> bool:
+        """Read the engine's load and send it if it changed since the last report or the
+        heartbeat is due (``now``: monotonic seconds, default the clock's); True if sent."""
+        now = time.monotonic() if now is None else now
+        ranks = self._read()
+        if ranks is None or (ranks == self._last and now - self._last_at < self.heartbeat):
+            return False
+        return self._send(ranks, now)
+
+    def _read(self) -> list[EngineLoad] | None:
         try:
             ranks = self._source()
         except Exception:
             if not self._failing:  # once per failing streak, not every interval
                 log.exception("engine load() failed; no load report until it works again")
             self._failing = True
-            return False
+            return None
         self._failing = False
-        if not ranks or self._pub is None:
+        return list(ranks) if ranks else None
+
+    def _send(self, ranks: list[EngineLoad], now: float) -> bool:
+        if self._pub is None:
             return False
-        report = LoadReport(LOAD_VERSION, self.instance_id, self.sent, time.time(), list(ranks))
+        report = LoadReport(LOAD_VERSION, self.instance_id, self.sent, time.time(), ranks)
         try:
             self._pub.send_multipart([LOAD_TOPIC, encode_report(report)], zmq.NOBLOCK)
         except zmq.ZMQError as exc:
@@ -89,11 +115,12 @@ class LoadPublisher:
                 log.warning("load report not sent: %s", exc)
             return False
         self.sent += 1
+        self._last, self._last_at = ranks, now
         return True
 
     async def _run(self) -> None:
         while True:
-            self.publish()
+            self.tick()
             await asyncio.sleep(self.interval)
 
     async def close(self) -> None:
