@@ -1,4 +1,5 @@
-"""Finding peers: mDNS on the LAN or a static list, behind one ``Discovery`` interface."""
+"""Finding peers: mDNS on the LAN, a static list or a shared directory (or several at once),
+behind one ``Discovery`` interface."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ from ._base import Discovery as Discovery
 from ._base import DiscoveryEvent as DiscoveryEvent
 from ._base import PeerAdded as PeerAdded
 from ._base import PeerRemoved as PeerRemoved
+from ._combined import CombinedDiscovery as CombinedDiscovery
 from ._config import DiscoveryConfig as DiscoveryConfig
 from ._config import add_discovery_args as add_discovery_args
 from ._config import read_static_file as read_static_file
 from ._mdns_addresses import reachable_ipv4 as reachable_ipv4
+from .directory import DirectoryDiscovery as DirectoryDiscovery
 from .mdns import MdnsDiscovery as MdnsDiscovery
 from .static import StaticDiscovery as StaticDiscovery
 
@@ -20,6 +23,8 @@ __all__ = [
     "PROTOCOL_VERSION",
     "SERVICE_TYPE",
     "Advert",
+    "CombinedDiscovery",
+    "DirectoryDiscovery",
     "Discovery",
     "DiscoveryConfig",
     "DiscoveryEvent",
@@ -35,7 +40,13 @@ __all__ = [
 
 
 def make_discovery(cfg: DiscoveryConfig) -> Discovery:
-    """Build the backend ``cfg.backend`` names (not started yet)."""
-    if cfg.backend == "static":
-        return StaticDiscovery(cfg)
-    return MdnsDiscovery(cfg)
+    """Build the backend ``cfg.backend`` names, several combined (not started yet)."""
+    made: list[Discovery] = []
+    for name in cfg.backends:
+        if name == "static":
+            made.append(StaticDiscovery(cfg))
+        elif name == "dir":
+            made.append(DirectoryDiscovery(cfg))
+        else:
+            made.append(MdnsDiscovery(cfg))
+    return made[0] if len(made) == 1 else CombinedDiscovery(made)

@@ -1,6 +1,6 @@
-"""Discovery settings: which backend, and its options, from flags or ``DYN_*`` variables.
+"""Discovery settings: which backends, and their options, from flags or ``DYN_*`` variables.
 
-DYN_DISCOVERY         mdns | static                    (--discovery)
+DYN_DISCOVERY         mdns | static | dir, or several comma-joined (mdns,dir)  (--discovery)
 DYN_STATIC_WORKERS    tcp://host:port,tcp://host:port  (--static-workers)
 DYN_STATIC_FILE       path, one address a line, '#' comments  (--static-file)
 
@@ -8,6 +8,8 @@ With auth on, a static entry names the peer's CURVE public key after its address
 ``tcp://host:port key=<40 characters of Z85>`` (the key may hold '#': a comment starts only
 where a '#' begins a word).
 DYN_MDNS_INTERFACES   comma-separated IPv4 addresses   (--mdns-interfaces)
+DYN_DISCOVERY_DIR     a directory every host mounts, for the dir backend  (--discovery-dir)
+DYN_DISCOVERY_DIR_WATCH  auto | inotify | poll          (--discovery-dir-watch)
 """
 
 from __future__ import annotations
@@ -24,7 +26,10 @@ from zmq.utils import z85
 
 from ..errors import InvalidArgument
 
-BACKENDS = ("mdns", "static")
+BACKENDS = ("mdns", "static", "dir")
+#: How a discovery directory is followed: inotify on a local filesystem, polling on a network
+#: one (``auto``), or either always.
+DIR_WATCH_MODES = ("auto", "inotify", "poll")
 
 
 @dataclass(frozen=True)
@@ -32,28 +37,52 @@ class DiscoveryConfig:
     """How this process finds its peers.
 
     Attributes:
-        backend: ``"mdns"`` (advertise and browse on the LAN) or ``"static"`` (a fixed list).
+        backend: ``"mdns"`` (advertise and browse on the LAN), ``"static"`` (a fixed list),
+            ``"dir"`` (advert files in a shared directory), or several comma-joined
+            (``"mdns,dir"``: each advert goes to both, peers come from both).
         static_addresses: ``tcp://host:port`` peers for the static backend, each optionally
             followed by `` key=<Z85 public key>``.
         static_file: a file of peers for the static backend, re-read when it changes.
         mdns_interfaces: IPv4 addresses to pin mDNS to; ``None`` (or empty) uses all interfaces.
+        discovery_dir: the shared directory of the ``dir`` backend.
+        dir_watch: how the directory is followed (``DIR_WATCH_MODES``).
     """
 
     backend: str = "mdns"
     static_addresses: tuple[str, ...] = ()
     static_file: str | None = None
     mdns_interfaces: tuple[str, ...] | None = None
+    discovery_dir: str | None = None
+    dir_watch: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
+        names = self.backends
+        unknown = [b for b in names if b not in BACKENDS]
+        if unknown or not names or len(set(names)) != len(names):
             raise InvalidArgument(
-                f"unknown discovery backend {self.backend!r}; expected one of {', '.join(BACKENDS)}"
+                f"unknown discovery backend {self.backend!r}; expected one of "
+                f"{', '.join(BACKENDS)}, or several comma-joined (mdns,dir)"
             )
+        if "dir" in names and not self.discovery_dir:
+            raise InvalidArgument("--discovery dir needs --discovery-dir PATH (DYN_DISCOVERY_DIR)")
+        if self.discovery_dir and "dir" not in names:
+            raise InvalidArgument(
+                f"--discovery-dir is set but --discovery is {self.backend!r}: use "
+                f"--discovery dir (or {self.backend},dir)"
+            )
+        if self.dir_watch not in DIR_WATCH_MODES:
+            raise InvalidArgument(f"--discovery-dir-watch must be one of "
+                                  f"{', '.join(DIR_WATCH_MODES)}, got {self.dir_watch!r}")
         for entry in self.static_addresses:
             split_entry(entry)
         # A static list may be empty: a serving process in static mode needs no peers.
         for ip in self.mdns_interfaces or ():
             _validate_ipv4(ip)
+
+    @property
+    def backends(self) -> tuple[str, ...]:
+        """The backends ``backend`` names, in order."""
+        return split_list(self.backend)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> DiscoveryConfig:
@@ -69,6 +98,8 @@ class DiscoveryConfig:
             static_addresses=split_list(environ.get("DYN_STATIC_WORKERS", "")),
             static_file=environ.get("DYN_STATIC_FILE", "").strip() or None,
             mdns_interfaces=interfaces or None,
+            discovery_dir=environ.get("DYN_DISCOVERY_DIR", "").strip() or None,
+            dir_watch=environ.get("DYN_DISCOVERY_DIR_WATCH", "").strip() or "auto",
         )
 
     @classmethod
@@ -84,22 +115,26 @@ class DiscoveryConfig:
             static_addresses=split_list(getattr(args, "static_workers", None) or ""),
             static_file=getattr(args, "static_file", None) or None,
             mdns_interfaces=interfaces or None,
+            discovery_dir=getattr(args, "discovery_dir", None) or None,
+            dir_watch=getattr(args, "discovery_dir_watch", None) or "auto",
         )
 
 
 def add_discovery_args(
     parser: argparse.ArgumentParser, environ: Mapping[str, str] = os.environ
 ) -> None:
-    """Add ``--discovery``, ``--static-workers``, ``--static-file`` and ``--mdns-interfaces``.
+    """Add ``--discovery``, ``--static-workers``, ``--static-file``, ``--mdns-interfaces``,
+    ``--discovery-dir`` and ``--discovery-dir-watch``.
 
     Defaults come from the matching ``DYN_*`` variables in ``environ``.
     """
     group = parser.add_argument_group("discovery")
     group.add_argument(
         "--discovery",
-        choices=BACKENDS,
         default=environ.get("DYN_DISCOVERY", "").strip() or "mdns",
-        help="how to find peers (env DYN_DISCOVERY; default %(default)s)",
+        metavar="{mdns,static,dir}",
+        help="how to find peers: mdns, static, dir (a shared directory), or several "
+             "comma-joined, e.g. mdns,dir (env DYN_DISCOVERY; default %(default)s)",
     )
     group.add_argument(
         "--static-workers",
@@ -112,6 +147,21 @@ def add_discovery_args(
         default=environ.get("DYN_STATIC_FILE") or None,
         metavar="PATH",
         help="file of peers, one a line, '#' comments, re-read on change (env DYN_STATIC_FILE)",
+    )
+    group.add_argument(
+        "--discovery-dir",
+        default=environ.get("DYN_DISCOVERY_DIR") or None,
+        metavar="PATH",
+        help="directory every host mounts (NFS, Lustre, GPFS) for --discovery dir: adverts "
+             "are files there (env DYN_DISCOVERY_DIR)",
+    )
+    group.add_argument(
+        "--discovery-dir-watch",
+        choices=DIR_WATCH_MODES,
+        default=environ.get("DYN_DISCOVERY_DIR_WATCH", "").strip() or "auto",
+        help="follow the directory with inotify, by polling, or auto: inotify on a local "
+             "filesystem, polling on a network one (env DYN_DISCOVERY_DIR_WATCH; default "
+             "%(default)s)",
     )
     group.add_argument(
         "--mdns-interfaces",

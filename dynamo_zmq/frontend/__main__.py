@@ -223,7 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         discovery = DiscoveryConfig.from_args(args)
-        if discovery.backend == "static" and discovery.static_file is not None:
+        if "static" in discovery.backends and discovery.static_file is not None:
             read_static_file(discovery.static_file)  # unreadable: say so now, not as a failed start
         RuntimeConfig(**auth_from_args(args))  # the keys load, or say why now
         plugin = routing_plugin(args)

@@ -78,6 +78,8 @@ async def start_worker(args: argparse.Namespace, config: RuntimeConfig) -> tuple
     flags = ["--discovery", config.discovery.backend, "--port", str(config.port)]
     if config.discovery.mdns_interfaces:
         flags += ["--mdns-interfaces", ",".join(config.discovery.mdns_interfaces)]
+    if config.discovery.discovery_dir:
+        flags += ["--discovery-dir", config.discovery.discovery_dir]
     if config.host:
         flags += ["--host", config.host]
     if config.auth_keys:
@@ -158,7 +160,7 @@ async def run_demo(args: argparse.Namespace, config: RuntimeConfig) -> None:
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main_task.cancel)
     proc, address, instance_id = await start_worker(args, config)
     try:
-        if config.discovery.backend == "static" and not config.discovery.static_addresses:
+        if config.discovery.backends == ("static",) and not config.discovery.static_addresses:
             # The client's static list is the worker just started.
             # With auth on the worker's key is this process's own (same key files).
             entry = address

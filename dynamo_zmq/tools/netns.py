@@ -6,6 +6,10 @@ testing). The other end of every veth is a port of a bridge that lives in a name
 own; both ends are created directly inside their namespaces, so nothing touches the machine's
 own interfaces. The bridge floods multicast (snooping off), so mDNS works as on one LAN.
 
+With ``subnets`` the hosts sit on several /24s, each its own bridge, joined by a router (a
+namespace of its own, the ``.254`` of every subnet, every host's default gateway) that
+forwards unicast and, like a plain IP router, no multicast: mDNS stays within a subnet.
+
 Processes are started inside a host with ``ip netns exec`` and stopped by pid. ``cut``/``heal``
 take a host's bridge port down and up (the host's link loses carrier, as when a cable is
 pulled), or with ``silent=True`` disable it (frames dropped, carrier kept); ``freeze``/``thaw``
@@ -52,8 +56,11 @@ __all__ = ["Cluster", "ClusterError", "Host", "cluster_supported"]
 
 #: The veth inside every host.
 HOST_IFACE = "eth0"
-_BRIDGE = "br0"
 _HOST_NAME = re.compile(r"^[a-z][a-z0-9]{0,7}$")
+
+
+def _bridge_name(subnet: int) -> str:
+    return f"br{subnet}"
 
 
 class ClusterError(RuntimeError):
@@ -95,12 +102,16 @@ class Host:
         port: its bridge port (in the bridge's namespace).
     """
 
-    def __init__(self, cluster: Cluster, name: str, netns: str, address: str, port: str) -> None:
+    def __init__(
+        self, cluster: Cluster, name: str, netns: str, address: str, port: str, subnet: int = 0
+    ) -> None:
         self.cluster = cluster
         self.name = name
         self.netns = netns
         self.address = address
         self.port = port
+        #: The index of its subnet (``Cluster.subnets``).
+        self.subnet = subnet
         self._forwards: dict[int, ChildProcess] = {}
 
     def __repr__(self) -> str:
@@ -189,9 +200,12 @@ class Cluster:
         env: variables every process started in the cluster gets, on top of this process's
             environment without its ``DYN_*`` variables.
         cwd: the working directory of those processes.
+        subnets: host name -> subnet index (0, 1, ...); hosts not named are on subnet 0.
+            Several subnets are joined by a router that forwards no multicast.
 
     Raises:
-        ValueError: a host name is malformed, repeated, or there are more than 250 hosts.
+        ValueError: a host name is malformed, repeated, or there are more than 250 hosts
+            (on one subnet).
     """
 
     def __init__(
@@ -200,23 +214,36 @@ class Cluster:
         *,
         env: Mapping[str, str] | None = None,
         cwd: str | Path | None = None,
+        subnets: Mapping[str, int] | None = None,
     ) -> None:
         names = list(hosts)
         bad = [n for n in names if not _HOST_NAME.match(n)]
-        if bad or len(set(names)) != len(names) or not 0 < len(names) <= 250:
-            raise ValueError(f"host names must be distinct [a-z][a-z0-9]{{0,7}}, got {names!r}")
+        on = {n: (subnets or {}).get(n, 0) for n in names}
+        count = max(on.values(), default=0) + 1
+        per = [list(on.values()).count(k) for k in range(count)]
+        if bad or len(set(names)) != len(names) or not names or max(per) > 250 or count > 16:
+            raise ValueError(f"host names must be distinct [a-z][a-z0-9]{{0,7}}, at most 250 "
+                             f"a subnet, got {names!r}")
         self.id = secrets.token_hex(3)
-        second, third = 18 + secrets.randbelow(2), secrets.randbelow(256)
-        self.subnet = ipaddress.IPv4Network(f"198.{second}.{third}.0/24")
+        second, third = 18 + secrets.randbelow(2), secrets.randbelow(240)
+        #: One /24 per subnet; ``subnet`` is the first (every host's without ``subnets``).
+        self.subnets = [ipaddress.IPv4Network(f"198.{second}.{third + k}.0/24")
+                        for k in range(count)]
+        self.subnet = self.subnets[0]
         self.bridge_netns = f"dz{self.id}-br"
+        #: The router's namespace (several subnets only).
+        self.router_netns = f"dz{self.id}-rt" if count > 1 else None
         base = {k: v for k, v in os.environ.items() if not k.startswith("DYN_")}
         self.env: dict[str, str] = {**base, **(env or {})}
         self.cwd = cwd
         self.procs: list[ChildProcess] = []
         self.hosts: dict[str, Host] = {}
+        taken = [0] * count
         for i, name in enumerate(names, start=1):
-            netns, address = f"dz{self.id}-{name}", str(self.subnet[i])
-            self.hosts[name] = Host(self, name, netns, address, f"p{i}")
+            k = on[name]
+            taken[k] += 1
+            netns, address = f"dz{self.id}-{name}", str(self.subnets[k][taken[k]])
+            self.hosts[name] = Host(self, name, netns, address, f"p{i}", k)
         self._made: list[str] = []
         self.tmp = ""
 
@@ -242,18 +269,42 @@ class Cluster:
         self.tmp = tempfile.mkdtemp(prefix=f"dz{self.id}-")
         br = self.bridge_netns
         self._add_netns(br)
-        ip("-n", br, "link", "add", _BRIDGE, "type", "bridge", "mcast_snooping", "0")
-        ip("-n", br, "link", "set", _BRIDGE, "up")
+        for k in range(len(self.subnets)):
+            ip("-n", br, "link", "add", _bridge_name(k), "type", "bridge", "mcast_snooping", "0")
+            ip("-n", br, "link", "set", _bridge_name(k), "up")
         prefix = str(self.subnet.prefixlen)
         for host in self.hosts.values():
             ns = host.netns
             self._add_netns(ns)
             ip("link", "add", HOST_IFACE, "netns", ns, "type", "veth",
                "peer", "name", host.port, "netns", br)
-            ip("-n", br, "link", "set", host.port, "master", _BRIDGE, "up")
+            ip("-n", br, "link", "set", host.port, "master", _bridge_name(host.subnet), "up")
             ip("-n", ns, "addr", "add", f"{host.address}/{prefix}", "dev", HOST_IFACE)
             ip("-n", ns, "link", "set", HOST_IFACE, "up")
             ip("-n", ns, "link", "set", "lo", "up")
+        if self.router_netns is not None:
+            self._start_router(self.router_netns)
+
+    def _start_router(self, rt: str) -> None:
+        """A router on every subnet (their ``.254``) forwarding unicast between them, and every
+        host's default route through it. Linux forwards no multicast without a multicast
+        routing daemon: mDNS stays on its subnet, as on a routed network."""
+        self._add_netns(rt)
+        ip("-n", rt, "link", "set", "lo", "up")
+        for k, net in enumerate(self.subnets):
+            ip("link", "add", f"e{k}", "netns", rt, "type", "veth",
+               "peer", "name", f"r{k}", "netns", self.bridge_netns)
+            ip("-n", self.bridge_netns, "link", "set", f"r{k}", "master", _bridge_name(k), "up")
+            ip("-n", rt, "addr", "add", f"{net[254]}/{net.prefixlen}", "dev", f"e{k}")
+            ip("-n", rt, "link", "set", f"e{k}", "up")
+        done = subprocess.run(["ip", "netns", "exec", rt, "sh", "-c",
+                               "echo 1 > /proc/sys/net/ipv4/ip_forward"],
+                              capture_output=True, text=True, timeout=30)
+        if done.returncode != 0:
+            raise ClusterError(f"cannot turn forwarding on in {rt}: {done.stderr.strip()}")
+        for host in self.hosts.values():
+            ip("-n", host.netns, "route", "add", "default", "via",
+               str(self.subnets[host.subnet][254]))
 
     def close(self) -> None:
         """Stop every process started in the cluster (by pid), kill what is left inside its

@@ -180,7 +180,7 @@ async def collect_rows(
     runtime = DistributedRuntime(config=RuntimeConfig(discovery=discovery, **(auth or {})))
     try:
         pool = await runtime.peer_pool(namespace)
-        peers = await _wait_for_peers(runtime, pool, wait, discovery.backend == "static")
+        peers = await _wait_for_peers(runtime, pool, wait, discovery.backends == ("static",))
         now = time.time()
         rows: list[dict[str, Any]] = []
         seen: set[tuple[Any, ...]] = set()

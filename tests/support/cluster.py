@@ -44,10 +44,11 @@ def require_cluster() -> None:
 
 
 @contextlib.contextmanager
-def cluster(*hosts: str) -> Iterator[Cluster]:
-    """A cluster of ``hosts``, torn down (processes by pid, namespaces by name) on exit."""
+def cluster(*hosts: str, subnets: dict[str, int] | None = None) -> Iterator[Cluster]:
+    """A cluster of ``hosts`` (``subnets``: host -> subnet index, joined by a router that
+    forwards no multicast), torn down (processes by pid, namespaces by name) on exit."""
     require_cluster()
-    with Cluster(hosts, env={"PYTHONPATH": pythonpath()}, cwd=ROOT) as built:
+    with Cluster(hosts, env={"PYTHONPATH": pythonpath()}, cwd=ROOT, subnets=subnets) as built:
         yield built
 
 
