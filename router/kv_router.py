@@ -334,7 +334,7 @@ class KvRouter:
         self, request: PreprocessedRequest, hashes: list[int], exclude: set[int],
         admit: bool = False,
     ) -> tuple[Decision, Route]:
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.thread_time()
         # A decode worker that pulls the prompt's KV from a prefill worker (disaggregation)
         # prefills nothing: cached blocks earn it no credit, it is chosen by load.
         params = request.disaggregated_params
@@ -347,13 +347,8 @@ class KvRouter:
             self._follower.diagnostics.note_routed(sel.worker_id)
         if isinstance(self.indexer, ApproxIndexer):
             self.indexer.record(sel.candidate, hashes=hashes)
-        m, model = self.metrics, self.model
-        m.decision_latency.labels(model).observe(time.perf_counter() - started)
-        m.decisions.labels(model).inc()
-        if hashes:
-            m.prompt_blocks.labels(model).inc(len(hashes))
-            m.matched_blocks.labels(model).inc(decision.overlap_blocks)
-            m.hit_rate.labels(model).observe(decision.overlap_blocks / len(hashes))
+        self.metrics.decided(self.model, time.perf_counter() - started, time.thread_time() - cpu,
+                             len(hashes), decision.overlap_blocks)
         return decision, route
 
     def _expected_output_blocks(self, request: PreprocessedRequest) -> int:

@@ -33,6 +33,11 @@ class RouterMetrics:
             "dynamo_router_decision_seconds", "Time to pick a worker (match + cost)", m,
             buckets=_LATENCY, registry=r,
         )
+        self.decision_cpu = Histogram(
+            "dynamo_router_decision_cpu_seconds",
+            "CPU time of picking a worker (this thread's; the wall time less the time spent "
+            "waiting for a core)", m, buckets=_LATENCY, registry=r,
+        )
         self.prompt_blocks = Counter(
             "dynamo_router_prompt_blocks", "Full prompt blocks of routed requests", m, registry=r
         )
@@ -140,6 +145,19 @@ class RouterMetrics:
             "Routing decisions where no candidate held any of the prompt (chosen on load alone)",
             m, registry=r,
         )
+
+    def decided(
+        self, model: str, wall: float, cpu: float, prompt_blocks: int, matched_blocks: int
+    ) -> None:
+        """One routing decision: its wall and CPU seconds, the prompt's full blocks and those
+        the chosen worker holds."""
+        self.decision_latency.labels(model).observe(wall)
+        self.decision_cpu.labels(model).observe(cpu)
+        self.decisions.labels(model).inc()
+        if prompt_blocks:
+            self.prompt_blocks.labels(model).inc(prompt_blocks)
+            self.matched_blocks.labels(model).inc(matched_blocks)
+            self.hit_rate.labels(model).observe(matched_blocks / prompt_blocks)
 
     def forget_worker(self, model: str, worker: str, ranks: int) -> None:
         """Drop the per-worker series of a worker that left."""

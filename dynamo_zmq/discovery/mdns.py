@@ -14,8 +14,10 @@ runtime's lease keep-alive) acts on it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
+import socket
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
@@ -47,6 +49,9 @@ _MAX_LABEL = 63
 _TTL = 120
 #: Budget for one TXT entry (the format allows 255 bytes per ``key=value``).
 _MAX_TXT_VALUE = 200
+#: Receive buffer of zeroconf's sockets (``_enlarge_receive_buffers``).
+_RECEIVE_BUFFER = 4 * 1024 * 1024
+_SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
 
 
 def instance_name(namespace: str, instance_id: int) -> str:
@@ -121,23 +126,26 @@ class MdnsDiscovery(Discovery):
         """Keep ``advert`` registered: announce it again after a goodbye we did not send, or
         register it when that failed before. Returns ``None`` while it is kept, else why it is
         lost (another responder claims its name, the responder stopped, registering failed)."""
-        info = self._service_info(advert)
         async with self._lock:
             key = (advert.namespace, advert.instance_id)
             if self._closed or self._aiozc is None or self._aiozc.zeroconf.done:
                 return "the mDNS responder stopped"
+            registered = self._adverts.get(key)
+            info = registered or self._unregistered.get(key)
+            if info is None:
+                return None  # not ours to keep (withdrawn)
+            # (No ServiceInfo is built here: every advert of every worker is renewed twice a
+            # second.)
             conflict = self._guard.conflict(info.name)
             if conflict is not None:
                 return conflict
             removed = self._guard.take_removed(info.name)
-            registered = self._adverts.get(key)
-            failed = self._unregistered.get(key)
-            if (registered is not None and not removed) or (registered is None and failed is None):
-                return None  # kept, or not ours to keep (withdrawn)
+            if registered is not None and not removed:
+                return None  # kept
             if registered is not None:
                 log.info("mDNS: %s was removed from the network: announcing it again", info.name)
             try:
-                await self._register_locked(key, registered or info, update=registered is not None)
+                await self._register_locked(key, info, update=registered is not None)
             except Exception as exc:
                 return f"cannot register {info.name} again: {exc!r}"
             return None
@@ -244,6 +252,7 @@ class MdnsDiscovery(Discovery):
             await aiozc.async_close()
             raise
         aiozc.zeroconf.async_add_listener(self._guard, None)
+        _enlarge_receive_buffers(aiozc.zeroconf)
         self._aiozc = aiozc
 
     def _cancel_announce(self, key: tuple[str, int]) -> None:
@@ -283,6 +292,24 @@ class MdnsDiscovery(Discovery):
             other_ttl=_TTL,
             parsed_addresses=ips,
         )
+
+
+def _enlarge_receive_buffers(zc: Any) -> None:
+    """Give zeroconf's sockets a large receive buffer. A fleet starting together announces
+    hundreds of services in seconds while a frontend's loop is busy connecting to them: with
+    the default buffer (a few hundred small datagrams) a third of them were dropped at 256
+    workers, and those peers were found only by a later query. Best effort (zeroconf's
+    internals)."""
+    try:
+        socks = {t.sock for t in (*zc.engine.readers, *zc.engine.senders)}
+    except AttributeError:
+        return
+    for sock in socks:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, _SO_RCVBUFFORCE, _RECEIVE_BUFFER)  # root
+        except OSError:
+            with contextlib.suppress(OSError):  # capped at net.core.rmem_max
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _RECEIVE_BUFFER)
 
 
 def _join_limited(names: Iterable[str], limit: int) -> str:
