@@ -113,20 +113,27 @@ def import_vllm() -> Any:
 
 
 def add_vllm_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """Add the adapter's flags, then vLLM's engine flags (when vLLM is installed)."""
+    """Add the adapter's flags, each defaulting to its ``DYN_*`` variable (``--kv-events-port``
+    -> ``DYN_KV_EVENTS_PORT``; ``--no-kv-events``: ``DYN_KV_EVENTS=0``), then vLLM's engine
+    flags (when vLLM is installed), which are vLLM's own and have no ``DYN_*`` variable."""
+    env = os.environ.get
     add = parser.add_argument
     # --native-framework-processing (alias --vllm-processing) is a worker flag: see
     # dynamo_zmq.worker; it reaches options_from_args as ``native_processing``.
-    add("--kv-events-port", type=int, default=0, help="KV-event PUB port (0 = a free one)")
-    add("--kv-replay-port", type=int, default=0,
-        help="KV-event replay ROUTER port (0 = a free one)")
-    add("--no-kv-events", action="store_true", default=False,
-        help="do not publish KV events (also keeps vLLM's --kv-events-config if given)")
-    add("--kv-event-form", choices=KV_EVENT_FORMS, default=FORM_DELTAS,
+    add("--kv-events-port", type=int, default=env("DYN_KV_EVENTS_PORT", 0),
+        help="KV-event PUB port (0 = a free one) [DYN_KV_EVENTS_PORT]")
+    add("--kv-replay-port", type=int, default=env("DYN_KV_REPLAY_PORT", 0),
+        help="KV-event replay ROUTER port (0 = a free one) [DYN_KV_REPLAY_PORT]")
+    add("--no-kv-events", action="store_true", default=env("DYN_KV_EVENTS", "1") == "0",
+        help="do not publish KV events (also keeps vLLM's --kv-events-config if given) "
+             "[DYN_KV_EVENTS=0]")
+    add("--kv-event-form", choices=KV_EVENT_FORMS, default=env("DYN_KV_EVENT_FORM", FORM_DELTAS),
         help="KV-event payloads of the relay: 'stores' (vLLM's events with the router's own block "
-             "hashes) or 'deltas', the default (only the own hashes that enter or leave each rank)")
-    add("--kv-advertise-host", default=None,
-        help="address routers use for the KV-event sockets (and decode workers for KV pulls)")
+             "hashes) or 'deltas', the default (only the own hashes that enter or leave each "
+             "rank) [DYN_KV_EVENT_FORM]")
+    add("--kv-advertise-host", default=env("DYN_KV_ADVERTISE_HOST") or None,
+        help="address routers use for the KV-event sockets (and decode workers for KV pulls) "
+             "[DYN_KV_ADVERTISE_HOST]")
     # --kv-transfer-port and --kv-transfer-ttl are worker flags (dynamo_zmq.kv_transfer); the
     # KV connector of a prefill worker binds that port and frees unpulled blocks after the TTL.
     _log_to_stderr()
