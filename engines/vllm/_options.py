@@ -25,6 +25,7 @@ __all__ = [
     "INSTALL_HINT",
     "STRUCTURED_OUTPUTS_CONFIG",
     "VllmOptions",
+    "add_adapter_args",
     "add_vllm_args",
     "engine_args_from_args",
     "import_vllm",
@@ -113,9 +114,15 @@ def import_vllm() -> Any:
 
 
 def add_vllm_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """Add the adapter's flags, each defaulting to its ``DYN_*`` variable (``--kv-events-port``
-    -> ``DYN_KV_EVENTS_PORT``; ``--no-kv-events``: ``DYN_KV_EVENTS=0``), then vLLM's engine
-    flags (when vLLM is installed), which are vLLM's own and have no ``DYN_*`` variable."""
+    """Add the adapter's flags (``add_adapter_args``), then vLLM's engine flags (when vLLM is
+    installed), which are vLLM's own, passed through unchanged, with no ``DYN_*`` variable."""
+    add_adapter_args(parser)
+    _add_engine_args(parser)
+
+
+def add_adapter_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """Add the adapter's own flags, each defaulting to its ``DYN_*`` variable
+    (``--kv-events-port`` -> ``DYN_KV_EVENTS_PORT``; ``--no-kv-events``: ``DYN_KV_EVENTS=0``)."""
     env = os.environ.get
     add = parser.add_argument
     # --native-framework-processing (alias --vllm-processing) is a worker flag: see
@@ -136,6 +143,10 @@ def add_vllm_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> 
              "[DYN_KV_ADVERTISE_HOST]")
     # --kv-transfer-port and --kv-transfer-ttl are worker flags (dynamo_zmq.kv_transfer); the
     # KV connector of a prefill worker binds that port and frees unpulled blocks after the TTL.
+
+
+def _add_engine_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """vLLM's ``AsyncEngineArgs`` flags, but those whose names the parser already has."""
     _log_to_stderr()
     try:
         from vllm.engine.arg_utils import AsyncEngineArgs
