@@ -4,8 +4,9 @@ The worker owns ``--model-path`` (vLLM's ``--model`` defaults to it), ``--model-
 ``--served-model-name`` defaults to it), ``--host``/``--port``, discovery and
 ``--native-framework-processing`` (alias ``--vllm-processing``). vLLM's
 ``AsyncEngineArgs`` flags are added next to them unchanged; a vLLM flag whose name the worker
-already uses is left out (today only ``-h/--help``), and none of vLLM's destinations clash
-with the worker's.
+already uses is left out (with vLLM 0.32: ``-h/--help`` and ``--reasoning-parser``). The
+worker's ``--reasoning-parser`` has vLLM's destination, ``reasoning_parser``, so its value
+reaches vLLM's engine args too (``engine_args_from_args``); no other destination is shared.
 """
 
 from __future__ import annotations
