@@ -140,7 +140,8 @@ def _missing_rows(cli: str) -> list[str]:
 
 @pytest.mark.parametrize("cli", sorted(CLIS))
 def test_every_flag_has_a_variable_and_a_row(cli: str) -> None:
-    assert not _missing_rows(cli), "\n".join(_missing_rows(cli))
+    problems = _missing_rows(cli)
+    assert not problems, "\n".join(problems)
 
 
 def test_every_marked_table_exists_and_every_row_is_a_flag_of_its_commands() -> None:
