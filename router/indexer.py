@@ -296,7 +296,7 @@ class KvIndexer:
             stats.unknown_removed += len(engine_hashes)
             return
         e2o, dups, shared, masks, bit = st.e2o, st.dups, st.shared, self._masks, st.bit
-        removed, settle, set_orphans = 0, self._settle_own, self._keys.set_orphans
+        removed, settle = 0, self._settle_own
         for eh in engine_hashes:
             d = dups.get(eh)
             if d is not None:
@@ -313,7 +313,7 @@ class KvIndexer:
             oh = packed & _MASK64
             children = packed >> _CHILD_SHIFT
             if children or packed & _HAS_PARENT:
-                set_orphans(st, unlink(st, eh, packed, oh, children))
+                self._keys.set_orphans(st, unlink(st, eh, packed, oh, children))
             if settle is not None:
                 settle(oh)
             s = shared.get(oh)
