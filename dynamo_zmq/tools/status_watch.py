@@ -39,7 +39,7 @@ from ..llm import LOAD_TOPIC, LoadReport, advert_of, decode_report
 from ..resources import Resources, wait_event
 from ..runtime import DistributedRuntime, RuntimeConfig
 from ..transport import AsyncSocket, PeerConnection, PeerState, make_socket, peer_key
-from .status import _rows_of
+from ._status_rows import rows_of
 
 __all__ = ["LoadFollower", "format_frame", "watch"]
 
@@ -187,7 +187,7 @@ class _Watcher:
             live.add(conn.instance_id)
             self._follow(conn)
             latest = self._loads.latest.get(conn.instance_id)
-            for row in _rows_of(conn, None, self._namespace, now):
+            for row in rows_of(conn, None, self._namespace, now):
                 if row["state"] not in ("ready", "draining"):
                     continue
                 row.update(_load_columns(latest))
