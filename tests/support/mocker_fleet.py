@@ -82,10 +82,11 @@ def start_frontend(spawn: Spawn, namespace: str, *extra: str, mode: str | None =
 async def mocker_fleet(spawn: Spawn, namespace: str, model_dir: Path | str, n: int = 2, *,
                        mode: str | None = "kv", worker_args: Sequence[str] = (),
                        frontend_args: Sequence[str] = (), speedup: str | None = "1000",
-                       model: str = "tiny", timeout: float = 30.0) -> Fleet:
+                       model: str = "tiny", env: Mapping[str, str] | None = None,
+                       timeout: float = 30.0) -> Fleet:
     """Start ``n`` mocker workers (``start_mocker`` with ``worker_args``) and a frontend
-    (``start_frontend`` with ``frontend_args``), and wait until the frontend lists all ``n``
-    for ``model``.
+    (``start_frontend`` with ``frontend_args``), all with ``env``, and wait until the frontend
+    lists all ``n`` for ``model``.
 
     Raises:
         AssertionError: the frontend did not list them all within ``timeout`` seconds.
@@ -93,7 +94,7 @@ async def mocker_fleet(spawn: Spawn, namespace: str, model_dir: Path | str, n: i
         TimeoutError: a process did not say READY in time.
     """
     workers = [start_mocker(spawn, namespace, model_dir, *worker_args, model=model,
-                            speedup=speedup) for _ in range(n)]
-    front = start_frontend(spawn, namespace, *frontend_args, mode=mode)
+                            speedup=speedup, env=env) for _ in range(n)]
+    front = start_frontend(spawn, namespace, *frontend_args, mode=mode, env=env)
     await serving(front, workers, model, timeout)
     return Fleet(front, workers)
