@@ -14,6 +14,7 @@ import urllib.request
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.support.mocker_fleet import mocker_fleet, start_frontend
 from tests.support.procs import Proc
 from tests.support.waiting import eventually
 
@@ -31,9 +32,7 @@ def worker(spawn, namespace, model, *extra: str, name: str = "tiny",
 
 
 def frontend(spawn, namespace, *extra: str) -> str:
-    proc = spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
-                 *extra, ready=False)
-    return proc.wait_ready().address
+    return start_frontend(spawn, namespace, *extra, mode=None).wait_ready().address
 
 
 def request(method: str, url: str, body: bytes | None = None) -> tuple[int, bytes]:
@@ -64,14 +63,9 @@ async def routed_instances(url: str, model: str) -> set[str]:
 async def test_clear_kv_blocks_empties_the_mocker_and_the_routers_index(
     namespace, spawn, tiny_model
 ):
-    workers = [worker(spawn, namespace, tiny_model) for _ in range(2)]
-    url = frontend(spawn, namespace, "--router-mode", "kv")
-    ids = {f"{w.instance_id:x}" for w in workers}
-
-    async def both_routed() -> bool:
-        return await routed_instances(url, "tiny") == ids
-
-    await eventually(both_routed, 30, "both workers routed")
+    fleet = await mocker_fleet(spawn, namespace, tiny_model, 2, speedup="100",
+                               worker_args=("--block-size", str(BLOCK)))
+    url, ids = fleet.url, fleet.ids
     rng = random.Random(11)
     prompt = [rng.randrange(10, 500) for _ in range(PROMPT_BLOCKS * BLOCK + 3)]
     async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client:
