@@ -12,8 +12,8 @@ import urllib.error
 import urllib.request
 
 import openai
-from prometheus_client.parser import text_string_to_metric_families
 
+from tests.support.metrics import index_blocks
 from tests.support.mocker_fleet import mocker_fleet, start_frontend
 from tests.support.procs import Proc
 from tests.support.waiting import eventually
@@ -42,17 +42,6 @@ def request(method: str, url: str, body: bytes | None = None) -> tuple[int, byte
             return resp.status, resp.read()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read()
-
-
-async def index_blocks(url: str) -> dict[str, float]:
-    """The frontend KV router's indexed blocks per worker (hex id) of model 'tiny'."""
-    _, page = await asyncio.to_thread(request, "GET", f"{url}/metrics")
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(page.decode()):
-        for s in family.samples:
-            if s.name == "dynamo_router_kv_index_blocks" and s.labels.get("model") == "tiny":
-                out[s.labels["worker"]] = out.get(s.labels["worker"], 0) + s.value
-    return out
 
 
 async def routed_instances(url: str, model: str) -> set[str]:

@@ -14,6 +14,7 @@ import urllib.request
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.http_calls import get
+from tests.support.metrics import index_blocks
 from tests.support.mocker_fleet import serving, start_frontend, start_mocker
 from tests.support.procs import Proc
 from tests.support.waiting import eventually
@@ -37,18 +38,6 @@ def complete(url: str, tokens: list[int], instance: int | None = None) -> str:
     with urllib.request.urlopen(req, timeout=30) as resp:
         assert resp.status == 200
         return str(resp.headers["x-dynamo-worker"])
-
-
-async def index_blocks(url: str) -> dict[str, float]:
-    """The KV router's indexed blocks per worker (hex id) of model 'tiny'."""
-    status, page = await asyncio.to_thread(get, f"{url}/metrics")
-    assert status == 200
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(page.decode()):
-        for s in family.samples:
-            if s.name == "dynamo_router_kv_index_blocks" and s.labels.get("model") == "tiny":
-                out[s.labels["worker"]] = out.get(s.labels["worker"], 0) + s.value
-    return out
 
 
 async def test_a_new_router_routes_prefixes_cached_before_it_started(

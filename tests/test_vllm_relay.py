@@ -26,9 +26,10 @@ import zmq
 from dynamo_zmq.llm import AllBlocksCleared, BlockStored, EventBatch, OwnBatch, OwnStored
 from router.hashing import block_hashes
 from tests.support.http_calls import get
+from tests.support.metrics import index_blocks
 from tests.support.vllm_stack import VLLM_ENV, WORKER_FLAGS, WORKER_START
 from tests.support.waiting import eventually, serving
-from tests.test_router_warm_restart import complete, index_blocks
+from tests.test_router_warm_restart import complete
 
 SNAPSHOT_SEQ = 0xFFFFFFFFFFFFFFFE
 END_SEQ = b"\xff" * 8
