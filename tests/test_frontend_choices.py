@@ -25,7 +25,7 @@ from engines.mocker._sequence import sequence_seed
 from tests.support.engines import token_logprob
 from tests.support.http_calls import get
 from tests.support.metrics import sample
-from tests.support.procs import Proc
+from tests.support.procs import Proc, system_port
 from tests.test_frontend import wait_models
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(300)]
@@ -296,8 +296,7 @@ async def test_disconnect_mid_stream_stops_every_sub_request(stack, client):
     conn = http.client.HTTPConnection(host, int(port), timeout=10)
     body = json.dumps({"model": "echo", "prompt": "word " * 50, "max_tokens": 2000, "n": 3,
                        "stream": True})
-    mport = int(next(line.split()[-1] for line in proc.logs().splitlines()
-                     if "metrics and health on port" in line))
+    mport = system_port(proc)
     _, page = await asyncio.to_thread(get, f"http://127.0.0.1:{mport}/metrics")
     before = sample(page.decode(), "dynamo_component_cancellation_total", model="echo") or 0
     await asyncio.to_thread(conn.request, "POST", "/v1/completions", body,

@@ -20,7 +20,7 @@ from tests.support import waiting
 from tests.support.http_calls import get
 from tests.support.metrics import sample
 from tests.support.mocker_fleet import Fleet, mocker_fleet, start_frontend, start_mocker
-from tests.support.procs import Proc
+from tests.support.procs import Proc, system_port
 
 #: About 29 ms a token (the mocker's decode step at speedup 0.2): a stream of LONG tokens lasts
 #: a few seconds, so a worker can be lost in its middle.
@@ -55,9 +55,7 @@ async def metrics_page(url: str) -> str:
 
 
 def metrics_url(proc: Proc) -> str:
-    port = int(next(line.split()[-1] for line in proc.logs().splitlines()
-                    if "metrics and health on port" in line))
-    return f"http://127.0.0.1:{port}"
+    return f"http://127.0.0.1:{system_port(proc)}"
 
 
 def serving(workers: list[Proc], header: str) -> Proc:

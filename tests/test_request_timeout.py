@@ -16,7 +16,7 @@ import pytest
 from tests.support.http_calls import get
 from tests.support.metrics import sample
 from tests.support.mocker_fleet import Fleet, mocker_fleet
-from tests.support.procs import Proc
+from tests.support.procs import Proc, system_port
 
 SLOW = "0.1"
 MESSAGES = [{"role": "user", "content": "Tell me a long story"}]
@@ -37,8 +37,7 @@ def client_for(url: str) -> openai.AsyncOpenAI:
 
 async def worker_saw_the_stop(proc: Proc) -> None:
     """The worker counted a cancellation (its context was stopped) and holds no request."""
-    port = int(next(line.split()[-1] for line in proc.logs().splitlines()
-                    if "metrics and health on port" in line))
+    port = system_port(proc)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 15
     while True:
