@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from tests.support.http_calls import get, post
 from tests.support.metrics import sample
-from tests.support.procs import Proc
+from tests.support.procs import Proc, system_port
 
 ECHO = "tests.support.engines:EchoEngine"
 
@@ -215,11 +215,7 @@ async def test_client_disconnect_stops_the_engine(namespace, spawn, tiny_model):
     assert resp.readline().startswith(b"data: ")
     conn.sock.close()  # the client goes away mid-stream
     conn.close()
-    mport = int(next(
-        line.split()[-1]
-        for line in proc.logs().splitlines()
-        if "metrics and health on port" in line
-    ))
+    mport = system_port(proc)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 10
     while True:
@@ -255,8 +251,7 @@ async def test_a_disconnect_ends_a_document_style_handler_as_a_cancellation(
     assert resp.readline().startswith(b"data: ")
     conn.sock.close()
     conn.close()
-    mport = int(next(line.split()[-1] for line in proc.logs().splitlines()
-                     if "metrics and health on port" in line))
+    mport = system_port(proc)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 10
     while True:
