@@ -25,7 +25,7 @@ from tokenizers import Tokenizer
 from tests.support.http_calls import get, post
 from tests.support.metrics import sample
 from tests.support.procs import Proc, system_port
-from tests.test_frontend import wait_models
+from tests.support.waiting import wait_models
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module")]
 

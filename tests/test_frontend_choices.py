@@ -26,7 +26,7 @@ from tests.support.engines import token_logprob
 from tests.support.http_calls import get
 from tests.support.metrics import sample
 from tests.support.procs import Proc, system_port
-from tests.test_frontend import wait_models
+from tests.support.waiting import wait_models
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(300)]
 

@@ -1,5 +1,5 @@
-"""Waits for tests: a condition on a client's view of the cluster, any async check, and a
-frontend that serves every worker it was started with."""
+"""Waits for tests: a condition on a client's view of the cluster, any async check, a frontend
+that lists some models, and a frontend that serves every worker it was started with."""
 
 from __future__ import annotations
 
@@ -35,6 +35,19 @@ async def eventually(check: Callable[[], Awaitable[T]], timeout: float = 15.0,
         assert loop.time() < deadline, f"{what} not reached in {timeout}s"
         await asyncio.sleep(interval)
     return value
+
+
+async def wait_models(url: str, names: set[str], timeout: float = 30.0) -> None:
+    """Wait until the frontend at ``url`` lists every model of ``names`` on ``/v1/models``;
+    fails the test (with the last answer) after ``timeout`` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        status, body = await asyncio.to_thread(get, f"{url}/v1/models")
+        if status == 200 and names <= {m["id"] for m in json.loads(body)["data"]}:
+            return
+        assert loop.time() < deadline, f"models {names} not listed: {body!r}"
+        await asyncio.sleep(0.1)
 
 
 async def serving(front: Any, workers: Sequence[Any], model: str = "tiny",
