@@ -28,7 +28,7 @@ from dynamo_zmq.llm import BlockStored
 from engines.mocker._hashing import chain_hashes
 from router.events import decode_batch
 from tests.support.metrics import sample
-from tests.support.procs import ROOT, Proc
+from tests.support.procs import ROOT, Proc, system_port
 
 BLOCK = 16
 _rng = random.Random(17)
@@ -79,8 +79,7 @@ def tokens(chunks: list[dict]) -> list[int]:
 
 
 def metrics(proc: Proc) -> str:
-    port = next(line.split()[-1] for line in proc.logs().splitlines()
-                if "metrics and health on port" in line)
+    port = system_port(proc)
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
         return resp.read().decode()
 
