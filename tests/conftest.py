@@ -23,6 +23,22 @@ from tests.support.procs import Proc
 _FIRST = ("test_vllm", "test_chaos", "test_fleet", "test_slurm", "test_cluster")
 
 
+def _utf8(text: str) -> str:
+    """``text`` with lone surrogates (bytes decoded with ``surrogateescape``) escaped."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """Captured output must be valid UTF-8 for pytest-xdist to send a report to the main
+    process (one that is not ends the whole worker: ``DumpError``); escape what is not."""
+    outcome = yield
+    report = outcome.get_result()
+    report.sections = [(title, _utf8(text)) for title, text in report.sections]
+    if isinstance(report.longrepr, str):
+        report.longrepr = _utf8(report.longrepr)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Group the tests for pytest-xdist's ``--dist loadgroup``: a module's tests run on one
     worker (module-scoped fixtures, such as a vLLM worker, start once), the modules that share
