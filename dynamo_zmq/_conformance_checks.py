@@ -345,7 +345,8 @@ async def check_cancel(
                 await asyncio.wait({drainer}, timeout=_GRACE)
             if drainer is None or drainer.done():
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(stream.aclose(), _GRACE)
+                    async with asyncio.timeout(_GRACE):
+                        await stream.aclose()
             if drainer is not None and drainer.done() and not drainer.cancelled():
                 drainer.exception()
 

@@ -49,7 +49,7 @@ __all__ = [
 
 #: Bumped when the request-plane wire format changes incompatibly; peers of another version are
 #: never routed to.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class Kind:

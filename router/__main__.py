@@ -137,13 +137,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--namespace", default=env("DYN_NAMESPACE", "dynamo"), help="[DYN_NAMESPACE]"
     )
     parser.add_argument(
-        "--component", default="router", help="component of the best_worker endpoint"
+        "--component", default=env("DYN_COMPONENT", "router"),
+        help="component of the best_worker endpoint [DYN_COMPONENT]",
     )
     add_kv_router_args(parser)
-    parser.add_argument("--wait-for-workers", type=int, default=0, metavar="N",
-                        help="serve only once N worker instances are followed (default 0: at once)")
-    parser.add_argument("--metrics-port", type=int, default=None,
-                        help="serve /metrics, /health and /live on this port (0 = any)")
+    parser.add_argument(
+        "--wait-for-workers", type=int, default=env("DYN_WAIT_FOR_WORKERS", "0"), metavar="N",
+        help="serve only once N worker instances are followed (default 0: at once) "
+             "[DYN_WAIT_FOR_WORKERS]",
+    )
+    parser.add_argument(
+        "--metrics-port", type=int, default=env("DYN_METRICS_PORT") or None,
+        help="serve /metrics, /health and /live on this port (0 = any; default off) "
+             "[DYN_METRICS_PORT]",
+    )
     add_runtime_args(parser)
     return parser
 

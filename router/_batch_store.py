@@ -8,36 +8,43 @@ by the key, or stored by an earlier event of the batch, or the event is a root; 
 engine hashes and own hashes are all distinct, new to the key (and not parents of its orphans),
 and fit under the cap. Then applying them together gives the same index, in the same insertion
 order, as applying them one by one; otherwise nothing is touched and the caller applies them
-one by one.
+one by one. It works on what ``PackedKvIndexer`` hands it: the index's ``IndexCore``, its
+packed masks and the key's state.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import numpy as np
 
 from ._e2o import E2OTable
-from ._masks import as_u64
+from ._index_core import IndexCore
+from ._keystate import KeyState
+from ._masks import MaskMap, as_u64
 from .events import BlockStored, KvEvent
-from .matching import WorkerKey
-
-if TYPE_CHECKING:
-    from ._packed_indexer import PackedKvIndexer
 
 __all__ = ["store_batch"]
 
 
-def store_batch(index: PackedKvIndexer, key: WorkerKey, events: list[KvEvent]) -> bool:
-    """Apply ``events`` (all ``BlockStored``) together if allowed (module docstring).
+def store_batch(core: IndexCore, masks: MaskMap, st: KeyState, block_size: int,
+                events: list[KvEvent]) -> bool:
+    """Apply ``events`` (all ``BlockStored``) of the key ``st`` together if allowed (module
+    docstring).
+
+    Args:
+        core: the index's shared state.
+        masks: the index's packed masks (``core.masks``).
+        st: the state of the events' key.
+        block_size: the index's block size.
+        events: the batch's events.
 
     Returns:
         Whether they were applied; False leaves the index untouched.
     """
-    st = index._state.get(key) or index._add_key(key)  # as apply_stored does
-    if st.delta or not index._packed_masks.narrow(st.bit):
+    if st.delta or not masks.narrow(st.bit):
         return False
-    e2o, bs = cast(E2OTable, st.e2o), index.block_size
+    e2o, bs = cast(E2OTable, st.e2o), block_size
     ehs: list[int] = []
     owns: list[int] = []
     parents: list[int] = []
@@ -69,7 +76,7 @@ def store_batch(index: PackedKvIndexer, key: WorkerKey, events: list[KvEvent]) -
         lows += low
     total = len(ehs)
     seen = set(ehs)
-    if (index._total + total > index.max_blocks or len(seen) != total
+    if (core.total + total > core.max_blocks or len(seen) != total
             or len(set(owns)) != total or not seen.isdisjoint(linked)
             or (st.orphan_parents and not st.orphan_parents.keys().isdisjoint(seen))):
         return False
@@ -86,7 +93,7 @@ def store_batch(index: PackedKvIndexer, key: WorkerKey, events: list[KvEvent]) -
         return False
     if (e2o.find_many(ehs_np) >= 0).any():
         return False
-    masks, bit = index._packed_masks, np.uint64(st.bit)
+    bit = np.uint64(st.bit)
     held = masks.get_many(owns_np)
     if (held & bit).any():
         return False
@@ -94,6 +101,6 @@ def store_batch(index: PackedKvIndexer, key: WorkerKey, events: list[KvEvent]) -
         e2o.add_children(p, 1)
     e2o.insert_many(ehs_np, owns_np, as_u64(parents), as_u64(lows))
     masks.put_many(owns_np, held | bit)
-    index._total += total
-    index._stats.stored_blocks += total
+    core.total += total
+    core.stats.stored_blocks += total
     return True

@@ -85,13 +85,15 @@ class KeyState:
 
 
 class KeyTable:
-    """The index's keys: each key's ``KeyState`` and, for each bit in use, its key."""
+    """The index's keys: each key's ``KeyState``, for each bit in use its key, and ``dirty``, the
+    bits of the keys with orphans (or poisoned), which lookups scan exactly."""
 
-    __slots__ = ("_free_bits", "_next_bit", "bit_keys", "states")
+    __slots__ = ("_free_bits", "_next_bit", "bit_keys", "dirty", "states")
 
     def __init__(self) -> None:
         self.states: dict[WorkerKey, KeyState] = {}
         self.bit_keys: dict[int, WorkerKey] = {}  # bit value -> key
+        self.dirty = 0
         self._free_bits: list[int] = []  # bit positions released by drop()
         self._next_bit = 0
 
@@ -115,6 +117,15 @@ class KeyTable:
         del self.bit_keys[st.bit]
         self._free_bits.append(st.bit.bit_length() - 1)
         return st
+
+    def set_orphans(self, st: KeyState, orphans: int) -> None:
+        """Record the orphan count of ``st``; its bit is dirty while it has orphans or is
+        poisoned."""
+        st.orphans = orphans
+        if orphans > 0 or st.poisoned:
+            self.dirty |= st.bit
+        else:
+            self.dirty &= ~st.bit
 
 
 def unlink(st: KeyState, eh: int, packed: int, oh: int, children: int) -> int:

@@ -29,10 +29,8 @@ from typing import Any, cast
 import xxhash
 
 from ._batch_store import store_batch
-from ._delta_store import clear_delta
 from ._e2o import FRONT_MAX as E2O_FRONT_MAX
 from ._e2o import E2OTable
-from ._evict import evict_oldest
 from ._keystate import HAS_PARENT, KeyState, chain_entries
 from ._masks import MaskMap
 from .events import EventBatch, OwnBatch
@@ -66,7 +64,8 @@ class PackedKvIndexer(KvIndexer):
     def __init__(self, block_size: int, max_blocks: int = DEFAULT_MAX_BLOCKS, *,
                  evict_oldest: bool = False) -> None:
         super().__init__(block_size, max_blocks, evict_oldest=evict_oldest)
-        self._masks = cast(dict[int, int], MaskMap())  # the dict API KvIndexer's code reads
+        # The dict API KvIndexer's code (and its helpers, through the core) reads.
+        self._masks = self._core.masks = cast(dict[int, int], MaskMap())
         self._packed_masks = cast(MaskMap, self._masks)
         self._packed_masks.on_dup = self._settle_dups
         self._settle_own = self._packed_masks.settle  # a removal reads exact twin counts
@@ -87,7 +86,7 @@ class PackedKvIndexer(KvIndexer):
                 st.shared[own] = st.shared.get(own, 0) + 1
                 continue
             st.count -= 1
-            self._total -= 1
+            self._core.total -= 1
             stats.stored_blocks -= 1
             stats.duplicate_stores += 1
 
@@ -110,9 +109,11 @@ class PackedKvIndexer(KvIndexer):
 
     def apply_batch(self, worker_id: int, batch: EventBatch | OwnBatch) -> None:
         """``KvIndexer.apply_batch``; a batch of independent edge-hashed stores at once."""
-        if type(batch) is EventBatch and len(batch.events) > 1 and store_batch(
-                self, (worker_id, batch.dp_rank or 0), batch.events):
-            return
+        if type(batch) is EventBatch and len(batch.events) > 1:
+            key = (worker_id, batch.dp_rank or 0)
+            st = self._state.get(key) or self._add_key(key)  # as apply_stored does
+            if store_batch(self._core, self._packed_masks, st, self.block_size, batch.events):
+                return
         super().apply_batch(worker_id, batch)
 
     def apply_stored(self, key: WorkerKey, engine_hashes: list[int],
@@ -122,7 +123,7 @@ class PackedKvIndexer(KvIndexer):
                      own_hashes: list[int] | None = None) -> None:
         """``KvIndexer.apply_stored`` on the packed tables (same arguments, same index).
         """
-        stats = self._stats
+        stats, core = self._stats, self._core
         st = self._state.get(key) or self._add_key(key)
         if st.delta:
             self._clear(key)
@@ -143,14 +144,14 @@ class PackedKvIndexer(KvIndexer):
             if seed < 0:
                 stats.unknown_parent += 1
                 return
-        if self._total + n > self.max_blocks:
+        if core.total + n > core.max_blocks:
             self._packed_masks.merge()  # exact counts before the cap's arithmetic
-        if self._total + n > self.max_blocks and self.evict_oldest:
-            evict_oldest(self, key, self._total + n - self.max_blocks, parent_engine_hash,
-                         engine_hashes)
+        if core.total + n > core.max_blocks and core.evict_oldest:
+            self._evictor.evict(key, core.total + n - core.max_blocks, parent_engine_hash,
+                                engine_hashes)
         if n == 1 and (own_hashes is not None or extra_keys is None or extra_keys == _NO_EXTRA):
             eh = engine_hashes[0]
-            if eh not in e2o and self._total < self.max_blocks and eh not in st.orphan_parents:
+            if eh not in e2o and core.total < core.max_blocks and eh not in st.orphan_parents:
                 # Fast path for one-block events (most of vLLM's during decode).
                 try:
                     oh = (own_hashes[0] if own_hashes is not None
@@ -163,7 +164,7 @@ class PackedKvIndexer(KvIndexer):
                 else:
                     e2o.put_new(eh, oh | parent_engine_hash << 64 | HAS_PARENT)
                     e2o.add_children(parent_engine_hash, 1)
-                self._total += 1
+                core.total += 1
                 stats.stored_blocks += 1
                 if st.bit >> 64 == 0:  # through the masks' front, as below
                     if not self._packed_masks.add_one(st.bit, oh):
@@ -196,7 +197,7 @@ class PackedKvIndexer(KvIndexer):
         except OverflowError:
             stats.bad_tokens += 1
             return
-        if (held or self._total + n > self.max_blocks or bit >> 64
+        if (held or core.total + n > core.max_blocks or bit >> 64
                 or (st.orphan_parents and not st.orphan_parents.keys().isdisjoint(engine_hashes))
                 or len(set(owns)) != n
                 or (not front.keys().isdisjoint(owns)
@@ -210,7 +211,7 @@ class PackedKvIndexer(KvIndexer):
         if parent_engine_hash is not None:
             e2o.add_children(parent_engine_hash, 1)
         masks.add_bit(bit, owns)
-        self._total += n
+        core.total += n
         stats.stored_blocks += n
 
     def _clear(self, key: WorkerKey) -> None:
@@ -218,12 +219,12 @@ class PackedKvIndexer(KvIndexer):
         if st is None:
             return
         if st.delta:
-            return clear_delta(self, st)
+            return self._deltas.clear(st)
         e2o = cast(E2OTable, st.e2o)
         self._packed_masks.drop_bit(set(e2o.owns().tolist()), st.bit)
-        self._total -= len(e2o)
+        self._core.total -= len(e2o)
         st.poisoned = False
-        self._set_orphans(st, 0)
+        self._keys.set_orphans(st, 0)
         st.e2o = cast(dict[int, int], E2OTable(self.e2o_front_max))
         st.dups, st.shared, st.orphan_parents = {}, {}, {}
 
@@ -234,17 +235,18 @@ class PackedKvIndexer(KvIndexer):
         if not first:
             return {}
         view = cast(dict[int, int], _Getter(masks))
-        if first & self._dirty:  # a key holding the first block has orphans: scan exactly
+        if first & self._keys.dirty:  # a key holding the first block has orphans: scan exactly
             return linear_matches(view, self._bit_keys, own_hashes)
         return prefix_matches(view, self._bit_keys, own_hashes, first)
 
     def bytes_per_block(self) -> float:
         """Bytes of index memory per (key, engine block) entry: the tables' columns plus the
         small per-key dicts; 0.0 when empty."""
-        if not self._total:
+        total = self._core.total
+        if not total:
             return 0.0
         size = self._packed_masks.nbytes()
         for st in self._state.values():
             size += cast(E2OTable, st.e2o).nbytes()
             size += sum(map(sys.getsizeof, (st.dups, st.shared, st.orphan_parents)))
-        return size / self._total
+        return size / total

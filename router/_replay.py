@@ -50,8 +50,9 @@ async def fetch_replay(sock: AsyncSocket, worker_id: int, start: int, timeout: f
             if remaining <= 0:
                 log.warning("worker %x: KV replay from %d timed out", worker_id, start)
                 return None
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(sock.wait_readable(), remaining)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(remaining):
+                    await sock.wait_readable()
             continue
         if len(frames) != 4 or frames[0] != b"" or len(frames[2]) != 8:
             raise MalformedReplay(len(frames))

@@ -21,6 +21,7 @@ answers as of its latest event) and is refused.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from dynamo_zmq.resources import Resources
@@ -151,6 +152,30 @@ class Peer:
         self.asked_seq: int | None = None  # the last event heard then
         self.freed: dict[int, int] = {}  # request id -> seq of its FREE
         self.prefilled: dict[int, int] = {}  # request id -> seq of its PREFILLED
+        #: Requests (from an ADD or a snapshot) on a worker this router has not found yet: a
+        #: peer can know a worker first. id -> (entry, seq, when heard); counted once the
+        #: worker is known (``take_known``), dropped on their FREE or past the TTL.
+        self.waiting: dict[int, tuple[Entry, int, float]] = {}
+
+    def wait(self, rid: int, entry: Entry, seq: int, now: float) -> None:
+        """Hold ``rid`` until its worker is known."""
+        self.waiting[rid] = (entry, seq, now)
+
+    def take_known(self, known: Callable[[int], bool]) -> list[tuple[int, Entry, int]]:
+        """Take out the waiting requests whose worker is ``known`` now: (id, entry, seq)."""
+        ready = [rid for rid, (entry, _, _) in self.waiting.items() if known(entry[0])]
+        return [(rid, *self.waiting.pop(rid)[:2]) for rid in ready]
+
+    def ended(self, rid: int) -> None:
+        """``rid``'s FREE: it no longer waits for its worker."""
+        self.waiting.pop(rid, None)
+
+    def prefill_done(self, rid: int) -> None:
+        """``rid``'s PREFILLED while it waits for its worker: it counts no prefill tokens."""
+        held = self.waiting.get(rid)
+        if held is not None:
+            entry, seq, at = held
+            self.waiting[rid] = ((*entry[:4], 0), seq, at)
 
     def ask(self, now: float) -> None:
         """A snapshot is asked for now."""
@@ -164,6 +189,8 @@ class Peer:
 
     def expire(self, horizon: float) -> list[PeerRequest]:
         """Take out and return the requests counted before ``horizon`` (the TTL's)."""
+        for rid in [rid for rid, (_, _, at) in self.waiting.items() if at < horizon]:
+            del self.waiting[rid]
         old = [rid for rid, req in self.requests.items() if req.at < horizon]
         return [self.requests.pop(rid) for rid in old]
 
@@ -186,6 +213,9 @@ class Peer:
         gone = [rid for rid, req in self.requests.items()
                 if req.seq <= snap.seq and rid not in snap.requests]
         released = [self.requests.pop(rid) for rid in gone]
+        for rid in [rid for rid, (_, seq, _) in self.waiting.items()
+                    if seq <= snap.seq and rid not in snap.requests]:
+            del self.waiting[rid]
         prefilled: list[PeerRequest] = []
         new: dict[int, Entry] = {}
         for rid, entry in snap.requests.items():

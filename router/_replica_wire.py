@@ -14,6 +14,7 @@ import array
 import sys
 
 import msgspec
+import xxhash
 
 __all__ = [
     "ADD",
@@ -27,6 +28,7 @@ __all__ = [
     "decode_event",
     "encode_event",
     "pack_hashes",
+    "replica_path",
     "unpack_hashes",
 ]
 
@@ -108,3 +110,10 @@ def unpack_hashes(data: bytes) -> list[int]:
     if not _LITTLE:  # pragma: no cover - big-endian hosts only
         arr.byteswap()
     return arr.tolist()
+
+
+def replica_path(client_path: str, model: str) -> str:
+    """The endpoint the replicas of ``model``'s router on ``client_path`` advertise."""
+    path = client_path.removeprefix("dyn://")
+    key = xxhash.xxh3_64_hexdigest(f"{path}|{model}".encode())
+    return f"{path.split('.')[0]}.kv-router.replica-{key}"

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 from dynamo_zmq import errors
 from dynamo_zmq.context import Context
+from dynamo_zmq.resources import wait_event
 
 from .metrics import RouterMetrics
 from .scheduler import Candidate, LoadTracker
@@ -159,10 +160,7 @@ class AdmissionQueue:
                         retry_after=self.max_wait,
                     )
                 me.event.clear()
-                try:
-                    await asyncio.wait_for(me.event.wait(), min(POLL, left))
-                except TimeoutError:
-                    pass
+                await wait_event(me.event, min(POLL, left))
         finally:
             if remove is not None:
                 remove()

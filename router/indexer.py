@@ -19,21 +19,24 @@ block size, misaligned tokens, an unknown parent or a conflicting re-store is ig
 counted, and stores past ``max_blocks`` are refused or, with ``evict_oldest``, evict the oldest
 blocks (``router._evict``). docs/architecture.md ("The KV index's rules") lists each case.
 Memory: ``bytes_per_block()`` computes the live figure (``router._index_stats``).
+
+The indexer owns an ``IndexCore`` (``router._index_core``: the masks, the keys, the counters)
+and the helpers it hands it to: a ``DeltaStore`` (``router._delta_store``) and an ``Evictor``.
 """
 
 from __future__ import annotations
 
 import array
 import itertools
-import logging
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import xxhash
 
-from ._delta_store import apply_own_batch, clear_delta
-from ._evict import evict_oldest
+from ._delta_store import DeltaStore
+from ._evict import Evictor
+from ._index_core import IndexCore
 from ._index_stats import IndexerStats as IndexerStats
 from ._index_stats import bytes_per_block
 from ._keystate import CHILD as _CHILD
@@ -47,8 +50,6 @@ from .matching import WorkerKey as WorkerKey
 from .matching import linear_matches, prefix_matches
 
 __all__ = ["DEFAULT_MAX_BLOCKS", "IndexerStats", "KvIndexer", "WorkerKey"]
-
-log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BLOCKS = 10_000_000
 
@@ -79,20 +80,28 @@ class KvIndexer:
         if max_blocks <= 0:
             raise ValueError(f"max_blocks must be positive, got {max_blocks}")
         self.block_size = block_size
-        self.max_blocks = max_blocks
-        self.evict_oldest = evict_oldest
-        self._stats = IndexerStats()
-        self._masks: dict[int, int] = {}
-        self._dirty = 0  # bits of the keys with orphans (or poisoned)
-        self._keys = KeyTable()
-        # The table's own dicts (never rebound), read directly on the hot paths.
+        self._core = core = IndexCore(max_blocks, evict_oldest)
+        # The core's containers (never rebound), read directly on the hot paths.
+        self._stats = core.stats
+        self._masks = core.masks
+        self._keys: KeyTable = core.keys
         self._state: dict[WorkerKey, KeyState] = self._keys.states
         self._bit_keys: dict[int, WorkerKey] = self._keys.bit_keys
-        self._total = 0
-        self._warned_full = False
+        self._evictor = Evictor(core, self.apply_removed)
+        self._deltas = DeltaStore(core, self._add_key, self._clear, self._evictor.evict)
         #: Called with an own hash before a removal reads its ``shared`` count (a layout that
         #: counts twins late settles it: ``PackedKvIndexer``).
         self._settle_own: Callable[[int], None] | None = None
+
+    @property
+    def max_blocks(self) -> int:
+        """The bound on (key, engine hash) entries (fixed at construction)."""
+        return self._core.max_blocks
+
+    @property
+    def evict_oldest(self) -> bool:
+        """Whether stores past ``max_blocks`` evict the oldest blocks (fixed at construction)."""
+        return self._core.evict_oldest
 
     @property
     def stats(self) -> IndexerStats:
@@ -110,7 +119,7 @@ class KvIndexer:
         """Distinct engine blocks held by ``key``, or the sum over all keys (what ``max_blocks``
         bounds). Duplicate stores of one engine hash count once."""
         if key is None:
-            return self._total
+            return self._core.total
         st = self._state.get(key)
         return 0 if st is None else len(st.e2o) + st.count
 
@@ -125,7 +134,7 @@ class KvIndexer:
         ``OwnBatch`` (own-hash deltas) goes to ``router._delta_store``."""
         key = (worker_id, batch.dp_rank or 0)
         if type(batch) is OwnBatch:
-            return apply_own_batch(self, key, batch)
+            return self._deltas.apply(key, batch)
         for ev in batch.events:
             if isinstance(ev, BlockStored):
                 lora = ev.lora_name if ev.lora_name is not None else ev.lora_id
@@ -154,7 +163,7 @@ class KvIndexer:
             extra_keys: per block, the engine's extra hash inputs or ``None``.
             own_hashes: per block, the router's hash from an edge-hashing worker; tokens unread.
         """
-        stats = self._stats
+        stats, core = self._stats, self._core
         st = self._state.get(key) or self._keys.add(key)
         if st.delta:
             self._clear(key)
@@ -176,12 +185,12 @@ class KvIndexer:
                 stats.unknown_parent += 1
                 return
             seed = packed & _MASK64
-        if self._total + n > self.max_blocks and self.evict_oldest:
-            evict_oldest(self, key, self._total + n - self.max_blocks, parent_engine_hash,
-                         engine_hashes)
+        if core.total + n > core.max_blocks and core.evict_oldest:
+            self._evictor.evict(key, core.total + n - core.max_blocks, parent_engine_hash,
+                                engine_hashes)
         if n == 1 and (own_hashes is not None or extra_keys is None or extra_keys == _NO_EXTRA):
             eh = engine_hashes[0]
-            if eh not in e2o and self._total < self.max_blocks and eh not in st.orphan_parents:
+            if eh not in e2o and core.total < core.max_blocks and eh not in st.orphan_parents:
                 # Fast path for one-block events (most of vLLM's during decode).
                 try:
                     oh = (own_hashes[0] if own_hashes is not None
@@ -194,7 +203,7 @@ class KvIndexer:
                 else:
                     e2o[eh] = oh | parent_engine_hash << 64 | _HAS_PARENT
                     e2o[parent_engine_hash] += _CHILD
-                self._total += 1
+                core.total += 1
                 stats.stored_blocks += 1
                 masks, bit = self._masks, st.bit
                 m = masks.get(oh, 0)
@@ -215,7 +224,7 @@ class KvIndexer:
         # Common case, mostly in C: engine hashes new to this key (and not parents of its
         # orphans), own hashes it does not hold yet.
         masks, bit = self._masks, st.bit
-        if (self._total + n > self.max_blocks or not e2o.keys().isdisjoint(engine_hashes)
+        if (core.total + n > core.max_blocks or not e2o.keys().isdisjoint(engine_hashes)
                 or (st.orphan_parents and not st.orphan_parents.keys().isdisjoint(engine_hashes))):
             self._store_each(st, engine_hashes, owns, parent_engine_hash)
             return
@@ -239,14 +248,14 @@ class KvIndexer:
             masks.update(zip(owns, itertools.repeat(bit, n), strict=True))
         else:
             masks.update(zip(owns, map(_or, held, itertools.repeat(bit, n)), strict=True))
-        self._total += n
+        core.total += n
         stats.stored_blocks += n
 
     def _store_each(self, st: KeyState, engine_hashes: list[int], owns: list[int],
                     parent: int | None) -> None:
         """Block-by-block store: duplicates, conflicts, re-stored parents, the capacity bound."""
-        stats, e2o, masks, bit = self._stats, st.e2o, self._masks, st.bit
-        room = self.max_blocks - self._total
+        stats, e2o, masks, bit, core = self._stats, st.e2o, self._masks, st.bit, self._core
+        room = core.max_blocks - core.total
         added = 0
         for eh, oh in zip(engine_hashes, owns, strict=True):
             prev, parent = parent, eh
@@ -259,7 +268,7 @@ class KvIndexer:
                     break  # the rest chains from content this key does not hold
                 continue
             if added >= room:
-                self._refuse(1)
+                core.refuse(1)
                 continue
             added += 1
             if prev is None:
@@ -269,28 +278,15 @@ class KvIndexer:
                 e2o[prev] += _CHILD
             if st.orphan_parents and eh in st.orphan_parents:  # stored again under its children
                 packed = relink(st, eh, oh, packed)
-                self._set_orphans(st, st.orphans)
+                self._keys.set_orphans(st, st.orphans)
             e2o[eh] = packed
             m = masks.get(oh, 0)
             if m & bit:
                 st.shared[oh] = st.shared.get(oh, 0) + 1
             else:
                 masks[oh] = m | bit if m else bit
-        self._total += added
+        core.total += added
         stats.stored_blocks += added
-
-    def _set_orphans(self, st: KeyState, orphans: int) -> None:
-        st.orphans = orphans
-        if orphans > 0 or st.poisoned:
-            self._dirty |= st.bit
-        else:
-            self._dirty &= ~st.bit
-
-    def _refuse(self, n: int) -> None:
-        self._stats.refused += n
-        if not self._warned_full:
-            self._warned_full = True
-            log.warning("KV index full (%d blocks); refusing new stores", self.max_blocks)
 
     def apply_removed(self, key: WorkerKey, engine_hashes: list[int]) -> None:
         """Drop one reference per engine hash; a block leaves the key with its last reference."""
@@ -317,7 +313,7 @@ class KvIndexer:
             oh = packed & _MASK64
             children = packed >> _CHILD_SHIFT
             if children or packed & _HAS_PARENT:
-                self._set_orphans(st, unlink(st, eh, packed, oh, children))
+                self._keys.set_orphans(st, unlink(st, eh, packed, oh, children))
             if settle is not None:
                 settle(oh)
             s = shared.get(oh)
@@ -332,7 +328,7 @@ class KvIndexer:
                 masks[oh] = m
             else:
                 del masks[oh]
-        self._total -= removed
+        self._core.total -= removed
         stats.removed_blocks += removed
 
     def clear(self, key: WorkerKey) -> None:
@@ -345,7 +341,7 @@ class KvIndexer:
         if st is None:
             return
         if st.delta:
-            return clear_delta(self, st)
+            return self._deltas.clear(st)
         masks, keep = self._masks, ~st.bit
         for oh in {packed & _MASK64 for packed in st.e2o.values()}:
             m = masks.get(oh)
@@ -356,9 +352,9 @@ class KvIndexer:
                 masks[oh] = m
             else:
                 del masks[oh]
-        self._total -= len(st.e2o)
+        self._core.total -= len(st.e2o)
         st.poisoned = False
-        self._set_orphans(st, 0)
+        self._keys.set_orphans(st, 0)
         st.e2o, st.dups, st.shared, st.orphan_parents = {}, {}, {}, {}
 
     def _add_key(self, key: WorkerKey) -> KeyState:
@@ -385,7 +381,7 @@ class KvIndexer:
         first = self._masks.get(own_hashes[0], 0) if own_hashes else 0
         if not first:
             return {}
-        if first & self._dirty:  # a key holding the first block has orphans: scan exactly
+        if first & self._keys.dirty:  # a key holding the first block has orphans: scan exactly
             return linear_matches(self._masks, self._bit_keys, own_hashes)
         return prefix_matches(self._masks, self._bit_keys, own_hashes, first)
 
@@ -395,4 +391,4 @@ class KvIndexer:
         """Bytes of index memory per (key, engine block) entry, computed from the live containers
         (``router._index_stats.bytes_per_block``); 0.0 when empty. scripts/bench_indexer.py
         checks it against tracemalloc."""
-        return bytes_per_block(self._masks, self._state.values(), self._total)
+        return bytes_per_block(self._masks, self._state.values(), self._core.total)

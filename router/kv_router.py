@@ -26,7 +26,15 @@ from typing import Any
 
 from dynamo_zmq import errors
 from dynamo_zmq.context import Context
-from dynamo_zmq.llm import LLMEngineOutput, OutputStream, PreprocessedRequest
+from dynamo_zmq.llm import (
+    DEFAULT_ROUTE,
+    DecodeRemotely,
+    LLMEngineOutput,
+    OutputStream,
+    PrefillRemotely,
+    PreprocessedRequest,
+    RouteOptions,
+)
 from dynamo_zmq.resources import Resources
 from dynamo_zmq.runtime import MAX_ATTEMPTS, Client, DistributedRuntime, failover
 from dynamo_zmq.transport import PeerConnection, ResponseStream, item_decoder
@@ -77,8 +85,7 @@ class Decision:
 
 
 def _remote_decode(request: PreprocessedRequest) -> bool:
-    params = request.disaggregated_params
-    return params is not None and bool(params.get("do_remote_decode"))
+    return isinstance(request.disaggregation, DecodeRemotely)
 
 
 class KvRouter:
@@ -161,17 +168,14 @@ class KvRouter:
         self,
         request: PreprocessedRequest,
         context: Context | None = None,
-        *,
-        instance_id: int | None = None,
-        idle_timeout: float | None = None,
-        timeout: float | None = None,
-        exclude: frozenset[int] = frozenset(),
+        options: RouteOptions = DEFAULT_ROUTE,
     ) -> OutputStream:
         """Route and send ``request``; its outputs stream back, decoded.
 
         Sets ``request.routing.dp_rank`` and ``request.routing.overlap_blocks`` (again on each
-        re-route). ``instance_id`` is not read: the router chooses. ``exclude``: workers not to
-        send to, not even on a re-route (a migrated request's lost workers).
+        re-route). ``options.instance_id`` is not read: the router chooses.
+        ``options.exclude``: workers not to send to, not even on a re-route (a migrated
+        request's lost workers).
 
         Raises:
             CannotConnect: no live instance could take the request.
@@ -179,14 +183,14 @@ class KvRouter:
         """
         hashes = self._hashes(request.token_ids)
         placement = Placement(self.loads, self.prefill, self.replicas)
-        timeouts = (timeout, idle_timeout)
+        exclude = options.exclude
         admit = self.busy.enabled
         my_turn = not self.queue
         while True:
             if my_turn:
                 try:
                     first = await self._send(
-                        request, hashes, exclude, placement, context, timeouts, exclude, admit
+                        request, hashes, exclude, placement, context, options, admit
                     )
                     break
                 except AllBusy:
@@ -199,7 +203,7 @@ class KvRouter:
         async def reopen(tried: frozenset[int]) -> ResponseStream[LLMEngineOutput] | None:
             try:
                 return await self._send(
-                    request, hashes, tried, placement, ctx, timeouts, exclude
+                    request, hashes, tried, placement, ctx, options
                 )
             except errors.CannotConnect:
                 return None
@@ -255,28 +259,27 @@ class KvRouter:
         tried: frozenset[int],
         placement: Placement,
         context: Context | None,
-        timeouts: tuple[float | None, float | None],
-        excluded: frozenset[int] = frozenset(),
+        options: RouteOptions,
         admit: bool = False,
     ) -> ResponseStream[LLMEngineOutput]:
         """Route and send one attempt, moving on from workers that cannot be reached
-        (``timeouts``: the request's deadline and idle timeout; ``excluded``: the workers the
-        caller ruled out, which are in ``tried`` but count as no attempt; ``admit``: raise
-        ``AllBusy`` rather than route to a busy rank)."""
+        (``options``: the request's deadline, idle timeout and excluded workers, which are in
+        ``tried`` but count as no attempt; ``admit``: raise ``AllBusy`` rather than route to a
+        busy rank)."""
         exclude = set(tried)
         while True:
             decision, route = self._route(request, hashes, exclude, admit)
             try:
                 stream = await self.client.open(
                     encode_item(request), _decode_output, decision.worker_id, context=context,
-                    timeout=timeouts[0], idle_timeout=timeouts[1],
+                    timeout=options.timeout, idle_timeout=options.idle_timeout,
                     trace_attributes={"overlap_blocks": decision.overlap_blocks,
                                       "dp_rank": decision.dp_rank, "blocks": len(hashes)},
                 )
             except errors.CannotConnect:
                 self.loads.release(route)
                 exclude.add(decision.worker_id)
-                if len(exclude - excluded) >= MAX_ATTEMPTS:
+                if len(exclude - options.exclude) >= MAX_ATTEMPTS:
                     raise
                 continue
             placement.hold(route, self._prefill_tokens(request, decision))
@@ -337,8 +340,7 @@ class KvRouter:
         started, cpu = time.perf_counter(), time.thread_time()
         # A decode worker that pulls the prompt's KV from a prefill worker (disaggregation)
         # prefills nothing: cached blocks earn it no credit, it is chosen by load.
-        params = request.disaggregated_params
-        remote = params is not None and bool(params.get("do_remote_prefill"))
+        remote = isinstance(request.disaggregation, PrefillRemotely)
         decision, sel = self._decide(hashes, exclude, not remote, admit)
         request.routing.dp_rank = decision.dp_rank
         request.routing.overlap_blocks = decision.overlap_blocks

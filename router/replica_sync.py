@@ -13,18 +13,19 @@ gap, and one with a request counted for a while, for a snapshot (``router/_repli
 so a router that joins late counts what was in flight before, and a lost ``FREE`` ends. A
 peer's request counts until its ``FREE`` (or a snapshot without it), until the peer leaves
 discovery or liveness (killed, partitioned), or for at most ``ttl`` seconds.
-Malformed messages are counted and skipped, and so are events naming a worker not followed.
+Malformed messages are counted and skipped; a request on a worker this router has not found
+yet (a peer may find it first) counts once it is found.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import xxhash
 import zmq
 
 from dynamo_zmq import errors
@@ -42,6 +43,7 @@ from ._replica_wire import (
     REPLICA_TOPIC,
     ReplicaDecodeError,
     decode_event,
+    replica_path,
     unpack_hashes,
 )
 from .busy import PrefillTokens
@@ -59,19 +61,11 @@ log = logging.getLogger(__name__)
 DEFAULT_REPLICA_TTL = 600.0
 #: The replica endpoint's metadata key.
 META_KEY = "kv_router_replica"
-#: Seconds between two looks at the peers when discovery signals nothing.
-FOLLOW_INTERVAL = 1.0
+FOLLOW_INTERVAL = 1.0  # seconds between two looks at the peers when discovery signals nothing
 #: Seconds a replica waits after subscribing to a peer before asking it for a snapshot, and at
 #: most for the answer.
 SNAPSHOT_DELAY, SNAPSHOT_TIMEOUT = 0.2, 5.0
 PUB_HWM = SUB_HWM = 100_000
-
-
-def replica_path(client_path: str, model: str) -> str:
-    """The endpoint the replicas of ``model``'s router on ``client_path`` advertise."""
-    path = client_path.removeprefix("dyn://")
-    key = xxhash.xxh3_64_hexdigest(f"{path}|{model}".encode())
-    return f"{path.split('.')[0]}.kv-router.replica-{key}"
 
 
 async def start_replicas(sync: ReplicaSync) -> ReplicaSync | None:
@@ -108,19 +102,15 @@ class ReplicaSync:
         self._runtime = runtime
         self._res = owner.child("replica-sync")
         self.path = replica_path(client_path, model)
-        self._client_path = client_path
-        self._model = self.model = model
-        self._loads = loads
-        self._prefill = prefill
-        self._known = known
+        self._client_path, self._model, self.model = client_path, model, model
+        self._loads, self._prefill, self._known = loads, prefill, known
         self._m = ReplicaMetrics.for_router(metrics)
         self._ttl, self._resync = ttl, snapshots.resync_interval(ttl)
         self._pub = ReplicaPublisher(model, self._m)
         self._client: Client | None = None
         self._peers: dict[int, snapshots.Peer] = {}
         self._blocks: dict[Candidate, int] = {}
-        self._bad = BadInput(log)
-        self.endpoint = ""
+        self._bad, self.endpoint = BadInput(log), ""
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -146,10 +136,8 @@ class ReplicaSync:
         await self._res.close()
 
     async def _withdraw(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # the runtime may be closing already
             await self._runtime.remove_endpoint(self.path)
-        except Exception:  # the runtime may be closing already
-            log.debug("withdrawing %s failed", self.path, exc_info=True)
 
     async def _status(self, request: Any) -> AsyncIterator[dict[str, Any]]:
         """The replica endpoint's answer: the status, or a snapshot (``_replica_snapshot``)."""
@@ -165,8 +153,7 @@ class ReplicaSync:
             "events": self.endpoint,
             "sent": self._pub.seq,
             "peers": {f"{p.iid:x}": len(p.requests) for p in self._peers.values()},
-            # The last event heard from each peer (None: none yet, its PUB may not have our
-            # subscription: a SUB cannot tell when it is live, and what it misses is lost).
+            # The last event heard from each peer (None: none yet; a SUB cannot tell when live).
             "heard": {f"{p.iid:x}": p.last_seq for p in self._peers.values()},
             "blocks": {f"{w:x}/{r}": n for (w, r), n in sorted(self._blocks.items())},
         }
@@ -210,6 +197,7 @@ class ReplicaSync:
         for iid, endpoint in live.items():
             if iid not in self._peers:
                 self._add_peer(iid, endpoint)
+        self.count_found()
         self._expire(time.monotonic())
         self._m.peers.labels(self._model).set(len(self._peers))
         self._update_gauges()
@@ -307,21 +295,32 @@ class ReplicaSync:
             self._count(peer, ev.request, entry, ev.seq)
         elif ev.kind == FREE:
             peer.heard("free", ev.request, ev.seq)  # (a pending snapshot may still hold it)
+            peer.ended(ev.request)
             req = peer.requests.pop(ev.request, None)
             if req is not None:
                 self._release(req)
         else:
             peer.heard("prefilled", ev.request, ev.seq)
+            peer.prefill_done(ev.request)
             req = peer.requests.get(ev.request)
             if req is not None:
                 self._prefilled(req)
         self._update_gauges()
         return True
 
+    def count_found(self) -> None:
+        """Count the peers' requests that waited for a worker this router has found since."""
+        for peer in self._peers.values():
+            for rid, entry, seq in peer.take_known(self._known):
+                self._count(peer, rid, entry, seq)
+
     def _count(self, peer: snapshots.Peer, rid: int, entry: snapshots.Entry, seq: int) -> None:
         """Count ``peer``'s request ``rid`` (from its ADD, or a snapshot, as of event ``seq``)."""
         worker, rank, hashes, extra, prefill_tokens = entry
-        if not self._known(worker) or rid in peer.requests:
+        if rid in peer.requests:
+            return
+        if not self._known(worker):  # found by the peer first: counted once found here
+            peer.wait(rid, entry, seq, time.monotonic())
             return
         candidate = (worker, rank)
         route = self._loads.add(candidate, unpack_hashes(hashes), extra)

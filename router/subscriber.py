@@ -31,7 +31,6 @@ empty. ``close`` (the worker left discovery or liveness) stops it and drops the 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -40,7 +39,7 @@ from typing import Protocol
 import zmq
 
 from dynamo_zmq import errors
-from dynamo_zmq.resources import Resources
+from dynamo_zmq.resources import Resources, wait_event
 from dynamo_zmq.transport import AsyncSocket, BadInput, make_socket, peer_key
 
 from ._own_events import pick_decoder
@@ -200,8 +199,7 @@ class KvEventSubscriber:
             if remaining <= 0 or self._closed:
                 return False
             self._progress.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._progress.wait(), remaining)
+            await wait_event(self._progress, remaining)
         return True
 
     # -- the receive loop ------------------------------------------------------------------

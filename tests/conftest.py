@@ -18,6 +18,46 @@ os.environ["DYN_MDNS_INTERFACES"] = "127.0.0.1"
 from tests.support.cluster import Cluster, cluster
 from tests.support.procs import Proc
 
+#: Modules that start the most (vLLM engines): scheduled first, so that in parallel runs
+#: (pytest-xdist) the long ones do not end up alone at the tail.
+_FIRST = ("test_vllm", "test_chaos", "test_fleet", "test_slurm", "test_cluster")
+
+
+def _utf8(text: str) -> str:
+    """``text`` with lone surrogates (bytes decoded with ``surrogateescape``) escaped."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """Captured output must be valid UTF-8 for pytest-xdist to send a report to the main
+    process (one that is not ends the whole worker: ``DumpError``); escape what is not."""
+    outcome = yield
+    report = outcome.get_result()
+    report.sections = [(title, _utf8(text)) for title, text in report.sections]
+    if isinstance(report.longrepr, str):
+        report.longrepr = _utf8(report.longrepr)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Group the tests for pytest-xdist's ``--dist loadgroup``: a module's tests run on one
+    worker (module-scoped fixtures, such as a vLLM worker, start once), the modules that share
+    the session's vLLM stack (``tiny_vllm_stack``) on one worker together, and the heavy
+    modules go first. Without xdist the groups are inert and only the order changes."""
+    def module(item: pytest.Item) -> str:
+        return item.nodeid.split("::")[0]
+
+    shared = {module(item) for item in items
+              if "tiny_vllm_stack" in getattr(item, "fixturenames", ())}
+    for item in items:
+        group = "tiny_vllm_stack" if module(item) in shared else module(item)
+        item.add_marker(pytest.mark.xdist_group(group))
+
+    def heavy_first(item: pytest.Item) -> int:
+        return 0 if module(item).rsplit("/", 1)[-1].startswith(_FIRST) else 1
+
+    items.sort(key=heavy_first)  # stable: the order within each class is kept
+
 
 @pytest.fixture
 def namespace() -> str:

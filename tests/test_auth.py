@@ -28,6 +28,7 @@ from dynamo_zmq.errors import InvalidArgument
 from dynamo_zmq.tools.keys import load_keypair
 from dynamo_zmq.wire import Describe, Kind, encode
 from tests.support.http_calls import get
+from tests.support.mocker_fleet import start_frontend, start_mocker
 from tests.support.procs import ROOT, Proc
 from tests.support.waiting import eventually
 
@@ -68,16 +69,12 @@ def keys(tmp_path: Path) -> Keys:
 def worker(spawn, namespace: str, model: Path, keydir: Path | None, name: str = "",
            *extra: str) -> Proc:
     auth = ["--auth-keys", str(keydir), "--auth-key-name", name] if keydir else []
-    return spawn("-m", "dynamo_zmq.worker", "--engine", "mocker", "--model-path", str(model),
-                 "--model-name", "tiny", "--namespace", namespace, "--host", "127.0.0.1",
-                 "--block-size", str(BLOCK), "--speedup-ratio", "1000", *auth, *extra,
-                 ready=False)
+    return start_mocker(spawn, namespace, model, "--block-size", str(BLOCK), *auth, *extra)
 
 
 def frontend(spawn, namespace: str, keydir: Path, *extra: str) -> Proc:
-    return spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
-                 "--router-mode", "kv", "--auth-keys", str(keydir), "--auth-key-name", "front",
-                 *extra, ready=False)
+    return start_frontend(spawn, namespace, "--auth-keys", str(keydir), "--auth-key-name",
+                          "front", *extra)
 
 
 def log_of(proc: Proc) -> str:

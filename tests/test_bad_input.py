@@ -16,6 +16,7 @@ import zmq
 from dynamo_zmq.tools.frame_fuzz import answerable, request_frames
 from dynamo_zmq.wire import Batch, Error, Kind, Ping, Pong, Request, encode
 from tests.support.metrics import sample
+from tests.support.procs import system_port
 
 ANSWER_MS = 5000
 BARRIER = 0x20B_20B_20B
@@ -35,11 +36,6 @@ def start_worker(spawn, namespace, tiny_model):
 def log_text(proc) -> str:
     """The worker's whole stderr so far."""
     return Path(proc.log.name).read_text(errors="replace")
-
-
-def metrics_port(proc) -> int:
-    return int(next(line.split()[-1] for line in proc.logs().splitlines()
-                    if "metrics and health on port" in line))
 
 
 def dealer(address: str) -> zmq.Socket[bytes]:
@@ -145,7 +141,7 @@ async def test_a_thousand_garbage_frames_log_a_few_lines_and_are_counted(
     assert invalid > 500  # most garbage is refused (the rest: pings, describes, controls)
     page = await asyncio.to_thread(
         lambda: urllib.request.urlopen(
-            f"http://127.0.0.1:{metrics_port(proc)}/metrics", timeout=5).read().decode()
+            f"http://127.0.0.1:{system_port(proc)}/metrics", timeout=5).read().decode()
     )
     counted = sample(page, "dynamo_component_malformed_input_total", dynamo_namespace=namespace)
     assert counted == invalid, page

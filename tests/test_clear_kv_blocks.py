@@ -12,8 +12,9 @@ import urllib.error
 import urllib.request
 
 import openai
-from prometheus_client.parser import text_string_to_metric_families
 
+from tests.support.metrics import index_blocks
+from tests.support.mocker_fleet import mocker_fleet, start_frontend
 from tests.support.procs import Proc
 from tests.support.waiting import eventually
 
@@ -31,9 +32,7 @@ def worker(spawn, namespace, model, *extra: str, name: str = "tiny",
 
 
 def frontend(spawn, namespace, *extra: str) -> str:
-    proc = spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
-                 *extra, ready=False)
-    return proc.wait_ready().address
+    return start_frontend(spawn, namespace, *extra, mode=None).wait_ready().address
 
 
 def request(method: str, url: str, body: bytes | None = None) -> tuple[int, bytes]:
@@ -45,17 +44,6 @@ def request(method: str, url: str, body: bytes | None = None) -> tuple[int, byte
         return exc.code, exc.read()
 
 
-async def index_blocks(url: str) -> dict[str, float]:
-    """The frontend KV router's indexed blocks per worker (hex id) of model 'tiny'."""
-    _, page = await asyncio.to_thread(request, "GET", f"{url}/metrics")
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(page.decode()):
-        for s in family.samples:
-            if s.name == "dynamo_router_kv_index_blocks" and s.labels.get("model") == "tiny":
-                out[s.labels["worker"]] = out.get(s.labels["worker"], 0) + s.value
-    return out
-
-
 async def routed_instances(url: str, model: str) -> set[str]:
     _, body = await asyncio.to_thread(request, "GET", f"{url}/health")
     return set(json.loads(body).get("models", {}).get(model, []))
@@ -64,14 +52,9 @@ async def routed_instances(url: str, model: str) -> set[str]:
 async def test_clear_kv_blocks_empties_the_mocker_and_the_routers_index(
     namespace, spawn, tiny_model
 ):
-    workers = [worker(spawn, namespace, tiny_model) for _ in range(2)]
-    url = frontend(spawn, namespace, "--router-mode", "kv")
-    ids = {f"{w.instance_id:x}" for w in workers}
-
-    async def both_routed() -> bool:
-        return await routed_instances(url, "tiny") == ids
-
-    await eventually(both_routed, 30, "both workers routed")
+    fleet = await mocker_fleet(spawn, namespace, tiny_model, 2, speedup="100",
+                               worker_args=("--block-size", str(BLOCK)))
+    url, ids = fleet.url, fleet.ids
     rng = random.Random(11)
     prompt = [rng.randrange(10, 500) for _ in range(PROMPT_BLOCKS * BLOCK + 3)]
     async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client:

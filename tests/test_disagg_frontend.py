@@ -14,7 +14,7 @@ import pytest
 
 from tests.support.http_calls import get, post
 from tests.support.metrics import sample
-from tests.support.procs import Proc
+from tests.support.procs import Proc, system_port
 from tests.support.waiting import eventually
 from tests.test_status import status_json
 
@@ -32,8 +32,7 @@ class Worker:
             "--disaggregation-mode", role, "--speedup-ratio", speedup,
             env={"DYN_SYSTEM_PORT": "0"},
         )
-        self.port = int(next(line.split()[-1] for line in self.proc.logs().splitlines()
-                             if "metrics and health on port" in line))
+        self.port = system_port(self.proc)
 
     async def metric(self, name: str) -> float:
         status, page = await asyncio.to_thread(get, f"http://127.0.0.1:{self.port}/metrics")

@@ -28,7 +28,7 @@ from dynamo_zmq.llm import BlockStored
 from engines.mocker._hashing import chain_hashes
 from router.events import decode_batch
 from tests.support.metrics import sample
-from tests.support.procs import ROOT, Proc
+from tests.support.procs import ROOT, Proc, system_port
 
 BLOCK = 16
 _rng = random.Random(17)
@@ -58,15 +58,20 @@ async def generate(client, prompt: list[int], max_tokens: int,
                    params: dict | None = None) -> list[dict]:
     req: dict = {"token_ids": prompt, "stop": {"max_tokens": max_tokens}}
     if params is not None:
-        req["disaggregated_params"] = params
+        req["disaggregation"] = params
     return [r.data() async for r in await client.generate(req)]
 
 
+def pulling(handoff: dict) -> dict:
+    """A decode request's ``disaggregation``: pull the KV ``handoff`` names."""
+    return {"type": "prefill_remotely", "handoff": handoff}
+
+
 async def prefill(client, prompt: list[int] = PROMPT) -> dict | None:
-    chunks = await generate(client, prompt, 1, {"do_remote_decode": True})
+    chunks = await generate(client, prompt, 1, {"type": "decode_remotely"})
     assert chunks[-1]["finish_reason"] == "length", chunks[-1]
-    assert all("disaggregated_params" not in c for c in chunks[:-1])
-    return chunks[-1].get("disaggregated_params")
+    assert all("kv_handoff" not in c for c in chunks[:-1])
+    return chunks[-1].get("kv_handoff")
 
 
 def tokens(chunks: list[dict]) -> list[int]:
@@ -74,8 +79,7 @@ def tokens(chunks: list[dict]) -> list[int]:
 
 
 def metrics(proc: Proc) -> str:
-    port = next(line.split()[-1] for line in proc.logs().splitlines()
-                if "metrics and health on port" in line)
+    port = system_port(proc)
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
         return resp.read().decode()
 
@@ -135,7 +139,7 @@ async def test_a_decode_worker_pulls_the_prefilled_kv_and_streams_the_same_outpu
     assert value(pw, "dynamo_component_kv_transfer_held") == 1
 
     decoded_before = value(dw, "mocker_prefill_tokens_total")
-    chunks = await generate(d, PROMPT, 8, {"do_remote_prefill": True, **handoff})
+    chunks = await generate(d, PROMPT, 8, pulling(handoff))
     assert chunks[-1]["finish_reason"] == "length" and len(tokens(chunks)) == 8
     # The prompt was pulled, not prefilled: the decode worker computed none of it.
     assert value(dw, "mocker_prefill_tokens_total") == decoded_before
@@ -156,7 +160,7 @@ async def test_a_decode_worker_pulls_the_prefilled_kv_and_streams_the_same_outpu
     again = await generate(d, PROMPT, 8)
     assert tokens(again) == tokens(chunks)
     # The prefill worker's blocks stayed as prefix cache: the same prompt again is cached.
-    cached = await generate(p, PROMPT, 1, {"do_remote_decode": True})
+    cached = await generate(p, PROMPT, 1, {"type": "decode_remotely"})
     assert cached[-1]["usage"]["cached_tokens"] == (len(PROMPT) // BLOCK) * BLOCK
 
 
@@ -173,7 +177,7 @@ async def test_an_offer_beyond_max_bytes_hands_off_nothing_and_decode_prefills_l
     assert await prefill(p, other) is None  # 300 000 more would exceed the bound
     assert value(pw, "dynamo_component_kv_transfer_refused_total") == 1
     before = value(dw, "mocker_prefill_tokens_total")
-    chunks = await generate(d, other, 4, {"do_remote_prefill": True})  # no handoff
+    chunks = await generate(d, other, 4, {"type": "prefill_remotely"})  # no handoff
     assert len(tokens(chunks)) == 4
     assert value(dw, "mocker_prefill_tokens_total") - before == len(other)
     assert value(dw, "mocker_remote_prefills_total") == 0
@@ -192,7 +196,7 @@ async def test_an_unpulled_transfer_expires_and_decode_falls_back_to_a_local_pre
                      what="the transfer expiring")
     assert value(pw, "dynamo_component_kv_transfer_held") == 0
     before = value(dw, "mocker_prefill_tokens_total")
-    chunks = await generate(d, PROMPT, 4, {"do_remote_prefill": True, **handoff})
+    chunks = await generate(d, PROMPT, 4, pulling(handoff))
     assert chunks[-1]["finish_reason"] == "length" and len(tokens(chunks)) == 4
     assert value(dw, "mocker_remote_prefill_fallbacks_total") == 1
     assert value(dw, "mocker_prefill_tokens_total") - before == len(PROMPT)
@@ -212,7 +216,7 @@ async def test_killing_the_prefill_worker_mid_transfer_still_completes_the_reque
     handoff = await prefill(p)
     assert handoff is not None
     request = asyncio.ensure_future(
-        generate(d, PROMPT, 6, {"do_remote_prefill": True, **handoff}))
+        generate(d, PROMPT, 6, pulling(handoff)))
     await eventually(
         lambda: value(dw, "dynamo_component_kv_transfer_received_bytes_total") > 0,
         what="the pull starting")
@@ -249,7 +253,7 @@ async def test_garbage_on_the_transfer_socket_does_not_stop_the_worker(
     assert pw.running()
     await eventually(lambda: value(pw, "dynamo_component_malformed_input_total",
                                    kind="kv_transfer_frame") > 0, what="garbage counted")
-    chunks = await generate(d, PROMPT, 4, {"do_remote_prefill": True, **handoff})
+    chunks = await generate(d, PROMPT, 4, pulling(handoff))
     assert len(tokens(chunks)) == 4 and value(dw, "mocker_remote_prefills_total") == 1
 
 
@@ -329,7 +333,7 @@ async def test_with_auth_keys_the_transfer_uses_curve_and_refuses_unauthorized_c
         assert not await asyncio.to_thread(answered, endpoint, None, made["prefill"], pull)
         assert "refused a connection from unauthorized key" in pw.logs()
         assert value(pw, "dynamo_component_kv_transfer_held") == 1  # still there for decode
-        chunks = await generate(d, PROMPT, 4, {"do_remote_prefill": True, **handoff})
+        chunks = await generate(d, PROMPT, 4, pulling(handoff))
         assert len(tokens(chunks)) == 4
         assert value(dw, "mocker_remote_prefills_total") == 1  # pulled over CURVE
     finally:
@@ -353,7 +357,7 @@ async def test_stopping_a_decode_request_mid_pull_releases_the_transfer_on_the_p
     assert handoff is not None
     ctx = Context("stop-mid-pull")
     req = {"token_ids": PROMPT, "stop": {"max_tokens": 6},
-           "disaggregated_params": {"do_remote_prefill": True, **handoff}}
+           "disaggregation": pulling(handoff)}
     stream = await d.generate(req, context=ctx)
     reading = asyncio.ensure_future(_collect(stream))
     await eventually(

@@ -24,8 +24,8 @@ from tokenizers import Tokenizer
 
 from tests.support.http_calls import get, post
 from tests.support.metrics import sample
-from tests.support.procs import Proc
-from tests.test_frontend import wait_models
+from tests.support.procs import Proc, system_port
+from tests.support.waiting import wait_models
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module")]
 
@@ -55,8 +55,7 @@ def stack(tiny_model):
     try:
         for proc in procs:
             proc.wait_ready(60)
-        port = next(line.split()[-1] for line in procs[2].logs().splitlines()
-                    if "metrics and health on port" in line)
+        port = system_port(procs[2])
         yield procs[-1].address, procs[-2].address, f"http://127.0.0.1:{port}/metrics"
     finally:
         for proc in procs:

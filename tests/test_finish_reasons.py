@@ -26,7 +26,8 @@ from dynamo_zmq.llm import (
     build_card,
 )
 from dynamo_zmq.tools.tiny_model import EOS
-from tests.test_frontend import frontend, wait_models, worker
+from tests.support.waiting import wait_models
+from tests.test_frontend import frontend, worker
 
 ECHO = "tests.support.engines:EchoEngine"
 

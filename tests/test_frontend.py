@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 from tests.support.http_calls import get, post
 from tests.support.metrics import sample
-from tests.support.procs import Proc
+from tests.support.procs import Proc, system_port
+from tests.support.waiting import wait_models
 
 ECHO = "tests.support.engines:EchoEngine"
 
@@ -36,17 +37,6 @@ def frontend(spawn, namespace) -> tuple[Proc, str]:
     )
     proc.wait_ready()
     return proc, proc.address
-
-
-async def wait_models(url: str, names: set[str], timeout: float = 30.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        status, body = await asyncio.to_thread(get, f"{url}/v1/models")
-        if status == 200 and names <= {m["id"] for m in json.loads(body)["data"]}:
-            return
-        assert loop.time() < deadline, f"models {names} not listed: {body!r}"
-        await asyncio.sleep(0.1)
 
 
 @pytest.fixture
@@ -215,11 +205,7 @@ async def test_client_disconnect_stops_the_engine(namespace, spawn, tiny_model):
     assert resp.readline().startswith(b"data: ")
     conn.sock.close()  # the client goes away mid-stream
     conn.close()
-    mport = int(next(
-        line.split()[-1]
-        for line in proc.logs().splitlines()
-        if "metrics and health on port" in line
-    ))
+    mport = system_port(proc)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 10
     while True:
@@ -255,8 +241,7 @@ async def test_a_disconnect_ends_a_document_style_handler_as_a_cancellation(
     assert resp.readline().startswith(b"data: ")
     conn.sock.close()
     conn.close()
-    mport = int(next(line.split()[-1] for line in proc.logs().splitlines()
-                     if "metrics and health on port" in line))
+    mport = system_port(proc)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 10
     while True:

@@ -25,8 +25,8 @@ from engines.mocker._sequence import sequence_seed
 from tests.support.engines import token_logprob
 from tests.support.http_calls import get
 from tests.support.metrics import sample
-from tests.support.procs import Proc
-from tests.test_frontend import wait_models
+from tests.support.procs import Proc, system_port
+from tests.support.waiting import wait_models
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(300)]
 
@@ -296,8 +296,7 @@ async def test_disconnect_mid_stream_stops_every_sub_request(stack, client):
     conn = http.client.HTTPConnection(host, int(port), timeout=10)
     body = json.dumps({"model": "echo", "prompt": "word " * 50, "max_tokens": 2000, "n": 3,
                        "stream": True})
-    mport = int(next(line.split()[-1] for line in proc.logs().splitlines()
-                     if "metrics and health on port" in line))
+    mport = system_port(proc)
     _, page = await asyncio.to_thread(get, f"http://127.0.0.1:{mport}/metrics")
     before = sample(page.decode(), "dynamo_component_cancellation_total", model="echo") or 0
     await asyncio.to_thread(conn.request, "POST", "/v1/completions", body,
@@ -352,18 +351,18 @@ async def test_each_sub_request_migrates_on_its_own(namespace, spawn, tiny_model
     """``n=2`` over two workers (round-robin: one choice each), one of which ends its streams
     with ``EngineShutdown`` after 10 tokens: that choice goes on from the other worker, and both
     are the text the request gets fault-free."""
-    from tests.test_migration import client_for, frontend, metrics_page, mocker, wait_instances
+    from tests.support.waiting import serving
+    from tests.test_migration import client_for, fleet, metrics_page, mocker
 
-    mocker(spawn, namespace, tiny_model)
-    _, url = frontend(spawn, namespace)
-    await wait_instances(url, 1)
+    f = await fleet(spawn, namespace, tiny_model, 1)
+    url = f.url
     params = {"model": "tiny", "messages": CHAT, "n": 2, "seed": 11, "max_tokens": 40,
               "extra_body": {"ignore_eos": True}}
     async with client_for(url) as c:
         ref = await c.chat.completions.create(**params)
-        mocker(spawn, namespace, tiny_model, "--engine",
-               "tests.support.engines:ShuttingDownMocker", "--shutdown-after", "10")
-        await wait_instances(url, 2)
+        ending = mocker(spawn, namespace, tiny_model, "--engine",
+                        "tests.support.engines:ShuttingDownMocker", "--shutdown-after", "10")
+        await serving(f.front, [*f.workers, ending])
         raw = await c.chat.completions.with_raw_response.create(**params)
         resp = raw.parse()
     assert len(raw.headers["x-dynamo-worker"].split(",")) == 2  # one choice on each worker

@@ -21,7 +21,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from tests.support.metrics import sample
-from tests.test_frontend import wait_models, worker
+from tests.support.waiting import wait_models
+from tests.test_frontend import worker
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 

@@ -17,7 +17,8 @@ from dynamo_zmq.frontend.errors import HttpError
 from dynamo_zmq.frontend.preprocess import Preprocessor
 from dynamo_zmq.frontend.protocol import parse_chat, parse_completion
 from dynamo_zmq.llm import Capability, GuidedDecoding, build_card
-from tests.test_frontend import frontend, wait_models, worker
+from tests.support.waiting import wait_models
+from tests.test_frontend import frontend, worker
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 MESSAGES = [{"role": "user", "content": "hi"}]

@@ -15,7 +15,8 @@ import pytest
 
 from tests.conftest import app_args
 from tests.support.http_calls import get
-from tests.support.procs import Proc
+from tests.support.mocker_fleet import start_frontend
+from tests.support.procs import Proc, system_port
 from tests.support.waiting import until
 
 #: Canary timings for the runtime-API processes: an idle endpoint is probed every 0.2 s.
@@ -65,11 +66,6 @@ def worker(spawn, namespace, model, engine: str, *extra: str) -> Proc:
                  "--health-check-interval", "0.3", *extra)
 
 
-def system_port(proc: Proc) -> int:
-    return int(next(line.split()[-1] for line in proc.logs().splitlines()
-                    if "metrics and health on port" in line))
-
-
 async def routed(url: str) -> set[int]:
     """The instances a frontend routes model 'tiny' to (its /health)."""
     status, body = await asyncio.to_thread(get, f"{url}/health")
@@ -112,11 +108,9 @@ async def test_worker_canary_failure_takes_it_out_of_frontend_and_kv_routing(
     steady = worker(spawn, namespace, tiny_model, "mocker")
     both = {flaky.instance_id, steady.instance_id}
     # One frontend finds the workers by a static list, the other by mDNS.
-    rr = spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
-               "--discovery", "static", "--static-workers", f"{flaky.address},{steady.address}",
-               ready=False)
-    kv = spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
-               "--router-mode", "kv", ready=False)
+    rr = start_frontend(spawn, namespace, "--discovery", "static", "--static-workers",
+                        f"{flaky.address},{steady.address}", mode=None)
+    kv = start_frontend(spawn, namespace)
     urls = [rr.wait_ready().address, kv.wait_ready().address]
     await eventually_routed(urls, both, 30)
     rng = random.Random(7)

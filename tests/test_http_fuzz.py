@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 from dynamo_zmq.tools.http_fuzz import Case, make_case, send
 from tests.support.http_calls import get
 from tests.support.metrics import sample
-from tests.test_frontend import wait_models, worker
+from tests.support.waiting import wait_models
+from tests.test_frontend import worker
 
 #: Seconds a body may take to arrive in these tests (``--body-timeout``).
 BODY_TIMEOUT = "0.5"

@@ -34,6 +34,8 @@ from dynamo_zmq.kv_transfer import (
     decode_server,
     encode,
 )
+from dynamo_zmq.llm import PreprocessedRequest
+from dynamo_zmq.runtime._handlers import adapt_handler
 
 BLOCKS = [bytes([i]) * (100 + i) for i in range(10)]
 
@@ -58,9 +60,9 @@ async def test_a_pull_gets_every_block_in_batches_and_releases_the_transfer() ->
     released: list[str] = []
     try:
         ticket = server.offer(BLOCKS, on_release=released.append)
-        assert ticket["num_blocks"] == 10 and ticket["num_bytes"] == sum(map(len, BLOCKS))
-        assert ticket["transfer_endpoint"] == server.endpoint and ticket["transfer_key"] is None
-        assert server.num_held == 1 and server.held_bytes == ticket["num_bytes"]
+        assert ticket.num_blocks == 10 and ticket.num_bytes == sum(map(len, BLOCKS))
+        assert ticket.transfer_endpoint == server.endpoint and ticket.transfer_key is None
+        assert server.num_held == 1 and server.held_bytes == ticket.num_bytes
         client = KvTransferClient()
         batches = await pull_all(client, ticket)
         assert [len(b) for b in batches] == [3, 3, 3, 1]
@@ -83,8 +85,8 @@ async def test_the_server_never_has_more_batches_in_flight_than_the_credit() -> 
     sock.linger = 0
     try:
         ticket = server.offer(BLOCKS)
-        sock.connect(ticket["transfer_endpoint"])
-        tid = ticket["transfer_id"]
+        sock.connect(ticket.transfer_endpoint)
+        tid = ticket.transfer_id
         await sock.send(encode(Pull(tid, 2)))
         got = await _drain(sock, 0.5)
         assert [m.seq for m in got] == [0, 1]  # a consumer that acks nothing gets its credit
@@ -139,8 +141,13 @@ async def test_a_vanished_server_ends_the_pull_with_a_typed_error_not_a_hang() -
         await pull_all(client, ticket)
     assert time.monotonic() - started_at < 10
     assert client.metrics.failed._value.get() == 1
+    # A malformed ticket never reaches a pull: the worker refuses the request carrying it.
+    serve = adapt_handler(lambda request: None, PreprocessedRequest)
+    ticket_missing_fields = {"type": "transfer", "transfer_id": "x"}
+    bad = {"token_ids": [1], "disaggregation": {"type": "prefill_remotely",
+                                                "handoff": ticket_missing_fields}}
     with pytest.raises(errors.InvalidArgument):
-        await pull_all(client, {"transfer_id": "x"})
+        serve(msgspec.Raw(msgspec.msgpack.encode(bad)), Context("bad-ticket"))
 
 
 async def test_stopping_the_context_cancels_the_pull_and_releases_the_transfer() -> None:
@@ -177,7 +184,7 @@ async def test_garbage_on_the_server_socket_is_ignored_and_serving_goes_on() -> 
             await sock.send_multipart(frames)
         ticket = server.offer(BLOCKS)
         other = server.offer(BLOCKS)
-        await sock.send(encode(Ack(other["transfer_id"], 5)))  # not started: ignored
+        await sock.send(encode(Ack(other.transfer_id, 5)))  # not started: ignored
         assert [b for batch in await pull_all(KvTransferClient(), ticket) for b in batch] == BLOCKS
         await _until(lambda: server.bad_input.counts.get("kv_transfer_frame", 0) >= 6)
     finally:
@@ -208,7 +215,7 @@ async def test_a_client_fed_garbage_fails_typed() -> None:
                                ([encode(Failure("t1", "unknown", "gone"))], TransferNotFound)):
             task = asyncio.ensure_future(answer(*replies))
             with pytest.raises(error):
-                await pull_all(KvTransferClient(KvTransferConfig(timeout=2)), ticket.to_dict())
+                await pull_all(KvTransferClient(KvTransferConfig(timeout=2)), ticket)
             await task
     finally:
         router.close()

@@ -16,13 +16,17 @@ import openai
 import pytest
 
 from dynamo_zmq import errors
+from tests.support import waiting
 from tests.support.http_calls import get
 from tests.support.metrics import sample
-from tests.support.procs import Proc
+from tests.support.mocker_fleet import Fleet, mocker_fleet, start_frontend, start_mocker
+from tests.support.procs import Proc, system_port
 
 #: About 29 ms a token (the mocker's decode step at speedup 0.2): a stream of LONG tokens lasts
 #: a few seconds, so a worker can be lost in its middle.
-SLOW = ("--speedup-ratio", "0.2")
+SLOW = "0.2"
+#: Every mocker worker's flags: a metrics port of its own.
+WORKER = ("--metrics-port", "0")
 LONG = 80
 MESSAGES = [{"role": "user", "content": "Tell me a long story about moving house"}]
 #: Chunks the client reads before the serving worker is lost.
@@ -30,15 +34,15 @@ BEFORE = 10
 
 
 def mocker(spawn, namespace: str, model_dir: Path, *extra: str) -> Proc:
-    return spawn("-m", "dynamo_zmq.worker", "--engine", "mocker", "--model-path", str(model_dir),
-                 "--model-name", "tiny", "--namespace", namespace, "--host", "127.0.0.1",
-                 "--metrics-port", "0", *SLOW, *extra)
+    return start_mocker(spawn, namespace, model_dir, *WORKER, *extra, speedup=SLOW).wait_ready()
 
 
-def frontend(spawn, namespace: str, *flags: str) -> tuple[Proc, str]:
-    proc = spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
-                 *flags, ready=False)
-    return proc, proc.wait_ready().address
+async def fleet(spawn, namespace: str, model_dir: Path, n: int, *extra: str,
+                mode: str | None = None, frontend_args: tuple[str, ...] = ()) -> Fleet:
+    """``n`` slow mocker workers (``extra`` flags each) and a frontend (round-robin unless
+    ``mode``) that lists them all."""
+    return await mocker_fleet(spawn, namespace, model_dir, n, mode=mode, speedup=SLOW,
+                              worker_args=(*WORKER, *extra), frontend_args=frontend_args)
 
 
 def client_for(url: str) -> openai.AsyncOpenAI:
@@ -51,21 +55,7 @@ async def metrics_page(url: str) -> str:
 
 
 def metrics_url(proc: Proc) -> str:
-    port = int(next(line.split()[-1] for line in proc.logs().splitlines()
-                    if "metrics and health on port" in line))
-    return f"http://127.0.0.1:{port}"
-
-
-async def wait_instances(url: str, count: int, timeout: float = 30.0) -> None:
-    """Until the frontend routes model ``tiny`` to ``count`` instances."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        status, body = await asyncio.to_thread(get, f"{url}/health")
-        if status == 200 and len(json.loads(body)["models"].get("tiny", [])) == count:
-            return
-        assert loop.time() < deadline, f"not {count} instances: {body!r}"
-        await asyncio.sleep(0.1)
+    return f"http://127.0.0.1:{system_port(proc)}"
 
 
 def serving(workers: list[Proc], header: str) -> Proc:
@@ -107,11 +97,9 @@ PARAMS = {"max_tokens": LONG, "extra_body": {"ignore_eos": True}}
 
 @pytest.fixture
 async def two_workers(namespace, spawn, tiny_model):
-    workers = [mocker(spawn, namespace, tiny_model) for _ in range(2)]
-    _, url = frontend(spawn, namespace)
-    await wait_instances(url, 2)
-    async with client_for(url) as client:
-        yield workers, url, client
+    two = await fleet(spawn, namespace, tiny_model, 2)
+    async with client_for(two.url) as client:
+        yield two.workers, two.url, client
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
@@ -196,9 +184,8 @@ async def first_tokens_on(workers: list[Proc], timeout: float = 20.0) -> Proc:
 
 async def test_no_migration_with_limit_zero(namespace, spawn, tiny_model):
     """``--migration-limit 0``: today's behaviour, the stream fails with the worker."""
-    workers = [mocker(spawn, namespace, tiny_model) for _ in range(2)]
-    _, url = frontend(spawn, namespace, "--migration-limit", "0")
-    await wait_instances(url, 2)
+    f = await fleet(spawn, namespace, tiny_model, 2, frontend_args=("--migration-limit", "0"))
+    workers, url = f.workers, f.url
     async with client_for(url) as client:
         with pytest.raises(openai.APIError) as exc:
             await stream_losing_worker(client, workers, signal.SIGKILL, **PARAMS)
@@ -210,9 +197,8 @@ async def test_no_migration_with_limit_zero(namespace, spawn, tiny_model):
 async def test_the_advertised_limit_wins_and_a_second_loss_fails(namespace, spawn, tiny_model):
     """Workers advertise ``--migration-limit 1`` (the frontend's default is 3): the first loss
     migrates, the second fails the stream with a retryable error."""
-    workers = [mocker(spawn, namespace, tiny_model, "--migration-limit", "1") for _ in range(3)]
-    _, url = frontend(spawn, namespace)
-    await wait_instances(url, 3)
+    f = await fleet(spawn, namespace, tiny_model, 3, "--migration-limit", "1")
+    workers, url = f.workers, f.url
     async with client_for(url) as client:
         raw = await client.chat.completions.with_raw_response.create(
             model="tiny", messages=MESSAGES, stream=True, **PARAMS
@@ -271,10 +257,8 @@ async def test_kv_mode_migrates_where_the_extended_prompt_is_cached(namespace, s
     prompt plus R's next 60 tokens goes to Y (X is loaded, nobody has R's prompt cached: it is
     shorter than a block) and leaves them in Y's cache. X dies: R's continuation (its prompt
     extended by the tokens generated) goes to Y, where it overlaps, not to Z."""
-    block = ("--block-size", "16")
-    workers = [mocker(spawn, namespace, tiny_model, *block) for _ in range(3)]
-    _, url = frontend(spawn, namespace, "--router-mode", "kv")
-    await wait_instances(url, 3)
+    f = await fleet(spawn, namespace, tiny_model, 3, "--block-size", "16", mode="kv")
+    workers, url = f.workers, f.url
     prompt = list(range(100, 110))
     ahead = mocker_tokens(tiny_model, prompt, 60)
     async with client_for(url) as client:
@@ -309,10 +293,8 @@ async def test_kv_mode_migrates_where_the_extended_prompt_is_cached(namespace, s
 async def test_a_worker_shut_down_mid_stream_hands_the_rest_over(namespace, spawn, tiny_model):
     """SIGTERM with a graceful timeout shorter than the stream: the worker cuts the stream off
     when its timeout passes, and the rest comes from the other worker."""
-    workers = [mocker(spawn, namespace, tiny_model, "--graceful-timeout", "0.5")
-               for _ in range(2)]
-    _, url = frontend(spawn, namespace)
-    await wait_instances(url, 2)
+    f = await fleet(spawn, namespace, tiny_model, 2, "--graceful-timeout", "0.5")
+    workers, url = f.workers, f.url
     async with client_for(url) as client:
         ref = await reference(client, **PARAMS)
         text, chunks, victim = await stream_losing_worker(client, workers, signal.SIGTERM,
@@ -329,9 +311,8 @@ async def test_a_worker_restarted_on_its_port_takes_the_rest(namespace, spawn, t
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = ("--port", str(s.getsockname()[1]))
-    workers = [mocker(spawn, namespace, tiny_model, *port)]
-    _, url = frontend(spawn, namespace)
-    await wait_instances(url, 1)
+    f = await fleet(spawn, namespace, tiny_model, 1, *port)
+    workers, url = f.workers, f.url
     async with client_for(url) as client:
         ref = await reference(client, **PARAMS)
         raw = await client.chat.completions.with_raw_response.create(
@@ -353,14 +334,13 @@ async def test_a_worker_restarted_on_its_port_takes_the_rest(namespace, spawn, t
 async def test_engine_shutdown_mid_stream_migrates(namespace, spawn, tiny_model):
     """A worker whose engine ends a stream with ``EngineShutdown`` after some tokens: the rest
     comes from the other worker, the same text as the request served whole there."""
-    whole = mocker(spawn, namespace, tiny_model)
-    _, url = frontend(spawn, namespace)
-    await wait_instances(url, 1)
+    f = await fleet(spawn, namespace, tiny_model, 1)
+    (whole,), url = f.workers, f.url
     async with client_for(url) as client:
         ref = await reference(client, **PARAMS)  # served whole
         ending = mocker(spawn, namespace, tiny_model, "--engine",
                         "tests.support.engines:ShuttingDownMocker", "--shutdown-after", "10")
-        await wait_instances(url, 2)
+        await waiting.serving(f.front, [whole, ending])
         runs = []
         for _ in range(4):  # round-robin: until one starts on the worker that ends it
             raw = await client.chat.completions.with_raw_response.create(
@@ -412,8 +392,7 @@ async def test_a_request_lost_before_any_output_with_no_other_worker_waits_for_o
                      namespace, "--host", "127.0.0.1", *extra)
 
     first = echo("--echo-first-delay", "60")
-    _, url = frontend(spawn, namespace)
-    await wait_instances_of(url, "echo", 1)
+    url = await waiting.serving(start_frontend(spawn, namespace, mode=None), [first], "echo")
     async with client_for(url) as client:
         task = asyncio.create_task(
             client.completions.create(model="echo", prompt="hello world", max_tokens=6)
@@ -429,14 +408,3 @@ async def test_a_request_lost_before_any_output_with_no_other_worker_waits_for_o
     page = await metrics_page(url)
     assert sample(page, "dynamo_frontend_migrations_total", model="echo") == 1
     del second
-
-
-async def wait_instances_of(url: str, model: str, count: int, timeout: float = 30.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        status, body = await asyncio.to_thread(get, f"{url}/health")
-        if status == 200 and len(json.loads(body)["models"].get(model, [])) == count:
-            return
-        assert loop.time() < deadline, f"not {count} instances of {model}: {body!r}"
-        await asyncio.sleep(0.1)

@@ -29,8 +29,10 @@ from dynamo_zmq.llm import (
 )
 from engines.mocker._publisher import SNAPSHOT_SEQ
 from router.hashing import block_hashes
+from tests.support.mocker_fleet import serving, start_frontend, start_mocker
 from tests.support.procs import Proc
-from tests.test_router_warm_restart import complete, eventually, serving
+from tests.support.waiting import eventually
+from tests.test_router_warm_restart import complete
 
 BLOCK = 16
 END_SEQ = b"\xff" * 8
@@ -125,11 +127,9 @@ async def zctx() -> AsyncIterator[zmq.asyncio.Context]:
 def _worker(spawn: Callable[..., Proc], namespace: str, model: Any, form: str | None,
             ports: tuple[int, int]) -> Proc:
     extra = [] if form is None else ["--kv-event-form", form]
-    return spawn("-m", "dynamo_zmq.worker", "--engine", "mocker", "--model-path", str(model),
-                 "--model-name", "tiny", "--namespace", namespace, "--host", "127.0.0.1",
-                 "--block-size", str(BLOCK), "--num-gpu-blocks-override", "20",
-                 "--kv-events-port", str(ports[0]), "--kv-replay-port", str(ports[1]),
-                 "--speedup-ratio", "1000", *extra, ready=False)
+    return start_mocker(spawn, namespace, model, "--block-size", str(BLOCK),
+                        "--num-gpu-blocks-override", "20", "--kv-events-port", str(ports[0]),
+                        "--kv-replay-port", str(ports[1]), *extra)
 
 
 async def test_deltas_replay_to_the_dump_and_to_the_stores_forms_state(
@@ -138,12 +138,8 @@ async def test_deltas_replay_to_the_dump_and_to_the_stores_forms_state(
     ports = [(_free_port(), _free_port()) for _ in range(2)]
     deltas_w = _worker(spawn, namespace, tiny_model, "deltas", ports[0])
     stores_w = _worker(spawn, namespace, tiny_model, "stores", ports[1])
-    front = spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
-                  "--router-mode", "direct", ready=False)
-    for proc in (deltas_w, stores_w, front):
-        proc.wait_ready()
-    ids = {f"{deltas_w.instance_id:x}", f"{stores_w.instance_id:x}"}
-    await eventually(lambda: serving(front.address, ids), 30, "both workers served")
+    front = start_frontend(spawn, namespace, mode="direct")
+    await serving(front, [deltas_w, stores_w])
     deltas, stores = Feed(zctx, *ports[0]), Feed(zctx, *ports[1])
     await asyncio.sleep(0.5)  # the SUBs join; a missed batch is checked against the replay
 

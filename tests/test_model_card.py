@@ -15,7 +15,8 @@ from dynamo_zmq import errors
 from dynamo_zmq.frontend.preprocess import Preprocessor
 from dynamo_zmq.frontend.protocol import parse_completion
 from dynamo_zmq.llm import build_card
-from tests.test_frontend import frontend, wait_models, worker
+from tests.support.waiting import wait_models
+from tests.test_frontend import frontend, worker
 
 WARNING = "serves it with another model card"
 

@@ -13,27 +13,22 @@ import asyncio
 import openai
 import pytest
 
+from tests.support.http_calls import get
 from tests.support.metrics import sample
-from tests.support.procs import Proc
-from tests.test_frontend import get, wait_models
+from tests.support.mocker_fleet import Fleet, mocker_fleet
+from tests.support.procs import Proc, system_port
 
-SLOW = ("--speedup-ratio", "0.1")
+SLOW = "0.1"
 MESSAGES = [{"role": "user", "content": "Tell me a long story"}]
 #: Tokens that take far longer than any deadline here (about 20 s), yet end a run of the old
 #: code (no whole-request deadline) within the client's timeout, so it fails instead of hangs.
 LONG = 300
 
 
-def slow_worker(spawn, namespace, model_dir) -> Proc:
-    return spawn("-m", "dynamo_zmq.worker", "--engine", "mocker", "--model-path", str(model_dir),
-                 "--model-name", "tiny", "--namespace", namespace, "--host", "127.0.0.1",
-                 "--metrics-port", "0", *SLOW)
-
-
-def frontend(spawn, namespace, *flags: str) -> str:
-    proc = spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
-                 *flags, ready=False)
-    return proc.wait_ready().address
+async def slow_fleet(spawn, namespace, model_dir, *frontend_args: str) -> Fleet:
+    """A slow mocker worker (with a metrics port) and a round-robin frontend listing it."""
+    return await mocker_fleet(spawn, namespace, model_dir, 1, mode=None, speedup=SLOW,
+                              worker_args=("--metrics-port", "0"), frontend_args=frontend_args)
 
 
 def client_for(url: str) -> openai.AsyncOpenAI:
@@ -42,8 +37,7 @@ def client_for(url: str) -> openai.AsyncOpenAI:
 
 async def worker_saw_the_stop(proc: Proc) -> None:
     """The worker counted a cancellation (its context was stopped) and holds no request."""
-    port = int(next(line.split()[-1] for line in proc.logs().splitlines()
-                    if "metrics and health on port" in line))
+    port = system_port(proc)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 15
     while True:
@@ -60,9 +54,9 @@ async def worker_saw_the_stop(proc: Proc) -> None:
 @pytest.fixture
 async def deadline_4s(namespace, spawn, tiny_model):
     """A slow worker and a frontend whose requests may take 4 s, with 1 s between outputs."""
-    proc = slow_worker(spawn, namespace, tiny_model)
-    url = frontend(spawn, namespace, "--request-timeout", "4", "--idle-timeout", "1")
-    await wait_models(url, {"tiny"})
+    fleet = await slow_fleet(spawn, namespace, tiny_model, "--request-timeout", "4",
+                             "--idle-timeout", "1")
+    (proc,), url = fleet.workers, fleet.url
     async with client_for(url) as client:
         yield proc, client
 
@@ -104,9 +98,8 @@ async def test_a_deadline_mid_stream_ends_it_with_an_error_event(deadline_4s):
 async def test_a_request_header_sets_the_runtime_deadline(namespace, spawn, tiny_model):
     """Without --request-timeout there is no deadline; ``x-dynamo-request-timeout`` gives one
     request its own (it travels as the runtime's per-request timeout too)."""
-    proc = slow_worker(spawn, namespace, tiny_model)
-    url = frontend(spawn, namespace)
-    await wait_models(url, {"tiny"})
+    fleet = await slow_fleet(spawn, namespace, tiny_model)
+    (proc,), url = fleet.workers, fleet.url
     async with client_for(url) as client:
         with pytest.raises(openai.APIStatusError) as exc:
             await client.chat.completions.create(

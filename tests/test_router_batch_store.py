@@ -89,7 +89,12 @@ def test_independent_stores_take_the_batched_path() -> None:
     idx.apply_batch(0, EventBatch(1.0, [BlockStored([10], None, [], SIZE, own_hashes=a[:1])]))
     batch = [BlockStored([11], 10, [], SIZE, own_hashes=a[1:]),
              BlockStored([20, 21, 22], None, [], SIZE, own_hashes=b)]
-    from router._batch_store import store_batch
+    from router._batch_store import store_batch as batch_store
+
+    def store_batch(idx: KvIndexer, key: tuple[int, int], events: list[KvEvent]) -> bool:
+        ks = idx._state.get(key) or idx._add_key(key)  # as PackedKvIndexer.apply_batch does
+        return batch_store(idx._core, idx._packed_masks, ks, idx.block_size, events)
+
     assert store_batch(idx, (0, 0), batch)
     assert idx.find_matches([1, 2, 3, 4]) == {(0, 0): 2}
     assert idx.find_matches([5, 6, 7, 8, 9, 9]) == {(0, 0): 3}

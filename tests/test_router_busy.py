@@ -25,7 +25,8 @@ from router.metrics import RouterMetrics
 from router.options import add_kv_router_args, kv_router_options
 from router.scheduler import LoadTracker
 from tests.support.http_calls import get
-from tests.support.waiting import eventually, serving
+from tests.support.mocker_fleet import mocker_fleet
+from tests.support.waiting import eventually
 
 BLOCK = 16
 TOTAL_BLOCKS = 32  # each worker's KV cache
@@ -45,28 +46,16 @@ def metric(text: str, name: str, **labels: str) -> float | None:
 
 @pytest.fixture
 async def busy_cluster(namespace, spawn, tiny_model):
-    workers = [
-        spawn("-m", "dynamo_zmq.worker", "--engine", "mocker", "--model-path", str(tiny_model),
-              "--model-name", "tiny", "--namespace", namespace, "--host", "127.0.0.1",
-              "--block-size", str(BLOCK), "--num-gpu-blocks-override", str(TOTAL_BLOCKS),
-              "--speedup-ratio", "0.25", ready=False)
-        for _ in range(2)
-    ]
     # Overlap weight 2: without the busy rule, a request sharing a running request's long prefix
     # would join it on its (full) worker.
-    front = spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
-                  "--router-mode", "kv", "--kv-overlap-score-weight", "2",
-                  "--busy-kv-threshold", "0.5", "--busy-queue-size", str(QUEUE),
-                  "--busy-queue-timeout", "90", ready=False)
-    for proc in [*workers, front]:
-        proc.wait_ready()
-    url = front.address
-    ids = {f"{w.instance_id:x}" for w in workers}
+    fleet = await mocker_fleet(
+        spawn, namespace, tiny_model, 2, speedup="0.25",
+        worker_args=("--block-size", str(BLOCK), "--num-gpu-blocks-override", str(TOTAL_BLOCKS)),
+        frontend_args=("--kv-overlap-score-weight", "2", "--busy-kv-threshold", "0.5",
+                       "--busy-queue-size", str(QUEUE), "--busy-queue-timeout", "90"))
+    url, ids = fleet.url, fleet.ids
 
-    async def reported() -> bool:  # both serve, and both reported their cache size
-        status, body = await asyncio.to_thread(get, f"{url}/health")
-        if status != 200 or set(json.loads(body)["models"].get("tiny", [])) != ids:
-            return False
+    async def reported() -> bool:  # both reported their cache size
         text = await metrics_of(url)
         return all(metric(text, "dynamo_router_reported_active_blocks", worker=i) is not None
                    for i in ids)
@@ -173,18 +162,11 @@ async def test_unprefilled_prompt_tokens_make_a_worker_busy(namespace, spawn, ti
     """``--busy-prefill-tokens``: a worker still prefilling a long prompt takes nothing new (the
     KV bound off); with both workers prefilling, the next request waits, and the one after is
     refused."""
-    workers = [
-        spawn("-m", "dynamo_zmq.worker", "--engine", "mocker", "--model-path", str(tiny_model),
-              "--model-name", "tiny", "--namespace", namespace, "--host", "127.0.0.1",
-              "--block-size", str(BLOCK), "--speedup-ratio", "0.005", ready=False)
-        for _ in range(2)
-    ]
-    front = spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
-                  "--router-mode", "kv", "--busy-kv-threshold", "0",
-                  "--busy-prefill-tokens", "500", "--busy-queue-size", "1",
-                  "--busy-queue-timeout", "60", ready=False)
-    url = await serving(front, workers)
-    ids = {f"{w.instance_id:x}" for w in workers}
+    fleet = await mocker_fleet(
+        spawn, namespace, tiny_model, 2, speedup="0.005", worker_args=("--block-size", str(BLOCK)),
+        frontend_args=("--busy-kv-threshold", "0", "--busy-prefill-tokens", "500",
+                       "--busy-queue-size", "1", "--busy-queue-timeout", "60"))
+    url, ids = fleet.url, fleet.ids
     rng = random.Random(7)
 
     def prompt(tokens: int) -> list[int]:

@@ -206,7 +206,7 @@ class DeltaMachine(RuleBasedStateMachine):
             assert self.idx.num_blocks(key) == len(held), key
             if key in DELTA_KEYS and key in self.idx._state:  # holes drive the exact scan
                 bit = self.idx._state[key].bit
-                assert bool(self.idx._dirty & bit) == (holes(held) > 0), key
+                assert bool(self.idx._keys.dirty & bit) == (holes(held) > 0), key
         assert self.idx.num_blocks() == sum(map(len, self.held.values()))
         for p in PROMPTS:
             assert self.idx.find_matches(p) == brute_matches(self.held, p), p
@@ -284,15 +284,15 @@ def test_a_64_block_store_is_one_update_and_eviction_poisons() -> None:
     toks = list(range(128))
     hs = block_hashes(toks, BS)
     send(idx, (1, 0), [OwnStored(hs)])
-    assert idx.find_matches(toks) == {(1, 0): 64} and idx._dirty == 0
+    assert idx.find_matches(toks) == {(1, 0): 64} and idx._keys.dirty == 0
     assert idx._state[(1, 0)].e2o == {} and idx.num_blocks() == 64
     other = block_hashes([t + 1000 for t in toks], BS)
     send(idx, (2, 0), [OwnStored(other)])  # 128 > 100: (1, 0), the largest, loses its oldest
     assert idx.num_blocks() <= 100 and idx.stats.evicted >= 28 and idx.stats.refused == 0
     assert idx.find_matches(toks) == {}  # its roots went first: nothing leads any more
-    assert idx._dirty & idx._state[(1, 0)].bit  # scanned exactly from now on
+    assert idx._keys.dirty & idx._state[(1, 0)].bit  # scanned exactly from now on
     idx.clear((1, 0))
-    assert not idx._dirty & idx._state[(1, 0)].bit and idx.num_blocks((1, 0)) == 0
+    assert not idx._keys.dirty & idx._state[(1, 0)].bit and idx.num_blocks((1, 0)) == 0
 
 
 def test_a_key_switches_form_with_a_clear() -> None:
@@ -414,14 +414,14 @@ async def test_a_dump_in_delta_form_replaces_stale_state_and_garbage_is_counted(
         assert idx.find_matches(PROMPTS[5]) == {(WID, 0): 4}
         assert idx.find_matches(PROMPTS[12]) == {}  # the stale blocks are gone
         assert idx.find_matches(PROMPTS[10]) == {}  # rank 1 lacks the root: a hole
-        assert idx.num_blocks((WID, 1)) == 3 and idx._dirty == idx._state[(WID, 1)].bit
+        assert idx.num_blocks((WID, 1)) == 3 and idx._keys.dirty == idx._state[(WID, 1)].bit
         # Garbage among live batches: counted, skipped, the next batch applies.
         for payload in GARBAGE[:6]:
             _raw(pub, payload)
         pub.publish([_stores([b[0]])], 1)
         assert await sub.wait_for_seq(pub.next_seq - 1)
         assert sub.stats.decode_errors == 6 and sub.running
-        assert idx.find_matches(PROMPTS[10]) == {(WID, 1): 4} and idx._dirty == 0
+        assert idx.find_matches(PROMPTS[10]) == {(WID, 1): 4} and idx._keys.dirty == 0
         assert metrics.decode_errors.labels("m")._value.get() == 6
         assert metrics.edge_hashed_blocks.labels("m")._value.get() == 8
         await sub.close()

@@ -12,16 +12,9 @@ import random
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.http_calls import get
-from tests.support.procs import Proc
-from tests.test_router_warm_restart import BLOCK, PREFIX_BLOCKS, complete, eventually, serving
-
-
-def delta_worker(spawn, namespace, model_dir) -> Proc:
-    return spawn("-m", "dynamo_zmq.worker", "--engine", "mocker", "--model-path", str(model_dir),
-                 "--model-name", "tiny", "--namespace", namespace, "--host", "127.0.0.1",
-                 "--block-size", str(BLOCK), "--num-gpu-blocks-override", "256",
-                 "--kv-replay-buffer-size", "2", "--speedup-ratio", "1000",
-                 "--kv-event-form", "deltas", ready=False)
+from tests.support.mocker_fleet import mocker_fleet, serving, start_frontend
+from tests.support.waiting import eventually
+from tests.test_router_warm_restart import BLOCK, PREFIX_BLOCKS, complete
 
 
 async def samples(url: str, name: str) -> dict[str, float]:
@@ -40,13 +33,10 @@ async def samples(url: str, name: str) -> dict[str, float]:
 async def test_kv_frontends_route_by_prefix_from_delta_events_and_dumps(
     namespace, spawn, tiny_model
 ):
-    w1, w2 = delta_worker(spawn, namespace, tiny_model), delta_worker(spawn, namespace, tiny_model)
-    front = spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
-                  "--router-mode", "kv", ready=False)
-    for proc in (w1, w2, front):
-        proc.wait_ready()
-    ids = {f"{w1.instance_id:x}", f"{w2.instance_id:x}"}
-    await eventually(lambda: serving(front.address, ids), 30, "both workers routed")
+    fleet = await mocker_fleet(spawn, namespace, tiny_model, 2, worker_args=(
+        "--block-size", str(BLOCK), "--num-gpu-blocks-override", "256",
+        "--kv-replay-buffer-size", "2", "--kv-event-form", "deltas"))
+    front, ids = fleet.front, fleet.ids
 
     rng = random.Random(26)
     prefixes = [[rng.randrange(10, 500) for _ in range(PREFIX_BLOCKS * BLOCK + 3)]
@@ -72,9 +62,8 @@ async def test_kv_frontends_route_by_prefix_from_delta_events_and_dumps(
 
     # A frontend started now gets each worker's state in one dump (the workers keep only 2
     # batches for replay) and routes every prefix to its worker without a request of its own.
-    late = spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
-                 "--router-mode", "kv", ready=False).wait_ready()
-    await eventually(lambda: serving(late.address, ids), 30, "both workers routed (late)")
+    late = start_frontend(spawn, namespace)
+    await serving(late, fleet.workers)
     await eventually(lambda: indexed(late.address), 10, "the dumps indexed")
     for i, tokens in enumerate(prefixes):
         got = await asyncio.to_thread(complete, late.address, [*tokens[:-3], 5, 6])

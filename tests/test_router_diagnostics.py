@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router.diagnostics import FLAT_STREAK, SILENT_AFTER
 from tests.support.http_calls import get
+from tests.support.mocker_fleet import serving, start_frontend, start_mocker
 from tests.support.procs import Proc
 from tests.support.waiting import eventually
 
@@ -20,14 +21,7 @@ BLOCK = 16
 
 
 def worker(spawn, namespace, model_dir, *extra: str, block: int = BLOCK) -> Proc:
-    return spawn("-m", "dynamo_zmq.worker", "--engine", "mocker", "--model-path", str(model_dir),
-                 "--model-name", "tiny", "--namespace", namespace, "--host", "127.0.0.1",
-                 "--block-size", str(block), "--speedup-ratio", "1000", *extra, ready=False)
-
-
-def kv_frontend(spawn, namespace) -> Proc:
-    return spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
-                 "--router-mode", "kv", ready=False)
+    return start_mocker(spawn, namespace, model_dir, "--block-size", str(block), *extra)
 
 
 def complete(url: str, tokens: list[int], max_tokens: int = 4) -> str:
@@ -52,23 +46,14 @@ async def metric(url: str, name: str, **labels: str) -> float:
     return 0.0
 
 
-async def serving(url: str, workers: list[Proc]) -> bool:
-    status, body = await asyncio.to_thread(get, f"{url}/health")
-    ids = {f"{w.instance_id:x}" for w in workers}
-    return status == 200 and set(json.loads(body)["models"].get("tiny", [])) == ids
-
-
 def prompt(rng: random.Random, blocks: int = 2) -> list[int]:
     return [rng.randrange(10, 500) for _ in range(blocks * BLOCK + 3)]
 
 
 async def test_workers_without_kv_events_are_silent_and_scores_flat(namespace, spawn, tiny_model):
     workers = [worker(spawn, namespace, tiny_model, "--no-kv-events") for _ in range(2)]
-    front = kv_frontend(spawn, namespace)
-    for proc in (*workers, front):
-        proc.wait_ready()
-    url = front.address
-    await eventually(lambda: serving(url, workers), 30, "both workers routed")
+    front = start_frontend(spawn, namespace)
+    url = await serving(front, workers)
 
     async def both_silent() -> bool:
         return await metric(url, "dynamo_router_silent_workers") == 2
@@ -91,11 +76,8 @@ async def test_a_worker_that_never_publishes_turns_silent(namespace, spawn, tiny
     """Prefix caching off: the worker advertises KV events but never sends one."""
     talker = worker(spawn, namespace, tiny_model)
     mute = worker(spawn, namespace, tiny_model, "--no-enable-prefix-caching")
-    front = kv_frontend(spawn, namespace)
-    for proc in (talker, mute, front):
-        proc.wait_ready()
-    url = front.address
-    await eventually(lambda: serving(url, [talker, mute]), 30, "both workers routed")
+    front = start_frontend(spawn, namespace)
+    url = await serving(front, [talker, mute])
     rng = random.Random(8)
     for _ in range(10):  # until the mute worker has been sent a request (ties are random)
         got = await asyncio.gather(*(asyncio.to_thread(complete, url, prompt(rng), 16)
@@ -117,15 +99,12 @@ async def test_a_worker_that_never_publishes_turns_silent(namespace, spawn, tiny
 
 async def test_a_block_size_mismatch_is_reported(namespace, spawn, tiny_model):
     first = worker(spawn, namespace, tiny_model)
-    front = kv_frontend(spawn, namespace)
-    for proc in (first, front):
-        proc.wait_ready()
-    url = front.address
-    await eventually(lambda: serving(url, [first]), 30, "the first worker routed")
+    front = start_frontend(spawn, namespace)
+    url = await serving(front, [first])
     # (The stores form: its events carry their block size, which the router checks.)
     other = worker(spawn, namespace, tiny_model, "--kv-event-form", "stores",
                    block=2 * BLOCK).wait_ready()
-    await eventually(lambda: serving(url, [first, other]), 30, "both workers routed")
+    await serving(front, [first, other])
 
     async def mismatched() -> bool:
         return await metric(url, "dynamo_router_mismatched_workers", reason="block_size") == 1
@@ -156,11 +135,8 @@ async def test_a_hash_scheme_mismatch_is_reported(namespace, spawn, tiny_model):
     # (The stores form: its events carry the tokens the router falls back to.)
     other = worker(spawn, namespace, tiny_model, "--kv-hash-seed", "12345", "--kv-event-form",
                    "stores")
-    front = kv_frontend(spawn, namespace)
-    for proc in (other, front):
-        proc.wait_ready()
-    url = front.address
-    await eventually(lambda: serving(url, [other]), 30, "the worker routed")
+    front = start_frontend(spawn, namespace)
+    url = await serving(front, [other])
 
     async def mismatched() -> bool:
         return await metric(url, "dynamo_router_mismatched_workers", reason="hash_scheme") == 1

@@ -19,18 +19,14 @@ import pytest
 
 from dynamo_zmq import errors
 from tests.support.http_calls import get
-from tests.support.procs import Proc
-from tests.support.waiting import eventually, serving
+from tests.support.mocker_fleet import mocker_fleet, start_mocker
+from tests.support.waiting import eventually
 
 BLOCK = 16
 PREFIX_BLOCKS = 6
-
-
-def worker(spawn, namespace, model_dir) -> Proc:
-    return spawn("-m", "dynamo_zmq.worker", "--engine", "mocker", "--model-path", str(model_dir),
-                 "--model-name", "tiny", "--namespace", namespace, "--host", "127.0.0.1",
-                 "--block-size", str(BLOCK), "--data-parallel-size", "2",
-                 "--num-gpu-blocks-override", "256", "--speedup-ratio", "1000", ready=False)
+#: The mocker workers' flags: two data-parallel ranks each.
+WORKER = ("--block-size", str(BLOCK), "--data-parallel-size", "2", "--num-gpu-blocks-override",
+          "256")
 
 
 def complete(url: str, tokens: list[int], max_tokens: int = 4) -> tuple[str, dict]:
@@ -56,11 +52,8 @@ def index_blocks(metrics: str) -> dict[str, float]:
 
 @pytest.fixture
 async def cluster(namespace, spawn, tiny_model):
-    workers = [worker(spawn, namespace, tiny_model) for _ in range(4)]
-    front = spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
-                  "--router-mode", "kv", ready=False)
-    url = await serving(front, workers)
-    return url, workers
+    fleet = await mocker_fleet(spawn, namespace, tiny_model, 4, worker_args=WORKER)
+    return fleet.url, fleet.workers
 
 
 async def metrics_of(url: str) -> str:
@@ -161,14 +154,10 @@ async def test_kv_routing_end_to_end(namespace, spawn, make_runtime, cluster):
 async def test_approximate_kv_routing_without_kv_events(namespace, spawn, tiny_model):
     """``--no-kv-events``: engines publish nothing; the frontend predicts caches from its own
     decisions. Streaming responses carry the routing header too."""
-    workers = [spawn("-m", "dynamo_zmq.worker", "--engine", "mocker",
-                     "--model-path", str(tiny_model),
-                     "--model-name", "tiny", "--namespace", namespace, "--host", "127.0.0.1",
-                     "--block-size", str(BLOCK), "--data-parallel-size", "2", "--no-kv-events",
-                     "--speedup-ratio", "1000", ready=False) for _ in range(2)]
-    front = spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
-                  "--router-mode", "kv", "--no-kv-events", "--router-temperature", "0", ready=False)
-    url = await serving(front, workers)
+    url = (await mocker_fleet(
+        spawn, namespace, tiny_model, 2,
+        worker_args=("--block-size", str(BLOCK), "--data-parallel-size", "2", "--no-kv-events"),
+        frontend_args=("--no-kv-events", "--router-temperature", "0"))).url
     prefix = list(range(20, 20 + 4 * BLOCK))
     target, _ = await asyncio.to_thread(complete, url, [*prefix, 5])
     for tail in ([6], [7, 8], list(range(30, 60))):
@@ -199,7 +188,7 @@ async def test_approximate_kv_routing_without_kv_events(namespace, spawn, tiny_m
 async def test_router_service_waits_for_workers(namespace, spawn, tiny_model):
     """``python -m router --wait-for-workers 2`` serves (prints READY) only once it follows two
     workers: with one it waits, and the second one releases it."""
-    first = worker(spawn, namespace, tiny_model).wait_ready()
+    first = start_mocker(spawn, namespace, tiny_model, *WORKER).wait_ready()
     router = spawn("-m", "router", "--namespace", namespace, "--host", "127.0.0.1",
                    "--wait-for-workers", "2", ready=False)
 
@@ -210,7 +199,7 @@ async def test_router_service_waits_for_workers(namespace, spawn, tiny_model):
     assert router.popen.poll() is None
     readable, _, _ = select.select([router.popen.stdout], [], [], 0)
     assert not readable, "READY printed with one worker of two"
-    second = worker(spawn, namespace, tiny_model).wait_ready()
+    second = start_mocker(spawn, namespace, tiny_model, *WORKER).wait_ready()
     await asyncio.to_thread(router.wait_ready, 30)
     assert "following 2 workers" in router.logs() and first.instance_id != second.instance_id
 

@@ -35,7 +35,8 @@ from router.events import decode_batch, decode_edge_batch
 from router.hashing import ROOT_SEED, block_hashes, root_hash
 from router.indexer import KvIndexer
 from tests.support.fixtures import vllm_kv_events
-from tests.test_router_e2e import BLOCK, PREFIX_BLOCKS, complete, eventually, metrics_of, worker
+from tests.support.mocker_fleet import mocker_fleet
+from tests.test_router_e2e import BLOCK, PREFIX_BLOCKS, WORKER, complete, eventually, metrics_of
 
 # --- the property: edge-hashed and token-hashed ingestion build the same index -------------------
 
@@ -234,12 +235,7 @@ def edge_hashed_blocks(metrics: str) -> float:
 
 
 async def test_mocker_edge_hashes_feed_kv_routing(namespace, spawn, tiny_model, make_runtime):
-    workers = [worker(spawn, namespace, tiny_model) for _ in range(2)]
-    front = spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
-                  "--router-mode", "kv", ready=False)
-    for proc in [*workers, front]:
-        proc.wait_ready()
-    url = front.address
+    url = (await mocker_fleet(spawn, namespace, tiny_model, 2, worker_args=WORKER)).url
     rng = random.Random(18)
     prefix = [rng.randrange(10, 500) for _ in range(PREFIX_BLOCKS * BLOCK)]
 

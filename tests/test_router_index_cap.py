@@ -14,6 +14,7 @@ import pytest
 
 from router import __main__ as router_main
 from router.options import kv_router_options
+from tests.support.mocker_fleet import mocker_fleet
 from tests.test_router_e2e import complete, eventually, metrics_of
 
 BLOCK = 16
@@ -29,21 +30,14 @@ def sample(metrics: str, name: str) -> float:
 
 @pytest.fixture(params=["dicts", "packed"])
 async def capped(request, namespace, spawn, tiny_model):
-    workers = [
-        spawn("-m", "dynamo_zmq.worker", "--engine", "mocker", "--model-path", str(tiny_model),
-              "--model-name", "tiny", "--namespace", namespace, "--host", "127.0.0.1",
-              "--block-size", str(BLOCK), "--num-gpu-blocks-override", "512",
-              # The stores form: its parent links let the cap evict leaves first, which keeps
-              # a hot prefix's head (delta keys evict strictly oldest first: docs/operations.md).
-              "--speedup-ratio", "1000", "--kv-event-form", "stores", ready=False)
-        for _ in range(2)
-    ]
-    front = spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
-                  "--router-mode", "kv", "--kv-index-max-blocks", str(CAP),
-                  "--kv-index-layout", request.param, ready=False)
-    for proc in [*workers, front]:
-        proc.wait_ready()
-    url = front.address
+    fleet = await mocker_fleet(
+        spawn, namespace, tiny_model, 2,
+        # The stores form: its parent links let the cap evict leaves first, which keeps a hot
+        # prefix's head (delta keys evict strictly oldest first: docs/operations.md).
+        worker_args=("--block-size", str(BLOCK), "--num-gpu-blocks-override", "512",
+                     "--kv-event-form", "stores"),
+        frontend_args=("--kv-index-max-blocks", str(CAP), "--kv-index-layout", request.param))
+    front, url = fleet.front, fleet.url
 
     async def both_serving() -> bool:
         page = await metrics_of(url)

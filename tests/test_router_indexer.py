@@ -307,13 +307,13 @@ def test_restore_with_other_content_poisons_until_clear() -> None:
     idx.apply_stored((1, 0), [10, 11, 12], None, t, BS)
     idx.apply_removed((1, 0), [11])
     idx.apply_stored((1, 0), [11], 10, u, BS)  # engine hash 11 now names other content
-    assert idx._state[(1, 0)].poisoned and idx._dirty
+    assert idx._state[(1, 0)].poisoned and idx._keys.dirty
     assert idx.find_matches(t) == {(1, 0): 1}
     assert idx.find_matches(t[:BS] + u) == {(1, 0): 2}
     idx.apply_removed((1, 0), [12, 11, 10])
     assert idx.num_blocks() == 0 and idx.find_matches(t) == {}
     idx.clear((1, 0))
-    assert not idx._state[(1, 0)].poisoned and not idx._dirty
+    assert not idx._state[(1, 0)].poisoned and not idx._keys.dirty
 
 
 def test_conflict_stops_the_rest_of_the_event() -> None:
@@ -338,22 +338,22 @@ def test_holes_switch_to_the_exact_scan_and_back() -> None:
     t = _toks(6)
     idx.apply_stored((1, 0), [10, 11, 12, 13, 14, 15], None, t, BS)
     idx.apply_stored((2, 0), [10, 11, 12], None, t[: 3 * BS], BS)
-    assert idx.find_matches(t) == {(1, 0): 6, (2, 0): 3} and not idx._dirty
+    assert idx.find_matches(t) == {(1, 0): 6, (2, 0): 3} and not idx._keys.dirty
     idx.apply_removed((1, 0), [12])  # block 3 of key 1 is an orphan now (4, 5 hang on it)
-    assert idx._state[(1, 0)].orphans == 1 and idx._dirty == idx._state[(1, 0)].bit
+    assert idx._state[(1, 0)].orphans == 1 and idx._keys.dirty == idx._state[(1, 0)].bit
     assert idx._state[(1, 0)].orphan_parents == {12: (1, block_hashes(t[: 3 * BS], BS)[2])}
     assert idx.find_matches(t) == {(1, 0): 2, (2, 0): 3}
     idx.apply_stored((1, 0), [12], 11, t[2 * BS : 3 * BS], BS)  # the parent comes back
-    assert idx._state[(1, 0)].orphans == 0 and not idx._dirty
+    assert idx._state[(1, 0)].orphans == 0 and not idx._keys.dirty
     assert idx.find_matches(t) == {(1, 0): 6, (2, 0): 3}
     idx.apply_removed((1, 0), [11])
     idx.apply_removed((1, 0), [12, 13, 14, 15])  # removing the orphans cleans the key
-    assert idx._state[(1, 0)].orphans == 0 and not idx._dirty
+    assert idx._state[(1, 0)].orphans == 0 and not idx._keys.dirty
     assert idx.find_matches(t) == {(1, 0): 1, (2, 0): 3}
     idx.apply_removed((2, 0), [10])
     assert idx.find_matches(t) == {(1, 0): 1}
     idx.clear((2, 0))
-    assert idx._state[(2, 0)].orphans == 0 and not idx._dirty
+    assert idx._state[(2, 0)].orphans == 0 and not idx._keys.dirty
 
 
 def test_many_keys_beyond_64_bits() -> None:
@@ -572,7 +572,7 @@ class IndexerMachine(RuleBasedStateMachine):
             assert {pe: c for pe, (c, _) in ks.orphan_parents.items()} == missing
             assert ks.orphans == sum(missing.values())
             dirty |= ks.bit if ks.orphans else 0
-        assert idx._dirty == dirty
+        assert idx._keys.dirty == dirty
 
     @invariant()
     def counts_agree(self) -> None:
@@ -637,7 +637,7 @@ def test_cap_evicts_oldest_leaves_first_and_keeps_routing() -> None:
     assert idx.num_blocks() == 6 and idx.stats.evicted == 2 and idx.stats.refused == 0
     assert idx.find_matches(old) == {(1, 0): 2}  # its chain lost its tail, kept its prefix
     assert idx.find_matches(new) == {(2, 0): 4}
-    assert idx._dirty == 0  # no orphans: the binary-searched lookup stays valid
+    assert idx._keys.dirty == 0  # no orphans: the binary-searched lookup stays valid
     idx.apply_removed((1, 0), [3, 4])  # the engine's own removal of evicted blocks: unknown
     assert idx.stats.unknown_removed == 2 and idx.stats.removed_blocks == 0
     with pytest.raises(ValueError):

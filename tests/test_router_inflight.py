@@ -16,7 +16,7 @@ from router._inflight import with_inflight
 from router.hashing import block_hashes
 from router.options import add_kv_router_args, kv_router_options
 from router.scheduler import LoadTracker
-from tests.support.waiting import serving
+from tests.support.mocker_fleet import mocker_fleet
 from tests.test_router_busy import complete, eventually, metric, metrics_of
 
 BLOCK = 16
@@ -25,16 +25,10 @@ BLOCK = 16
 @pytest.mark.parametrize("inflight", [True, False])
 async def test_a_prefix_in_flight_counts_as_matched(namespace, spawn, tiny_model, inflight):
     # Dynamo's prefill fit at speedup 0.01: 1,000 uncached tokens take about 3 s.
-    workers = [
-        spawn("-m", "dynamo_zmq.worker", "--engine", "mocker", "--model-path", str(tiny_model),
-              "--model-name", "tiny", "--namespace", namespace, "--host", "127.0.0.1",
-              "--block-size", str(BLOCK), "--speedup-ratio", "0.01", ready=False)
-        for _ in range(2)
-    ]
     flags = [] if inflight else ["--no-kv-inflight-overlap"]
-    front = spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
-                  "--router-mode", "kv", "--kv-overlap-score-weight", "8", *flags, ready=False)
-    url = await serving(front, workers)
+    url = (await mocker_fleet(
+        spawn, namespace, tiny_model, 2, speedup="0.01", worker_args=("--block-size", str(BLOCK)),
+        frontend_args=("--kv-overlap-score-weight", "8", *flags))).url
     rng = random.Random(7)
     prefix = [rng.randrange(10, 500) for _ in range(62 * BLOCK)]
     first = asyncio.create_task(asyncio.to_thread(complete, url, prefix, 1))

@@ -5,7 +5,6 @@ publishes its load; an engine without ``load()`` publishes nothing and routing s
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import re
 from typing import Any
@@ -30,8 +29,9 @@ from router.kv_router import KvRouter
 from router.load import LoadSubscriber, ReportClock
 from router.metrics import RouterMetrics
 from router.scheduler import LoadTracker
+from tests.support.mocker_fleet import mocker_fleet
 from tests.support.waiting import until
-from tests.test_router_e2e import complete, eventually, get, index_blocks, metrics_of
+from tests.test_router_e2e import complete, eventually, index_blocks, metrics_of
 
 WID = 0xABC
 BLOCK = 16
@@ -166,12 +166,6 @@ def test_handle_never_raises_and_only_valid_reports_reach_the_router(messages):
 # -- real processes ---------------------------------------------------------------------------
 
 
-def mocker(spawn, namespace, model_dir):
-    return spawn("-m", "dynamo_zmq.worker", "--engine", "mocker", "--model-path", str(model_dir),
-                 "--model-name", "tiny", "--namespace", namespace, "--host", "127.0.0.1",
-                 "--block-size", str(BLOCK), "--speedup-ratio", "1", ready=False)
-
-
 def reported_blocks(metrics: str, key: str) -> float:
     for m in re.finditer(
         r"^dynamo_router_reported_active_blocks\{(.*)\} (\S+)$", metrics, re.MULTILINE
@@ -188,18 +182,10 @@ async def test_a_frontend_avoids_a_worker_others_loaded_because_it_publishes_its
     """Frontend B routes by KV cache and load. Worker X caches the prefix of B's prompts, so on
     B's own prediction (it routed nothing) X is the cheaper worker. But another caller keeps X
     busy with long requests; X publishes that load, and B sends its requests to Y instead."""
-    x, y = mocker(spawn, namespace, tiny_model), mocker(spawn, namespace, tiny_model)
-    front = spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
-                  "--router-mode", "kv", ready=False)
-    for proc in (x, y, front):
-        proc.wait_ready()
-    url, xid, yid = front.address, f"{x.instance_id:x}", f"{y.instance_id:x}"
-
-    async def both_workers() -> bool:
-        status, body = await asyncio.to_thread(get, f"{url}/health")
-        return status == 200 and set(json.loads(body)["models"].get("tiny", [])) == {xid, yid}
-
-    await eventually(both_workers, 30, "both workers serving 'tiny' at the frontend")
+    fleet = await mocker_fleet(spawn, namespace, tiny_model, 2, speedup="1",
+                               worker_args=("--block-size", str(BLOCK)))
+    (x, y), url = fleet.workers, fleet.url
+    xid, yid = f"{x.instance_id:x}", f"{y.instance_id:x}"
     client = await make_runtime().endpoint(f"{namespace}.backend.generate").client()
     assert await until(
         client, lambda: set(client.instance_ids()) == {x.instance_id, y.instance_id}, 15

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from router.options import add_kv_router_args, kv_router_options
-from tests.support.waiting import serving
+from tests.support.mocker_fleet import mocker_fleet
 from tests.test_router_busy import complete, eventually, metric, metrics_of
 
 BLOCK = 16
@@ -24,16 +24,10 @@ BLOCK = 16
 @pytest.mark.parametrize("weight", [0.0, 10.0])
 async def test_queued_prefill_steers_a_shared_prefix_away(namespace, spawn, tiny_model, weight):
     # Dynamo's prefill fit at speedup 0.01: 1,000 uncached tokens take about 3 s.
-    workers = [
-        spawn("-m", "dynamo_zmq.worker", "--engine", "mocker", "--model-path", str(tiny_model),
-              "--model-name", "tiny", "--namespace", namespace, "--host", "127.0.0.1",
-              "--block-size", str(BLOCK), "--speedup-ratio", "0.01", ready=False)
-        for _ in range(2)
-    ]
-    front = spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
-                  "--router-mode", "kv", "--kv-overlap-score-weight", "8",
-                  "--kv-prefill-load-weight", str(weight), ready=False)
-    url = await serving(front, workers)
+    url = (await mocker_fleet(
+        spawn, namespace, tiny_model, 2, speedup="0.01", worker_args=("--block-size", str(BLOCK)),
+        frontend_args=("--kv-overlap-score-weight", "8", "--kv-prefill-load-weight", str(weight)))
+    ).url
     rng = random.Random(11)
     prefix = [rng.randrange(10, 500) for _ in range(62 * BLOCK)]
 

@@ -77,10 +77,12 @@ def _events(ops: list[tuple[Any, ...]]) -> tuple[list[ReplicaEvent], list[Snapsh
     return events, snaps, own
 
 
-def _sync() -> tuple[ReplicaSync, LoadTracker, PrefillTokens]:
+def _sync(known: set[int] | None = None) -> tuple[ReplicaSync, LoadTracker, PrefillTokens]:
+    """A replica following ``PEER``, with ``known`` the workers it has found (default: all)."""
     loads, prefill = LoadTracker(), PrefillTokens()
+    found = set(WORKERS) if known is None else known
     sync = ReplicaSync(None, Resources("test"), "dyn://ns.backend.generate",  # type: ignore[arg-type]
-                       "tiny", loads, prefill, lambda w: w in WORKERS, RouterMetrics())
+                       "tiny", loads, prefill, found.__contains__, RouterMetrics())
     sync._peers[PEER] = Peer(PEER, "tcp://127.0.0.1:1")
     return sync, loads, prefill
 
@@ -109,6 +111,35 @@ def test_a_late_joiner_counts_exactly_the_peers_requests(ops, data) -> None:
     sync.apply_snapshot(PEER, snaps[at])
     for ev in events[applied:]:
         _send(sync, ev)
+
+    _assert_counts_exactly(sync, loads, prefill, own, n)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(st.one_of(_add, _ref), max_size=30), data=st.data())
+def test_a_joiner_that_finds_a_worker_after_its_peer_still_counts_its_requests(ops, data) -> None:
+    """The race behind the late-join flake: the peer's requests on a worker this replica has
+    not found yet (from the snapshot or from ADDs) wait for it, and count once it is found,
+    whenever that is; those that ended meanwhile never count."""
+    events, snaps, own = _events(ops)
+    n = len(events)
+    at = data.draw(st.integers(0, n), label="snapshot as of")
+    found_after = data.draw(st.integers(0, n), label="worker found after event")
+    known: set[int] = {WORKERS[1]}  # WORKERS[0] is found late
+    sync, loads, prefill = _sync(known)
+    peer = sync._peers[PEER]
+    peer.asking = True
+    for i, ev in enumerate(events[at:], start=at):
+        if i == found_after:
+            known.add(WORKERS[0])
+            sync.count_found()
+        if i == at:
+            sync.apply_snapshot(PEER, snaps[at])
+        _send(sync, ev)
+    if at == n:
+        sync.apply_snapshot(PEER, snaps[at])
+    known.add(WORKERS[0])
+    sync.count_found()
 
     _assert_counts_exactly(sync, loads, prefill, own, n)
 

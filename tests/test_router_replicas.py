@@ -19,21 +19,16 @@ import zmq
 from router._replica_wire import ADD, FREE, REPLICA_TOPIC, ReplicaEvent, encode_event, pack_hashes
 from router.hashing import block_hashes
 from router.replica_sync import META_KEY, replica_path
-from tests.test_router_diagnostics import complete, eventually, metric, serving
+from tests.support.mocker_fleet import mocker_fleet, serving, start_frontend, start_mocker
+from tests.test_router_diagnostics import complete, eventually, metric
 
 BLOCK = 16
 SYNC = ("--router-replica-sync",)
 
 
-def worker(spawn, namespace, model_dir):
-    return spawn("-m", "dynamo_zmq.worker", "--engine", "mocker", "--model-path", str(model_dir),
-                 "--model-name", "tiny", "--namespace", namespace, "--host", "127.0.0.1",
-                 "--block-size", str(BLOCK), "--speedup-ratio", "0.5", ready=False)
-
-
-def frontend(spawn, namespace, *extra: str):
-    return spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
-                 "--router-mode", "kv", *extra, ready=False)
+def worker(spawn, namespace, model_dir, *extra: str):
+    return start_mocker(spawn, namespace, model_dir, "--block-size", str(BLOCK), *extra,
+                        speedup="0.5")
 
 
 async def replica_blocks(url: str, workers) -> dict[str, float]:
@@ -43,11 +38,9 @@ async def replica_blocks(url: str, workers) -> dict[str, float]:
 
 async def start(spawn, namespace, tiny_model, fronts: int = 2, extra: tuple[str, ...] = ()):
     workers = [worker(spawn, namespace, tiny_model) for _ in range(2)]
-    procs = [frontend(spawn, namespace, *SYNC, *extra) for _ in range(fronts)]
-    for proc in (*workers, *procs):
-        proc.wait_ready()
+    procs = [start_frontend(spawn, namespace, *SYNC, *extra) for _ in range(fronts)]
     for proc in procs:
-        await eventually(lambda p=proc: serving(p.address, workers), 30, "both workers routed")
+        await serving(proc, workers)
     if fronts > 1:
         for proc in procs:
             await eventually(lambda p=proc: metric(p.address, "dynamo_router_replica_peers"),
@@ -99,22 +92,16 @@ async def test_a_replica_that_joins_late_counts_what_was_in_flight(namespace, sp
     in (router/_replica_snapshot.py). The request's end (its client leaves) releases it."""
     # Slow workers (a twentieth of the mocker's speed): the request outlives frontend 2's
     # start however slow the machine, and the test ends it by closing the stream.
-    workers = [spawn("-m", "dynamo_zmq.worker", "--engine", "mocker", "--model-path",
-                     str(tiny_model), "--model-name", "tiny", "--namespace", namespace,
-                     "--host", "127.0.0.1", "--block-size", str(BLOCK), "--speedup-ratio",
-                     "0.05", ready=False) for _ in range(2)]
-    f1 = frontend(spawn, namespace, *SYNC)
-    for proc in (*workers, f1):
-        proc.wait_ready()
-    await eventually(lambda: serving(f1.address, workers), 30, "both workers routed")
+    fleet = await mocker_fleet(spawn, namespace, tiny_model, 2, speedup="0.05",
+                               worker_args=("--block-size", str(BLOCK)), frontend_args=SYNC)
+    workers, f1 = fleet.workers, fleet.front
     client = openai.AsyncOpenAI(base_url=f"{f1.address}/v1", api_key="none", max_retries=0)
     stream = await client.completions.create(model="tiny", prompt=prompt(9), max_tokens=1900,
                                              stream=True)
     try:
         assert (await anext(aiter(stream))).choices  # routed and generating
-        f2 = frontend(spawn, namespace, *SYNC)
-        f2.wait_ready()
-        await eventually(lambda: serving(f2.address, workers), 30, "both workers routed")
+        f2 = start_frontend(spawn, namespace, *SYNC)
+        await serving(f2, workers)
         seen = await eventually(lambda: _nonzero(replica_blocks(f2.address, workers)), 30,
                                 "frontend 2 counting the request routed before it started")
         assert len(seen) == 1 and next(iter(seen.values())) >= 4
@@ -265,14 +252,10 @@ async def test_replicas_sync_under_curve(namespace, spawn, tiny_model, tmp_path)
         create_keypair(keys, name)
         authorize(keys, str(keys / f"{name}.key"))
     auth = {name: ("--auth-keys", str(keys), "--auth-key-name", name) for name in names}
-    w = spawn("-m", "dynamo_zmq.worker", "--engine", "mocker", "--model-path", str(tiny_model),
-              "--model-name", "tiny", "--namespace", namespace, "--host", "127.0.0.1",
-              "--block-size", str(BLOCK), "--speedup-ratio", "0.5", *auth["worker"], ready=False)
-    f1, f2 = (frontend(spawn, namespace, *SYNC, *auth[n]) for n in ("front1", "front2"))
-    for proc in (w, f1, f2):
-        proc.wait_ready()
+    w = worker(spawn, namespace, tiny_model, *auth["worker"])
+    f1, f2 = (start_frontend(spawn, namespace, *SYNC, *auth[n]) for n in ("front1", "front2"))
     for proc in (f1, f2):
-        await eventually(lambda p=proc: serving(p.address, [w]), 30, "the worker routed")
+        await serving(proc, [w])
         await eventually(lambda p=proc: metric(p.address, "dynamo_router_replica_peers"),
                          30, "the other replica followed")
     long = asyncio.create_task(asyncio.to_thread(complete, f1.address, prompt(6), 300))

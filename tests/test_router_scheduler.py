@@ -15,7 +15,7 @@ import pytest
 
 import router.__main__ as router_main
 from dynamo_zmq import errors
-from dynamo_zmq.llm import PreprocessedRequest, StopConditions
+from dynamo_zmq.llm import PrefillRemotely, PreprocessedRequest, RouteOptions, StopConditions
 from router.approx import ApproxIndexer
 from router.hashing import block_hashes
 from router.kv_router import MAX_DP_SIZE, KvRouter, KvRouterConfig
@@ -440,12 +440,13 @@ async def test_excluded_workers_are_not_routed_to_whatever_they_hold(
         s = await router.generate(_request([*prefix, 2], 2))
         assert s.instance_id == holder  # the overlap decides
         [_ async for _ in s]
-        s = await router.generate(_request([*prefix, 3], 2), exclude=frozenset({holder}))
+        s = await router.generate(_request([*prefix, 3], 2),
+                                  options=RouteOptions(exclude=frozenset({holder})))
         assert s.instance_id != holder
         assert [o.finish_reason async for o in s][-1] == "length"
         with pytest.raises(errors.CannotConnect):
-            await router.generate(_request(prefix, 2),
-                                  exclude=frozenset(p.instance_id for p in procs))
+            everyone = RouteOptions(exclude=frozenset(p.instance_id for p in procs))
+            await router.generate(_request(prefix, 2), options=everyone)
     finally:
         await router.close()
 
@@ -453,7 +454,7 @@ async def test_excluded_workers_are_not_routed_to_whatever_they_hold(
 async def test_a_decode_request_with_a_remote_prefill_earns_no_overlap_credit(
     namespace, spawn, make_runtime, tiny_model
 ):
-    """A request whose KV comes from a prefill worker (``do_remote_prefill``, disaggregation)
+    """A request whose KV comes from a prefill worker (``PrefillRemotely``, disaggregation)
     is routed by load alone: what the workers hold of its prompt is not counted."""
     proc = spawn("-m", "dynamo_zmq.worker", "--engine", "mocker", "--model-path",
                  str(tiny_model), "--model-name", "tiny", "--namespace", namespace, "--host",
@@ -470,7 +471,7 @@ async def test_a_decode_request_with_a_remote_prefill_earns_no_overlap_credit(
         await (await router.generate(local)).aclose()
         assert local.routing.overlap_blocks == 4
         remote = _request([*prefix, 3], 2)
-        remote.disaggregated_params = {"do_remote_prefill": True}
+        remote.disaggregation = PrefillRemotely()
         await (await router.generate(remote)).aclose()
         assert remote.routing.overlap_blocks == 0
     finally:

@@ -14,17 +14,18 @@ import urllib.request
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.http_calls import get
+from tests.support.metrics import index_blocks
+from tests.support.mocker_fleet import serving, start_frontend, start_mocker
 from tests.support.procs import Proc
+from tests.support.waiting import eventually
 
 BLOCK = 16
 PREFIX_BLOCKS = 6
 
 
 def worker(spawn, namespace, model_dir, blocks: int) -> Proc:
-    return spawn("-m", "dynamo_zmq.worker", "--engine", "mocker", "--model-path", str(model_dir),
-                 "--model-name", "tiny", "--namespace", namespace, "--host", "127.0.0.1",
-                 "--block-size", str(BLOCK), "--num-gpu-blocks-override", str(blocks),
-                 "--kv-replay-buffer-size", "2", "--speedup-ratio", "1000", ready=False)
+    return start_mocker(spawn, namespace, model_dir, "--block-size", str(BLOCK),
+                        "--num-gpu-blocks-override", str(blocks), "--kv-replay-buffer-size", "2")
 
 
 def complete(url: str, tokens: list[int], instance: int | None = None) -> str:
@@ -39,43 +40,13 @@ def complete(url: str, tokens: list[int], instance: int | None = None) -> str:
         return str(resp.headers["x-dynamo-worker"])
 
 
-async def eventually(check, timeout: float, what: str):
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not (value := await check()):
-        assert loop.time() < deadline, f"{what} not reached in {timeout}s"
-        await asyncio.sleep(0.1)
-    return value
-
-
-async def index_blocks(url: str) -> dict[str, float]:
-    """The KV router's indexed blocks per worker (hex id) of model 'tiny'."""
-    status, page = await asyncio.to_thread(get, f"{url}/metrics")
-    assert status == 200
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(page.decode()):
-        for s in family.samples:
-            if s.name == "dynamo_router_kv_index_blocks" and s.labels.get("model") == "tiny":
-                out[s.labels["worker"]] = out.get(s.labels["worker"], 0) + s.value
-    return out
-
-
-async def serving(url: str, ids: set[str]) -> bool:
-    status, body = await asyncio.to_thread(get, f"{url}/health")
-    return status == 200 and set(json.loads(body)["models"].get("tiny", [])) == ids
-
-
 async def test_a_new_router_routes_prefixes_cached_before_it_started(
     namespace, spawn, make_runtime, tiny_model
 ):
     # w1 holds 24 blocks: of five 7-block requests, the first's blocks are evicted.
     w1, w2 = worker(spawn, namespace, tiny_model, 24), worker(spawn, namespace, tiny_model, 256)
-    first = spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
-                  "--router-mode", "direct", ready=False)
-    for proc in (w1, w2, first):
-        proc.wait_ready()
-    ids = {f"{w1.instance_id:x}", f"{w2.instance_id:x}"}
-    await eventually(lambda: serving(first.address, ids), 30, "both workers served")
+    first = start_frontend(spawn, namespace, mode="direct")
+    await serving(first, [w1, w2])
 
     rng = random.Random(18)
 
@@ -91,9 +62,8 @@ async def test_a_new_router_routes_prefixes_cached_before_it_started(
     evicted, kept = on_w1[0], on_w1[2:]
 
     # A kv-mode frontend started now routes each kept prefix to the worker that holds it.
-    front = spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
-                  "--router-mode", "kv", ready=False).wait_ready()
-    await eventually(lambda: serving(front.address, ids), 30, "both workers routed")
+    front = start_frontend(spawn, namespace)
+    await serving(front, [w1, w2])
 
     async def indexed() -> bool:  # within seconds of start, without any new request
         blocks = await index_blocks(front.address)
@@ -135,19 +105,14 @@ async def test_the_dump_carries_the_workers_own_hashes(namespace, spawn, tiny_mo
     # A dump from a worker that hashes at the edge is indexed from its hashes (the edge path),
     # tokens unread, like its live events; and it still routes the prefix to it.
     w = worker(spawn, namespace, tiny_model, 256)
-    first = spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
-                  "--router-mode", "direct", ready=False)
-    for proc in (w, first):
-        proc.wait_ready()
-    ids = {f"{w.instance_id:x}"}
-    await eventually(lambda: serving(first.address, ids), 30, "the worker served")
+    first = start_frontend(spawn, namespace, mode="direct")
+    await serving(first, [w])
     rng = random.Random(25)
     tokens = [rng.randrange(10, 500) for _ in range(PREFIX_BLOCKS * BLOCK + 3)]
     await asyncio.to_thread(complete, first.address, tokens, w.instance_id)
 
-    front = spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
-                  "--router-mode", "kv", ready=False).wait_ready()
-    await eventually(lambda: serving(front.address, ids), 30, "the worker routed")
+    front = start_frontend(spawn, namespace)
+    await serving(front, [w])
 
     async def edge_indexed() -> float:
         status, page = await asyncio.to_thread(get, f"{front.address}/metrics")

@@ -159,8 +159,8 @@ async def test_a_stall_of_this_process_does_not_drop_a_live_instance(
     assert await client.wait_for_instances(timeout=15) == [server.instance_id]
     (conn,) = client.instances()
     stream = await client.generate({"n": 3, "delay": 0.3})  # items arrive during the stall
-    time.sleep(2 * conn._liveness_timeout)  # noqa: ASYNC251 - the stall under test
-    conn._check_silence()  # the liveness timer, as if it ran first after the stall
+    time.sleep(2 * conn.liveness.timeout)  # noqa: ASYNC251 - the stall under test
+    conn.liveness.check_silence()  # the liveness timer, as if it ran first after the stall
     assert conn.routable and client.instance_ids() == [server.instance_id]
     assert len([item async for item in stream]) == 3
 
@@ -179,7 +179,7 @@ async def test_a_stall_of_the_whole_machine_does_not_drop_a_live_instance(
     (conn,) = client.instances()
     # A stall past the liveness timeout but inside ZMQ's heartbeat timeout (1.5 s), which our
     # own I/O thread, not stalled here, keeps measuring.
-    conn._liveness_timeout = 0.5
+    conn.liveness.timeout = 0.5
     downs: list[str] = []
     conn._on_change = lambda c: downs.append(c.state.value) if c.state.value == "down" else None
     stream = await client.generate({"n": 5, "delay": 0.2})

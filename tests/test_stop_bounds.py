@@ -13,7 +13,8 @@ import pytest
 from dynamo_zmq import errors
 from dynamo_zmq.llm import MAX_STOP_LENGTH, MAX_STOP_STRINGS
 from tests.support.http_calls import post
-from tests.test_frontend import ECHO, frontend, wait_models, worker
+from tests.support.waiting import wait_models
+from tests.test_frontend import ECHO, frontend, worker
 
 
 @pytest.fixture

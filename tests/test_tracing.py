@@ -15,10 +15,12 @@ from pathlib import Path
 import openai
 import pytest
 
+from tests.support import waiting
+from tests.support.mocker_fleet import Fleet, mocker_fleet, start_frontend, start_mocker
 from tests.support.otlp_receiver import OtlpReceiver, Span
 from tests.support.procs import Proc
 from tests.test_disagg_frontend import wait_pools
-from tests.test_migration import MESSAGES, PARAMS, serving, wait_instances
+from tests.test_migration import MESSAGES, PARAMS, serving
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
@@ -34,15 +36,14 @@ def receiver():
 
 
 def mocker(spawn, namespace: str, model: Path, env: dict[str, str], *extra: str) -> Proc:
-    return spawn("-m", "dynamo_zmq.worker", "--engine", "mocker", "--model-path", str(model),
-                 "--model-name", "tiny", "--namespace", namespace, "--host", "127.0.0.1",
-                 "--speedup-ratio", "100", *extra, env=env)
+    return start_mocker(spawn, namespace, model, *extra, speedup="100", env=env).wait_ready()
 
 
-def frontend(spawn, namespace: str, env: dict[str, str], *extra: str) -> tuple[Proc, str]:
-    proc = spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
-                 *extra, env=env, ready=False)
-    return proc, proc.wait_ready().address
+async def traced(spawn, namespace: str, model: Path, env: dict[str, str], *extra: str,
+                 mode: str | None = None) -> Fleet:
+    """A mocker worker (``extra`` flags) and a frontend, both with ``env``; the worker listed."""
+    return await mocker_fleet(spawn, namespace, model, 1, mode=mode, speedup="100", env=env,
+                              worker_args=extra)
 
 
 def client_for(url: str) -> openai.AsyncOpenAI:
@@ -81,10 +82,9 @@ async def test_one_trace_from_http_to_engine(namespace, spawn, tiny_model, recei
     ``engine.generate``. Each process's JSON-lines log records of the request carry its trace
     id."""
     env = {**receiver.env(), "DYN_LOGGING_JSONL": "1", "DYN_LOG": "debug"}
-    worker = mocker(spawn, namespace, tiny_model, env, "--engine",
-                    "tests.support.engines:SpanningMocker")
-    front, url = frontend(spawn, namespace, env, "--router-mode", mode)
-    await wait_instances(url, 1)
+    f = await traced(spawn, namespace, tiny_model, env, "--engine",
+                     "tests.support.engines:SpanningMocker", mode=mode)
+    (worker,), front, url = f.workers, f.front, f.url
     async with client_for(url) as client:
         raw = await client.chat.completions.with_raw_response.create(
             model="tiny", messages=MESSAGES, max_tokens=12, extra_body={"ignore_eos": True},
@@ -140,9 +140,8 @@ async def test_export_off_exports_nothing(namespace, spawn, tiny_model, receiver
     and without JSON-lines logs no trace context is made at all (no ``traceparent`` back)."""
     env = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver.endpoint,
            "OTEL_BSP_SCHEDULE_DELAY": "100"}
-    worker = mocker(spawn, namespace, tiny_model, env)
-    front, url = frontend(spawn, namespace, env)
-    await wait_instances(url, 1)
+    f = await traced(spawn, namespace, tiny_model, env)
+    (worker,), front, url = f.workers, f.front, f.url
     async with client_for(url) as client:
         raw = await client.chat.completions.with_raw_response.create(
             model="tiny", messages=MESSAGES, max_tokens=4,
@@ -162,9 +161,8 @@ async def test_json_logs_carry_the_trace_id_with_export_off(namespace, spawn, ti
     request carry the trace id the response's ``traceparent`` names."""
     env = {"DYN_LOGGING_JSONL": "1", "DYN_LOG": "debug",
            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver.endpoint}
-    worker = mocker(spawn, namespace, tiny_model, env)
-    _, url = frontend(spawn, namespace, env)
-    await wait_instances(url, 1)
+    f = await traced(spawn, namespace, tiny_model, env)
+    (worker,), url = f.workers, f.url
     async with client_for(url) as client:
         raw = await client.chat.completions.with_raw_response.create(
             model="tiny", messages=MESSAGES, max_tokens=4)
@@ -184,12 +182,11 @@ async def test_a_migrated_requests_engine_span_links_to_the_first(namespace, spa
     ``engine.generate`` fails with ``error_kind``, and the continuation's ``engine.generate``
     on the other worker, in the same trace, links to it (``migration_link``)."""
     env = receiver.env()
-    whole = mocker(spawn, namespace, tiny_model, env)
-    _, url = frontend(spawn, namespace, env)
-    await wait_instances(url, 1)
+    f = await traced(spawn, namespace, tiny_model, env)
+    (whole,), url = f.workers, f.url
     ending = mocker(spawn, namespace, tiny_model, env, "--engine",
                     "tests.support.engines:ShuttingDownMocker", "--shutdown-after", "10")
-    await wait_instances(url, 2)
+    await waiting.serving(f.front, [whole, ending])
     async with client_for(url) as client:
         for _ in range(4):  # round-robin: until one starts on the worker that ends it
             raw = await client.chat.completions.with_raw_response.create(
@@ -221,7 +218,8 @@ async def test_a_disaggregated_decode_links_to_its_prefill(namespace, spawn, tin
     env = receiver.env()
     for role in ("prefill", "decode"):
         mocker(spawn, namespace, tiny_model, env, "--disaggregation-mode", role)
-    _, url = frontend(spawn, namespace, env, "--disagg-mode", "always")
+    url = start_frontend(spawn, namespace, "--disagg-mode", "always", mode=None,
+                         env=env).wait_ready().address
     await wait_pools(url, prefill=1)
     async with client_for(url) as client:
         raw = await client.chat.completions.with_raw_response.create(

@@ -9,8 +9,8 @@ import asyncio
 from dynamo_zmq import tracing
 from dynamo_zmq.context import Context
 from dynamo_zmq.llm import LLMEngineOutput, PreprocessedRequest
-from dynamo_zmq.tracing._engine import trace_engine
-from dynamo_zmq.tracing._stream_stats import StreamStats
+from dynamo_zmq.worker._engine_span import trace_engine
+from dynamo_zmq.worker._stream_stats import StreamStats
 
 
 async def _chunks():

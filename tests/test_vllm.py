@@ -231,7 +231,7 @@ async def test_cancel_mid_stream_aborts_in_vllm(engine):
     assert chunks[-1].finish_reason == "cancelled"
     assert sum(len(c.token_ids) for c in chunks) < 400
     assert engine.llm.get_num_unfinished_requests() == 0
-    assert not engine._live
+    assert not engine.live_requests
 
 
 async def test_closing_the_stream_aborts_in_vllm(engine):

@@ -40,10 +40,15 @@ MAX_TOKENS = 24
 TTL = 6.0
 
 
+def pulling(handoff: dict) -> dict:
+    """A decode request's ``disaggregation``: pull the KV ``handoff`` names."""
+    return {"type": "prefill_remotely", "handoff": handoff}
+
+
 def request(prompt: list[int], max_tokens: int, disagg: dict[str, Any] | None = None) -> dict:
     return {"token_ids": prompt, "sampling": {"temperature": 0.0},
             "stop": {"max_tokens": max_tokens, "ignore_eos": True},
-            "disaggregated_params": disagg}
+            "disaggregation": disagg}
 
 
 @pytest.fixture(scope="module")
@@ -82,10 +87,10 @@ async def run(client: Any, req: dict) -> tuple[list[int], dict]:
 
 async def prefill(client: Any, prompt: list[int]) -> dict:
     """The handoff of a prefill of ``prompt`` (max_tokens 1, as the frontend sends it)."""
-    _, terminal = await run(client, request(prompt, 1, {"do_remote_decode": True}))
-    handoff = terminal.get("disaggregated_params")
-    assert handoff and handoff["do_remote_prefill"] is True, terminal
-    assert len(handoff["remote_block_ids"]) == -(-len(prompt) // BLOCK), handoff
+    _, terminal = await run(client, request(prompt, 1, {"type": "decode_remotely"}))
+    handoff = terminal.get("kv_handoff")
+    assert handoff and handoff["type"] == "connector", terminal
+    assert len(handoff["block_ids"]) == -(-len(prompt) // BLOCK), handoff
     return dict(handoff)
 
 
@@ -106,14 +111,14 @@ async def test_disaggregated_greedy_output_equals_aggregated(workers, make_runti
     handoff = await prefill(pclient, PROMPT)
     before = pulls(dproc)
     tokens, terminal = await run(
-        dclient, request(PROMPT, MAX_TOKENS, {"do_remote_prefill": True, **handoff})
+        dclient, request(PROMPT, MAX_TOKENS, pulling(handoff))
     )
     assert tokens == reference
     assert terminal["finish_reason"] == "length", terminal
     # The decode worker pulled every block of the prompt (bytes > 0), and vLLM took the
     # pulled prompt as computed (all but the token it recomputes to sample the next).
     new = pulls(dproc)[len(before):]
-    assert len(new) == 1 and new[0][0] == len(handoff["remote_block_ids"]) and new[0][1] > 0, \
+    assert len(new) == 1 and new[0][0] == len(handoff["block_ids"]) and new[0][1] > 0, \
         dproc.logs()[-3000:]
     assert terminal["usage"]["cached_tokens"] >= len(PROMPT) - BLOCK, terminal
 
@@ -122,15 +127,13 @@ async def test_disaggregated_greedy_output_equals_aggregated(workers, make_runti
     other = [t + 1 for t in PROMPT]
     ref2, _ = await run(pclient, request(other, MAX_TOKENS))
     handoff2 = await prefill(pclient, other)
-    ok, _ = await run(dclient, request(other, MAX_TOKENS, {"do_remote_prefill": True,
-                                                           **handoff2}))
+    ok, _ = await run(dclient, request(other, MAX_TOKENS, pulling(handoff2)))
     assert ok == ref2
     assert len(pulls(dproc)) == len(before) + 2
     # ``other``'s handoff again: the decode worker has ``other``'s full blocks cached now, and
     # pulls the last (partial) one, which the prefill worker released after the first pull:
     # refused, and ``other`` is prefilled locally.
-    again, _ = await run(dclient, request(other, MAX_TOKENS, {"do_remote_prefill": True,
-                                                              **handoff2}))
+    again, _ = await run(dclient, request(other, MAX_TOKENS, pulling(handoff2)))
     assert again == ref2
     assert "prefilling it locally" in dproc.logs(), dproc.logs()[-3000:]
 
@@ -140,8 +143,7 @@ async def test_disaggregated_greedy_output_equals_aggregated(workers, make_runti
     ref4, _ = await run(pclient, request(fourth, MAX_TOKENS))
     handoff5 = await prefill(pclient, [t + 4 for t in PROMPT])
     npulls = len(pulls(dproc))
-    tokens4, _ = await run(dclient, request(fourth, MAX_TOKENS, {"do_remote_prefill": True,
-                                                                 **handoff5}))
+    tokens4, _ = await run(dclient, request(fourth, MAX_TOKENS, pulling(handoff5)))
     assert tokens4 == ref4
     assert len(pulls(dproc)) == npulls
     assert "the handoff's KV is not for this prompt" in dproc.logs()
@@ -154,7 +156,7 @@ async def test_expired_handoff_falls_back_to_local_prefill(workers, make_runtime
     prompt = [(i * 53) % 240 + 7 for i in range(2 * BLOCK + 5)]
     reference, _ = await run(pclient, request(prompt, MAX_TOKENS))
     handoff = await prefill(pclient, prompt)
-    rid = handoff["remote_request_id"]
+    rid = handoff["request_id"]
     # The prefill worker frees the blocks nobody pulled once their TTL is over.
     deadline = asyncio.get_running_loop().time() + TTL + 60
     while f"KV of request {rid} was not pulled in time" not in pproc.logs():
@@ -162,7 +164,7 @@ async def test_expired_handoff_falls_back_to_local_prefill(workers, make_runtime
         await asyncio.sleep(0.5)
     failed_before = dproc.logs().count("prefilling it locally")
     tokens, terminal = await run(
-        dclient, request(prompt, MAX_TOKENS, {"do_remote_prefill": True, **handoff})
+        dclient, request(prompt, MAX_TOKENS, pulling(handoff))
     )
     assert tokens == reference, terminal
     assert dproc.logs().count("prefilling it locally") == failed_before + 1
@@ -171,9 +173,8 @@ async def test_expired_handoff_falls_back_to_local_prefill(workers, make_runtime
     # pull's timeout, and the decode worker prefills locally.
     gone = [(i * 29) % 230 + 11 for i in range(BLOCK + 9)]
     reference, _ = await run(pclient, request(gone, MAX_TOKENS))
-    handoff = {**await prefill(pclient, gone), "remote_port": free_port()}
-    tokens, _ = await run(dclient, request(gone, MAX_TOKENS, {"do_remote_prefill": True,
-                                                              **handoff}))
+    handoff = {**await prefill(pclient, gone), "port": free_port()}
+    tokens, _ = await run(dclient, request(gone, MAX_TOKENS, pulling(handoff)))
     assert tokens == reference
     assert dproc.logs().count("prefilling it locally") == failed_before + 2
 

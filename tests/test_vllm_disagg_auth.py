@@ -56,7 +56,7 @@ def test_disaggregated_serving_with_auth_keys(tiny_model, tmp_path: Path):
         assert done.returncode == 0, done.stderr[-3000:]
         out = json.loads(done.stdout.strip().splitlines()[-1])
         public = load_keypair(keydir, "prefill")[0].decode()
-        assert out["handoff"]["remote_curve_key"] == public, out["handoff"]
+        assert out["handoff"]["curve_key"] == public, out["handoff"]
         assert len(out["reference"]) == 20
         assert out["tokens"] == out["reference"]
         logs = procs["decode"][1].logs()

@@ -26,8 +26,10 @@ import zmq
 from dynamo_zmq.llm import AllBlocksCleared, BlockStored, EventBatch, OwnBatch, OwnStored
 from router.hashing import block_hashes
 from tests.support.http_calls import get
+from tests.support.metrics import index_blocks
 from tests.support.vllm_stack import VLLM_ENV, WORKER_FLAGS, WORKER_START
-from tests.test_router_warm_restart import complete, eventually, index_blocks, serving
+from tests.support.waiting import eventually, serving
+from tests.test_router_warm_restart import complete
 
 SNAPSHOT_SEQ = 0xFFFFFFFFFFFFFFFE
 END_SEQ = b"\xff" * 8
@@ -144,8 +146,7 @@ async def test_a_frontend_started_later_routes_a_vllm_workers_prefix_to_it(
     w.wait_ready(WORKER_START)
     other.wait_ready()
     first.wait_ready(60)
-    ids = {f"{w.instance_id:x}", f"{other.instance_id:x}"}
-    await eventually(lambda: serving(first.address, ids), 60, "both workers served")
+    await serving(first, [w, other], timeout=60)
     rng = random.Random(5)
     prompt = [rng.randrange(10, 500) for _ in range(4 * block + 3)]
     await asyncio.to_thread(complete, first.address, prompt, w.instance_id)
@@ -153,7 +154,7 @@ async def test_a_frontend_started_later_routes_a_vllm_workers_prefix_to_it(
 
     front = spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
                   "--router-mode", "kv", ready=False).wait_ready(60)
-    await eventually(lambda: serving(front.address, ids), 60, "both workers routed")
+    await serving(front, [w, other], timeout=60)
 
     async def indexed() -> bool:  # without any request through this frontend
         return (await index_blocks(front.address)).get(f"{w.instance_id:x}", 0) >= 4

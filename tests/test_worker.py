@@ -18,6 +18,7 @@ from dynamo_zmq import errors
 from dynamo_zmq.llm import Capability, ModelAdvert, ModelCard
 from dynamo_zmq.runtime import Context
 from tests.support.metrics import sample
+from tests.support.procs import system_port
 from tests.support.waiting import until
 
 
@@ -91,11 +92,7 @@ async def test_health_and_metrics(namespace, spawn, make_runtime, tiny_model):
         make_runtime(static=(proc.address,)).endpoint(f"{namespace}.backend.generate").client()
     )
     await client.wait_for_instances(timeout=15)
-    port = int(next(
-        line.split()[-1]
-        for line in proc.logs().splitlines()
-        if "metrics and health on port" in line
-    ))
+    port = system_port(proc)
     await outputs(await client.generate(request([1, 2, 3], max_tokens=5)))
 
     def get(path):
@@ -134,11 +131,7 @@ async def test_third_party_engine_by_module_and_cancellation(
         if len(got) == 3:
             ctx.stop()
     assert got[-1]["finish_reason"] == "cancelled" and len(got) < 1000
-    port = int(next(
-        line.split()[-1]
-        for line in proc.logs().splitlines()
-        if "metrics and health on port" in line
-    ))
+    port = system_port(proc)
     body = await asyncio.to_thread(
         lambda: urllib.request.urlopen(
             f"http://127.0.0.1:{port}/metrics", timeout=5

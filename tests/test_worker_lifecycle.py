@@ -183,7 +183,8 @@ async def test_a_mocker_whose_scheduler_dies_fails_requests_with_engine_shutdown
 
 
 async def test_a_crashed_engine_is_a_503_through_the_frontend(namespace, spawn, tiny_model):
-    from tests.test_frontend import frontend, wait_models
+    from tests.support.waiting import wait_models
+    from tests.test_frontend import frontend
 
     spawn(*worker_args(namespace, tiny_model, f"{ENGINES}:CrashingMockerTestEngine",
                        "--crash-at-publish", "3", "--block-size", "4", "--speedup-ratio", "100",

@@ -10,6 +10,7 @@ import urllib.request
 
 from dynamo_zmq.runtime import system_port_from_env
 from tests.support.metrics import sample
+from tests.support.procs import system_port
 
 
 def get(url: str) -> tuple[int, str]:
@@ -26,8 +27,7 @@ async def test_worker_metrics_use_dynamo_component_names(
     proc = spawn("-m", "dynamo_zmq.worker", "--engine", "mocker", "--model-path", str(tiny_model),
                  "--model-name", "tiny", "--namespace", namespace, "--host", "127.0.0.1",
                  "--speedup-ratio", "1000", env={"DYN_SYSTEM_PORT": "0"})
-    port = int(next(line.split()[-1] for line in proc.logs().splitlines()
-                    if "metrics and health on port" in line))
+    port = system_port(proc)
     client = await make_runtime(static=(proc.address,)).endpoint(
         f"{namespace}.backend.generate").client()
     await client.wait_for_instances(timeout=15)

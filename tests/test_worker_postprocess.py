@@ -11,6 +11,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from tests.support.metrics import sample
+from tests.support.procs import system_port
 
 #: Multi-byte characters split across byte-level tokens, and a stop string of several tokens.
 TEXT = "Hello world, the engine streams é 日本 🙂 tokens. STOP here and more after"
@@ -99,11 +100,7 @@ async def test_stop_string_across_tokens_ends_the_stream_early(
     assert chunks[-1]["usage"]["completion_tokens"] == k
 
     # A stop string is not a cancellation: the client did not stop or kill anything.
-    port = int(next(
-        line.split()[-1]
-        for line in proc.logs().splitlines()
-        if "metrics and health on port" in line
-    ))
+    port = system_port(proc)
     body = await asyncio.to_thread(
         lambda: urllib.request.urlopen(
             f"http://127.0.0.1:{port}/metrics", timeout=5

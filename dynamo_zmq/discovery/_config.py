@@ -134,40 +134,40 @@ def add_discovery_args(
         default=environ.get("DYN_DISCOVERY", "").strip() or "mdns",
         metavar="{mdns,static,dir}",
         help="how to find peers: mdns, static, dir (a shared directory), or several "
-             "comma-joined, e.g. mdns,dir (env DYN_DISCOVERY; default %(default)s)",
+             "comma-joined, e.g. mdns,dir [DYN_DISCOVERY; default %(default)s]",
     )
     group.add_argument(
         "--static-workers",
         default=environ.get("DYN_STATIC_WORKERS") or None,
         metavar="ADDRS",
-        help="comma-separated tcp://host:port peers for static discovery (env DYN_STATIC_WORKERS)",
+        help="comma-separated tcp://host:port peers for static discovery [DYN_STATIC_WORKERS]",
     )
     group.add_argument(
         "--static-file",
         default=environ.get("DYN_STATIC_FILE") or None,
         metavar="PATH",
-        help="file of peers, one a line, '#' comments, re-read on change (env DYN_STATIC_FILE)",
+        help="file of peers, one a line, '#' comments, re-read on change [DYN_STATIC_FILE]",
     )
     group.add_argument(
         "--discovery-dir",
         default=environ.get("DYN_DISCOVERY_DIR") or None,
         metavar="PATH",
         help="directory every host mounts (NFS, Lustre, GPFS) for --discovery dir: adverts "
-             "are files there (env DYN_DISCOVERY_DIR)",
+             "are files there [DYN_DISCOVERY_DIR]",
     )
     group.add_argument(
         "--discovery-dir-watch",
         choices=DIR_WATCH_MODES,
         default=environ.get("DYN_DISCOVERY_DIR_WATCH", "").strip() or "auto",
         help="follow the directory with inotify, by polling, or auto: inotify on a local "
-             "filesystem, polling on a network one (env DYN_DISCOVERY_DIR_WATCH; default "
-             "%(default)s)",
+             "filesystem, polling on a network one [DYN_DISCOVERY_DIR_WATCH; default "
+             "%(default)s]",
     )
     group.add_argument(
         "--mdns-interfaces",
         default=environ.get("DYN_MDNS_INTERFACES") or None,
         metavar="IPS",
-        help="comma-separated IPv4 addresses to pin mDNS to (env DYN_MDNS_INTERFACES; default all)",
+        help="comma-separated IPv4 addresses to pin mDNS to [DYN_MDNS_INTERFACES; default all]",
     )
 
 

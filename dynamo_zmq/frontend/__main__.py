@@ -9,7 +9,7 @@
         [--disagg-max-prefill-queue N] [--disagg-prefill-timeout S]
         [router plugin flags, e.g. --kv-overlap-score-weight 1.0 --router-temperature 0.0]
 
-Every flag has a ``DYN_*`` variable (``--http-port`` -> ``DYN_HTTP_PORT``). Prints
+Every flag but ``--help`` has a ``DYN_*`` variable (``--http-port`` -> ``DYN_HTTP_PORT``). Prints
 ``READY http://HOST:PORT`` once it accepts connections. Router modes beyond the built-in
 ``round-robin``, ``random`` and ``direct`` come from plugins (``dynamo_zmq.routers`` entry
 points; the ``router`` package adds ``kv`` and ``approx``), which also add their flags.

@@ -5,11 +5,11 @@ form the generation pool, which every request ends on; ``prefill`` workers form 
 pool, which never gets an ordinary request. Once a model has a prefill pool, the frontend wraps
 its generation router in a ``DisaggRouter``: a request first goes to a prefill worker (chosen by
 the prefill pool's router: KV overlap in kv mode, load or round-robin otherwise) as a copy
-that asks for one token (``stop.max_tokens = 1``) with ``disaggregated_params =
-{"do_remote_decode": True}``; the engine's terminal output carries the KV handoff in its
-``disaggregated_params``. The request then goes to the generation pool with
-``disaggregated_params = {"do_remote_prefill": True, **handoff}`` (None without a handoff: the
-decode worker prefills locally), and its stream is what the caller reads: one ordinary stream.
+that asks for one token (``stop.max_tokens = 1``) with ``disaggregation = DecodeRemotely()``;
+the engine's terminal output carries the KV handoff (``kv_handoff``). The request then goes to
+the generation pool with ``disaggregation = PrefillRemotely(handoff)`` (None without a
+handoff: the decode worker prefills locally), and its stream is what the caller reads: one
+ordinary stream.
 
 The prefill runs under a child of the request's context (``Context.link_child``), so a client
 that goes away, or a deadline that passes, stops it on the prefill worker. A prefill that fails
@@ -31,14 +31,23 @@ import asyncio
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
 
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from .. import errors
 from ..context import Context
-from ..llm import ModelRouter, OutputStream, PreprocessedRequest, RoutingHints
+from ..llm import (
+    DEFAULT_ROUTE,
+    DecodeRemotely,
+    KvHandoff,
+    ModelRouter,
+    OutputStream,
+    PrefillRemotely,
+    PreprocessedRequest,
+    RouteOptions,
+    RoutingHints,
+)
 from ..runtime import check_number
 
 __all__ = [
@@ -163,7 +172,7 @@ def prefill_request(request: PreprocessedRequest) -> PreprocessedRequest:
     return msgspec.structs.replace(
         request,
         stop=msgspec.structs.replace(request.stop, max_tokens=1, min_tokens=0),
-        disaggregated_params={"do_remote_decode": True},
+        disaggregation=DecodeRemotely(),
         routing=RoutingHints(),
         guided=None,
         tools=None,
@@ -210,37 +219,23 @@ class DisaggRouter:
         return self.prefill.instance_ids()
 
     async def generate(
-        self,
-        request: PreprocessedRequest,
-        context: Context,
-        *,
-        instance_id: int | None = None,
-        idle_timeout: float | None = None,
-        timeout: float | None = None,
-        exclude: frozenset[int] = frozenset(),
+        self, request: PreprocessedRequest, context: Context, options: RouteOptions = DEFAULT_ROUTE
     ) -> OutputStream:
-        extra: dict[str, Any] = {}
-        if timeout is not None:
-            extra["timeout"] = timeout
-        if exclude:
-            extra["exclude"] = exclude
         reason = None
         if request.embedding is None:  # an embedding has no prefill to move
             reason = self.local_reason(request)
             if reason is None:
-                handoff, ok, link = await self._prefill(request, context, idle_timeout, timeout)
+                handoff, ok, link = await self._prefill(request, context, options)
                 if ok:
                     self._remote.inc()
                 else:
                     reason = "failed"
                 if handoff is not None:
                     request = msgspec.structs.replace(
-                        request, disaggregated_params={"do_remote_prefill": True, **handoff},
+                        request, disaggregation=PrefillRemotely(handoff),
                         migration_link=link,  # the decode's engine.generate links to the prefill
                     )
-        stream = await self.generation.generate(
-            request, context, instance_id=instance_id, idle_timeout=idle_timeout, **extra
-        )
+        stream = await self.generation.generate(request, context, options)
         if reason is not None:  # counted once sent: a migration may try several times
             self._local[reason].inc()
         return stream
@@ -289,9 +284,8 @@ class DisaggRouter:
         self,
         request: PreprocessedRequest,
         context: Context,
-        idle_timeout: float | None,
-        timeout: float | None,
-    ) -> tuple[dict[str, Any] | None, bool, str | None]:
+        options: RouteOptions,
+    ) -> tuple[KvHandoff | None, bool, str | None]:
         """Run the remote prefill: (its handoff, whether it succeeded, its ``engine.generate``
         span's ``traceparent`` with tracing on). A failure is logged and falls back; a stopped
         or killed request raises (it is not to go on).
@@ -302,19 +296,20 @@ class DisaggRouter:
         child = Context(f"{context.id()}-prefill")
         context.link_child(child)
         limit = self.config.prefill_timeout
-        if timeout is not None:
-            limit = min(limit, timeout)
+        if options.timeout is not None:
+            limit = min(limit, options.timeout)
         loop = asyncio.get_running_loop()
         started = loop.time()
         self.inflight += 1
         self._inflight_gauge.inc()
         why = ""
-        handoff: dict[str, Any] | None = None
+        handoff: KvHandoff | None = None
         ok = False
         link: str | None = None
         try:
             stream = await self.prefill.generate(
-                prefill_request(request), child, idle_timeout=idle_timeout, timeout=limit
+                prefill_request(request), child,
+                RouteOptions(idle_timeout=options.idle_timeout, timeout=limit),
             )
             try:
                 async for out in stream:
@@ -324,7 +319,7 @@ class DisaggRouter:
                     if out.finish_reason in ("error", "cancelled"):
                         why = f"its terminal was {out.finish_reason!r} ({out.error or ''})"
                     else:
-                        ok, handoff = True, out.disaggregated_params
+                        ok, handoff = True, out.kv_handoff
                     break
                 else:
                     why = "its stream ended without a terminal"

@@ -9,8 +9,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import struct
-import time
-from typing import Any
 
 import msgspec
 
@@ -23,14 +21,13 @@ from ..llm import (
     LLMEngineOutput,
     ModelRouter,
     PreprocessedRequest,
+    RouteOptions,
     StopConditions,
 )
 from ..resources import cancel_and_wait
-from . import errors as http_errors
-from ._asgi import ClientGone, Receive, Send, error, reply, watch_disconnect
-from ._deadline import Deadline
+from ._asgi import Send, reply
 from ._embed_protocol import EmbeddingRequest
-from .metrics import FrontendMetrics
+from ._scope import RequestScope
 from .models import ModelEntry
 
 __all__ = ["embed_all", "embedding_requests", "embeddings_body", "serve_embeddings"]
@@ -63,9 +60,9 @@ def embedding_requests(
 
 
 async def _embed_one(
-    router: ModelRouter, request: PreprocessedRequest, ctx: Context, routing: dict[str, Any]
+    router: ModelRouter, request: PreprocessedRequest, ctx: Context, options: RouteOptions
 ) -> LLMEngineOutput:
-    stream = await router.generate(request, ctx, **routing)
+    stream = await router.generate(request, ctx, options)
     try:
         async for out in stream:
             if out.is_terminal:
@@ -86,24 +83,24 @@ async def embed_all(
     router: ModelRouter,
     requests: list[PreprocessedRequest],
     ctx: Context,
-    routing: dict[str, Any],
+    options: RouteOptions,
 ) -> list[LLMEngineOutput]:
-    """The terminal output (with its embedding) of each request, in order. ``routing`` holds
-    the keyword arguments of ``ModelRouter.generate`` (instance, timeouts).
+    """The terminal output (with its embedding) of each request, in order, each sent with
+    ``options`` (instance, timeouts).
 
     Raises:
         DynamoError: a request failed (the others are killed): ``Cancelled`` when ``ctx`` was
             killed, what the router or the worker raised otherwise.
     """
     if len(requests) == 1:
-        return [await _embed_one(router, requests[0], ctx, routing)]
+        return [await _embed_one(router, requests[0], ctx, options)]
     children = []
     for i in range(len(requests)):
         child = Context(f"{ctx.id()}-{i}")
         ctx.link_child(child)
         children.append(child)
     tasks = [
-        asyncio.ensure_future(_embed_one(router, r, c, routing))
+        asyncio.ensure_future(_embed_one(router, r, c, options))
         for r, c in zip(requests, children, strict=True)
     ]
     try:
@@ -133,47 +130,18 @@ def embeddings_body(model: str, outputs: list[LLMEngineOutput], encoding: str) -
 
 
 async def serve_embeddings(
-    m: FrontendMetrics,
+    scope: RequestScope,
     entry: ModelEntry,
     req: EmbeddingRequest,
     requests: list[PreprocessedRequest],
-    ctx: Context,
-    receive: Receive,
     send: Send,
-    routing: dict[str, Any],
-    timeout: float | None,
-) -> None:
-    """Send a parsed embeddings request's ``requests`` (``routing``: the router's keyword
-    arguments) and answer, with the request's deadline, disconnect watch and metrics as for a
-    generation."""
-    endpoint = "embeddings"
-    model = entry.name
-    m.inflight.labels(model).inc()
-    m.isl.labels(model).observe(sum(len(r.token_ids) for r in requests))
-    watcher = asyncio.create_task(watch_disconnect(receive, ctx), name=f"disconnect-{ctx.id()}")
-    started = time.monotonic()
-    deadline = None if timeout is None else Deadline(ctx, timeout)
-    status = "error"
+) -> str:
+    """Send a parsed embeddings request's ``requests`` under ``scope`` and answer; how it
+    ended (the status label)."""
     try:
-        outputs = await embed_all(entry.router, requests, ctx, routing)
-        await reply(send, 200, embeddings_body(model, outputs, req.encoding_format))
-        status = "success"
+        outputs = await embed_all(entry.router, requests, scope.ctx, scope.options)
     except errors.DynamoError as exc:
-        if deadline is not None and deadline.expired:
-            await error(send, deadline.error())
-        elif ctx.is_killed():
-            status = "disconnected"
-        else:
-            await error(send, http_errors.from_dynamo(exc))
-    except ClientGone:
-        ctx.kill()
-        status = "disconnected"
-    finally:
-        if deadline is not None:
-            deadline.cancel()
-        await cancel_and_wait((watcher,))
-        if status == "disconnected":
-            m.disconnected.labels(model).inc()
-        m.requests.labels(model, endpoint, "unary", status).inc()
-        m.inflight.labels(model).dec()
-        m.duration.labels(model).observe(time.monotonic() - started)
+        await scope.fail(send, exc)
+        return "error"
+    await reply(send, 200, embeddings_body(entry.name, outputs, req.encoding_format))
+    return "success"

@@ -29,6 +29,7 @@ from ..llm import (
     ModelRouter,
     OutputStream,
     PreprocessedRequest,
+    RouteOptions,
 )
 from ..resources import Resources
 from . import errors as http_errors
@@ -103,8 +104,7 @@ class FanOut:
     # -- sending ---------------------------------------------------------------------------
 
     async def open(
-        self, router: ModelRouter, ctx: Context, target: int | None,
-        idle_timeout: float | None, extra: dict[str, Any],
+        self, router: ModelRouter, ctx: Context, options: RouteOptions
     ) -> HttpError | None:
         """Send every sub-request; the error the client gets if one cannot be sent (the others
         are killed then)."""
@@ -114,8 +114,7 @@ class FanOut:
             ctx.link_child(child)
         results = await asyncio.gather(
             *(
-                router.generate(s.pre, child, instance_id=target, idle_timeout=idle_timeout,
-                                **extra)
+                router.generate(s.pre, child, options)
                 for s, child in zip(self.subs, self._contexts, strict=True)
             ),
             return_exceptions=True,

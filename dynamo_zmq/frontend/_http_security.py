@@ -51,8 +51,8 @@ def add_http_security_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("HTTP security")
     group.add_argument(
         "--api-key", action="append", default=[],
-        help="a key clients must send as 'Authorization: Bearer KEY' (repeat for several; "
-             "DYN_API_KEYS holds a comma-separated list). No key configured: no check",
+        help="a key clients must send as 'Authorization: Bearer KEY' (repeat for several). No "
+             "key configured: no check [DYN_API_KEYS: a comma-separated list, added to these]",
     )
     group.add_argument(
         "--api-key-file", default=env("DYN_API_KEY_FILE"),

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from ..tracing import span
 from .errors import HttpError, prompt_too_long
@@ -28,12 +28,12 @@ from .protocol import ChatCompletionRequest, CompletionRequest, prompts
 
 if TYPE_CHECKING:
     from .metrics import FrontendMetrics
-    from .preprocess import Preprocessor
 
 __all__ = [
     "OFFLOAD_CHARS",
     "HttpLimits",
     "Offload",
+    "PromptBound",
     "Rejections",
     "chat_chars",
     "prompt_chars",
@@ -78,7 +78,17 @@ class HttpLimits:
     body_timeout: float | None = 30.0
 
 
-def text_chars(pre: Preprocessor, texts: list[tuple[str, str]]) -> int:
+class PromptBound(Protocol):
+    """The model's bounds a prompt is checked against (a ``Preprocessor`` has them)."""
+
+    @property
+    def context_length(self) -> int: ...
+
+    @property
+    def max_prompt_chars(self) -> int: ...
+
+
+def text_chars(pre: PromptBound, texts: list[tuple[str, str]]) -> int:
     """The characters of ``texts`` (``(param, text)`` pairs), each checked against the model's
     prompt bound.
 
@@ -99,7 +109,7 @@ def text_chars(pre: Preprocessor, texts: list[tuple[str, str]]) -> int:
     return total
 
 
-def chat_chars(pre: Preprocessor, req: ChatCompletionRequest) -> int:
+def chat_chars(pre: PromptBound, req: ChatCompletionRequest) -> int:
     """The characters of a chat request's messages (their text content), checked as a whole."""
     total = 0
     for message in req.messages:
@@ -118,7 +128,7 @@ def chat_chars(pre: Preprocessor, req: ChatCompletionRequest) -> int:
     return total
 
 
-def prompt_chars(pre: Preprocessor, req: ChatCompletionRequest | CompletionRequest) -> int:
+def prompt_chars(pre: PromptBound, req: ChatCompletionRequest | CompletionRequest) -> int:
     """The characters of text ``req`` would have tokenized (token-id prompts count none).
 
     Raises:

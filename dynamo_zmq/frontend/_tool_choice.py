@@ -3,23 +3,20 @@ function among the tools (400 otherwise)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Collection
 
 from .errors import bad_request
-
-if TYPE_CHECKING:
-    from .protocol import Tool
 
 __all__ = ["validate_tool_choice"]
 
 
-def validate_tool_choice(choice: object, tools: Sequence[Tool] | None) -> None:
-    """``tool_choice``: none, auto, required (with tools) or a function among the tools."""
+def validate_tool_choice(choice: object, tool_names: Collection[str]) -> None:
+    """``tool_choice``: none, auto, required (with tools) or a function among the tools, given
+    by the names of their functions."""
     if choice is None or choice in ("none", "auto"):
         return
     if choice == "required":
-        if not tools:
+        if not tool_names:
             raise bad_request("'tool_choice' 'required' needs 'tools'", param="tool_choice")
         return
     if isinstance(choice, dict):
@@ -31,7 +28,7 @@ def validate_tool_choice(choice: object, tools: Sequence[Tool] | None) -> None:
                 '{"type": "function", "function": {"name": ...}}',
                 param="tool_choice", code="invalid_value",
             )
-        if name not in {t.function.name for t in tools or ()}:
+        if name not in tool_names:
             raise bad_request(
                 f"'tool_choice' names the function {name!r}, which is not in 'tools'",
                 param="tool_choice", code="invalid_value",

@@ -16,17 +16,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import msgspec
 
 from .. import errors
-from ..context import Context
-from ..llm import DEFAULT_MIGRATION_LIMIT, Capability, Migration, PreprocessedRequest
-from ..resources import cancel_and_wait
+from ..llm import (
+    DEFAULT_MIGRATION_LIMIT,
+    Capability,
+    Migration,
+    PreprocessedRequest,
+    RouteOptions,
+)
 from . import errors as http_errors
 from ._asgi import (
     ClientGone,
@@ -37,10 +39,9 @@ from ._asgi import (
     header,
     read_body,
     reply,
-    watch_disconnect,
 )
 from ._clear_kv import clear_kv_blocks, parse_clear_request
-from ._deadline import Deadline, request_timeout
+from ._deadline import request_timeout
 from ._embed_protocol import parse_embedding
 from ._embeddings import embedding_requests, serve_embeddings
 from ._fanout import FanOut
@@ -48,6 +49,7 @@ from ._generation import Generation
 from ._health import health, models_body
 from ._limits import HttpLimits, Offload, Rejections, prompt_chars, text_chars
 from ._logprobs import asks_logprobs
+from ._scope import RequestScope
 from ._subrequests import SubRequest, chat_work, completion_work
 from .errors import HttpError
 from .metrics import FrontendMetrics
@@ -207,9 +209,18 @@ class FrontendApp:
             fmt.continuous_usage = True
         fmt.logprobs = logprobs
         streaming = bool(req.stream)
-        await self._run(
-            receive, send, entry, work, target, fmt, streaming, include_usage, endpoint, timeout, n
-        )
+        if isinstance(work, PreprocessedRequest):
+            prompt_tokens = len(work.token_ids)
+        else:
+            prompt_tokens = sum(len(s.pre.token_ids) for s in work if s.number == 0)
+        # The deadline also travels as the runtime's per-request timeout (the worker enforces
+        # it too).
+        options = RouteOptions(instance_id=target, idle_timeout=self.idle_timeout, timeout=timeout)
+        async with RequestScope(self.metrics, entry.name, endpoint, streaming, fmt.id, receive,
+                                options, prompt_tokens) as request_scope:
+            request_scope.status = await self._run(
+                request_scope, send, entry, work, fmt, include_usage, n
+            )
 
     async def _embeddings(self, scope: Scope, receive: Receive, send: Send) -> None:
         """``POST /v1/embeddings``: every input routed as its own request (``_embeddings.py``),
@@ -221,13 +232,13 @@ class FrontendApp:
             timeout = request_timeout(scope, self.timeout)
             req, inputs = parse_embedding(body)
             entry = self._entry(req.model)
-            ctx = Context(f"embd-{uuid.uuid4().hex}")
+            request_id = f"embd-{uuid.uuid4().hex}"
             text_chars(entry.preprocessor, [
                 ("input" if len(inputs) == 1 else f"input[{i}]", t)
                 for i, t in enumerate(inputs) if isinstance(t, str)
             ])
             requests = await self._offload.run(
-                len(body), embedding_requests, entry, req, inputs, ctx.id()
+                len(body), embedding_requests, entry, req, inputs, request_id
             )
             if not entry.router.instance_ids():
                 raise http_errors.no_worker(f"no live worker serves model {req.model!r}")
@@ -236,10 +247,11 @@ class FrontendApp:
             self._rejections.note(endpoint, exc)
             await error(send, exc)
             return
-        routing: dict[str, Any] = {"instance_id": target, "idle_timeout": self.idle_timeout}
-        if timeout is not None:
-            routing["timeout"] = timeout
-        await serve_embeddings(m, entry, req, requests, ctx, receive, send, routing, timeout)
+        options = RouteOptions(instance_id=target, idle_timeout=self.idle_timeout, timeout=timeout)
+        async with RequestScope(m, entry.name, endpoint, False, request_id, receive, options,
+                                sum(len(r.token_ids) for r in requests)) as request_scope:
+            request_scope.status = await serve_embeddings(request_scope, entry, req, requests,
+                                                          send)
 
     def _entry(self, model: str) -> ModelEntry:
         assert self.manager is not None
@@ -267,21 +279,19 @@ class FrontendApp:
             ) from None
 
     def _migration(
-        self,
-        entry: ModelEntry,
-        pre: PreprocessedRequest,
-        target: int | None,
-        timeout: float | None,
+        self, entry: ModelEntry, pre: PreprocessedRequest, options: RouteOptions
     ) -> Migration | None:
         """The request's migration to another worker if the one serving it is lost mid-stream
         (None: off, or direct mode, which names its worker)."""
         limit = entry.migration_limit
         if limit is None:
             limit = self.migration_limit
-        if limit <= 0 or target is not None:
+        if limit <= 0 or options.instance_id is not None:
             return None
         counter, model = self.metrics.migrations, entry.name
-        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        deadline = None
+        if options.timeout is not None:
+            deadline = asyncio.get_running_loop().time() + options.timeout
         return Migration(
             entry.router, pre, limit, self.idle_timeout, deadline,
             on_migrate=lambda kind: counter.labels(model, kind).inc(),
@@ -289,110 +299,59 @@ class FrontendApp:
 
     async def _run(
         self,
-        receive: Receive,
+        scope: RequestScope,
         send: Send,
         entry: ModelEntry,
         work: PreprocessedRequest | list[SubRequest],
-        target: int | None,
         fmt: ChatFormatter | CompletionFormatter,
-        streaming: bool,
         include_usage: bool,
-        endpoint: str,
-        timeout: float | None,
-        n: int = 1,
-    ) -> None:
-        m, model = self.metrics, entry.name
-        m.inflight.labels(model).inc()
-        if isinstance(work, PreprocessedRequest):
-            pre = work
-            prompt_tokens = len(pre.token_ids)
-        else:
-            prompt_tokens = sum(len(s.pre.token_ids) for s in work if s.number == 0)
-        m.isl.labels(model).observe(prompt_tokens)
-        ctx = Context(fmt.id)
-        watcher = asyncio.create_task(watch_disconnect(receive, ctx), name=f"disconnect-{fmt.id}")
-        started = time.monotonic()
-        deadline = None if timeout is None else Deadline(ctx, timeout)
-        status = "error"
+        n: int,
+    ) -> str:
+        """Send a generation request (``work``: one request, or the sub-requests of several
+        choices) under ``scope`` and answer it; how it ended (the status label)."""
+        if not isinstance(work, PreprocessedRequest):
+            return await self._run_fanout(scope, send, entry, work, fmt, include_usage, n)
+        pre = work
         try:
-            if not isinstance(work, PreprocessedRequest):
-                status = await self._run_fanout(
-                    send, entry, work, n, prompt_tokens, ctx, target, fmt, streaming,
-                    include_usage, timeout, started, deadline,
-                )
-                return
-            try:
-                # The deadline also travels as the runtime's per-request timeout (the worker
-                # enforces it too); a router plugin that predates it is not handed one.
-                extra: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
-                stream = await entry.router.generate(
-                    pre, ctx, instance_id=target, idle_timeout=self.idle_timeout, **extra
-                )
-            except errors.DynamoError as exc:
-                if deadline is not None and deadline.expired:
-                    await error(send, deadline.error())
-                else:
-                    await error(send, http_errors.from_dynamo(exc))
-                return
-            served_by = f"{stream.instance_id:x}"
-            if pre.routing.dp_rank is not None:
-                served_by += f"/{pre.routing.dp_rank}"
-            headers = [(SERVED_BY_HEADER, served_by.encode())]
-            migration = self._migration(entry, pre, target, timeout)
-            gen = Generation(
-                m, model, fmt, len(pre.token_ids), started, headers, deadline, migration,
-                parsed=pre.tools is not None or pre.reasoning,
-            )
-            if streaming:
-                status = await gen.stream_sse(stream, send, include_usage)
-            else:
-                status = await gen.respond_once(stream, send)
-        except ClientGone:
-            ctx.kill()
-            status = "disconnected"
-        finally:
-            if deadline is not None:
-                deadline.cancel()
-            await cancel_and_wait((watcher,))
-            timed_out = deadline is not None and deadline.expired
-            if status == "disconnected" or (
-                ctx.is_killed() and status != "success" and not timed_out
-            ):
-                m.disconnected.labels(model).inc()
-                status = "disconnected"
-            m.requests.labels(model, endpoint, "stream" if streaming else "unary", status).inc()
-            m.inflight.labels(model).dec()
-            m.duration.labels(model).observe(time.monotonic() - started)
+            stream = await entry.router.generate(pre, scope.ctx, scope.options)
+        except errors.DynamoError as exc:
+            await scope.fail(send, exc)
+            return "error"
+        served_by = f"{stream.instance_id:x}"
+        if pre.routing.dp_rank is not None:
+            served_by += f"/{pre.routing.dp_rank}"
+        headers = [(SERVED_BY_HEADER, served_by.encode())]
+        gen = Generation(
+            self.metrics, entry.name, fmt, len(pre.token_ids), scope.started, headers,
+            scope.deadline, self._migration(entry, pre, scope.options),
+            parsed=pre.tools is not None or pre.reasoning,
+        )
+        if scope.streaming:
+            return await gen.stream_sse(stream, send, include_usage)
+        return await gen.respond_once(stream, send)
 
     async def _run_fanout(
         self,
+        scope: RequestScope,
         send: Send,
         entry: ModelEntry,
         subs: list[SubRequest],
-        n: int,
-        prompt_tokens: int,
-        ctx: Context,
-        target: int | None,
         fmt: ChatFormatter | CompletionFormatter,
-        streaming: bool,
         include_usage: bool,
-        timeout: float | None,
-        started: float,
-        deadline: Deadline | None,
+        n: int,
     ) -> str:
         """``_run`` for a request of several sequences (``FanOut``)."""
         fan = FanOut(
-            self.metrics, entry.name, fmt, subs, n, prompt_tokens, started, deadline,
-            lambda pre: self._migration(entry, pre, target, timeout),
+            self.metrics, entry.name, fmt, subs, n, scope.prompt_tokens, scope.started,
+            scope.deadline, lambda pre: self._migration(entry, pre, scope.options),
         )
         try:
-            extra: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
-            failure = await fan.open(entry.router, ctx, target, self.idle_timeout, extra)
+            failure = await fan.open(entry.router, scope.ctx, scope.options)
             if failure is not None:
                 await error(send, failure)
                 return "error"
             headers = [(SERVED_BY_HEADER, fan.served_by())]
-            if streaming:
+            if scope.streaming:
                 return await fan.stream_sse(send, headers, include_usage)
             return await fan.respond_once(send, headers)
         finally:

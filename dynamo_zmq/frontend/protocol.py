@@ -331,7 +331,7 @@ def _validate_chat(req: ChatCompletionRequest) -> None:
         for i, tool in enumerate(req.tools):
             if tool.type != "function":
                 raise unsupported(f"tools[{i}].type", f"tool type {tool.type!r} (only 'function')")
-    validate_tool_choice(req.tool_choice, req.tools)
+    validate_tool_choice(req.tool_choice, {t.function.name for t in req.tools or ()})
     if req.continue_final_message and req.add_generation_prompt:
         raise bad_request(
             "'continue_final_message' and 'add_generation_prompt' cannot both be true",

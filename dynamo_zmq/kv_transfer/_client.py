@@ -12,7 +12,6 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 import msgspec
 import zmq
@@ -45,7 +44,7 @@ class KvTransferClient:
         self.metrics = metrics or KvTransferMetrics()
         self.bad_input = BadInput(log)
 
-    async def pull(self, ticket: Ticket | dict[str, Any], ctx: Context | None = None, *,
+    async def pull(self, ticket: Ticket, ctx: Context | None = None, *,
                    deadline: float | None = None,
                    credit: int | None = None) -> AsyncIterator[list[bytes]]:
         """The transfer's blocks, one batch (a list of block payloads) at a time.
@@ -55,17 +54,16 @@ class KvTransferClient:
         iterator early releases the transfer on the server.
 
         Args:
-            ticket: the handoff (``Ticket`` or the dict ``KvTransferServer.offer`` returned).
+            ticket: the handoff ``KvTransferServer.offer`` returned.
             ctx: stopping it ends the pull with ``Cancelled`` (the server is told to release).
             deadline: ``time.monotonic()`` by which the whole pull must be over.
 
         Raises:
-            InvalidArgument: the ticket is malformed.
             TransferNotFound: the server does not know the transfer (pulled or expired).
             TransferFailed: the server vanished, stopped answering, refused us, or sent garbage.
             Cancelled: ``ctx`` was stopped.
         """
-        t = ticket if isinstance(ticket, Ticket) else Ticket.from_dict(ticket)
+        t = ticket
         grant = credit or self.config.credit
         try:
             raw = make_socket(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,20 +61,27 @@ class KvTransferConfig:
 
 
 def add_kv_transfer_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """Add the ``--kv-transfer-*`` flags (worker flags: engine-agnostic)."""
+    """Add the ``--kv-transfer-*`` flags (worker flags: engine-agnostic), each defaulting to its
+    ``DYN_*`` variable (``--kv-transfer-port`` -> ``DYN_KV_TRANSFER_PORT``)."""
     d = KvTransferConfig()
+    env = os.environ.get
     add = parser.add_argument
-    add("--kv-transfer-port", type=int, default=d.port,
-        help="port of the KV transfer socket of a prefill worker (0 = any)")
-    add("--kv-transfer-max-bytes", type=int, default=d.max_bytes,
+    add("--kv-transfer-port", type=int, default=env("DYN_KV_TRANSFER_PORT", d.port),
+        help="port of the KV transfer socket of a prefill worker (0 = any) "
+             "[DYN_KV_TRANSFER_PORT]")
+    add("--kv-transfer-max-bytes", type=int, default=env("DYN_KV_TRANSFER_MAX_BYTES", d.max_bytes),
         help="bytes of KV a prefill worker holds for transfers not yet pulled; an offer "
-             "beyond it is refused and the decode worker prefills locally (default 8 GiB)")
-    add("--kv-transfer-ttl", type=float, default=d.ttl,
-        help="seconds an offered KV transfer waits for its pull before it expires")
-    add("--kv-transfer-batch-blocks", type=int, default=d.batch_blocks,
-        help="KV blocks per transfer message")
-    add("--kv-transfer-credit", type=int, default=d.credit,
-        help="transfer messages a decode worker lets the prefill worker have in flight")
-    add("--kv-transfer-timeout", type=float, default=d.timeout,
+             "beyond it is refused and the decode worker prefills locally (default 8 GiB) "
+             "[DYN_KV_TRANSFER_MAX_BYTES]")
+    add("--kv-transfer-ttl", type=float, default=env("DYN_KV_TRANSFER_TTL", d.ttl),
+        help="seconds an offered KV transfer waits for its pull before it expires "
+             "[DYN_KV_TRANSFER_TTL]")
+    add("--kv-transfer-batch-blocks", type=int,
+        default=env("DYN_KV_TRANSFER_BATCH_BLOCKS", d.batch_blocks),
+        help="KV blocks per transfer message [DYN_KV_TRANSFER_BATCH_BLOCKS]")
+    add("--kv-transfer-credit", type=int, default=env("DYN_KV_TRANSFER_CREDIT", d.credit),
+        help="transfer messages a decode worker lets the prefill worker have in flight "
+             "[DYN_KV_TRANSFER_CREDIT]")
+    add("--kv-transfer-timeout", type=float, default=env("DYN_KV_TRANSFER_TIMEOUT", d.timeout),
         help="seconds a decode worker waits for the next transfer message before it gives up "
-             "and prefills locally")
+             "and prefills locally [DYN_KV_TRANSFER_TIMEOUT]")

@@ -14,11 +14,9 @@ error) instead of being half-understood.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 import msgspec
-
-from .. import errors
 
 __all__ = [
     "Ack",
@@ -107,8 +105,10 @@ def decode_server(data: bytes) -> Batch | Failure:
     return msg
 
 
-class Ticket(msgspec.Struct, frozen=True, kw_only=True):
-    """What a prefill worker hands to the decode worker (``disaggregated_params`` keys)."""
+class Ticket(msgspec.Struct, frozen=True, kw_only=True, tag="transfer", tag_field="type",
+             omit_defaults=True):
+    """A prefill's KV held by a ``KvTransferServer`` for one pull: the handoff a prefill worker
+    returns and a decode worker pulls with (``dynamo_zmq.llm.PrefillRemotely.handoff``)."""
 
     #: The prefill worker's transfer ROUTER, e.g. ``tcp://10.0.0.5:40123``.
     transfer_endpoint: str
@@ -118,19 +118,3 @@ class Ticket(msgspec.Struct, frozen=True, kw_only=True):
     num_bytes: _Count
     #: The server's CURVE public key (Z85) when the prefill worker runs with auth keys.
     transfer_key: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {f: getattr(self, f) for f in self.__struct_fields__}
-
-    @classmethod
-    def from_dict(cls, params: dict[str, Any]) -> Ticket:
-        """The ticket in ``params`` (other keys, e.g. ``do_remote_prefill``, are ignored).
-
-        Raises:
-            InvalidArgument: a key is missing or has the wrong type.
-        """
-        try:
-            fields = {f: params[f] for f in cls.__struct_fields__ if f in params}
-            return msgspec.convert(fields, cls)
-        except (msgspec.ValidationError, TypeError) as exc:
-            raise errors.InvalidArgument(f"bad KV transfer handoff: {exc}") from exc

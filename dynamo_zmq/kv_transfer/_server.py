@@ -15,7 +15,6 @@ import asyncio
 import logging
 import secrets
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import msgspec
 import zmq
@@ -122,8 +121,8 @@ class KvTransferServer:
     # -- offers ----------------------------------------------------------------------------
 
     def offer(self, blocks: Sequence[bytes], *, num_bytes: int | None = None,
-              on_release: OnRelease | None = None) -> dict[str, Any]:
-        """Hold ``blocks`` for one pull and return its ticket (``Ticket.to_dict``).
+              on_release: OnRelease | None = None) -> Ticket:
+        """Hold ``blocks`` for one pull and return its ticket.
 
         ``num_bytes`` is the memory the transfer holds as the engine counts it (default: the
         payloads' length); ``on_release(reason)`` runs once when it is released.
@@ -148,7 +147,7 @@ class KvTransferServer:
         self.metrics.held.inc()
         self.metrics.held_bytes.inc(size)
         return Ticket(transfer_endpoint=self.endpoint, transfer_id=tid, num_blocks=len(blocks),
-                      num_bytes=size, transfer_key=self._key).to_dict()
+                      num_bytes=size, transfer_key=self._key)
 
     def _release(self, tid: str, reason: str) -> None:
         held = self._held.pop(tid, None)

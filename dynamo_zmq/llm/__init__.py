@@ -14,6 +14,11 @@ from ._advert import serves as serves
 from ._block_hashing import KvHashScheme as KvHashScheme
 from ._capabilities import Capability as Capability
 from ._engine import LLMEngine as LLMEngine
+from ._handoff import ConnectorHandoff as ConnectorHandoff
+from ._handoff import DecodeRemotely as DecodeRemotely
+from ._handoff import Disaggregation as Disaggregation
+from ._handoff import KvHandoff as KvHandoff
+from ._handoff import PrefillRemotely as PrefillRemotely
 from ._kv_events import MEDIUM_GPU as MEDIUM_GPU
 from ._kv_events import AllBlocksCleared as AllBlocksCleared
 from ._kv_events import BlockRemoved as BlockRemoved
@@ -27,6 +32,7 @@ from ._kv_events import OwnRemoved as OwnRemoved
 from ._kv_events import OwnStored as OwnStored
 from ._kv_events import encode_batch as encode_batch
 from ._kv_events import encode_own_batch as encode_own_batch
+from ._live import LiveRequests as LiveRequests
 from ._load import LOAD_HEARTBEAT as LOAD_HEARTBEAT
 from ._load import LOAD_TOPIC as LOAD_TOPIC
 from ._load import LOAD_VERSION as LOAD_VERSION
@@ -76,9 +82,11 @@ from ._postprocess import postprocess as postprocess
 from ._postprocess import resumed_usage as resumed_usage
 from ._postprocess import with_resumed_usage as with_resumed_usage
 from ._routing import BUILTIN_MODES as BUILTIN_MODES
+from ._routing import DEFAULT_ROUTE as DEFAULT_ROUTE
 from ._routing import ClientRouter as ClientRouter
 from ._routing import ModelRouter as ModelRouter
 from ._routing import OutputStream as OutputStream
+from ._routing import RouteOptions as RouteOptions
 from ._routing import RouterPlugin as RouterPlugin
 from ._routing import RoutingTarget as RoutingTarget
 from ._stop_strings import MAX_STOP_LENGTH as MAX_STOP_LENGTH
@@ -100,6 +108,7 @@ __all__ = [
     "CARD_FILES",
     "CHUNK",
     "DEFAULT_MIGRATION_LIMIT",
+    "DEFAULT_ROUTE",
     "ENGINES",
     "LOAD_HEARTBEAT",
     "LOAD_TOPIC",
@@ -121,6 +130,9 @@ __all__ = [
     "ChunkAfterTerminal",
     "ClientRouter",
     "ConformanceError",
+    "ConnectorHandoff",
+    "DecodeRemotely",
+    "Disaggregation",
     "EmbeddingOptions",
     "EngineConfig",
     "EngineLoad",
@@ -129,9 +141,11 @@ __all__ = [
     "GuidedDecoding",
     "IncrementalDetokenizer",
     "KvEvent",
+    "KvHandoff",
     "KvHashScheme",
     "LLMEngine",
     "LLMEngineOutput",
+    "LiveRequests",
     "LoadDecodeError",
     "LoadReport",
     "Migration",
@@ -150,8 +164,10 @@ __all__ = [
     "OwnRemoved",
     "OwnStored",
     "PostProcessor",
+    "PrefillRemotely",
     "PreprocessedRequest",
     "Resume",
+    "RouteOptions",
     "RouterPlugin",
     "RoutingHints",
     "RoutingTarget",

@@ -33,8 +33,8 @@ class Capability:
     #: ``dimensions`` of ``/v1/embeddings`` (a matryoshka model: truncated and renormalised).
     EMBEDDING_DIMENSIONS = "embedding_dimensions"
     #: Disaggregated serving: as a prefill worker the engine offers a prompt's KV
-    #: (``disaggregated_params={"do_remote_decode": True}``) and returns the handoff; as a
-    #: decode worker it pulls it (``do_remote_prefill``). A worker started with
+    #: (``disaggregation=DecodeRemotely()``) and returns the handoff (``kv_handoff``); as a
+    #: decode worker it pulls it (``PrefillRemotely(handoff)``). A worker started with
     #: ``--disaggregation-mode prefill|decode`` refuses to start without it.
     DISAGGREGATION = "disaggregation"
     #: With ``DISAGGREGATION``: the engine moves KV between workers itself (vLLM through its

@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from .. import errors
 from ..context import Context
+from ._live import LiveRequests
 from ._messages import EngineConfig, EngineLoad, LLMEngineOutput, PreprocessedRequest
 
 if TYPE_CHECKING:
@@ -97,8 +98,20 @@ class LLMEngine(abc.ABC):
     ) -> AsyncIterator[LLMEngineOutput]:
         """Stream outputs for one request, ending with exactly one terminal chunk."""
 
+    @property
+    def live_requests(self) -> LiveRequests[Any]:
+        """The engine's requests in flight by context id: an engine adds each one ``generate``
+        or ``embed`` starts (and removes it when it ends), and ``abort`` frees
+        ``live_requests.of(ctx.id())``.
+        Made on first use, so an engine need not call ``LLMEngine.__init__``."""
+        live: LiveRequests[Any] | None = self.__dict__.get("_live_requests")
+        if live is None:
+            live = self.__dict__["_live_requests"] = LiveRequests()
+        return live
+
     async def abort(self, ctx: Context) -> None:  # noqa: B027 (optional hook)
-        """Free the request of ``ctx`` now (stop or kill reached the worker)."""
+        """Free the requests of ``ctx`` now (stop or kill reached the worker); an engine finds
+        them in ``self.live_requests.of(ctx.id())``."""
 
     async def drain(self) -> None:  # noqa: B027 (optional hook)
         """Finish or hand off in-flight work; the worker admits nothing new, and in-flight

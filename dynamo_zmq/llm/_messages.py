@@ -15,6 +15,7 @@ from typing import Annotated, Any
 import msgspec
 
 from ._block_hashing import KvHashScheme
+from ._handoff import Disaggregation, KvHandoff
 
 __all__ = [
     "EmbeddingOptions",
@@ -170,8 +171,9 @@ class PreprocessedRequest(msgspec.Struct, **_WIRE):
     routing: RoutingHints = msgspec.field(default_factory=RoutingHints)
     #: End-of-sequence token ids of the model (the frontend knows them from the model card).
     eos_token_ids: list[int] = msgspec.field(default_factory=list)
-    #: Slot for disaggregated prefill/decode parameters (opaque to the worker).
-    disaggregated_params: dict[str, Any] | None = None
+    #: The request's part in disaggregated serving: ``DecodeRemotely`` (to a prefill worker)
+    #: or ``PrefillRemotely`` with the handoff (to a decode worker); None: aggregated.
+    disaggregation: Disaggregation | None = None
     annotations: list[str] = msgspec.field(default_factory=list)
     #: Checksum of the model card the request was preprocessed with (the request-flow
     #: document's ``BackendInput.mdcsum``); a worker serving another card refuses it. None: not
@@ -238,8 +240,9 @@ class LLMEngineOutput(msgspec.Struct, **_WIRE):
     tool_calls: list[ToolCallDelta] | None = None
     #: Reasoning text the worker's reasoning parser moved out of ``text``.
     reasoning: str | None = None
-    #: On a prefill worker's terminal: the KV handoff for the decode worker (engine-defined).
-    disaggregated_params: dict[str, Any] | None = None
+    #: On a prefill worker's terminal (``DecodeRemotely``): where the prompt's KV waits for
+    #: the decode worker's pull; None: nothing was handed off.
+    kv_handoff: KvHandoff | None = None
     #: With tracing on, on the worker's first output with tokens: the ``traceparent`` of its
     #: ``engine.generate`` span (what a migration or a disaggregated decode links to).
     worker_trace_link: str | None = None

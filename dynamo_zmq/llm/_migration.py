@@ -22,14 +22,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import Any
 
 import msgspec
 
 from .. import errors
 from ..context import Context
 from ._messages import PreprocessedRequest, Resume, RoutingHints
-from ._routing import ModelRouter, OutputStream
+from ._routing import ModelRouter, OutputStream, RouteOptions
 
 __all__ = [
     "DEFAULT_MIGRATION_LIMIT",
@@ -196,16 +195,14 @@ class Migration:
         wait_until = loop.time() + MIGRATION_WAIT
         exclude = frozenset(self._lost)
         while True:
-            extra: dict[str, Any] = {"exclude": exclude}
+            left = None
             if self._deadline is not None:
                 left = self._deadline - loop.time()
                 if left <= 0:
                     raise exc
-                extra["timeout"] = left
+            options = RouteOptions(idle_timeout=self._idle_timeout, timeout=left, exclude=exclude)
             try:
-                return await self._router.generate(
-                    request, ctx, idle_timeout=self._idle_timeout, **extra
-                )
+                return await self._router.generate(request, ctx, options)
             except errors.CannotConnect:
                 if ctx.is_stopped() or loop.time() >= wait_until:
                     raise exc from None

@@ -237,7 +237,7 @@ class PostProcessor:
         return LLMEngineOutput(
             ids, text="".join(parts), finish_reason=reason, usage=usage, error=out.error,
             log_probs=out.log_probs, stop_reason=stop_reason,
-            disaggregated_params=out.disaggregated_params,
+            kv_handoff=out.kv_handoff,
         )
 
     def _usage(self, engine: Usage | None) -> Usage:
@@ -283,7 +283,7 @@ class PostProcessor:
             ids, text="".join(parts), finish_reason=FinishReason.STOP,
             usage=Usage(self._prompt_tokens, self.completion_tokens), log_probs=log_probs,
             stop_reason=self._matcher.matched,
-            disaggregated_params=out.disaggregated_params if out.is_terminal else None,
+            kv_handoff=out.kv_handoff if out.is_terminal else None,
         )
 
 

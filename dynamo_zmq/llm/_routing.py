@@ -2,7 +2,8 @@
 implements, the built-in modes (round-robin, random, direct) and the plugin base for the others.
 
 The frontend makes one ``ModelRouter`` per model and calls nothing else to send a request: it
-gets back a stream of decoded ``LLMEngineOutput``s. Where a router places a request inside a
+passes the request, its context and a ``RouteOptions``, and gets back a stream of decoded
+``LLMEngineOutput``s. Where a router places a request inside a
 worker (a data-parallel rank) it writes into ``request.routing``, which travels with it.
 """
 
@@ -12,6 +13,8 @@ import abc
 import argparse
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
+
+import msgspec
 
 from .. import errors
 from ..context import Context
@@ -27,9 +30,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BUILTIN_MODES",
+    "DEFAULT_ROUTE",
     "ClientRouter",
     "ModelRouter",
     "OutputStream",
+    "RouteOptions",
     "RouterPlugin",
     "RoutingTarget",
 ]
@@ -45,6 +50,31 @@ BUILTIN_MODES = {
 }
 
 
+class RouteOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """How to send one request: the routing seam's one argument beside the request and its
+    context (``ModelRouter.generate``). Immutable: ``replace`` makes a changed copy."""
+
+    #: The instance chosen outside the router (``direct`` mode needs it; other modes do not
+    #: read it).
+    instance_id: int | None = None
+    #: Seconds to wait for each next output (ResponseTimeout after).
+    idle_timeout: float | None = None
+    #: The runtime's per-request deadline, in seconds, which the worker enforces too
+    #: (ResponseTimeout after); None: no deadline.
+    timeout: float | None = None
+    #: Instances the request must not go to, not even by failover (those a migrated request
+    #: was lost on).
+    exclude: frozenset[int] = frozenset()
+
+    def replace(self, **changes: object) -> RouteOptions:
+        """A copy with ``changes``."""
+        return msgspec.structs.replace(self, **changes)
+
+
+#: No instance named, no timeouts, nothing excluded.
+DEFAULT_ROUTE = RouteOptions()
+
+
 class ModelRouter(Protocol):
     """Sends one model's requests to its workers."""
 
@@ -53,28 +83,14 @@ class ModelRouter(Protocol):
         ...
 
     async def generate(
-        self,
-        request: PreprocessedRequest,
-        context: Context,
-        *,
-        instance_id: int | None = None,
-        idle_timeout: float | None = None,
-        timeout: float | None = None,
-        exclude: frozenset[int] = frozenset(),
+        self, request: PreprocessedRequest, context: Context, options: RouteOptions = DEFAULT_ROUTE
     ) -> OutputStream:
         """Send ``request``; its outputs stream back.
 
         Args:
             request: the preprocessed request (a router may fill ``request.routing``).
             context: the request's cancellation context (stop and kill reach the worker).
-            instance_id: the instance chosen outside the router (``direct`` mode needs it;
-                other modes do not read it).
-            idle_timeout: seconds to wait for each next output (ResponseTimeout after).
-            timeout: the runtime's per-request deadline, in seconds, which the worker enforces
-                (ResponseTimeout after). The frontend passes it only when a request has a
-                deadline, so a router that predates it keeps working without one.
-            exclude: instances the request must not go to, not even by failover (those a
-                migrated request was lost on). The frontend passes it only when not empty.
+            options: where it may go and how long it may take (``RouteOptions``).
 
         Raises:
             CannotConnect: no live instance (or not the one named).
@@ -98,22 +114,16 @@ class ClientRouter:
         return self.client.instance_ids()
 
     async def generate(
-        self,
-        request: PreprocessedRequest,
-        context: Context,
-        *,
-        instance_id: int | None = None,
-        idle_timeout: float | None = None,
-        timeout: float | None = None,
-        exclude: frozenset[int] = frozenset(),
+        self, request: PreprocessedRequest, context: Context, options: RouteOptions = DEFAULT_ROUTE
     ) -> OutputStream:
+        instance_id = options.instance_id
         if self.client.mode == RouterMode.Direct and instance_id is None:
             raise errors.InvalidArgument("direct routing needs the instance to send to")
         if self.client.mode != RouterMode.Direct:
             instance_id = None
         return await self.client.stream(
             request, LLMEngineOutput, context=context, instance_id=instance_id,
-            timeout=timeout, idle_timeout=idle_timeout, exclude=exclude,
+            timeout=options.timeout, idle_timeout=options.idle_timeout, exclude=options.exclude,
         )
 
     async def close(self) -> None:

@@ -178,7 +178,7 @@ class PeerPool:
                 if conn is None:
                     del self._withdrawn[address]
                     continue
-                idle = not conn._streams
+                idle = not conn.open_streams
                 if conn.state is PeerState.DOWN or (idle and now - since > WITHDRAWN_LINGER):
                     del self._withdrawn[address]
                     del self.peers[address]

@@ -91,10 +91,11 @@ async def start_worker(args: argparse.Namespace, config: RuntimeConfig) -> tuple
     print(f"started demo worker pid {proc.pid}", flush=True)
     assert proc.stdout is not None
     try:
-        while line := await asyncio.wait_for(proc.stdout.readline(), args.timeout):
-            if line.startswith(b"READY "):
-                _, address, iid = line.decode().split()
-                return proc, address, int(iid, 16)
+        async with asyncio.timeout(args.timeout):
+            while line := await proc.stdout.readline():
+                if line.startswith(b"READY "):
+                    _, address, iid = line.decode().split()
+                    return proc, address, int(iid, 16)
     except BaseException:
         await stop_worker(proc)
         raise
@@ -108,8 +109,9 @@ async def stop_worker(proc: Process, grace: float = 10.0) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(proc.pid, signal.SIGTERM)
         try:
-            await asyncio.wait_for(proc.wait(), grace)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(grace):
+                await proc.wait()
+        except TimeoutError:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(proc.pid, signal.SIGKILL)
             await proc.wait()

@@ -223,7 +223,8 @@ async def send(host: str, port: int, case: Case, wait: float = 30.0) -> Answer:
         writer.write(head + case.body)
         await writer.drain()
         try:
-            return await asyncio.wait_for(_read_answer(reader), wait)
+            async with asyncio.timeout(wait):
+                return await _read_answer(reader)
         except TimeoutError:
             return Answer(None, hung=True)
         except (asyncio.IncompleteReadError, ConnectionError, ValueError):

@@ -32,9 +32,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..discovery import DiscoveryConfig, PeerAdded, add_discovery_args
+from ..discovery import DiscoveryConfig, add_discovery_args
 from ..errors import DynamoError
-from ..llm import advert_of
 from ..runtime import (
     DistributedRuntime,
     PeerPool,
@@ -44,6 +43,7 @@ from ..runtime import (
     check_number,
 )
 from ..transport import PeerConnection, PeerState
+from ._status_rows import rows_of
 
 __all__ = ["collect_rows", "format_age", "format_table", "main"]
 
@@ -72,69 +72,6 @@ def format_age(seconds: float | None) -> str:
         if seconds >= size:
             return f"{seconds // size}{unit}"
     return f"{seconds}s"
-
-
-def _row(
-    address: str, state: str, hint: PeerAdded | None, instance_id: int | None = None
-) -> dict[str, Any]:
-    """The row of an instance that did not describe itself: what discovery said about it."""
-    iid = instance_id if instance_id is not None else (hint.instance_id if hint else None)
-    return {
-        "namespace": hint.namespace if hint else None,
-        "component": ",".join(hint.components) or None if hint else None,
-        "endpoints": [],
-        "instance_id": f"{iid:x}" if iid else None,
-        "address": address,
-        "age": None,
-        "state": state,
-        "hostname": None,
-        "pid": None,
-        "rev": None,
-        "model": None,
-        "role": None,
-    }
-
-
-def _rows_of(
-    conn: PeerConnection, hint: PeerAdded | None, namespace: str | None, now: float
-) -> list[dict[str, Any]]:
-    """The rows for one peer: one per (namespace, component) it serves, or one if it did not
-    answer (``gone`` when the connection was refused or dropped, else ``unreachable``)."""
-    desc = conn.description
-    if desc is None:
-        return [_row(conn.address, "gone" if conn.state is PeerState.DOWN else "unreachable", hint)]
-    rows: list[dict[str, Any]] = []
-    if hint is not None and hint.instance_id and hint.instance_id != desc.instance_id:
-        # The advertised instance died and another one took its address.
-        rows.append(_row(conn.address, "gone", hint))
-    state = "draining" if conn.draining else conn.state.value
-    groups: dict[tuple[str, str], list[str]] = {}
-    models: dict[tuple[str, str], dict[str, str]] = {}  # group -> model name -> role
-    for ep in desc.endpoints:
-        if namespace is None or ep.namespace == namespace:
-            groups.setdefault((ep.namespace, ep.component), []).append(ep.name)
-            if (advert := advert_of(conn, ep.path)) is not None:
-                models.setdefault((ep.namespace, ep.component), {})[advert.name] = advert.role
-    if not groups and namespace is None:
-        groups[("", "")] = []  # answering but serving nothing (yet): still worth a row
-    age = max(0.0, now - desc.started_at)
-    return rows + [
-        {
-            "namespace": ns or None,
-            "component": comp or None,
-            "endpoints": sorted(names),
-            "instance_id": f"{desc.instance_id:x}",
-            "address": conn.address,
-            "age": round(age, 3),
-            "state": state,
-            "hostname": desc.hostname,
-            "pid": desc.pid,
-            "rev": desc.rev,
-            "model": ",".join(sorted(models.get((ns, comp), {}))) or None,
-            "role": ",".join(r for _, r in sorted(models.get((ns, comp), {}).items())) or None,
-        }
-        for (ns, comp), names in sorted(groups.items())
-    ]
 
 
 def _settled(conn: PeerConnection) -> bool:
@@ -185,7 +122,7 @@ async def collect_rows(
         rows: list[dict[str, Any]] = []
         seen: set[tuple[Any, ...]] = set()
         for conn in sorted(peers, key=lambda c: c.address):
-            for row in _rows_of(conn, pool.hints.get(conn.address), namespace, now):
+            for row in rows_of(conn, pool.hints.get(conn.address), namespace, now):
                 # One instance reachable at two addresses is listed once.
                 key = (row["instance_id"] or row["address"], row["namespace"], row["component"])
                 if key not in seen:

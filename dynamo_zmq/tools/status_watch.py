@@ -36,10 +36,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from ..discovery import DiscoveryConfig
 from ..errors import DynamoError
 from ..llm import LOAD_TOPIC, LoadReport, advert_of, decode_report
-from ..resources import Resources
+from ..resources import Resources, wait_event
 from ..runtime import DistributedRuntime, RuntimeConfig
 from ..transport import AsyncSocket, PeerConnection, PeerState, make_socket, peer_key
-from .status import _rows_of
+from ._status_rows import rows_of
 
 __all__ = ["LoadFollower", "format_frame", "watch"]
 
@@ -187,7 +187,7 @@ class _Watcher:
             live.add(conn.instance_id)
             self._follow(conn)
             latest = self._loads.latest.get(conn.instance_id)
-            for row in _rows_of(conn, None, self._namespace, now):
+            for row in rows_of(conn, None, self._namespace, now):
                 if row["state"] not in ("ready", "draining"):
                     continue
                 row.update(_load_columns(latest))
@@ -286,8 +286,7 @@ async def watch(
                 else:
                     out.write(frame + "\n\n")
             out.flush()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), interval)
+            await wait_event(stop, interval)
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)

@@ -6,31 +6,30 @@ A connection pings on its own (``ping_loop``), or, in a pool, on a ``PingTicker`
 connections share: one task and one wake-up per interval for all of them, instead of one per
 connection (1,024 wake-ups a second at 256 peers).
 
-These run beside a ``PeerConnection`` on its own state; none of it is on the per-message path
-(that is ``PeerConnection._dispatch``, which only stamps ``_last_rx``).
+Each ``PeerConnection`` owns one ``PeerLiveness``, which keeps the liveness state (connected,
+quiet after a stall, the ping nonces) and reaches the connection only through ``LivePeer``; none
+of it is on the per-message path (the connection's receive path only stamps ``last_rx``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+import itertools
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from ..resources import Resources
-from ..wire import Kind, Ping
+from ..wire import Describe, Description, Kind, Ping
+from ._sockets import AsyncSocket
 
-if TYPE_CHECKING:
-    from .client import PeerConnection
-
-__all__ = [
-    "HANDSHAKE_FAILED", "PING_INTERVAL", "PeerState", "PingTicker", "check_silence",
-    "monitor_loop", "ping_loop",
-]
+__all__ = ["HANDSHAKE_FAILED", "PING_INTERVAL", "LivePeer", "PeerLiveness", "PeerState",
+           "PingTicker"]
 
 # Its lines were always the connection's: keep the logger they are filtered by.
 log = logging.getLogger("dynamo_zmq.transport.client")
@@ -56,67 +55,135 @@ HANDSHAKE_FAILED = (
 )
 
 
-async def monitor_loop(peer: PeerConnection) -> None:
-    """Follow ``peer``'s socket monitor: connected, disconnected, handshake failed."""
-    mon = peer._monitor
-    assert mon is not None
-    while not mon.closed:
-        while (frames := mon.recv_nowait()) is not None:
-            event = parse_monitor_message(frames)["event"]
-            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                peer._connected = True
-                peer._last_rx = time.monotonic()
-                peer._request_description()
-            elif event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
-                peer._connected = False
-                # Frames that arrived before the connection dropped are still queued on the
-                # data socket: deliver them first, so finished streams end cleanly.
-                peer._drain_pending()
-                peer._mark_down("disconnected")
-            elif event & HANDSHAKE_FAILED and not peer._handshake_failed:
-                # A wrong server key, a peer without CURVE, or one that refuses our key:
-                # ZMQ retries, we say it once.
-                peer._handshake_failed = True
-                log.warning("%s: the CURVE handshake failed (its key is not the advertised "
-                            "one, or it does not accept ours)", peer.address)
-        await mon.wait_readable()
+class LivePeer(Protocol):
+    """What liveness reads and calls on its connection (``PeerConnection``)."""
+
+    address: str
+    #: When the last frame came from the peer (``time.monotonic()``).
+    last_rx: float
+
+    @property
+    def state(self) -> PeerState: ...
+
+    @property
+    def description(self) -> Description | None: ...
+
+    def send_control(self, kind: bytes, msg: msgspec.Struct) -> None:
+        """Send a control frame without waiting."""
+        ...
+
+    def drain_pending(self) -> None:
+        """Deliver the frames already queued on the data socket."""
+        ...
+
+    def mark_down(self, reason: str) -> None:
+        """End every open stream and mark the peer DOWN, saying why."""
+        ...
 
 
-async def ping_loop(peer: PeerConnection) -> None:
-    """Ping ``peer`` every ping interval (or ask who it is until it has said) and judge its
-    silence after each ping."""
-    last = time.monotonic()
-    while True:
-        await asyncio.sleep(peer._ping_interval)
+class PeerLiveness:
+    """Whether one peer is alive (see the module docstring); its connection owns it.
+
+    Args:
+        peer: the connection.
+        interval: seconds between application pings (a ``PingTicker``'s when it has one).
+        timeout: a READY peer silent for this long is marked DOWN.
+    """
+
+    def __init__(self, peer: LivePeer, interval: float, timeout: float) -> None:
+        self.peer = peer
+        self.interval = interval
+        self.timeout = timeout
+        #: The connection's socket monitor (set when it starts).
+        self.monitor: AsyncSocket | None = None
+        self.connected = False
+        self.handshake_failed = False
+        #: Until then silence is not judged: this process has just come back from a stall.
+        self.quiet_until = 0.0
+        self.last_describe = 0.0
+        self.nonce = itertools.count(1)
+
+    async def monitor_loop(self) -> None:
+        """Follow the socket monitor: connected, disconnected, handshake failed."""
+        mon, peer = self.monitor, self.peer
+        assert mon is not None
+        while not mon.closed:
+            while (frames := mon.recv_nowait()) is not None:
+                event = parse_monitor_message(frames)["event"]
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    self.connected = True
+                    peer.last_rx = time.monotonic()
+                    self.request_description()
+                elif event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
+                    self.connected = False
+                    # Frames that arrived before the connection dropped are still queued on the
+                    # data socket: deliver them first, so finished streams end cleanly.
+                    peer.drain_pending()
+                    peer.mark_down("disconnected")
+                elif event & HANDSHAKE_FAILED and not self.handshake_failed:
+                    # A wrong server key, a peer without CURVE, or one that refuses our key:
+                    # ZMQ retries, we say it once.
+                    self.handshake_failed = True
+                    log.warning("%s: the CURVE handshake failed (its key is not the advertised "
+                                "one, or it does not accept ours)", peer.address)
+            await mon.wait_readable()
+
+    async def ping_loop(self) -> None:
+        """Ping every ping interval (or ask who it is until it has said) and judge the peer's
+        silence after each ping."""
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(self.interval)
+            now = time.monotonic()
+            if _woke_late(now, last, self.interval, self.timeout):
+                self.quiet(now)
+            last = now
+            self.ping_once()
+
+    def quiet(self, now: float) -> None:
+        """Judge no silence for two pings' time from ``now`` (this process just stalled)."""
+        self.quiet_until = now + 2 * self.interval
+
+    def request_description(self) -> None:
+        """Ask the peer who it is (DESCRIBE), at most every 0.2 s."""
         now = time.monotonic()
-        if _woke_late(now, last, peer._ping_interval, peer._liveness_timeout):
-            _quiet(peer, now)
-        last = now
-        ping_once(peer)
+        if now - self.last_describe > 0.2:
+            self.last_describe = now
+            self.peer.send_control(Kind.DESCRIBE, Describe(next(self.nonce)))
+
+    def ping_once(self) -> None:
+        """One ping (a DESCRIBE until the peer has described itself), then its silence
+        judged."""
+        if self.peer.description is None:
+            self.request_description()  # dropped harmlessly while not connected
+            return
+        if not self.connected:
+            return
+        # Always, even while its streams bring data: the pings are what keep this caller alive
+        # for the peer's reaper (``Server``'s CLIENT_TIMEOUT).
+        self.peer.send_control(Kind.PING, Ping(next(self.nonce)))
+        self.check_silence()
+
+    def check_silence(self) -> None:
+        """Mark the peer down if nothing came from it for the liveness timeout."""
+        peer = self.peer
+        if peer.state is not PeerState.READY:
+            return
+        now = time.monotonic()
+        if now - peer.last_rx <= self.timeout or now < self.quiet_until:
+            return
+        # After a stall of this process (GC, a busy loop, CPU starvation) this can run before
+        # the receive loop has read what arrived meanwhile: that proves the peer alive.
+        peer.drain_pending()
+        silent = time.monotonic() - peer.last_rx
+        if silent > self.timeout:
+            peer.mark_down(f"silent for {silent:.1f}s")
 
 
 def _woke_late(now: float, last: float, interval: float, timeout: float) -> bool:
     """This process woke late: it (or the whole machine) stalled, and peers may have stalled
     with it. They get a few pings' time to answer before they are judged."""
     return now - last - interval > timeout / 3
-
-
-def _quiet(peer: PeerConnection, now: float) -> None:
-    peer._quiet_until = now + 2 * peer._ping_interval
-
-
-def ping_once(peer: PeerConnection) -> None:
-    """One ping of ``peer`` (a DESCRIBE until it has described itself), then its silence
-    judged."""
-    if peer.description is None:
-        peer._request_description()  # dropped harmlessly while not connected
-        return
-    if not peer._connected:
-        return
-    # Always, even while its streams bring data: the pings are what keep this caller alive
-    # for the peer's reaper (``Server``'s CLIENT_TIMEOUT).
-    peer.send_control(Kind.PING, Ping(next(peer._nonce)))
-    check_silence(peer)
 
 
 class PingTicker:
@@ -126,16 +193,18 @@ class PingTicker:
     def __init__(self, resources: Resources, interval: float = PING_INTERVAL) -> None:
         self._res = resources
         self.interval = interval
-        self._peers: dict[PeerConnection, None] = {}
+        self._peers: dict[PeerLiveness, None] = {}
         self._task: asyncio.Task[None] | None = None
 
-    def add(self, peer: PeerConnection) -> None:
-        self._peers[peer] = None
+    def add(self, live: PeerLiveness) -> None:
+        """Ping ``live``'s peer from now on."""
+        self._peers[live] = None
         if self._task is None and not self._res.closed:
             self._task = self._res.spawn(self._run(), "peer-pings")
 
-    def discard(self, peer: PeerConnection) -> None:
-        self._peers.pop(peer, None)
+    def discard(self, live: PeerLiveness) -> None:
+        """Stop pinging ``live``'s peer."""
+        self._peers.pop(live, None)
 
     async def _run(self) -> None:
         last = time.monotonic()
@@ -143,25 +212,10 @@ class PingTicker:
             await asyncio.sleep(self.interval)
             now = time.monotonic()
             woke, last = last, now
-            for peer in list(self._peers):
-                if _woke_late(now, woke, self.interval, peer._liveness_timeout):
-                    _quiet(peer, now)
+            for live in list(self._peers):
+                if _woke_late(now, woke, self.interval, live.timeout):
+                    live.quiet(now)
                 try:
-                    ping_once(peer)
+                    live.ping_once()
                 except Exception:  # one peer's failure must not stop the others' liveness
-                    log.exception("pinging %s failed", peer.address)
-
-
-def check_silence(peer: PeerConnection) -> None:
-    """Mark ``peer`` down if nothing came from it for the liveness timeout."""
-    if peer.state is not PeerState.READY:
-        return
-    now = time.monotonic()
-    if now - peer._last_rx <= peer._liveness_timeout or now < peer._quiet_until:
-        return
-    # After a stall of this process (GC, a busy loop, CPU starvation) this can run before
-    # the receive loop has read what arrived meanwhile: that proves the peer alive.
-    peer._drain_pending()
-    silent = time.monotonic() - peer._last_rx
-    if silent > peer._liveness_timeout:
-        peer._mark_down(f"silent for {silent:.1f}s")
+                    log.exception("pinging %s failed", live.peer.address)

@@ -26,7 +26,6 @@ from ..tracing import outgoing
 from ..wire import (
     PROTOCOL_VERSION,
     Control,
-    Describe,
     Description,
     End,
     Error,
@@ -39,15 +38,7 @@ from ..wire import (
     encode,
 )
 from ._curve import current_curve
-from ._peer_liveness import (
-    HANDSHAKE_FAILED,
-    PING_INTERVAL,
-    PeerState,
-    PingTicker,
-    check_silence,
-    monitor_loop,
-    ping_loop,
-)
+from ._peer_liveness import HANDSHAKE_FAILED, PING_INTERVAL, PeerLiveness, PeerState, PingTicker
 from ._sockets import AsyncSocket, SendResult, make_socket
 from ._streams import ItemDecoder, ResponseStream, _StreamState, decode_items
 
@@ -105,27 +96,22 @@ class PeerConnection:
         self._res = resources.child(f"peer {address}")
         self.address = address
         self.server_key = server_key
-        self._handshake_failed = False
         self._on_change = on_change
         self._ticker = ticker
-        self._ping_interval = ticker.interval if ticker is not None else ping_interval
-        self._liveness_timeout = liveness_timeout
         self.state = PeerState.CONNECTING
         self.description: Description | None = None
         self.draining = False
         self.inflight = 0
         #: Messages received from the peer (for tests and debugging).
         self.frames_received = 0
-        self._connected = False
         self._sock: AsyncSocket | None = None
-        self._monitor: AsyncSocket | None = None
         self._streams: dict[int, _StreamState] = {}
-        self._last_rx = 0.0
-        #: Until then silence is not judged: this process has just come back from a stall.
-        self._quiet_until = 0.0
-        self._last_describe = 0.0
+        #: When the last frame came from the peer (``time.monotonic()``).
+        self.last_rx = 0.0
         self._described = asyncio.Event()
-        self._nonce = itertools.count(1)
+        self.liveness = PeerLiveness(
+            self, ticker.interval if ticker is not None else ping_interval, liveness_timeout
+        )
 
     def __repr__(self) -> str:
         iid = f"{self.instance_id:x}" if self.description else "?"
@@ -138,6 +124,11 @@ class PeerConnection:
     @property
     def routable(self) -> bool:
         return self.state is PeerState.READY and not self.draining
+
+    @property
+    def open_streams(self) -> int:
+        """Streams open on this connection."""
+        return len(self._streams)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -155,14 +146,14 @@ class PeerConnection:
         )
         sock.connect(self.address)
         self._sock = AsyncSocket(sock)
-        self._monitor = AsyncSocket(monitor)
+        self.liveness.monitor = AsyncSocket(monitor)
         name = f"peer-{self.address}"
         self._res.spawn(self._recv_loop(), f"{name}-recv")
-        self._res.spawn(monitor_loop(self), f"{name}-monitor")
+        self._res.spawn(self.liveness.monitor_loop(), f"{name}-monitor")
         if self._ticker is not None:
-            self._ticker.add(self)
+            self._ticker.add(self.liveness)
         else:
-            self._res.spawn(ping_loop(self), f"{name}-ping")
+            self._res.spawn(self.liveness.ping_loop(), f"{name}-ping")
 
     async def wait_described(self, timeout: float) -> Description:
         """Wait for the first DESCRIBE answer; raises ConnectionTimeout."""
@@ -179,14 +170,14 @@ class PeerConnection:
         self._fail_streams(errors.Disconnected(f"connection to {self.address} closed"))
         self.state = PeerState.CLOSED
         if self._ticker is not None:
-            self._ticker.discard(self)
+            self._ticker.discard(self.liveness)
         await self._res.close()  # the loops and any control message still waiting to go out
         if self._sock is not None:
             with contextlib.suppress(Exception):
                 self._sock.sock.disable_monitor()
             self._sock.close()
-        if self._monitor is not None:
-            self._monitor.close()
+        if self.liveness.monitor is not None:
+            self.liveness.monitor.close()
         self._changed()
 
     # -- streams ---------------------------------------------------------------------------
@@ -215,7 +206,7 @@ class PeerConnection:
         st = _StreamState(request_id, window, decode)
         self._streams[request_id] = st
         req = Request(request_id, endpoint, ctx.id(), payload, window, timeout, outgoing())
-        result = await self._sock.send([Kind.REQUEST, encode(req)], timeout=self._liveness_timeout)
+        result = await self._sock.send([Kind.REQUEST, encode(req)], timeout=self.liveness.timeout)
         if result != SendResult.SENT:
             self._streams.pop(request_id, None)
             raise errors.CannotConnect(f"could not send to {self.address}")
@@ -243,7 +234,7 @@ class PeerConnection:
         if self._sock is None or self._sock.closed:
             return
         if self._sock.try_send([kind, encode(msg)]) == SendResult.FULL and not self._res.closed:
-            send = self._sock.send([kind, encode(msg)], timeout=self._liveness_timeout)
+            send = self._sock.send([kind, encode(msg)], timeout=self.liveness.timeout)
             self._res.spawn(send, f"control-{self.address}")
 
     def _fail_streams(self, error: errors.DynamoError, kill: bool = False) -> None:
@@ -264,12 +255,13 @@ class PeerConnection:
         assert self._sock is not None
         await self._sock.drain_forever(self._dispatch, self.address)
 
-    def _drain_pending(self) -> None:
+    def drain_pending(self) -> None:
+        """Deliver the frames already queued on the socket (before judging the peer)."""
         if self._sock is not None:
             self._sock.drain(self._dispatch, self.address)
 
     def _dispatch(self, frames: list[bytes]) -> None:
-        self._last_rx = time.monotonic()
+        self.last_rx = time.monotonic()
         self.frames_received += 1
         if len(frames) != 2 or frames[0] not in _decoders:
             log.warning("malformed frame from %s: %d parts", self.address, len(frames))
@@ -343,7 +335,7 @@ class PeerConnection:
     def _on_state(self, instance_id: int, rev: int, draining: bool) -> None:
         desc = self.description
         if desc is None or desc.instance_id != instance_id or desc.rev != rev:
-            self._request_description()
+            self.liveness.request_description()
         elif self.state is not PeerState.READY:
             self.state = PeerState.READY  # came back from a stall
             self._changed()
@@ -358,7 +350,7 @@ class PeerConnection:
                     "%s speaks protocol %d, this process %d: not routing to it",
                     self.address, desc.protocol_version, PROTOCOL_VERSION,
                 )
-            self._mark_down("speaks another protocol version")
+            self.mark_down("speaks another protocol version")
             return
         old = self.description
         if old is not None and old.instance_id != desc.instance_id:
@@ -372,13 +364,9 @@ class PeerConnection:
         self._described.set()
         self._changed()
 
-    def _request_description(self) -> None:
-        now = time.monotonic()
-        if now - self._last_describe > 0.2:
-            self._last_describe = now
-            self.send_control(Kind.DESCRIBE, Describe(next(self._nonce)))
-
-    def _mark_down(self, reason: str) -> None:
+    def mark_down(self, reason: str) -> None:
+        """End every open stream with ``Disconnected`` (sending KILL for each) and mark the peer
+        DOWN, saying why; ZMQ keeps reconnecting."""
         if self.state is PeerState.CLOSED:
             return
         if self.state is not PeerState.DOWN:
@@ -387,10 +375,6 @@ class PeerConnection:
         if self.state is not PeerState.DOWN:
             self.state = PeerState.DOWN
             self._changed()
-
-    def _check_silence(self) -> None:
-        """Mark the peer down if nothing came from it for the liveness timeout."""
-        check_silence(self)
 
     def _changed(self) -> None:
         if self._on_change is not None:

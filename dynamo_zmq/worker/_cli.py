@@ -7,9 +7,11 @@
         [--native-framework-processing] [--tool-call-parser NAME] [--reasoning-parser NAME]
         [--workers-per-process N] [engine flags...]
 
-Every flag has a ``DYN_*`` environment variable (``--model-path`` -> ``DYN_MODEL_PATH``).
-Engines are found by name in the ``dynamo_zmq.engines`` entry-point group, or as
-``MODULE:CLASS``. Once serving, the worker prints ``READY <address> <instance id hex>``.
+Every flag but ``--help`` has a ``DYN_*`` environment variable (``--model-path`` ->
+``DYN_MODEL_PATH``), the engine's own included, except vLLM's engine flags, which the vllm
+engine passes through unchanged. Engines are found by name in the ``dynamo_zmq.engines``
+entry-point group (``--help`` lists those installed), or as ``MODULE:CLASS``. Once serving,
+the worker prints ``READY <address> <instance id hex>``.
 
 The same from code: ``engine, config = from_args(argv)`` (or ``MockerEngine.from_args(argv)``),
 then ``run(engine, config)``.
@@ -114,9 +116,10 @@ def build_parser(
         description="Serve an LLM engine on the dynamo-zmq request plane.",
         add_help=add_help,
     )
+    installed = ", ".join(plugin_names(ENGINES)) or "none"
     parser.add_argument(
         "--engine", default=_env("ENGINE", "mocker"),
-        help="engine name or MODULE:CLASS [DYN_ENGINE]",
+        help=f"engine name (installed: {installed}) or MODULE:CLASS [DYN_ENGINE]",
     )
     parser.add_argument(
         "--model-path", default=_env("MODEL_PATH"),

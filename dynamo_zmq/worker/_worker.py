@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import logging
 import signal
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -40,23 +39,19 @@ from ..llm import (
     LLMEngineOutput,
     ModelAdvert,
     ModelCard,
-    PostProcessor,
     PreprocessedRequest,
     build_card,
-    stop_bounds_error,
-    validate_stream,
-    with_resumed_usage,
 )
 from ..llm.parsers import detect_parsers
 from ..resources import cancel_and_wait
 from ..runtime import DistributedRuntime, StatusServer
-from ..tracing._engine import trace_engine
 from ._config import WorkerConfig
 from ._embed import serve_embedding
 from ._health import Health, embedding_payload
 from ._kv_transfer import start_kv_transfer
 from ._load_publisher import LoadPublisher
 from ._metrics import ModelMetrics, WorkerMetrics
+from ._request import Accounting, EngineContext, admit, engine_stream
 from ._side_endpoints import SideEndpoints
 
 __all__ = ["Worker"]
@@ -274,88 +269,56 @@ class Worker:
 
     # -- serving ---------------------------------------------------------------------------
 
-    async def _generate(
+    def _generate(
+        self, request: PreprocessedRequest, ctx: Context
+    ) -> AsyncIterator[LLMEngineOutput]:
+        """The generate endpoint: admit the request, then embed it or run the engine on it
+        (a plain function: the stream the server iterates is ``_embed``'s or ``_run``'s)."""
+        assert self.card is not None
+        admit(request, self.card)
+        if request.embedding is not None:  # /v1/embeddings, routed as a generation is
+            return self._embed(request, ctx)
+        return self._run(request, ctx)
+
+    async def _embed(
         self, request: PreprocessedRequest, ctx: Context
     ) -> AsyncIterator[LLMEngineOutput]:
         assert self.metrics is not None and self._model_metrics is not None
-        assert self.health is not None and self.card is not None
-        if request.mdcsum and request.mdcsum != self.card.checksum:
-            raise errors.InvalidArgument(
-                f"request preprocessed for model card {request.mdcsum}, but this worker serves "
-                f"{self.card.name!r} with card {self.card.checksum}"
-            )
-        if request.resume is not None and request.resume.generated > len(request.token_ids):
-            raise errors.InvalidArgument(
-                f"resume.generated ({request.resume.generated}) exceeds the prompt's "
-                f"{len(request.token_ids)} tokens"
-            )
-        if (stop_error := stop_bounds_error(request.stop.stop)) is not None:
-            raise errors.InvalidArgument(f"stop: {stop_error}")  # a frontend answers 400 first
-        if request.embedding is not None:  # /v1/embeddings, routed as a generation is
-            try:
-                async for out in serve_embedding(
-                    self.engine, request, ctx, self._model_metrics, self.health,
-                    lambda c: self._res.spawn(self.engine.abort(c), f"abort-{c.id()}"),
-                ):
-                    yield out
-            except Exception as exc:
-                self.metrics.error(errors.from_exception(exc).kind).inc()
-                raise
-            return
+        assert self.health is not None
+        try:
+            async for out in serve_embedding(
+                self.engine, request, ctx, self._model_metrics, self.health,
+                lambda c: self._res.spawn(self.engine.abort(c), f"abort-{c.id()}"),
+            ):
+                yield out
+        except Exception as exc:
+            self.metrics.error(errors.from_exception(exc).kind).inc()
+            raise
+
+    async def _run(
+        self, request: PreprocessedRequest, ctx: Context
+    ) -> AsyncIterator[LLMEngineOutput]:
+        """Run the engine on ``request``: its outputs, post-processed, accounted for."""
+        assert self.metrics is not None and self._model_metrics is not None
+        assert self.health is not None
         m = self._model_metrics
-        m.requests.inc()
-        m.inflight.inc()
-        self.health.request_started()
-        aborted = False
-        # The engine's own context follows the request's, and a stop string can stop it alone.
-        engine_ctx = Context(ctx.id())
-        ctx.link_child(engine_ctx)
-
-        def abort(cancelled: bool) -> None:
-            nonlocal aborted
-            if not aborted:
-                aborted = True
-                if cancelled:  # the client stopped or killed the request
-                    m.cancellations.inc()
-                self._res.spawn(self.engine.abort(engine_ctx), f"abort-{ctx.id()}")
-
-        async def stop_engine() -> None:  # a stop string matched: not a cancellation
-            engine_ctx.stop()
-            abort(cancelled=False)
-
-        remove = ctx.add_listener(lambda killed: abort(cancelled=not self._handing_over))
-        stream = self.engine.generate(request, engine_ctx)
-        if self.settings.debug_streams:
-            stream = validate_stream(stream)
-        # Post-processing runs here, chunk by chunk, rather than as one more generator layer
-        # around the engine's (``llm.postprocess`` is the same loop, for use on its own).
-        proc = (
-            PostProcessor(request, self.tokenizer, self.tool_parser, self.reasoning_parser)
-            if self.tokenizer is not None or request.output.detokenize
-            else None
+        account = Accounting(m, self.health)
+        engine = EngineContext(self.engine, ctx, self._res.spawn, m.cancellations.inc,
+                               lambda: self._handing_over)
+        stream, proc, link = engine_stream(
+            self.engine, request, engine.ctx, ctx, tokenizer=self.tokenizer,
+            tool_parser=self.tool_parser, reasoning_parser=self.reasoning_parser,
+            debug=self.settings.debug_streams, role=self.settings.disaggregation_mode,
         )
-        if proc is None and request.resume is not None:  # a migrated request: usage as its own
-            stream = with_resumed_usage(stream, request.resume.generated)
-        stream, link = trace_engine(  # (stream, None) with tracing off: nothing per chunk
-            stream, request, ctx, self.settings.disaggregation_mode, proc is not None)
-        start = last = time.monotonic()
-        tokens = 0
         try:
             async for raw in stream:
                 out = raw
                 if proc is not None:
                     out = proc.process(raw)
                     if out.is_terminal and proc.stopped_by_string and not raw.is_terminal:
-                        await stop_engine()  # a stop string ended it: free the engine's sequence
+                        engine.stop()  # a stop string ended it: free the engine's sequence
                 if out.token_ids:
-                    now = time.monotonic()
-                    if tokens:
-                        m.itl.observe(now - last)
-                    else:
-                        m.ttft.observe(now - start)
-                        out.worker_trace_link = link
-                    tokens += len(out.token_ids)
-                    last = now
+                    account.output(out, link)
                 if out.finish_reason == FinishReason.ERROR:
                     m.engine_errors.inc()
                     if (reason := self.engine.dead_reason()) is not None:
@@ -374,11 +337,8 @@ class Worker:
                 raise
             raise died from exc
         finally:
-            m.output_tokens.inc(tokens)
-            m.duration.observe(time.monotonic() - start)
-            remove()
-            m.inflight.dec()
-            self.health.request_ended()
+            account.end()
+            engine.close()
             aclose = getattr(stream, "aclose", None)
             if aclose is not None:
                 try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -114,39 +115,56 @@ class MockerConfig:
 
 
 def add_mocker_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """Add the mocker's flags (names as in Dynamo's mocker)."""
+    """Add the mocker's flags (names as in Dynamo's mocker), each defaulting to its ``DYN_*``
+    variable (``--block-size`` -> ``DYN_BLOCK_SIZE``; ``--no-kv-events``: ``DYN_KV_EVENTS=0``)."""
+    env = os.environ.get
     add = parser.add_argument
-    add("--block-size", type=int, default=64, help="tokens per KV block")
-    add("--num-gpu-blocks-override", type=int, default=16384,
-        help="KV blocks per data-parallel rank")
-    add("--max-num-seqs", type=int, default=256, help="running sequences per rank")
-    add("--max-num-batched-tokens", type=int, default=8192, help="token budget of one step")
-    add("--speedup-ratio", type=float, default=1.0, help="divide every simulated step time by this")
-    add("--prefill-ms-per-token", type=float, default=0.0,
+    add("--block-size", type=int, default=env("DYN_BLOCK_SIZE", 64),
+        help="tokens per KV block [DYN_BLOCK_SIZE]")
+    add("--num-gpu-blocks-override", type=int, default=env("DYN_NUM_GPU_BLOCKS_OVERRIDE", 16384),
+        help="KV blocks per data-parallel rank [DYN_NUM_GPU_BLOCKS_OVERRIDE]")
+    add("--max-num-seqs", type=int, default=env("DYN_MAX_NUM_SEQS", 256),
+        help="running sequences per rank [DYN_MAX_NUM_SEQS]")
+    add("--max-num-batched-tokens", type=int, default=env("DYN_MAX_NUM_BATCHED_TOKENS", 8192),
+        help="token budget of one step [DYN_MAX_NUM_BATCHED_TOKENS]")
+    add("--speedup-ratio", type=float, default=env("DYN_SPEEDUP_RATIO", 1.0),
+        help="divide every simulated step time by this [DYN_SPEEDUP_RATIO]")
+    add("--prefill-ms-per-token", type=float, default=env("DYN_PREFILL_MS_PER_TOKEN", 0.0),
         help="> 0: prefill costs this many ms per uncached token (no fixed part) instead of "
-        "Dynamo's fit")
-    add("--data-parallel-size", type=int, default=1, help="data-parallel ranks in this engine")
-    add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-        help="reuse cached KV blocks of shared prefixes")
-    add("--mocker-seed", type=int, default=0, help="base seed of the generated tokens")
-    add("--kv-events-port", type=int, default=0, help="KV-event PUB port (0 = any)")
-    add("--kv-replay-port", type=int, default=0, help="KV-event replay ROUTER port (0 = any)")
-    add("--no-kv-events", action="store_true", default=False, help="do not publish KV events")
-    add("--kv-replay-buffer-size", type=int, default=10_000,
-        help="KV-event batches kept for replay (a late router gets a full dump regardless)")
-    add("--mock-embedding-dim", type=int, default=0,
-        help="serve deterministic embeddings of this many dimensions (0 = no embeddings)")
-    add("--kv-bytes-per-token", type=int, default=131072,
-        help="KV bytes per token a disaggregated transfer models (default: Llama-3-8B bf16)")
-    add("--kv-transfer-bandwidth", type=float, default=25.0,
-        help="modeled KV transfer bandwidth from a prefill worker, GB/s")
-    add("--kv-hash-seed", type=int, default=None,
+        "Dynamo's fit [DYN_PREFILL_MS_PER_TOKEN]")
+    add("--data-parallel-size", type=int, default=env("DYN_DATA_PARALLEL_SIZE", 1),
+        help="data-parallel ranks in this engine [DYN_DATA_PARALLEL_SIZE]")
+    add("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+        default=env("DYN_ENABLE_PREFIX_CACHING", "1") != "0",
+        help="reuse cached KV blocks of shared prefixes [DYN_ENABLE_PREFIX_CACHING=0: off]")
+    add("--mocker-seed", type=int, default=env("DYN_MOCKER_SEED", 0),
+        help="base seed of the generated tokens [DYN_MOCKER_SEED]")
+    add("--kv-events-port", type=int, default=env("DYN_KV_EVENTS_PORT", 0),
+        help="KV-event PUB port (0 = any) [DYN_KV_EVENTS_PORT]")
+    add("--kv-replay-port", type=int, default=env("DYN_KV_REPLAY_PORT", 0),
+        help="KV-event replay ROUTER port (0 = any) [DYN_KV_REPLAY_PORT]")
+    add("--no-kv-events", action="store_true", default=env("DYN_KV_EVENTS", "1") == "0",
+        help="do not publish KV events [DYN_KV_EVENTS=0]")
+    add("--kv-replay-buffer-size", type=int, default=env("DYN_KV_REPLAY_BUFFER_SIZE", 10_000),
+        help="KV-event batches kept for replay (a late router gets a full dump regardless) "
+             "[DYN_KV_REPLAY_BUFFER_SIZE]")
+    add("--mock-embedding-dim", type=int, default=env("DYN_MOCK_EMBEDDING_DIM", 0),
+        help="serve deterministic embeddings of this many dimensions (0 = no embeddings) "
+             "[DYN_MOCK_EMBEDDING_DIM]")
+    add("--kv-bytes-per-token", type=int, default=env("DYN_KV_BYTES_PER_TOKEN", 131072),
+        help="KV bytes per token a disaggregated transfer models (default: Llama-3-8B bf16) "
+             "[DYN_KV_BYTES_PER_TOKEN]")
+    add("--kv-transfer-bandwidth", type=float, default=env("DYN_KV_TRANSFER_BANDWIDTH", 25.0),
+        help="modeled KV transfer bandwidth from a prefill worker, GB/s "
+             "[DYN_KV_TRANSFER_BANDWIDTH]")
+    add("--kv-hash-seed", type=int, default=env("DYN_KV_HASH_SEED"),
         help="root seed of the block hashes published with KV events (default: the router's; "
-             "another one shows the router's hash-scheme mismatch diagnosis)")
-    add("--kv-event-form", choices=KV_EVENT_FORMS, default=FORM_DELTAS,
+             "another one shows the router's hash-scheme mismatch diagnosis) [DYN_KV_HASH_SEED]")
+    add("--kv-event-form", choices=KV_EVENT_FORMS, default=env("DYN_KV_EVENT_FORM", FORM_DELTAS),
         help="KV-event payloads: 'stores' (vLLM's events with the router's own block hashes) or "
              "'deltas', the default (only the own hashes that enter or leave each rank; smaller "
-             "and cheaper for routers that read them; Dynamo's router cannot read them)")
+             "and cheaper for routers that read them; Dynamo's router cannot read them) "
+             "[DYN_KV_EVENT_FORM]")
 
 
 def read_model_dir(path: str | Path) -> dict[str, Any]:

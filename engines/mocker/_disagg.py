@@ -15,7 +15,6 @@ from __future__ import annotations
 import array
 import asyncio
 import logging
-from typing import Any
 
 from dynamo_zmq import errors
 from dynamo_zmq.context import Context
@@ -61,7 +60,7 @@ def block_payloads(seq: Sequence) -> list[bytes]:
 
 
 def offer_prompt_kv(server: KvTransferServer, sched: RankScheduler, seq: Sequence,
-                    cfg: MockerConfig, stats: DisaggStats) -> dict[str, Any] | None:
+                    cfg: MockerConfig, stats: DisaggStats) -> Ticket | None:
     """Offer the prompt's KV of a finished prefill-role ``seq`` (its blocks held): the ticket,
     or None when there is nothing to hand off (the blocks are then released at once)."""
     if not seq.block_ids:
@@ -79,9 +78,9 @@ def offer_prompt_kv(server: KvTransferServer, sched: RankScheduler, seq: Sequenc
     return ticket
 
 
-async def pull_prompt_kv(client: KvTransferClient, params: dict[str, Any], seq: Sequence,
+async def pull_prompt_kv(client: KvTransferClient, ticket: Ticket, seq: Sequence,
                          cfg: MockerConfig, ctx: Context, stats: DisaggStats) -> bool:
-    """Pull the prompt's KV the handoff in ``params`` describes, at the modeled bandwidth.
+    """Pull the prompt's KV ``ticket`` names, at the modeled bandwidth.
     True: ``seq`` is marked to skip its prefill; False: it prefills locally (logged).
 
     Raises:
@@ -89,7 +88,6 @@ async def pull_prompt_kv(client: KvTransferClient, params: dict[str, Any], seq: 
     """
     expected = block_payloads(seq)
     try:
-        ticket = Ticket.from_dict(params)
         if ticket.num_blocks != len(expected):
             raise TransferFailed(f"the handoff has {ticket.num_blocks} blocks, the prompt "
                                  f"{len(expected)}")

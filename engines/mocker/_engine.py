@@ -13,14 +13,17 @@ from typing import TYPE_CHECKING
 
 from dynamo_zmq import errors
 from dynamo_zmq.context import Context
+from dynamo_zmq.kv_transfer import Ticket
 from dynamo_zmq.llm import (
     Capability,
+    DecodeRemotely,
     EngineConfig,
     EngineLoad,
     FinishReason,
     KvHashScheme,
     LLMEngine,
     LLMEngineOutput,
+    PrefillRemotely,
     PreprocessedRequest,
     Usage,
     cancelled_output,
@@ -60,8 +63,6 @@ class MockerEngine(LLMEngine):
         self.engine_config: EngineConfig | None = None
         self._ranks: list[RankScheduler] = []
         self._publisher: KvEventPublisher | None = None
-        #: Live sequences by context id (for ``abort``).
-        self._live: dict[str, list[tuple[RankScheduler, Sequence]]] = {}
         self._state = "new"  # new -> started -> closed
         self._disagg = DisaggStats()
         self._collector = MockerCollector(
@@ -162,19 +163,21 @@ class MockerEngine(LLMEngine):
             return
         sched = self._pick_rank(request.routing.dp_rank)
         seq = self._sequence(request)
-        params, kv = request.disaggregated_params, self.kv_transfer
-        if params and kv is not None:
-            if params.get("do_remote_prefill") and "transfer_id" in params and kv.client:
+        role, kv = request.disaggregation, self.kv_transfer
+        if role is not None and kv is not None:
+            if (isinstance(role, PrefillRemotely) and isinstance(role.handoff, Ticket)
+                    and kv.client):
                 try:
-                    await pull_prompt_kv(kv.client, params, seq, self.config, ctx, self._disagg)
+                    await pull_prompt_kv(kv.client, role.handoff, seq, self.config, ctx,
+                                         self._disagg)
                 except errors.Cancelled:
                     yield cancelled_output(Usage(len(request.token_ids), 0, 0))
                     return
-            elif params.get("do_remote_decode") and kv.server is not None:
+            elif isinstance(role, DecodeRemotely) and kv.server is not None:
                 seq.hold_on_finish = True
         key = ctx.id()
         entry = (sched, seq)
-        self._live.setdefault(key, []).append(entry)
+        self.live_requests.add(key, entry)
         sched.add(seq)
         remove_listener = ctx.add_listener(lambda _killed: sched.cancel(seq))
         loop = asyncio.get_running_loop()
@@ -191,7 +194,7 @@ class MockerEngine(LLMEngine):
                     if chunk.finish_reason == FinishReason.ERROR and sched.crashed is not None:
                         raise errors.EngineShutdown(sched.crashed)
                     if seq.hold_on_finish and kv is not None and kv.server is not None:
-                        chunk.disaggregated_params = offer_prompt_kv(
+                        chunk.kv_handoff = offer_prompt_kv(
                             kv.server, sched, seq, self.config, self._disagg
                         )
                         seq.hold_on_finish = False  # offered (or released): not ours to free
@@ -200,11 +203,7 @@ class MockerEngine(LLMEngine):
                 yield chunk
         finally:
             remove_listener()
-            live = self._live.get(key)
-            if live is not None:
-                live.remove(entry)
-                if not live:
-                    del self._live[key]
+            self.live_requests.remove(key, entry)
             if seq.status is not SeqStatus.FINISHED:
                 sched.cancel(seq, emit=False)
             elif seq.hold_on_finish:  # finished, but its terminal was never read: no handoff
@@ -287,15 +286,16 @@ class MockerEngine(LLMEngine):
         delay = step_seconds(
             len(request.token_ids), 0, 0.0, cfg.speedup_ratio, cfg.prefill_ms_per_token
         )
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(ctx.stopped(), delay)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(delay):
+                await ctx.stopped()
         if ctx.is_stopped():
             raise errors.Cancelled("the embedding request was stopped")
         return mock_embedding(request.token_ids, cfg.embedding_dim)
 
     async def abort(self, ctx: Context) -> None:
         """Cancel every sequence of ``ctx`` now (its stream ends with ``cancelled``)."""
-        for sched, seq in list(self._live.get(ctx.id(), ())):
+        for sched, seq in self.live_requests.of(ctx.id()):
             sched.cancel(seq)
 
     async def drain(self) -> None:

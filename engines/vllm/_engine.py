@@ -82,8 +82,6 @@ class VllmEngine(LLMEngine):
         #: vLLM's last scheduler stats per engine index (data-parallel rank).
         self._stats: dict[int, RankStats] = {}
         self._ids = itertools.count()
-        #: vLLM request ids by context id (for ``abort``).
-        self._live: dict[str, set[str]] = {}
         #: Owns the abort tasks a stopped context starts.
         self._res = Resources("vllm-engine")
         self._state = "new"  # new -> starting -> started -> closed
@@ -203,13 +201,13 @@ class VllmEngine(LLMEngine):
         await self._res.close()
         if llm is not None:
             with contextlib.suppress(Exception):
-                await llm.abort([rid for rids in self._live.values() for rid in rids])
+                await llm.abort(self.live_requests.all())
             # vLLM's output task would log the engine core's exit as a failure: stop it first.
             handler = getattr(llm, "output_handler", None)
             if isinstance(handler, asyncio.Task):
                 await cancel_and_wait((handler,))
             await asyncio.to_thread(llm.shutdown, self.options.shutdown_timeout)
-        self._live.clear()
+        self.live_requests.clear()
 
     def load(self) -> list[EngineLoad]:
         """Per data-parallel rank, from vLLM's last scheduler stats: the KV-cache usage as
@@ -290,7 +288,7 @@ class VllmEngine(LLMEngine):
         rank = request.routing.dp_rank if size > 1 else None
         rid = f"{ctx.id()}-{next(self._ids)}"
         key = ctx.id()
-        self._live.setdefault(key, set()).add(rid)
+        self.live_requests.add(key, rid)
         stream = llm.generate(
             TokensPrompt(prompt_token_ids=list(request.token_ids)), params, rid,
             data_parallel_rank=rank,
@@ -336,11 +334,7 @@ class VllmEngine(LLMEngine):
                     yield error_output("vLLM's stream ended without a finish reason", usage)
         finally:
             remove()
-            rids = self._live.get(key)
-            if rids is not None:
-                rids.discard(rid)
-                if not rids:
-                    del self._live[key]
+            self.live_requests.remove(key, rid)
             # Closing vLLM's generator early aborts the request inside vLLM.
             with contextlib.suppress(Exception):
                 await stream.aclose()
@@ -351,19 +345,15 @@ class VllmEngine(LLMEngine):
             raise errors.Unsupported("this vLLM engine does not embed (start it with --runner "
                                      "pooling --convert embed)")
         rid, key = f"{ctx.id()}-{next(self._ids)}", ctx.id()
-        self._live.setdefault(key, set()).add(rid)
+        self.live_requests.add(key, rid)
         try:
             return await embed(self._llm, request, ctx, rid)
         finally:
-            rids = self._live.get(key)
-            if rids is not None:
-                rids.discard(rid)
-                if not rids:
-                    del self._live[key]
+            self.live_requests.remove(key, rid)
 
     async def abort(self, ctx: Context) -> None:
         """Abort every vLLM request of ``ctx`` now (its streams end with ``cancelled``)."""
-        rids = list(self._live.get(ctx.id(), ()))
+        rids = self.live_requests.of(ctx.id())
         if rids and self._llm is not None:
             await self._llm.abort(rids)
 

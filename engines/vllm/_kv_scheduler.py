@@ -16,15 +16,14 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-__all__ = ["HANDOFF_KEYS", "PullJob", "SchedulerSide", "ZmqConnectorMetadata", "prompt_hash"]
+from dynamo_zmq.llm import ConnectorHandoff
+
+from ._kv_params import handoff_of, mark_pulled, params_of, wants_handoff
+
+__all__ = ["PullJob", "SchedulerSide", "ZmqConnectorMetadata", "prompt_hash"]
 
 #: Under "vllm": logs of vLLM's engine-core process reach stderr through vLLM's handler.
 log = logging.getLogger("vllm.dynamo_zmq.kv")
-
-#: The keys of a prefill's handoff that a pull needs (vLLM's NixlConnector names).
-HANDOFF_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port",
-                "remote_block_ids")
-
 
 @dataclass(frozen=True)
 class PullJob:
@@ -57,12 +56,6 @@ def prompt_hash(tokens: Any, n: int) -> str:
     return hashlib.blake2b(array("q", list(tokens)[:n]).tobytes(), digest_size=16).hexdigest()
 
 
-def _pullable(params: dict[str, Any] | None) -> bool:
-    return bool(params) and bool(params.get("do_remote_prefill")) and all(  # type: ignore[union-attr]
-        k in params for k in HANDOFF_KEYS  # type: ignore[operator]
-    )
-
-
 class SchedulerSide:
     """The connector's scheduler-role half (see the module docstring)."""
 
@@ -80,14 +73,14 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
         """A decode request with a handoff loads the prompt's tokens the local prefix cache
         lacks, asynchronously (between engine steps)."""
-        params = request.kv_transfer_params
-        if not _pullable(params):
+        handoff = handoff_of(request.kv_transfer_params)
+        if handoff is None:
             return 0, False
-        remote = min(int(params.get("remote_num_tokens") or 0), request.num_prompt_tokens)
+        remote = min(handoff.num_tokens, request.num_prompt_tokens)
         count = remote - num_computed
         if count <= 0:
             return 0, False
-        if params.get("remote_prompt_hash") != prompt_hash(request.prompt_token_ids or (), remote):
+        if handoff.prompt_hash != prompt_hash(request.prompt_token_ids or (), remote):
             log.warning("request %s: the handoff's KV is not for this prompt: prefilling locally",
                         request.request_id)
             return 0, False  # update_state_after_alloc then only releases the remote blocks
@@ -96,28 +89,30 @@ class SchedulerSide:
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
         """Order the pull of a decode request's blocks (once: the handoff is then marked used)."""
         params = request.kv_transfer_params
-        if not _pullable(params):
+        handoff = handoff_of(params)
+        if handoff is None:
             return
         pairs: list[tuple[int, int]] = []
         if num_external > 0:
             group = blocks.blocks[0]
             local = [b.block_id for b in group]
-            remote = list(params["remote_block_ids"])
+            remote = handoff.block_ids
             # Local prefix-cache hits are whole (hashed) blocks at the start; the new blocks are
             # not hashed until the load is done: pull from the first new block up to the last
             # block the remote tokens fill.
             first = sum(b.block_hash is not None and not b.is_null for b in group)
             end = -(-(first * self.block_size + num_external) // self.block_size)
             end = min(end, len(local), len(remote))
-            pairs = [(local[i], int(remote[i])) for i in range(first, end)]
-        self._add_pull(request.request_id, params, pairs)
+            pairs = [(local[i], remote[i]) for i in range(first, end)]
+        self._add_pull(request.request_id, params, handoff, pairs)
 
-    def _add_pull(self, req_id: str, params: dict[str, Any], pairs: list[tuple[int, int]]) -> None:
+    def _add_pull(self, req_id: str, params: dict[str, Any], handoff: ConnectorHandoff,
+                  pairs: list[tuple[int, int]]) -> None:
         self._meta.pulls.append(PullJob(
-            req_id, str(params["remote_host"]), int(params["remote_port"]),
-            str(params["remote_request_id"]), pairs, params.get("remote_curve_key") or None,
+            req_id, handoff.host, handoff.port, handoff.request_id, pairs,
+            handoff.curve_key or None,
         ))
-        params["do_remote_prefill"] = False  # one transfer per request
+        mark_pulled(params)
 
     def build_connector_meta(self, scheduler_output: Any) -> ZmqConnectorMetadata:
         """This step's orders; starts collecting the next step's."""
@@ -134,27 +129,20 @@ class SchedulerSide:
         params = request.kv_transfer_params
         if not params:
             return False, None
-        if _pullable(params):  # aborted before it was scheduled
-            self._add_pull(request.request_id, params, [])
+        handoff = handoff_of(params)
+        if handoff is not None:  # aborted before it was scheduled
+            self._add_pull(request.request_id, params, handoff, [])
             return False, None
-        if not params.get("do_remote_decode"):
+        if not wants_handoff(params):
             return False, None
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED,
                                   RequestStatus.FINISHED_STOPPED) or not block_ids:
             return False, None
         self._meta.sends[request.request_id] = (list(block_ids), time.monotonic() + self.ttl)
-        handoff = {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_engine_id": self.engine_id,
-            "remote_request_id": request.request_id,
-            "remote_host": self.host,
-            "remote_port": self.port,
-            "remote_block_ids": list(block_ids),
-            "remote_num_tokens": int(request.num_computed_tokens),
-            "remote_prompt_hash": prompt_hash(request.prompt_token_ids or (),
-                                              int(request.num_computed_tokens)),
-        }
-        if self.curve_key:
-            handoff["remote_curve_key"] = self.curve_key
-        return True, handoff
+        computed = int(request.num_computed_tokens)
+        return True, params_of(ConnectorHandoff(
+            engine_id=self.engine_id, request_id=request.request_id, host=self.host,
+            port=self.port, block_ids=list(block_ids), num_tokens=computed,
+            prompt_hash=prompt_hash(request.prompt_token_ids or (), computed),
+            curve_key=self.curve_key or None,
+        ))

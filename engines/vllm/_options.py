@@ -4,8 +4,9 @@ The worker owns ``--model-path`` (vLLM's ``--model`` defaults to it), ``--model-
 ``--served-model-name`` defaults to it), ``--host``/``--port``, discovery and
 ``--native-framework-processing`` (alias ``--vllm-processing``). vLLM's
 ``AsyncEngineArgs`` flags are added next to them unchanged; a vLLM flag whose name the worker
-already uses is left out (today only ``-h/--help``), and none of vLLM's destinations clash
-with the worker's.
+already uses is left out (with vLLM 0.32: ``-h/--help`` and ``--reasoning-parser``). The
+worker's ``--reasoning-parser`` has vLLM's destination, ``reasoning_parser``, so its value
+reaches vLLM's engine args too (``engine_args_from_args``); no other destination is shared.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ __all__ = [
     "INSTALL_HINT",
     "STRUCTURED_OUTPUTS_CONFIG",
     "VllmOptions",
+    "add_adapter_args",
     "add_vllm_args",
     "engine_args_from_args",
     "import_vllm",
@@ -113,22 +115,39 @@ def import_vllm() -> Any:
 
 
 def add_vllm_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """Add the adapter's flags, then vLLM's engine flags (when vLLM is installed)."""
+    """Add the adapter's flags (``add_adapter_args``), then vLLM's engine flags (when vLLM is
+    installed), which are vLLM's own, passed through unchanged, with no ``DYN_*`` variable."""
+    add_adapter_args(parser)
+    _add_engine_args(parser)
+
+
+def add_adapter_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """Add the adapter's own flags, each defaulting to its ``DYN_*`` variable
+    (``--kv-events-port`` -> ``DYN_KV_EVENTS_PORT``; ``--no-kv-events``: ``DYN_KV_EVENTS=0``)."""
+    env = os.environ.get
     add = parser.add_argument
     # --native-framework-processing (alias --vllm-processing) is a worker flag: see
     # dynamo_zmq.worker; it reaches options_from_args as ``native_processing``.
-    add("--kv-events-port", type=int, default=0, help="KV-event PUB port (0 = a free one)")
-    add("--kv-replay-port", type=int, default=0,
-        help="KV-event replay ROUTER port (0 = a free one)")
-    add("--no-kv-events", action="store_true", default=False,
-        help="do not publish KV events (also keeps vLLM's --kv-events-config if given)")
-    add("--kv-event-form", choices=KV_EVENT_FORMS, default=FORM_DELTAS,
+    add("--kv-events-port", type=int, default=env("DYN_KV_EVENTS_PORT", 0),
+        help="KV-event PUB port (0 = a free one) [DYN_KV_EVENTS_PORT]")
+    add("--kv-replay-port", type=int, default=env("DYN_KV_REPLAY_PORT", 0),
+        help="KV-event replay ROUTER port (0 = a free one) [DYN_KV_REPLAY_PORT]")
+    add("--no-kv-events", action="store_true", default=env("DYN_KV_EVENTS", "1") == "0",
+        help="do not publish KV events (also keeps vLLM's --kv-events-config if given) "
+             "[DYN_KV_EVENTS=0]")
+    add("--kv-event-form", choices=KV_EVENT_FORMS, default=env("DYN_KV_EVENT_FORM", FORM_DELTAS),
         help="KV-event payloads of the relay: 'stores' (vLLM's events with the router's own block "
-             "hashes) or 'deltas', the default (only the own hashes that enter or leave each rank)")
-    add("--kv-advertise-host", default=None,
-        help="address routers use for the KV-event sockets (and decode workers for KV pulls)")
+             "hashes) or 'deltas', the default (only the own hashes that enter or leave each "
+             "rank) [DYN_KV_EVENT_FORM]")
+    add("--kv-advertise-host", default=env("DYN_KV_ADVERTISE_HOST") or None,
+        help="address routers use for the KV-event sockets (and decode workers for KV pulls) "
+             "[DYN_KV_ADVERTISE_HOST]")
     # --kv-transfer-port and --kv-transfer-ttl are worker flags (dynamo_zmq.kv_transfer); the
     # KV connector of a prefill worker binds that port and frees unpulled blocks after the TTL.
+
+
+def _add_engine_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """vLLM's ``AsyncEngineArgs`` flags, but those whose names the parser already has."""
     _log_to_stderr()
     try:
         from vllm.engine.arg_utils import AsyncEngineArgs

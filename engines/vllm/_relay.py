@@ -217,8 +217,9 @@ class KvRelay:
                     if remaining <= 0:
                         return  # the router times the replay out on its side as well
                     try:
-                        await asyncio.wait_for(dealer.wait_readable(), remaining)
-                    except asyncio.TimeoutError:
+                        async with asyncio.timeout(remaining):
+                            await dealer.wait_readable()
+                    except TimeoutError:
                         return
                     continue
                 sent = await router.send([identity, *frames], timeout=REPLAY_TIMEOUT)

@@ -14,6 +14,8 @@ from dynamo_zmq.llm import (
     Usage,
 )
 
+from ._kv_params import handoff_of, kv_transfer_params
+
 __all__ = ["finish_reason", "sampling_params", "structured_outputs", "to_output"]
 
 #: vLLM's finish reasons (``vllm.v1.engine.FinishReason`` as strings) -> ours.
@@ -31,8 +33,8 @@ def sampling_params(request: PreprocessedRequest, native: bool, kv_transfer: boo
 
     On the fast path the worker detokenizes and applies stop strings, so vLLM gets neither; with
     ``native`` (or a request asking for ``output.detokenize``) vLLM does both. With
-    ``kv_transfer`` (a prefill or decode worker), the request's ``disaggregated_params`` go to
-    vLLM's KV connector as ``kv_transfer_params``.
+    ``kv_transfer`` (a prefill or decode worker), the request's ``disaggregation`` goes to
+    vLLM's KV connector as ``kv_transfer_params`` (``_kv_params``).
 
     Raises:
         InvalidArgument: vLLM rejects the options (its ``ValueError``/``TypeError``).
@@ -72,8 +74,10 @@ def sampling_params(request: PreprocessedRequest, native: bool, kv_transfer: boo
         kwargs["logprobs"] = out.logprobs
     if s.logit_bias:
         kwargs["logit_bias"] = dict(s.logit_bias)
-    if kv_transfer and request.disaggregated_params:
-        kwargs["extra_args"] = {"kv_transfer_params": dict(request.disaggregated_params)}
+    if kv_transfer and request.disaggregation is not None:
+        params = kv_transfer_params(request.disaggregation)
+        if params is not None:
+            kwargs["extra_args"] = {"kv_transfer_params": params}
     try:
         if request.guided is not None:
             kwargs["structured_outputs"] = structured_outputs(request.guided)
@@ -136,7 +140,7 @@ def to_output(
         LLMEngineOutput(
             ids, text=text, finish_reason=reason, usage=usage, error=error, log_probs=log_probs,
             stop_reason=stop_reason, top_logprobs=top, logprob_texts=texts,
-            disaggregated_params=getattr(out, "kv_transfer_params", None) or None,
+            kv_handoff=handoff_of(getattr(out, "kv_transfer_params", None)),
         ),
         completion_tokens,
     )

@@ -3,8 +3,8 @@ process of its own (CURVE, once on, is on for the whole process):
 ``python -m tests.support.disagg_client PREFILL_NS DECODE_NS KEY_DIR KEY_NAME PROMPT_JSON N``.
 
 Sends the prompt aggregated to the prefill worker (greedy, N tokens), then with
-``{"do_remote_decode": True}`` and max_tokens 1 to it, then with ``{"do_remote_prefill": True,
-**handoff}`` to the decode worker; prints ``{"reference", "tokens", "handoff"}`` as JSON.
+``disaggregation = DecodeRemotely`` and max_tokens 1 to it, then with ``PrefillRemotely`` and
+the handoff to the decode worker; prints ``{"reference", "tokens", "handoff"}`` as JSON.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dynamo_zmq.runtime import DistributedRuntime, RuntimeConfig
 
 async def _run(client: Any, prompt: list[int], n: int, disagg: dict | None) -> tuple[list, dict]:
     req = {"token_ids": prompt, "sampling": {"temperature": 0.0},
-           "stop": {"max_tokens": n, "ignore_eos": True}, "disaggregated_params": disagg}
+           "stop": {"max_tokens": n, "ignore_eos": True}, "disaggregation": disagg}
     got = [item.data() async for item in await client.generate(req)]
     return [t for out in got for t in out.get("token_ids") or []], got[-1]
 
@@ -35,9 +35,10 @@ async def main(pns: str, dns: str, keys: str, name: str, prompt: list[int], n: i
             await client.wait_for_instances()
             clients.append(client)
         reference, _ = await _run(clients[0], prompt, n, None)
-        _, terminal = await _run(clients[0], prompt, 1, {"do_remote_decode": True})
-        handoff = terminal.get("disaggregated_params") or {}
-        tokens, _ = await _run(clients[1], prompt, n, {"do_remote_prefill": True, **handoff})
+        _, terminal = await _run(clients[0], prompt, 1, {"type": "decode_remotely"})
+        handoff = terminal.get("kv_handoff")
+        tokens, _ = await _run(clients[1], prompt, n,
+                               {"type": "prefill_remotely", "handoff": handoff})
     print(json.dumps({"reference": reference, "tokens": tokens, "handoff": handoff}), flush=True)
 
 

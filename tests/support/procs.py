@@ -37,3 +37,10 @@ class Proc(ChildProcess):
     def wait_ready(self, timeout: float = 30.0, count: int = 1) -> Proc:
         super().wait_ready(timeout, count)
         return self
+
+
+def system_port(proc: ChildProcess) -> int:
+    """The port a ready worker serves ``/metrics`` and ``/health`` on (asked for as port 0:
+    ``--metrics-port 0``, ``--system-port 0`` or ``DYN_SYSTEM_PORT=0``), from its log."""
+    return int(next(line.split()[-1] for line in proc.logs().splitlines()
+                    if "metrics and health on port" in line))

@@ -1,5 +1,5 @@
-"""Waits for tests: a condition on a client's view of the cluster, any async check, and a
-frontend that serves every worker it was started with."""
+"""Waits for tests: a condition on a client's view of the cluster, any async check, a frontend
+that lists some models, and a frontend that serves every worker it was started with."""
 
 from __future__ import annotations
 
@@ -37,18 +37,34 @@ async def eventually(check: Callable[[], Awaitable[T]], timeout: float = 15.0,
     return value
 
 
+async def wait_models(url: str, names: set[str], timeout: float = 30.0) -> None:
+    """Wait until the frontend at ``url`` lists every model of ``names`` on ``/v1/models``;
+    fails the test (with the last answer) after ``timeout`` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        status, body = await asyncio.to_thread(get, f"{url}/v1/models")
+        if status == 200 and names <= {m["id"] for m in json.loads(body)["data"]}:
+            return
+        assert loop.time() < deadline, f"models {names} not listed: {body!r}"
+        await asyncio.sleep(0.1)
+
+
 async def serving(front: Any, workers: Sequence[Any], model: str = "tiny",
                   timeout: float = 30.0) -> str:
     """Wait until the frontend and ``workers`` (``spawn``ed with ``ready=False``) are ready and
-    the frontend's ``/health`` lists exactly those workers for ``model``; returns its URL."""
+    the frontend's ``/health`` lists exactly those workers for ``model``; returns its URL.
+    A process that already said READY (``address`` set) is not waited for again, so a test can
+    wait for a frontend started later, or a worker added later, the same way."""
     for proc in [*workers, front]:
-        proc.wait_ready()
-    url = front.address
+        if not proc.address:
+            proc.wait_ready()
+    url = str(front.address)
     ids = {f"{w.instance_id:x}" for w in workers}
 
     async def all_listed() -> bool:
         status, body = await asyncio.to_thread(get, f"{url}/health")
         return status == 200 and set(json.loads(body)["models"].get(model, [])) == ids
 
-    await eventually(all_listed, timeout, f"{len(ids)} workers serving {model!r}")
-    return str(url)
+    await eventually(all_listed, timeout, f"{len(ids)} workers serving {model!r} at {url}")
+    return url

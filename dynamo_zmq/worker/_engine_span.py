@@ -20,9 +20,8 @@ from opentelemetry.trace import Link, Span, Status, StatusCode
 
 from .. import errors
 from ..context import Context
-from ..llm import FinishReason, LLMEngineOutput, PreprocessedRequest
-from ._propagation import parse_traceparent, traceparent
-from ._state import state
+from ..llm import FinishReason, LLMEngineOutput, PrefillRemotely, PreprocessedRequest
+from ..tracing import parse_traceparent, state, traceparent
 from ._stream_stats import StreamStats
 
 __all__ = ["trace_engine"]
@@ -51,8 +50,8 @@ def trace_engine(
     }
     pred = parse_traceparent(request.migration_link)
     if pred is not None:
-        dp = request.disaggregated_params or {}
-        kind = "worker_trace_link" if dp.get("do_remote_prefill") else "migration_link"
+        remote = isinstance(request.disaggregation, PrefillRemotely)
+        kind = "worker_trace_link" if remote else "migration_link"
         links.append(Link(pred, {"link.kind": kind}))
         attrs["migration_trace_id"] = f"{pred.trace_id:032x}"
         attrs["migration_span_id"] = f"{pred.span_id:016x}"

@@ -1,0 +1,107 @@
+"""``RequestScope``: one HTTP request's life on the frontend, for chat, completions (one
+choice or many) and embeddings alike. It owns the request's ``Context``, the task that watches
+for the client's disconnect, the deadline, the request metrics and the teardown, in that order
+in and reverse order out:
+
+    async with RequestScope(...) as request_scope:
+        stream = await router.generate(request, request_scope.ctx, request_scope.options)
+        ...
+        request_scope.status = "success"
+
+A client that goes away (``ClientGone``) ends the block quietly: the context is killed (the
+workers stop) and the request is counted ``disconnected``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import TracebackType
+
+from .. import errors
+from ..context import Context
+from ..llm import RouteOptions
+from ..resources import cancel_and_wait
+from . import errors as http_errors
+from ._asgi import ClientGone, Receive, Send, error, watch_disconnect
+from ._deadline import Deadline
+from .metrics import FrontendMetrics
+
+__all__ = ["RequestScope"]
+
+
+class RequestScope:
+    """See the module docstring.
+
+    Args:
+        metrics: the frontend's metrics.
+        model: the model's name (label).
+        endpoint: ``chat``, ``completions`` or ``embeddings`` (label).
+        streaming: an SSE response (label ``stream``; else ``unary``).
+        request_id: the request's id (its ``Context`` id).
+        receive: the ASGI receive channel (watched for the disconnect).
+        options: how to route the request (its ``timeout`` is the request's deadline).
+        prompt_tokens: the prompt's tokens (input sequence length metric).
+    """
+
+    def __init__(self, metrics: FrontendMetrics, model: str, endpoint: str, streaming: bool,
+                 request_id: str, receive: Receive, options: RouteOptions,
+                 prompt_tokens: int) -> None:
+        self.metrics, self.model, self.endpoint = metrics, model, endpoint
+        self.streaming = streaming
+        self.options = options
+        self.ctx = Context(request_id)
+        #: How the request ended (label): set by the code inside the block; ``error`` unless
+        #: it says otherwise.
+        self.status = "error"
+        self.started = 0.0
+        self.deadline: Deadline | None = None
+        self._receive = receive
+        self.prompt_tokens = prompt_tokens
+        self._watcher: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> RequestScope:
+        m = self.metrics
+        m.inflight.labels(self.model).inc()
+        m.isl.labels(self.model).observe(self.prompt_tokens)
+        self._watcher = asyncio.create_task(watch_disconnect(self._receive, self.ctx),
+                                            name=f"disconnect-{self.ctx.id()}")
+        self.started = time.monotonic()
+        if self.options.timeout is not None:
+            self.deadline = Deadline(self.ctx, self.options.timeout)
+        return self
+
+    async def __aexit__(self, typ: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> bool:
+        gone = isinstance(exc, ClientGone)
+        if gone:
+            self.ctx.kill()
+            self.status = "disconnected"
+        if self.deadline is not None:
+            self.deadline.cancel()
+        if self._watcher is not None:
+            await cancel_and_wait((self._watcher,))
+        m, model = self.metrics, self.model
+        if self.status == "disconnected" or (
+            self.ctx.is_killed() and self.status != "success" and not self.timed_out
+        ):
+            m.disconnected.labels(model).inc()
+            self.status = "disconnected"
+        mode = "stream" if self.streaming else "unary"
+        m.requests.labels(model, self.endpoint, mode, self.status).inc()
+        m.inflight.labels(model).dec()
+        m.duration.labels(model).observe(time.monotonic() - self.started)
+        return gone
+
+    @property
+    def timed_out(self) -> bool:
+        """The request's deadline passed."""
+        return self.deadline is not None and self.deadline.expired
+
+    async def fail(self, send: Send, exc: errors.DynamoError) -> None:
+        """Answer a request that failed before its response began: 504 past its deadline,
+        nothing to a client that is gone, else the error's own status."""
+        if self.deadline is not None and self.deadline.expired:
+            await error(send, self.deadline.error())
+        elif not self.ctx.is_killed():
+            await error(send, http_errors.from_dynamo(exc))
