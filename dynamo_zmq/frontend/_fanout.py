@@ -1,16 +1,21 @@
-"""Several sequences in one request (``n > 1``, ``best_of``, a batch of prompts, ``echo``).
+"""A generation request's output side: its sequences sent, read and answered as OpenAI SSE
+chunks (streaming) or one JSON body (not), with the frontend's token metrics.
 
-The request fans out into one sub-request per sequence (``sampling.n = 1``), each routed on its
-own (so KV routing sends each where its prompt is cached) under a child of the request's
-context: a client that goes away, or the deadline, kills them all. With a ``seed``, sequence
-``j`` of a prompt uses ``seed + j``. Each sub-request's outputs are read by a task of its own
-(with its own migration); the request's loop merges them into one response, choice ``j`` of
-prompt ``p`` being index ``p * n + j`` (OpenAI's rule). ``best_of > n`` keeps, per prompt, the
+Every chat and completion request comes here as a list of sub-requests (``_subrequests.py``):
+a plain request is one (its ``PreprocessedRequest`` as preprocessing made it), and a request
+of several sequences (``n > 1``, ``best_of``, a batch of prompts, ``echo``) one per sequence
+(``sampling.n = 1``), each routed on its own (so KV routing sends each where its prompt is
+cached) under a child of the request's context: a client that goes away, or the deadline, kills
+them all. With a ``seed``, sequence ``j`` of a prompt uses ``seed + j``. Each sub-request's
+outputs are pulled by a ``_Reader`` (with its own migration): by a task of its own when there
+are several, merged by the request's loop into one response, choice ``j`` of prompt ``p`` being
+index ``p * n + j`` (OpenAI's rule); a single one is read by the request's loop itself (no task,
+no queue: the common case pays nothing for the others). ``best_of > n`` keeps, per prompt, the
 ``n`` sequences with the highest cumulative log-probability of their sampled tokens (the
 engine's ``LLMEngineOutput.log_probs``). Usage counts each prompt once and every generated
 token. Logprobs, when asked for, are written per choice (``ChoiceLogprobs``), and so are the
-reasoning and tool calls the worker parsed (chat). A request with
-one prompt and one sequence never comes here (``Generation`` serves it).
+reasoning and tool calls the worker parsed (chat). The outputs arrive decoded (the worker made
+their text); what arrived together is written in one send.
 """
 
 from __future__ import annotations
@@ -57,8 +62,8 @@ _Event = tuple["SubRequest", "list[LLMEngineOutput] | HttpError | None"]
 
 
 class FanOut:
-    """The sub-requests of one request: sends them, merges their outputs (streamed or
-    aggregated).
+    """The sub-requests of one request (one, or one per sequence): sends them, merges their
+    outputs (streamed or aggregated).
 
     Args:
         metrics / model: the frontend's metrics and the model's label.
@@ -91,10 +96,11 @@ class FanOut:
         self.started = started
         self.deadline = deadline
         self._migration = migration
-        self._contexts: list[Context] = []
-        self._streams: list[OutputStream] = []
-        self._queue: asyncio.Queue[_Event] = asyncio.Queue()
-        self._resources = Resources(f"fanout-{fmt.id}")
+        self._children: list[Context] = []
+        self._readers: list[_Reader] = []
+        #: The readers' tasks and what they hand the merge loop (several sub-requests only).
+        self._queue: asyncio.Queue[_Event] | None = None
+        self._resources: Resources | None = None
         self.completion_tokens = 0
         self.first = True
         #: Outputs carry the worker's reasoning and tool-call parsing (chat only).
@@ -107,15 +113,23 @@ class FanOut:
         self, router: ModelRouter, ctx: Context, options: RouteOptions
     ) -> HttpError | None:
         """Send every sub-request; the error the client gets if one cannot be sent (the others
-        are killed then)."""
+        are killed then).
 
-        self._contexts = [Context(f"{ctx.id()}-{s.prompt}-{s.number}") for s in self.subs]
-        for child in self._contexts:
-            ctx.link_child(child)
+        Raises:
+            ClientGone: the client went away while they were being sent.
+        """
+        if len(self.subs) == 1:  # the request's own context: nothing else to kill
+            contexts = [ctx]
+        else:
+            contexts = self._children = [
+                Context(f"{ctx.id()}-{s.prompt}-{s.number}") for s in self.subs
+            ]
+            for child in contexts:
+                ctx.link_child(child)
         results = await asyncio.gather(
             *(
                 router.generate(s.pre, child, options)
-                for s, child in zip(self.subs, self._contexts, strict=True)
+                for s, child in zip(self.subs, contexts, strict=True)
             ),
             return_exceptions=True,
         )
@@ -126,70 +140,54 @@ class FanOut:
                 raise failure
             if self.deadline is not None and self.deadline.expired:
                 return self.deadline.error()
+            if ctx.is_killed():
+                raise ClientGone from None
             return http_errors.from_dynamo(failure)
-        self._streams = [r for r in results if not isinstance(r, BaseException)]
+        top = self.fmt.logprobs
+        for sub, stream in zip(self.subs, results, strict=True):
+            assert not isinstance(stream, BaseException)
+            if top is not None:
+                sub.logprobs = ChoiceLogprobs(top)
+            self._readers.append(_Reader(sub, stream, self._migration(sub.pre)))
         return None
 
     def served_by(self) -> bytes:
-        """The instances serving the sub-requests (``x-dynamo-worker``), comma-separated."""
-        ids = dict.fromkeys(f"{s.instance_id:x}" for s in self._streams)
+        """The instances serving the sub-requests (``x-dynamo-worker``: ``<instance>`` or
+        ``<instance>/<dp rank>``), comma-separated."""
+        ids = dict.fromkeys(r.served_by() for r in self._readers)
         return ",".join(ids).encode()
 
     def kill(self) -> None:
-        """Kill every sub-request that has not finished."""
-        for sub, child in zip(self.subs, self._contexts, strict=False):
+        """Kill every sub-request that has not finished (a single one needs nothing: it runs
+        under the request's own context, which the request scope kills)."""
+        for sub, child in zip(self.subs, self._children, strict=False):
             if sub.finish is None:
                 child.kill()
 
     async def close(self) -> None:
         self.kill()
-        await self._resources.close()
+        if self._resources is not None:
+            await self._resources.close()
 
     def _start_readers(self) -> None:
-        top = self.fmt.logprobs
-        for sub, stream in zip(self.subs, self._streams, strict=True):
-            if top is not None:
-                sub.logprobs = ChoiceLogprobs(top)
-            self._resources.spawn(self._read(sub, stream), f"fanout-{sub.prompt}-{sub.number}")
+        """With several sub-requests: a task each that hands its reader's batches to the
+        merge loop (one is read by the loop itself, ``_next``)."""
+        if len(self._readers) > 1:
+            queue: asyncio.Queue[_Event] = asyncio.Queue()
+            resources = Resources(f"fanout-{self.fmt.id}")
+            self._queue, self._resources = queue, resources
+            for reader in self._readers:
+                sub = reader.sub
+                resources.spawn(self._pump(reader, queue), f"fanout-{sub.prompt}-{sub.number}")
 
-    async def _read(self, sub: SubRequest, stream: OutputStream) -> None:
-        put = self._queue.put_nowait
-        migration = self._migration(sub.pre)
-        record = migration.generated.extend if migration is not None else None
+    @staticmethod
+    async def _pump(reader: _Reader, queue: asyncio.Queue[_Event]) -> None:
+        put = queue.put_nowait
         while True:
-            try:
-                batch = await stream.next_batch()
-            except errors.Cancelled:
-                put((sub, None))
+            item = await reader.next()
+            put((reader.sub, item))
+            if not isinstance(item, list) or item[-1].finish_reason is not None:
                 return
-            except errors.DynamoError as exc:
-                recovered = await self._recover(migration, stream, exc)
-                if isinstance(recovered, HttpError) or recovered is None:
-                    put((sub, recovered))
-                    return
-                stream = recovered
-                continue
-            if not batch:
-                put((sub, http_errors.engine_error(_NO_FINISH)))
-                return
-            if record is not None:
-                for out in batch:
-                    record(out.token_ids)
-            put((sub, batch))
-            if batch[-1].finish_reason is not None:
-                return
-
-    async def _recover(
-        self, migration: Migration | None, stream: OutputStream, exc: errors.DynamoError
-    ) -> OutputStream | HttpError | None:
-        if migration is not None:
-            try:
-                return await migration.recover(stream, exc)
-            except errors.Cancelled:
-                return None
-            except errors.DynamoError as final:
-                exc = final
-        return http_errors.from_dynamo(exc)
 
     # -- merging ---------------------------------------------------------------------------
 
@@ -214,10 +212,14 @@ class FanOut:
         return out.text or ""
 
     async def _next(self) -> list[_Event]:
-        """What the readers handed over: at least one event, all that are there."""
-        events = [await self._queue.get()]
-        while not self._queue.empty():
-            events.append(self._queue.get_nowait())
+        """What the readers have: at least one event, all that are there."""
+        queue = self._queue
+        if queue is None:
+            reader = self._readers[0]
+            return [(reader.sub, await reader.next())]
+        events = [await queue.get()]
+        while not queue.empty():
+            events.append(queue.get_nowait())
         return events
 
     def _failure(self, item: HttpError | None) -> HttpError:
@@ -382,6 +384,59 @@ class FanOut:
         if lp is None:
             return None
         return lp.chat_full() if isinstance(self.fmt, ChatFormatter) else lp.completion_full()
+
+
+class _Reader:
+    """One sub-request's outputs, a batch at a time, from whichever worker serves it now: a
+    stream that fails goes on from the stream its migration recovers, if it can."""
+
+    __slots__ = ("migration", "record", "stream", "sub")
+
+    def __init__(self, sub: SubRequest, stream: OutputStream, migration: Migration | None) -> None:
+        self.sub, self.stream, self.migration = sub, stream, migration
+        #: What each output's token ids are added to (the migration's record of them).
+        self.record = migration.generated.extend if migration is not None else None
+
+    def served_by(self) -> str:
+        rank = self.sub.pre.routing.dp_rank
+        return f"{self.stream.instance_id:x}" + ("" if rank is None else f"/{rank}")
+
+    async def next(self) -> list[LLMEngineOutput] | HttpError | None:
+        """The next outputs; or the error that ends the sub-request; or None when its stream
+        was cancelled (the client went away, or the deadline passed)."""
+        while True:
+            try:
+                batch = await self.stream.next_batch()
+            except errors.Cancelled:
+                return None
+            except errors.DynamoError as exc:
+                recovered = await self._recover(exc)
+                if recovered is None or isinstance(recovered, HttpError):
+                    return recovered
+                self.stream = recovered
+                continue
+            if not batch:
+                return http_errors.engine_error(_NO_FINISH)
+            record = self.record
+            if record is not None:
+                migration = self.migration
+                assert migration is not None
+                for out in batch:
+                    if migration.link is None and out.token_ids:
+                        # what a migration's trace links to: the first worker's span
+                        migration.link = out.worker_trace_link
+                    record(out.token_ids)
+            return batch
+
+    async def _recover(self, exc: errors.DynamoError) -> OutputStream | HttpError | None:
+        if self.migration is not None:
+            try:
+                return await self.migration.recover(self.stream, exc)
+            except errors.Cancelled:
+                return None
+            except errors.DynamoError as final:
+                exc = final
+        return http_errors.from_dynamo(exc)
 
 
 class _Failed(Exception):

@@ -1,7 +1,7 @@
-"""The sub-requests of a request of several sequences (``n > 1``, ``best_of``, ``echo``, a batch
-of prompts): one ``PreprocessedRequest`` per sequence, ``sampling.n = 1``, sequence ``j`` of a
-prompt seeded ``seed + j`` (``FanOut`` sends and merges them), and which of them ``best_of``
-keeps."""
+"""A generation request's sub-requests (``FanOut`` sends and merges them): a plain request's
+one, as preprocessing made it; for several sequences (``n > 1``, ``best_of``, ``echo``, a batch
+of prompts) one ``PreprocessedRequest`` per sequence, ``sampling.n = 1``, sequence ``j`` of a
+prompt seeded ``seed + j``; and which of them ``best_of`` keeps."""
 
 from __future__ import annotations
 
@@ -107,11 +107,9 @@ def completion_prompts(
     return out
 
 
-def completion_work(
-    entry: ModelEntry, req: CompletionRequest
-) -> tuple[PreprocessedRequest | list[SubRequest], int]:
-    """A completion's one request, or its sub-requests (several prompts, ``n``, ``best_of`` or
-    ``echo``), and its choices per prompt.
+def completion_work(entry: ModelEntry, req: CompletionRequest) -> tuple[list[SubRequest], int]:
+    """A completion's sub-requests (one; or one per sequence with several prompts, ``n``,
+    ``best_of`` or ``echo``), and its choices per prompt.
 
     Raises:
         HttpError: 400 for what the serving engine lacks (``best_of`` needs logprobs, ``echo``
@@ -122,7 +120,7 @@ def completion_work(
     prompt = req.prompt
     one_prompt = isinstance(prompt, str) or isinstance(prompt[0], int)
     if n == 1 and best_of == 1 and not req.echo and one_prompt:
-        return entry.preprocessor.completion(req, entry.require), 1
+        return [SubRequest(0, 0, 0, entry.preprocessor.completion(req, entry.require))], 1
     if best_of > n:
         entry.require(Capability.LOGPROBS, "best_of")
     if req.echo and req.logprobs is not None:
@@ -130,11 +128,8 @@ def completion_work(
     return fan_out(completion_prompts(entry.preprocessor, req, entry.require), n, best_of), n
 
 
-def chat_work(
-    entry: ModelEntry, req: ChatCompletionRequest
-) -> tuple[PreprocessedRequest | list[SubRequest], int]:
-    """A chat request's one request (its tools applied), or its ``n`` sub-requests, and its
-    choices.
+def chat_work(entry: ModelEntry, req: ChatCompletionRequest) -> tuple[list[SubRequest], int]:
+    """A chat request's sub-requests (its tools applied): one, or ``n``; and its choices.
 
     Raises:
         HttpError: what preprocessing refuses.
@@ -143,7 +138,7 @@ def chat_work(
     apply_tools(req, entry, work)
     if req.n is not None and req.n > 1:
         return fan_out([(work, "")], req.n, req.n), req.n
-    return work, 1
+    return [SubRequest(0, 0, 0, work)], 1
 
 
 def best_choices(subs: list[SubRequest], n: int, best_of: int) -> list[SubRequest]:

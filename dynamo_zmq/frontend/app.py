@@ -21,7 +21,6 @@ from collections.abc import Awaitable, Callable
 
 import msgspec
 
-from .. import errors
 from ..llm import (
     DEFAULT_MIGRATION_LIMIT,
     Capability,
@@ -45,7 +44,6 @@ from ._deadline import request_timeout
 from ._embed_protocol import parse_embedding
 from ._embeddings import embedding_requests, serve_embeddings
 from ._fanout import FanOut
-from ._generation import Generation
 from ._health import health, models_body
 from ._limits import HttpLimits, Offload, Rejections, prompt_chars, text_chars
 from ._logprobs import asks_logprobs
@@ -176,7 +174,7 @@ class FrontendApp:
             target = self._target(scope)
             timeout = request_timeout(scope, self.timeout)
             req: ChatCompletionRequest | CompletionRequest
-            work: PreprocessedRequest | list[SubRequest]
+            work: list[SubRequest]
             if endpoint == "chat":
                 req = parse_chat(body)
                 entry = self._entry(req.model)
@@ -189,7 +187,7 @@ class FrontendApp:
                 work, n = await self._offload.run(len(body), completion_work, entry, req)
             if req.logit_bias:
                 entry.require(Capability.LOGIT_BIAS, "logit_bias")
-            first = work if isinstance(work, PreprocessedRequest) else work[0].pre
+            first = work[0].pre
             # (best_of asks its sub-requests for logprobs it does not return: required above)
             logprobs = first.output.logprobs if asks_logprobs(req) else None
             if logprobs is not None:
@@ -209,10 +207,7 @@ class FrontendApp:
             fmt.continuous_usage = True
         fmt.logprobs = logprobs
         streaming = bool(req.stream)
-        if isinstance(work, PreprocessedRequest):
-            prompt_tokens = len(work.token_ids)
-        else:
-            prompt_tokens = sum(len(s.pre.token_ids) for s in work if s.number == 0)
+        prompt_tokens = sum(len(s.pre.token_ids) for s in work if s.number == 0)
         # The deadline also travels as the runtime's per-request timeout (the worker enforces
         # it too).
         options = RouteOptions(instance_id=target, idle_timeout=self.idle_timeout, timeout=timeout)
@@ -302,45 +297,13 @@ class FrontendApp:
         scope: RequestScope,
         send: Send,
         entry: ModelEntry,
-        work: PreprocessedRequest | list[SubRequest],
-        fmt: ChatFormatter | CompletionFormatter,
-        include_usage: bool,
-        n: int,
-    ) -> str:
-        """Send a generation request (``work``: one request, or the sub-requests of several
-        choices) under ``scope`` and answer it; how it ended (the status label)."""
-        if not isinstance(work, PreprocessedRequest):
-            return await self._run_fanout(scope, send, entry, work, fmt, include_usage, n)
-        pre = work
-        try:
-            stream = await entry.router.generate(pre, scope.ctx, scope.options)
-        except errors.DynamoError as exc:
-            await scope.fail(send, exc)
-            return "error"
-        served_by = f"{stream.instance_id:x}"
-        if pre.routing.dp_rank is not None:
-            served_by += f"/{pre.routing.dp_rank}"
-        headers = [(SERVED_BY_HEADER, served_by.encode())]
-        gen = Generation(
-            self.metrics, entry.name, fmt, len(pre.token_ids), scope.started, headers,
-            scope.deadline, self._migration(entry, pre, scope.options),
-            parsed=pre.tools is not None or pre.reasoning,
-        )
-        if scope.streaming:
-            return await gen.stream_sse(stream, send, include_usage)
-        return await gen.respond_once(stream, send)
-
-    async def _run_fanout(
-        self,
-        scope: RequestScope,
-        send: Send,
-        entry: ModelEntry,
         subs: list[SubRequest],
         fmt: ChatFormatter | CompletionFormatter,
         include_usage: bool,
         n: int,
     ) -> str:
-        """``_run`` for a request of several sequences (``FanOut``)."""
+        """Send a generation request's sub-requests (one, or one per sequence: ``FanOut``) under
+        ``scope`` and answer it; how it ended (the status label)."""
         fan = FanOut(
             self.metrics, entry.name, fmt, subs, n, scope.prompt_tokens, scope.started,
             scope.deadline, lambda pre: self._migration(entry, pre, scope.options),
