@@ -55,16 +55,22 @@ class Deadline:
         seconds: the time the request has.
     """
 
-    __slots__ = ("_ctx", "_handle", "expired", "seconds")
+    __slots__ = ("_ctx", "_fired", "_handle", "_loop", "seconds")
 
     def __init__(self, ctx: Context, seconds: float) -> None:
         self.seconds = seconds
-        self.expired = False
+        self._fired = False
         self._ctx = ctx
-        self._handle = asyncio.get_running_loop().call_later(seconds, self._fire)
+        self._loop = asyncio.get_running_loop()
+        self._handle = self._loop.call_later(seconds, self._fire)
+
+    @property
+    def expired(self) -> bool:
+        """The time is up (even if the timer has not run yet: a busy loop runs it late)."""
+        return self._fired or self._loop.time() >= self._handle.when()
 
     def _fire(self) -> None:
-        self.expired = True
+        self._fired = True
         self._ctx.kill()
 
     def cancel(self) -> None:

@@ -7,7 +7,7 @@ of several sequences (``n > 1``, ``best_of``, a batch of prompts, ``echo``) one 
 (``sampling.n = 1``), each routed on its own (so KV routing sends each where its prompt is
 cached) under a child of the request's context: a client that goes away, or the deadline, kills
 them all. With a ``seed``, sequence ``j`` of a prompt uses ``seed + j``. Each sub-request's
-outputs are pulled by a ``_Reader`` (with its own migration): by a task of its own when there
+outputs are pulled by a ``SubStream`` (with its own migration): by a task of its own when there
 are several, merged by the request's loop into one response, choice ``j`` of prompt ``p`` being
 index ``p * n + j`` (OpenAI's rule); a single one is read by the request's loop itself (no task,
 no queue: the common case pays nothing for the others). ``best_of > n`` keeps, per prompt, the
@@ -32,7 +32,6 @@ from ..llm import (
     LLMEngineOutput,
     Migration,
     ModelRouter,
-    OutputStream,
     PreprocessedRequest,
     RouteOptions,
 )
@@ -41,6 +40,7 @@ from . import errors as http_errors
 from ._asgi import JSON, SSE, ClientGone, Send, error, reply, send_message
 from ._deadline import Deadline
 from ._logprobs import ChoiceLogprobs
+from ._sub_stream import SubStream
 from ._subrequests import SubRequest, best_choices
 from .errors import HttpError
 from .metrics import FrontendMetrics
@@ -55,7 +55,6 @@ from .responses import (
 
 __all__ = ["FanOut"]
 
-_NO_FINISH = "the worker ended the stream without a finish"
 #: What a sub-request's reader hands the merge loop: outputs, the error that ended it, or
 #: None when its stream was cancelled (the client went away, or the deadline passed).
 _Event = tuple["SubRequest", "list[LLMEngineOutput] | HttpError | None"]
@@ -97,7 +96,7 @@ class FanOut:
         self.deadline = deadline
         self._migration = migration
         self._children: list[Context] = []
-        self._readers: list[_Reader] = []
+        self._readers: list[SubStream] = []
         #: The readers' tasks and what they hand the merge loop (several sub-requests only).
         self._queue: asyncio.Queue[_Event] | None = None
         self._resources: Resources | None = None
@@ -148,7 +147,7 @@ class FanOut:
             assert not isinstance(stream, BaseException)
             if top is not None:
                 sub.logprobs = ChoiceLogprobs(top)
-            self._readers.append(_Reader(sub, stream, self._migration(sub.pre)))
+            self._readers.append(SubStream(sub, stream, self._migration(sub.pre)))
         return None
 
     def served_by(self) -> bytes:
@@ -181,7 +180,7 @@ class FanOut:
                 resources.spawn(self._pump(reader, queue), f"fanout-{sub.prompt}-{sub.number}")
 
     @staticmethod
-    async def _pump(reader: _Reader, queue: asyncio.Queue[_Event]) -> None:
+    async def _pump(reader: SubStream, queue: asyncio.Queue[_Event]) -> None:
         put = queue.put_nowait
         while True:
             item = await reader.next()
@@ -223,11 +222,13 @@ class FanOut:
         return events
 
     def _failure(self, item: HttpError | None) -> HttpError:
-        if item is not None:
-            return item
-        if self.deadline is None or not self.deadline.expired:
+        # Past the deadline, whatever ended the stream (the worker's own ResponseTimeout may
+        # come before the frontend's timer has run) the client gets the deadline's 504.
+        if self.deadline is not None and self.deadline.expired:
+            return self.deadline.error()
+        if item is None:
             raise ClientGone from None
-        return self.deadline.error()
+        return item
 
     def _usage(self) -> tuple[int, int, int | None]:
         completion = sum(s.completion_tokens for s in self.subs)
@@ -384,59 +385,6 @@ class FanOut:
         if lp is None:
             return None
         return lp.chat_full() if isinstance(self.fmt, ChatFormatter) else lp.completion_full()
-
-
-class _Reader:
-    """One sub-request's outputs, a batch at a time, from whichever worker serves it now: a
-    stream that fails goes on from the stream its migration recovers, if it can."""
-
-    __slots__ = ("migration", "record", "stream", "sub")
-
-    def __init__(self, sub: SubRequest, stream: OutputStream, migration: Migration | None) -> None:
-        self.sub, self.stream, self.migration = sub, stream, migration
-        #: What each output's token ids are added to (the migration's record of them).
-        self.record = migration.generated.extend if migration is not None else None
-
-    def served_by(self) -> str:
-        rank = self.sub.pre.routing.dp_rank
-        return f"{self.stream.instance_id:x}" + ("" if rank is None else f"/{rank}")
-
-    async def next(self) -> list[LLMEngineOutput] | HttpError | None:
-        """The next outputs; or the error that ends the sub-request; or None when its stream
-        was cancelled (the client went away, or the deadline passed)."""
-        while True:
-            try:
-                batch = await self.stream.next_batch()
-            except errors.Cancelled:
-                return None
-            except errors.DynamoError as exc:
-                recovered = await self._recover(exc)
-                if recovered is None or isinstance(recovered, HttpError):
-                    return recovered
-                self.stream = recovered
-                continue
-            if not batch:
-                return http_errors.engine_error(_NO_FINISH)
-            record = self.record
-            if record is not None:
-                migration = self.migration
-                assert migration is not None
-                for out in batch:
-                    if migration.link is None and out.token_ids:
-                        # what a migration's trace links to: the first worker's span
-                        migration.link = out.worker_trace_link
-                    record(out.token_ids)
-            return batch
-
-    async def _recover(self, exc: errors.DynamoError) -> OutputStream | HttpError | None:
-        if self.migration is not None:
-            try:
-                return await self.migration.recover(self.stream, exc)
-            except errors.Cancelled:
-                return None
-            except errors.DynamoError as final:
-                exc = final
-        return http_errors.from_dynamo(exc)
 
 
 class _Failed(Exception):

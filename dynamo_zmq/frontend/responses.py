@@ -184,12 +184,6 @@ class ChatFormatter(_Formatter):
             b'"logprobs":null,"finish_reason":null}]}\n\n'
         )
 
-    def content_chunk(self, text: str) -> bytes:
-        return (
-            self._head + b'{"index":0,"delta":{"content":' + _json(text)
-            + b'},"logprobs":null,"finish_reason":null}]}\n\n'
-        )
-
     def reasoning_chunk(self, text: str, index: int = 0) -> bytes:
         """A ``delta.reasoning_content`` chunk (vLLM's field)."""
         return (
@@ -212,7 +206,7 @@ class ChatFormatter(_Formatter):
         )
 
     def content_chunk_at(self, index: int, text: str) -> bytes:
-        """``content_chunk`` of choice ``index``."""
+        """A content chunk of choice ``index``."""
         return (
             self._at(index) + b',"delta":{"content":' + _json(text)
             + b'},"logprobs":null,"finish_reason":null}]}\n\n'
@@ -263,12 +257,6 @@ class CompletionFormatter(_Formatter):
     def role_chunk(self, index: int = 0) -> bytes:
         return b""
 
-    def content_chunk(self, text: str) -> bytes:
-        return (
-            self._head + b'{"index":0,"text":' + _json(text)
-            + b',"logprobs":null,"finish_reason":null}]}\n\n'
-        )
-
     def logprobs_chunk(self, text: str, logprobs: dict[str, Any], index: int = 0) -> bytes:
         """A text chunk with the logprobs of its tokens (``ChoiceLogprobs.completion``)."""
         return (
@@ -277,7 +265,7 @@ class CompletionFormatter(_Formatter):
         )
 
     def content_chunk_at(self, index: int, text: str) -> bytes:
-        """``content_chunk`` of choice ``index``."""
+        """A content chunk of choice ``index``."""
         return (
             self._at(index) + b',"text":' + _json(text)
             + b',"logprobs":null,"finish_reason":null}]}\n\n'
