@@ -20,7 +20,7 @@ from tests.support.procs import Proc
 
 #: Modules that start the most (vLLM engines): scheduled first, so that in parallel runs
 #: (pytest-xdist) the long ones do not end up alone at the tail.
-_FIRST = ("test_vllm", "test_chaos", "test_fleet", "test_slurm", "test_cluster")
+_FIRST = ("test_vllm", "test_chaos", "test_fleet", "test_slurm", "test_cluster", "test_soak")
 
 
 def _utf8(text: str) -> str:
