@@ -3,7 +3,8 @@
     python -m dynamo_zmq.frontend [--http-host 127.0.0.1] [--http-port 8000]
         [--router-mode round-robin|random|direct|kv|approx] [--namespace dynamo]
         [--discovery mdns|static] [--static-workers tcp://h:p,...] [--request-timeout S]
-        [--idle-timeout S] [--migration-limit N] [--max-body-bytes N] [--body-timeout S]
+        [--idle-timeout S] [--graceful-timeout 30] [--migration-limit N] [--max-body-bytes N]
+        [--body-timeout S]
         [--api-key KEY | --api-key-file F] [--tls-cert-file C --tls-key-file K]
         [--disagg-mode conditional|always|never] [--disagg-max-local-prefill-tokens N]
         [--disagg-max-prefill-queue N] [--disagg-prefill-timeout S]
@@ -21,10 +22,11 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import uvicorn
@@ -57,6 +59,9 @@ from .models import ModelManager
 
 log = logging.getLogger("dynamo_zmq.frontend")
 
+#: Seconds past ``--graceful-timeout`` after which uvicorn cancels what is still open (the
+#: grace's end has ended every open request by then; this is for a request that ignores it).
+_BACKSTOP = 5
 #: Seconds the frontend's shutdown (model routers, runtime) may take before it exits anyway.
 SHUTDOWN_DEADLINE = 10.0
 
@@ -92,6 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--idle-timeout", type=float, default=env("DYN_IDLE_TIMEOUT", "300"),
         help="seconds to wait for a worker's next output before 504 [DYN_IDLE_TIMEOUT]",
+    )
+    parser.add_argument(
+        "--graceful-timeout", type=float, default=env("DYN_GRACEFUL_TIMEOUT", "30"),
+        help="on SIGTERM/SIGINT, seconds open requests get to finish; those still open then "
+             "end with a retryable 503 (an SSE error event and [DONE] when streaming) "
+             "[DYN_GRACEFUL_TIMEOUT]",
     )
     parser.add_argument(
         "--migration-limit", type=int, default=env("DYN_MIGRATION_LIMIT", "3"),
@@ -135,6 +146,15 @@ def routing_plugin(args: argparse.Namespace) -> RouterPlugin | None:
         return None
     plugin_class: type[RouterPlugin] = load_plugin(ROUTERS, args.router_mode)
     return plugin_class.from_args(args.router_mode, args)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server without its own SIGTERM/SIGINT handlers: ``serve`` installs the
+    frontend's, which give open requests ``--graceful-timeout`` and then end them."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
 
 
 async def serve(
@@ -186,16 +206,34 @@ async def serve(
     config = uvicorn.Config(
         asgi, host=args.http_host, port=args.http_port, loop="none",
         http=header_timeout_protocol(args.body_timeout),
-        lifespan="on", log_level="warning", access_log=False, timeout_graceful_shutdown=5,
+        lifespan="on", log_level="warning", access_log=False,
+        # a backstop only: the grace's end (``end_open_requests``) ends every open request
+        timeout_graceful_shutdown=math.ceil(args.graceful_timeout) + _BACKSTOP,
         ssl_certfile=tls.cert if tls else None, ssl_keyfile=tls.key if tls else None,
         # JSON lines: uvicorn's records go through the root logger's formatter, not its own
         log_config=None if tracing.env_flag("DYN_LOGGING_JSONL") else uvicorn.config.LOGGING_CONFIG,
     )
-    server = uvicorn.Server(config)
+    server = _Server(config)
     loop = asyncio.get_running_loop()
+
+    def end_open_requests() -> None:
+        if ended := app.in_flight.end_all():
+            log.warning("graceful timeout (%gs) over: ended %d open requests with a retryable "
+                        "503", args.graceful_timeout, ended)
+
+    def on_signal() -> None:
+        if server.should_exit:  # a second signal: no more grace
+            end_open_requests()
+            return
+        server.should_exit = True  # uvicorn stops accepting and waits for open requests
+        if open_now := len(app.in_flight):
+            log.info("shutting down: %d open requests get %gs to finish", open_now,
+                     args.graceful_timeout)
+        loop.call_later(args.graceful_timeout, end_open_requests)
+
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+            loop.add_signal_handler(sig, on_signal)
 
     async def serve_http() -> bool:
         try:
@@ -235,6 +273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.request_timeout is not None:
             check_number("--request-timeout", args.request_timeout, positive=True)
         check_number("--idle-timeout", args.idle_timeout, positive=True)
+        check_number("--graceful-timeout", args.graceful_timeout)
         check_number("--body-timeout", args.body_timeout, positive=True)
         if args.max_body_bytes < 1:
             raise errors.InvalidArgument(

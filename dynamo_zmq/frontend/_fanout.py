@@ -38,7 +38,6 @@ from ..llm import (
 from ..resources import Resources
 from . import errors as http_errors
 from ._asgi import JSON, SSE, ClientGone, Send, error, reply, send_message
-from ._deadline import Deadline
 from ._logprobs import ChoiceLogprobs
 from ._sub_stream import SubStream
 from ._subrequests import SubRequest, best_choices
@@ -71,7 +70,8 @@ class FanOut:
         n: choices per prompt (``best_of`` is ``len(subs) // prompts``).
         prompt_tokens: the prompts' tokens, each prompt counted once (usage).
         started: when the request arrived (``time.monotonic()``).
-        deadline: the request's deadline, if it has one.
+        ending: why the frontend itself ended the request (``RequestScope.ending``: its
+            deadline's 504, the shutdown's 503), or None.
         migration: a sub-request's migration (None: off).
     """
 
@@ -84,7 +84,7 @@ class FanOut:
         n: int,
         prompt_tokens: int,
         started: float,
-        deadline: Deadline | None,
+        ending: Callable[[], HttpError | None],
         migration: Callable[[PreprocessedRequest], Migration | None],
     ) -> None:
         self.metrics, self.model, self.fmt = metrics, model, fmt
@@ -93,7 +93,7 @@ class FanOut:
         self.best_of = sum(1 for s in subs if s.prompt == 0)
         self.prompt_tokens = prompt_tokens
         self.started = started
-        self.deadline = deadline
+        self._ending = ending
         self._migration = migration
         self._children: list[Context] = []
         self._readers: list[SubStream] = []
@@ -137,8 +137,8 @@ class FanOut:
             self.kill()
             if not isinstance(failure, errors.DynamoError):
                 raise failure
-            if self.deadline is not None and self.deadline.expired:
-                return self.deadline.error()
+            if (why := self._ending()) is not None:
+                return why
             if ctx.is_killed():
                 raise ClientGone from None
             return http_errors.from_dynamo(failure)
@@ -223,9 +223,10 @@ class FanOut:
 
     def _failure(self, item: HttpError | None) -> HttpError:
         # Past the deadline, whatever ended the stream (the worker's own ResponseTimeout may
-        # come before the frontend's timer has run) the client gets the deadline's 504.
-        if self.deadline is not None and self.deadline.expired:
-            return self.deadline.error()
+        # come before the frontend's timer has run) the client gets the deadline's 504; at
+        # shutdown, the retryable 503.
+        if (why := self._ending()) is not None:
+            return why
         if item is None:
             raise ClientGone from None
         return item

@@ -9,7 +9,9 @@ in and reverse order out:
         request_scope.status = "success"
 
 A client that goes away (``ClientGone``) ends the block quietly: the context is killed (the
-workers stop) and the request is counted ``disconnected``.
+workers stop) and the request is counted ``disconnected``. The frontend's shutdown ends the
+requests still open when its grace is over (``InFlight.end_all``): their context is killed and
+``ending`` says why, so a stream ends with a retryable 503 error event and ``[DONE]``.
 """
 
 from __future__ import annotations
@@ -27,7 +29,30 @@ from ._asgi import ClientGone, Receive, Send, error, watch_disconnect
 from ._deadline import Deadline
 from .metrics import FrontendMetrics
 
-__all__ = ["RequestScope"]
+__all__ = ["InFlight", "RequestScope"]
+
+
+class InFlight:
+    """The requests a frontend has open (their scopes), for its shutdown to end."""
+
+    def __init__(self) -> None:
+        self._scopes: set[RequestScope] = set()
+
+    def __len__(self) -> int:
+        return len(self._scopes)
+
+    def add(self, scope: RequestScope) -> None:
+        self._scopes.add(scope)
+
+    def discard(self, scope: RequestScope) -> None:
+        self._scopes.discard(scope)
+
+    def end_all(self) -> int:
+        """End every open request (the shutdown's grace is over); how many there were."""
+        scopes = list(self._scopes)
+        for scope in scopes:
+            scope.end_for_shutdown()
+        return len(scopes)
 
 
 class RequestScope:
@@ -42,11 +67,12 @@ class RequestScope:
         receive: the ASGI receive channel (watched for the disconnect).
         options: how to route the request (its ``timeout`` is the request's deadline).
         prompt_tokens: the prompt's tokens (input sequence length metric).
+        in_flight: the frontend's open requests, this one among them while the block runs.
     """
 
     def __init__(self, metrics: FrontendMetrics, model: str, endpoint: str, streaming: bool,
                  request_id: str, receive: Receive, options: RouteOptions,
-                 prompt_tokens: int) -> None:
+                 prompt_tokens: int, in_flight: InFlight | None = None) -> None:
         self.metrics, self.model, self.endpoint = metrics, model, endpoint
         self.streaming = streaming
         self.options = options
@@ -59,6 +85,8 @@ class RequestScope:
         self._receive = receive
         self.prompt_tokens = prompt_tokens
         self._watcher: asyncio.Task[None] | None = None
+        self._in_flight = in_flight
+        self._shut_down = False
 
     async def __aenter__(self) -> RequestScope:
         m = self.metrics
@@ -69,10 +97,14 @@ class RequestScope:
         self.started = time.monotonic()
         if self.options.timeout is not None:
             self.deadline = Deadline(self.ctx, self.options.timeout)
+        if self._in_flight is not None:
+            self._in_flight.add(self)
         return self
 
     async def __aexit__(self, typ: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> bool:
+        if self._in_flight is not None:
+            self._in_flight.discard(self)
         gone = isinstance(exc, ClientGone)
         if gone:
             self.ctx.kill()
@@ -83,7 +115,7 @@ class RequestScope:
             await cancel_and_wait((self._watcher,))
         m, model = self.metrics, self.model
         if self.status == "disconnected" or (
-            self.ctx.is_killed() and self.status != "success" and not self.timed_out
+            self.ctx.is_killed() and self.status != "success" and self.ending() is None
         ):
             m.disconnected.labels(model).inc()
             self.status = "disconnected"
@@ -93,15 +125,24 @@ class RequestScope:
         m.duration.labels(model).observe(time.monotonic() - self.started)
         return gone
 
-    @property
-    def timed_out(self) -> bool:
-        """The request's deadline passed."""
-        return self.deadline is not None and self.deadline.expired
+    def end_for_shutdown(self) -> None:
+        """The frontend's shutdown grace is over: end the request (``ending`` says why)."""
+        self._shut_down = True
+        self.ctx.kill()
+
+    def ending(self) -> http_errors.HttpError | None:
+        """Why the frontend itself ended the request: the deadline's 504, the shutdown's
+        retryable 503; None when it did not (a killed context then means the client left)."""
+        if self.deadline is not None and self.deadline.expired:
+            return self.deadline.error()
+        if self._shut_down:
+            return http_errors.shutting_down()
+        return None
 
     async def fail(self, send: Send, exc: errors.DynamoError) -> None:
         """Answer a request that failed before its response began: 504 past its deadline,
-        nothing to a client that is gone, else the error's own status."""
-        if self.deadline is not None and self.deadline.expired:
-            await error(send, self.deadline.error())
+        503 at shutdown, nothing to a client that is gone, else the error's own status."""
+        if (why := self.ending()) is not None:
+            await error(send, why)
         elif not self.ctx.is_killed():
             await error(send, http_errors.from_dynamo(exc))

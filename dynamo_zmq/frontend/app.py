@@ -47,7 +47,7 @@ from ._fanout import FanOut
 from ._health import health, models_body
 from ._limits import HttpLimits, Offload, Rejections, prompt_chars, text_chars
 from ._logprobs import asks_logprobs
-from ._scope import RequestScope
+from ._scope import InFlight, RequestScope
 from ._subrequests import SubRequest, chat_work, completion_work
 from .errors import HttpError
 from .metrics import FrontendMetrics
@@ -102,6 +102,8 @@ class FrontendApp:
         self.limits = limits or HttpLimits()
         self._offload = Offload()
         self._rejections = Rejections(self.metrics)
+        #: The requests open now: the shutdown ends those still open when its grace is over.
+        self.in_flight = InFlight()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -212,7 +214,7 @@ class FrontendApp:
         # it too).
         options = RouteOptions(instance_id=target, idle_timeout=self.idle_timeout, timeout=timeout)
         async with RequestScope(self.metrics, entry.name, endpoint, streaming, fmt.id, receive,
-                                options, prompt_tokens) as request_scope:
+                                options, prompt_tokens, self.in_flight) as request_scope:
             request_scope.status = await self._run(
                 request_scope, send, entry, work, fmt, include_usage, n
             )
@@ -244,7 +246,8 @@ class FrontendApp:
             return
         options = RouteOptions(instance_id=target, idle_timeout=self.idle_timeout, timeout=timeout)
         async with RequestScope(m, entry.name, endpoint, False, request_id, receive, options,
-                                sum(len(r.token_ids) for r in requests)) as request_scope:
+                                sum(len(r.token_ids) for r in requests),
+                                self.in_flight) as request_scope:
             request_scope.status = await serve_embeddings(request_scope, entry, req, requests,
                                                           send)
 
@@ -306,7 +309,7 @@ class FrontendApp:
         ``scope`` and answer it; how it ended (the status label)."""
         fan = FanOut(
             self.metrics, entry.name, fmt, subs, n, scope.prompt_tokens, scope.started,
-            scope.deadline, lambda pre: self._migration(entry, pre, scope.options),
+            scope.ending, lambda pre: self._migration(entry, pre, scope.options),
         )
         try:
             failure = await fan.open(entry.router, scope.ctx, scope.options)

@@ -44,6 +44,7 @@ __all__ = [
     "no_worker",
     "not_found",
     "prompt_too_long",
+    "shutting_down",
     "timeout",
     "unsupported",
 ]
@@ -185,6 +186,15 @@ def client_closed(message: str = "The client closed the request.") -> HttpError:
 def no_worker(message: str = "No worker is available to serve the request.") -> HttpError:
     """503: no live worker serves the model, or it is shutting down."""
     return HttpError(503, "service_unavailable_error", message, code="service_unavailable")
+
+
+def shutting_down() -> HttpError:
+    """503: the frontend is shutting down and its grace for open requests is over (retry)."""
+    return HttpError(
+        503, "service_unavailable_error",
+        "The frontend is shutting down: retry the request (another frontend serves it).",
+        code="frontend_shutdown",
+    )
 
 
 def timeout(message: str = "The request timed out.") -> HttpError:

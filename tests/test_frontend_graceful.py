@@ -1,0 +1,87 @@
+"""The frontend's SIGTERM (issue 33 item 7): open requests get ``--graceful-timeout`` to finish;
+streams still open when it is up end with a retryable 503 SSE error event and ``[DONE]`` (a
+complete chunked body, never a cut one), and the frontend exits 0 without a traceback. Before
+this, uvicorn's fixed 5 s cancelled such streams mid-body and logged a traceback per stream."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+
+import httpx
+
+from tests.support.mocker_fleet import mocker_fleet
+
+CHAT = [{"role": "user", "content": "Tell me a long story."}]
+
+
+async def open_streams(url: str, count: int, max_tokens: int, started: asyncio.Event,
+                       client: httpx.AsyncClient) -> list[asyncio.Task[bytes]]:
+    """``count`` streaming chats; ``started`` is set once each has received a content chunk.
+    Each task returns the whole body (httpx raises if the chunked body is cut)."""
+    seen: set[int] = set()
+
+    async def one(i: int) -> bytes:
+        body = b""
+        payload = {"model": "tiny", "messages": CHAT, "stream": True, "max_tokens": max_tokens,
+                   "ignore_eos": True}
+        async with client.stream("POST", f"{url}/v1/chat/completions", json=payload) as resp:
+            assert resp.status_code == 200
+            async for chunk in resp.aiter_bytes():
+                body += chunk
+                if b'"content":"' in body.replace(b'"content":""', b""):
+                    seen.add(i)
+                    if len(seen) == count:
+                        started.set()
+        return body
+
+    return [asyncio.create_task(one(i)) for i in range(count)]
+
+
+def events(body: bytes) -> list[bytes]:
+    return [e for e in body.split(b"\n\n") if e.strip()]
+
+
+async def test_streams_open_when_the_grace_ends_get_a_retryable_error_and_done(
+        spawn, namespace, tiny_model):
+    fleet = await mocker_fleet(spawn, namespace, tiny_model, 1, mode=None, speedup="0.5",
+                               frontend_args=("--graceful-timeout", "2"))
+    started = asyncio.Event()
+    async with httpx.AsyncClient(timeout=120) as client:
+        tasks = await open_streams(fleet.url, 4, 1500, started, client)
+        await asyncio.wait_for(started.wait(), 60)
+        fleet.front.signal(signal.SIGTERM)
+        try:
+            bodies = await asyncio.gather(*tasks)
+        except Exception:
+            await asyncio.to_thread(fleet.front.wait, 30)
+            print("LOGS", fleet.front.logs())
+            raise
+    for body in bodies:
+        ev = events(body)
+        assert ev[-1] == b"data: [DONE]", ev[-3:]
+        error = json.loads(ev[-2].removeprefix(b"data: "))["error"]
+        assert error["type"] == "service_unavailable_error", error
+        assert error["code"] == "frontend_shutdown", error
+        assert not any(b'"finish_reason":"length"' in e for e in ev)  # cut short, not finished
+    assert await asyncio.to_thread(fleet.front.wait, 30) == 0
+    logs = fleet.front.logs()
+    assert "Traceback" not in logs and "ended 4 open requests" in logs, logs
+
+
+async def test_streams_that_finish_within_the_grace_end_normally(spawn, namespace, tiny_model):
+    fleet = await mocker_fleet(spawn, namespace, tiny_model, 1, mode=None, speedup="0.5",
+                               frontend_args=("--graceful-timeout", "60"))
+    started = asyncio.Event()
+    async with httpx.AsyncClient(timeout=120) as client:
+        tasks = await open_streams(fleet.url, 3, 60, started, client)
+        await asyncio.wait_for(started.wait(), 60)
+        fleet.front.signal(signal.SIGTERM)
+        bodies = await asyncio.gather(*tasks)
+    for body in bodies:
+        ev = events(body)
+        assert ev[-1] == b"data: [DONE]" and b'"finish_reason":"length"' in ev[-2], ev[-3:]
+        assert not any(b'"error"' in e for e in ev)
+    assert await asyncio.to_thread(fleet.front.wait, 30) == 0
+    assert "Traceback" not in fleet.front.logs()
