@@ -34,9 +34,17 @@ from router._own_events import decode_own_batch
 from router.events import decode_batch, decode_edge_batch
 from router.hashing import ROOT_SEED, block_hashes, root_hash
 from router.indexer import KvIndexer
+from tests.support.completions import complete_header_body
 from tests.support.fixtures import vllm_kv_events
+from tests.support.metrics import metrics_page
 from tests.support.mocker_fleet import mocker_fleet
-from tests.test_router_e2e import BLOCK, PREFIX_BLOCKS, WORKER, complete, eventually, metrics_of
+from tests.support.waiting import eventually
+
+BLOCK = 16
+PREFIX_BLOCKS = 6
+#: The mocker workers' flags: two data-parallel ranks each.
+WORKER = ("--block-size", str(BLOCK), "--data-parallel-size", "2", "--num-gpu-blocks-override",
+          "256")
 
 # --- the property: edge-hashed and token-hashed ingestion build the same index -------------------
 
@@ -241,21 +249,21 @@ async def test_mocker_edge_hashes_feed_kv_routing(namespace, spawn, tiny_model, 
 
     async def served() -> bool:
         try:
-            await asyncio.to_thread(complete, url, [1, 2, 3], 1)
+            await asyncio.to_thread(complete_header_body, url, [1, 2, 3], 1)
         except OSError:
             return False
         return True
 
     await eventually(served, 30, "the frontend serving 'tiny'")
-    target, _ = await asyncio.to_thread(complete, url, [*prefix, 1, 2, 3])
+    target, _ = await asyncio.to_thread(complete_header_body, url, [*prefix, 1, 2, 3])
 
     async def indexed() -> bool:  # the prefix's blocks arrived edge-hashed
-        return edge_hashed_blocks(await metrics_of(url)) >= PREFIX_BLOCKS
+        return edge_hashed_blocks(await metrics_page(url)) >= PREFIX_BLOCKS
 
     await eventually(indexed, 15, "edge-hashed blocks in the frontend's index")
     for i in range(4):
         suffix = [rng.randrange(10, 500) for _ in range(3 + 5 * i)]
-        got, _ = await asyncio.to_thread(complete, url, prefix + suffix)
+        got, _ = await asyncio.to_thread(complete_header_body, url, prefix + suffix)
         assert got == target, f"request {i} with the shared prefix went to {got}, not {target}"
 
     # ``python -m router`` takes the same edge hashes and answers with the prefix's worker.
