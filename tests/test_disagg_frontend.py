@@ -14,9 +14,8 @@ import pytest
 
 from tests.support.http_calls import get, post
 from tests.support.metrics import sample
-from tests.support.procs import Proc, system_port
+from tests.support.procs import Proc, status_json, system_port
 from tests.support.waiting import eventually
-from tests.test_status import status_json
 
 LONG = "hello " * 600  # well over any threshold below, in the tiny model's tokens
 SHORT = "Hi"
