@@ -16,10 +16,10 @@ import openai
 import pytest
 
 from tests.support import waiting
+from tests.support.disagg import wait_pools
 from tests.support.mocker_fleet import Fleet, mocker_fleet, start_frontend, start_mocker
 from tests.support.otlp_receiver import OtlpReceiver, Span
 from tests.support.procs import Proc
-from tests.test_disagg_frontend import wait_pools
 from tests.test_migration import MESSAGES, PARAMS, serving
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
