@@ -14,9 +14,10 @@ import openai
 import yaml
 
 from dynamo_zmq.runtime._status_server import DEFAULT_SYSTEM_PORT
+from tests.support.disagg import LONG, SHORT, Worker, wait_pools
 from tests.support.http_calls import get
+from tests.support.mocker_fleet import start_frontend
 from tests.support.procs import ROOT
-from tests.test_disagg_frontend import LONG, SHORT, Worker, frontend, wait_pools
 
 DASHBOARD = ROOT / "docs" / "grafana" / "dynamo-zmq.json"
 SCRAPE = ROOT / "docs" / "prometheus" / "prometheus.yml"
@@ -127,8 +128,8 @@ async def test_dashboard_and_scrape_example_match_the_processes(
     dashboard = json.loads(DASHBOARD.read_text())
     prefill = Worker(spawn, namespace, tiny_model, "prefill")
     decode = Worker(spawn, namespace, tiny_model, "decode")
-    url = frontend(spawn, namespace, "--router-mode", "kv", "--disagg-mode", "conditional",
-                   "--disagg-max-local-prefill-tokens", "32")
+    url = start_frontend(spawn, namespace, "--disagg-mode", "conditional",
+                         "--disagg-max-local-prefill-tokens", "32", mode="kv", ready=True).address
     await wait_pools(url, prefill=1)
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
     try:

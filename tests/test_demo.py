@@ -10,7 +10,7 @@ import signal
 import pytest
 
 from dynamo_zmq.tools.demo import TEXT
-from tests.test_status import run_cli
+from tests.support.procs import run_cli
 
 
 def _worker_pid(stdout: str) -> int:

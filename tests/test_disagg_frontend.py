@@ -12,74 +12,18 @@ import signal
 import openai
 import pytest
 
+from tests.support.disagg import LONG, SHORT, Worker, wait_pools
 from tests.support.http_calls import get, post
 from tests.support.metrics import sample
-from tests.support.procs import Proc, system_port
+from tests.support.mocker_fleet import start_frontend
+from tests.support.procs import status_json
 from tests.support.waiting import eventually
-from tests.test_status import status_json
-
-LONG = "hello " * 600  # well over any threshold below, in the tiny model's tokens
-SHORT = "Hi"
-
-
-class Worker:
-    """A mocker worker in one role, with its system port's metrics."""
-
-    def __init__(self, spawn, namespace, model_dir, role: str, speedup: str = "1000") -> None:
-        self.proc: Proc = spawn(
-            "-m", "dynamo_zmq.worker", "--engine", "mocker", "--model-path", str(model_dir),
-            "--model-name", "tiny", "--namespace", namespace, "--host", "127.0.0.1",
-            "--disaggregation-mode", role, "--speedup-ratio", speedup,
-            env={"DYN_SYSTEM_PORT": "0"},
-        )
-        self.port = system_port(self.proc)
-
-    async def metric(self, name: str) -> float:
-        status, page = await asyncio.to_thread(get, f"http://127.0.0.1:{self.port}/metrics")
-        assert status == 200
-        return sample(page.decode(), f"dynamo_component_{name}", model="tiny") or 0.0
-
-    async def engine_metric(self, name: str) -> float:
-        """One of the mocker engine's own counters (``mocker_*``, no labels)."""
-        status, page = await asyncio.to_thread(get, f"http://127.0.0.1:{self.port}/metrics")
-        assert status == 200
-        return sample(page.decode(), name) or 0.0
-
-    async def wait_metric(self, name: str, value: float, timeout: float = 30.0) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while (got := await self.metric(name)) != value:
-            assert loop.time() < deadline, f"{name} is {got}, not {value}"
-            await asyncio.sleep(0.05)
-
-
-def frontend(spawn, namespace, *extra: str) -> str:
-    proc = spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
-                 *extra, ready=False)
-    proc.wait_ready()
-    return proc.address
 
 
 async def frontend_metric(url: str, name: str, **labels: str) -> float:
     status, page = await asyncio.to_thread(get, f"{url}/metrics")
     assert status == 200
     return sample(page.decode(), name, model="tiny", **labels) or 0.0
-
-
-async def wait_pools(url: str, prefill: int, timeout: float = 30.0) -> None:
-    """Until the frontend serves 'tiny' and follows ``prefill`` prefill workers (its
-    in-flight-prefill gauge exists once the model's prefill pool is followed)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        status, body = await asyncio.to_thread(get, f"{url}/v1/models")
-        listed = status == 200 and "tiny" in {m["id"] for m in json.loads(body)["data"]}
-        _, page = await asyncio.to_thread(get, f"{url}/metrics")
-        followed = b"dynamo_frontend_remote_prefills_total" in page
-        if listed and (followed or not prefill):
-            return
-        assert loop.time() < deadline, f"model or prefill pool not followed: {body!r}"
-        await asyncio.sleep(0.1)
 
 
 @pytest.fixture
@@ -118,7 +62,7 @@ async def test_disaggregated_request_streams_and_each_worker_does_its_part(
 ):
     prefill = Worker(spawn, namespace, tiny_model, "prefill")
     decode = Worker(spawn, namespace, tiny_model, "decode")
-    url = frontend(spawn, namespace, "--router-mode", mode, "--disagg-mode", "always")
+    url = start_frontend(spawn, namespace, "--disagg-mode", "always", mode=mode, ready=True).address
     await wait_pools(url, prefill=1)
     client = client_of(url)
     # (health canaries prefill a token now and then: count from here)
@@ -166,7 +110,7 @@ async def test_disaggregated_request_streams_and_each_worker_does_its_part(
 
 async def test_a_prefill_worker_alone_serves_no_request(namespace, spawn, tiny_model, client_of):
     prefill = Worker(spawn, namespace, tiny_model, "prefill")
-    url = frontend(spawn, namespace, "--disagg-mode", "always")
+    url = start_frontend(spawn, namespace, "--disagg-mode", "always", mode=None, ready=True).address
     body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "Hi"}],
                        "max_tokens": 3}).encode()
     loop = asyncio.get_running_loop()
@@ -195,7 +139,7 @@ async def test_client_disconnect_mid_prefill_stops_the_prefill(
 ):
     prefill = Worker(spawn, namespace, tiny_model, "prefill", speedup="0.005")  # a slow prefill
     decode = Worker(spawn, namespace, tiny_model, "decode")
-    url = frontend(spawn, namespace, "--disagg-mode", "always")
+    url = start_frontend(spawn, namespace, "--disagg-mode", "always", mode=None, ready=True).address
     await wait_pools(url, prefill=1)
 
     task = asyncio.create_task(chat(client_of(url), LONG))
@@ -214,7 +158,7 @@ async def test_killing_the_prefill_worker_mid_prefill_still_completes_the_reques
 ):
     prefill = Worker(spawn, namespace, tiny_model, "prefill", speedup="0.005")
     decode = Worker(spawn, namespace, tiny_model, "decode")
-    url = frontend(spawn, namespace, "--disagg-mode", "always")
+    url = start_frontend(spawn, namespace, "--disagg-mode", "always", mode=None, ready=True).address
     await wait_pools(url, prefill=1)
 
     task = asyncio.create_task(chat(client_of(url), LONG, max_tokens=5))
@@ -235,8 +179,9 @@ async def test_conditional_mode_prefills_short_prompts_locally(
 ):
     prefill = Worker(spawn, namespace, tiny_model, "prefill")
     decode = Worker(spawn, namespace, tiny_model, "decode")
-    url = frontend(spawn, namespace, "--disagg-mode", "conditional",
-                   "--disagg-max-local-prefill-tokens", "100")
+    url = start_frontend(spawn, namespace, "--disagg-mode", "conditional",
+                         "--disagg-max-local-prefill-tokens", "100", mode=None,
+                         ready=True).address
     await wait_pools(url, prefill=1)
     client = client_of(url)
 
@@ -256,7 +201,7 @@ async def test_conditional_mode_prefills_short_prompts_locally(
 async def test_never_mode_keeps_prefill_workers_idle(namespace, spawn, tiny_model, client_of):
     prefill = Worker(spawn, namespace, tiny_model, "prefill")
     decode = Worker(spawn, namespace, tiny_model, "decode")
-    url = frontend(spawn, namespace, "--disagg-mode", "never")
+    url = start_frontend(spawn, namespace, "--disagg-mode", "never", mode=None, ready=True).address
     await wait_pools(url, prefill=1)
 
     _, finish, _ = await chat(client_of(url), LONG)
@@ -278,7 +223,7 @@ async def test_kv_mode_routes_prefills_by_the_prefill_workers_cached_blocks(
 ):
     prefills = [Worker(spawn, namespace, tiny_model, "prefill") for _ in range(2)]
     Worker(spawn, namespace, tiny_model, "decode")
-    url = frontend(spawn, namespace, "--router-mode", "kv", "--disagg-mode", "always")
+    url = start_frontend(spawn, namespace, "--disagg-mode", "always", mode="kv", ready=True).address
     await wait_pools(url, prefill=1)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 30
@@ -313,7 +258,7 @@ async def test_a_decode_worker_lost_mid_stream_migrates_the_request(
 ):
     Worker(spawn, namespace, tiny_model, "prefill")
     decodes = [Worker(spawn, namespace, tiny_model, "decode", speedup="1") for _ in range(2)]
-    url = frontend(spawn, namespace, "--disagg-mode", "always")
+    url = start_frontend(spawn, namespace, "--disagg-mode", "always", mode=None, ready=True).address
     await wait_pools(url, prefill=1)
     by_id = {f"{w.proc.instance_id:x}": w for w in decodes}
 
@@ -352,7 +297,7 @@ async def test_a_migration_that_waits_for_a_new_decode_worker_counts_one_local_p
     # each poll that finds none is not a local prefill (only the continuation that was sent).
     Worker(spawn, namespace, tiny_model, "prefill")
     lost = Worker(spawn, namespace, tiny_model, "decode", speedup="1")
-    url = frontend(spawn, namespace, "--disagg-mode", "always")
+    url = start_frontend(spawn, namespace, "--disagg-mode", "always", mode=None, ready=True).address
     await wait_pools(url, prefill=1)
 
     stream = await client_of(url).chat.completions.create(
@@ -384,8 +329,9 @@ async def test_conditional_mode_prefills_locally_while_the_prefill_pool_is_busy(
 ):
     prefill = Worker(spawn, namespace, tiny_model, "prefill", speedup="0.005")  # a slow prefill
     decode = Worker(spawn, namespace, tiny_model, "decode")
-    url = frontend(spawn, namespace, "--disagg-mode", "conditional",
-                   "--disagg-max-local-prefill-tokens", "0", "--disagg-max-prefill-queue", "0")
+    url = start_frontend(spawn, namespace, "--disagg-mode", "conditional",
+                         "--disagg-max-local-prefill-tokens", "0", "--disagg-max-prefill-queue",
+                         "0", mode=None, ready=True).address
     await wait_pools(url, prefill=1)
     client = client_of(url)
 
@@ -408,7 +354,8 @@ async def test_a_prefill_past_its_timeout_falls_back_to_the_decode_worker(
 ):
     prefill = Worker(spawn, namespace, tiny_model, "prefill", speedup="0.005")  # a slow prefill
     decode = Worker(spawn, namespace, tiny_model, "decode")
-    url = frontend(spawn, namespace, "--disagg-mode", "always", "--disagg-prefill-timeout", "1")
+    url = start_frontend(spawn, namespace, "--disagg-mode", "always", "--disagg-prefill-timeout",
+                         "1", mode=None, ready=True).address
     await wait_pools(url, prefill=1)
 
     _, finish, usage = await asyncio.wait_for(chat(client_of(url), LONG, max_tokens=4), 60)

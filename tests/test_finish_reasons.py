@@ -26,10 +26,8 @@ from dynamo_zmq.llm import (
     build_card,
 )
 from dynamo_zmq.tools.tiny_model import EOS
+from tests.support.mocker_fleet import ECHO, start_frontend, start_worker
 from tests.support.waiting import wait_models
-from tests.test_frontend import frontend, worker
-
-ECHO = "tests.support.engines:EchoEngine"
 
 
 @pytest.fixture(scope="module")
@@ -167,9 +165,9 @@ async def test_finish_reasons_over_http(namespace, spawn, tiny_model, tokenizer,
     frontend; chat and completions, streaming and not."""
     reasons = ("length", "stop", "cancelled", "error")
     for reason in reasons:
-        worker(spawn, namespace, tiny_model, "--echo-finish", reason, name=f"echo-{reason}",
-               engine=ECHO)
-    _, url = frontend(spawn, namespace)
+        start_worker(spawn, namespace, tiny_model, "--echo-finish", reason,
+                     model=f"echo-{reason}", engine=ECHO, ready=True)
+    url = start_frontend(spawn, namespace, mode=None, ready=True).address
     await wait_models(url, {f"echo-{r}" for r in reasons})
     text = "hello world again"
     # The chat prompt the echo engine streams back is the rendered template: ending the echo on
@@ -218,8 +216,8 @@ async def _check_finishes(client, kind, stream, prompt, ids, eos_id) -> None:
 async def test_mocker_ends_on_eos_unless_ignored(namespace, spawn, tiny_model):
     """The mocker samples the end-of-sequence token like any other (1 in 512 per token here):
     with ignore_eos off a long request ends on it, as "stop" without a stop_reason."""
-    worker(spawn, namespace, tiny_model)
-    _, url = frontend(spawn, namespace)
+    start_worker(spawn, namespace, tiny_model, ready=True)
+    url = start_frontend(spawn, namespace, mode=None, ready=True).address
     await wait_models(url, {"tiny"})
     async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client:
         ended = None

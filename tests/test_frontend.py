@@ -17,33 +17,16 @@ from hypothesis import strategies as st
 
 from tests.support.http_calls import get, post
 from tests.support.metrics import sample
-from tests.support.procs import Proc, system_port
+from tests.support.mocker_fleet import ECHO, start_frontend, start_worker
+from tests.support.procs import system_port
 from tests.support.waiting import wait_models
-
-ECHO = "tests.support.engines:EchoEngine"
-
-
-def worker(spawn, namespace, model_dir, *extra, name="tiny", engine="mocker") -> Proc:
-    args = ["-m", "dynamo_zmq.worker", "--engine", engine, "--model-path", str(model_dir),
-            "--model-name", name, "--namespace", namespace, "--host", "127.0.0.1", *extra]
-    if engine == "mocker":
-        args += ["--speedup-ratio", "1000"]
-    return spawn(*args)
-
-
-def frontend(spawn, namespace) -> tuple[Proc, str]:
-    proc = spawn(
-        "-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace, ready=False
-    )
-    proc.wait_ready()
-    return proc, proc.address
 
 
 @pytest.fixture
 async def served(namespace, spawn, tiny_model):
     """A mocker worker serving 'tiny' and a frontend; yields (url, openai client)."""
-    worker(spawn, namespace, tiny_model)
-    _, url = frontend(spawn, namespace)
+    start_worker(spawn, namespace, tiny_model, ready=True)
+    url = start_frontend(spawn, namespace, mode=None, ready=True).address
     await wait_models(url, {"tiny"})
     async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client:
         yield url, client
@@ -165,8 +148,8 @@ async def test_models_health_metrics(served):
 
 async def test_stop_strings_are_never_leaked(namespace, spawn, tiny_model):
     """The echo engine streams the prompt back, so the output text is known in advance."""
-    worker(spawn, namespace, tiny_model, name="echo", engine=ECHO)
-    _, url = frontend(spawn, namespace)
+    start_worker(spawn, namespace, tiny_model, model="echo", engine=ECHO, ready=True)
+    url = start_frontend(spawn, namespace, mode=None, ready=True).address
     await wait_models(url, {"echo"})
     text = "the quick brown fox jumps over the lazy dog again and again"
     async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client:
@@ -192,9 +175,9 @@ async def test_stop_strings_are_never_leaked(namespace, spawn, tiny_model):
 
 
 async def test_client_disconnect_stops_the_engine(namespace, spawn, tiny_model):
-    proc = worker(spawn, namespace, tiny_model, "--echo-delay", "0.05", "--metrics-port", "0",
-                  name="echo", engine=ECHO)
-    _, url = frontend(spawn, namespace)
+    proc = start_worker(spawn, namespace, tiny_model, "--echo-delay", "0.05", "--metrics-port",
+                        "0", model="echo", engine=ECHO, ready=True)
+    url = start_frontend(spawn, namespace, mode=None, ready=True).address
     await wait_models(url, {"echo"})
     host, port = re.match(r"http://([^:]+):(\d+)", url).groups()
     conn = http.client.HTTPConnection(host, int(port), timeout=10)
@@ -227,9 +210,10 @@ async def test_a_disconnect_ends_a_document_style_handler_as_a_cancellation(
     behind the frontend: a client that goes away mid-stream is counted as disconnected (499
     semantics), never as an error or a 503, and the worker counts a cancellation, not a
     failure."""
-    proc = worker(spawn, namespace, tiny_model, "--metrics-port", "0", name="doc",
-                  engine="tests.support.engines:DocumentStopPatternEngine")
-    front, url = frontend(spawn, namespace)
+    proc = start_worker(spawn, namespace, tiny_model, "--metrics-port", "0", model="doc",
+                        engine="tests.support.engines:DocumentStopPatternEngine", ready=True)
+    front = start_frontend(spawn, namespace, mode=None, ready=True)
+    url = front.address
     await wait_models(url, {"doc"})
     host, port = re.match(r"http://([^:]+):(\d+)", url).groups()
     conn = http.client.HTTPConnection(host, int(port), timeout=10)
@@ -266,8 +250,8 @@ async def test_a_disconnect_ends_a_document_style_handler_as_a_cancellation(
 
 
 async def test_dead_worker_gives_503_and_a_new_one_serves(namespace, spawn, tiny_model):
-    first = worker(spawn, namespace, tiny_model)
-    _, url = frontend(spawn, namespace)
+    first = start_worker(spawn, namespace, tiny_model, ready=True)
+    url = start_frontend(spawn, namespace, mode=None, ready=True).address
     await wait_models(url, {"tiny"})
     body = json.dumps(
         {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
@@ -278,7 +262,7 @@ async def test_dead_worker_gives_503_and_a_new_one_serves(namespace, spawn, tiny
     deadline = loop.time() + 10
     while (status := (await asyncio.to_thread(post, f"{url}/v1/chat/completions", body))[0]) != 503:
         assert status == 200 and loop.time() < deadline
-    worker(spawn, namespace, tiny_model)
+    start_worker(spawn, namespace, tiny_model, ready=True)
     deadline = loop.time() + 30
     while (status := (await asyncio.to_thread(post, f"{url}/v1/chat/completions", body))[0]) != 200:
         assert status == 503 and loop.time() < deadline
@@ -286,9 +270,9 @@ async def test_dead_worker_gives_503_and_a_new_one_serves(namespace, spawn, tiny
 
 
 async def test_two_models_side_by_side(namespace, spawn, tiny_model):
-    worker(spawn, namespace, tiny_model, name="alpha")
-    worker(spawn, namespace, tiny_model, name="beta", engine=ECHO)
-    _, url = frontend(spawn, namespace)
+    start_worker(spawn, namespace, tiny_model, model="alpha", ready=True)
+    start_worker(spawn, namespace, tiny_model, model="beta", engine=ECHO, ready=True)
+    url = start_frontend(spawn, namespace, mode=None, ready=True).address
     await wait_models(url, {"alpha", "beta"})
     async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client:
         for _ in range(4):

@@ -24,9 +24,10 @@ from tokenizers import Tokenizer
 from engines.mocker._sequence import sequence_seed
 from tests.support.engines import token_logprob
 from tests.support.http_calls import get
-from tests.support.metrics import sample
+from tests.support.metrics import metrics_page, sample
+from tests.support.migration import client_for, fleet, mocker
 from tests.support.procs import Proc, system_port
-from tests.support.waiting import wait_models
+from tests.support.waiting import serving, wait_models
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(300)]
 
@@ -351,9 +352,6 @@ async def test_each_sub_request_migrates_on_its_own(namespace, spawn, tiny_model
     """``n=2`` over two workers (round-robin: one choice each), one of which ends its streams
     with ``EngineShutdown`` after 10 tokens: that choice goes on from the other worker, and both
     are the text the request gets fault-free."""
-    from tests.support.waiting import serving
-    from tests.test_migration import client_for, fleet, metrics_page, mocker
-
     f = await fleet(spawn, namespace, tiny_model, 1)
     url = f.url
     params = {"model": "tiny", "messages": CHAT, "n": 2, "seed": 11, "max_tokens": 40,

@@ -21,17 +21,10 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from tests.support.metrics import sample
+from tests.support.mocker_fleet import start_frontend, start_worker
 from tests.support.waiting import wait_models
-from tests.test_frontend import worker
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-
-
-def frontend(spawn, namespace, *extra, env=None):
-    proc = spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
-                 *extra, env=env, ready=False)
-    proc.wait_ready()
-    return proc, proc.address
 
 
 def call(url, path, key=None, body=None, context=None):
@@ -55,9 +48,10 @@ def call(url, path, key=None, body=None, context=None):
 async def test_api_keys_from_flags_env_and_file(namespace, spawn, tiny_model, tmp_path):
     key_file = tmp_path / "keys"
     key_file.write_text("# team keys\nfile-key-1\n")
-    worker(spawn, namespace, tiny_model)
-    _, url = frontend(spawn, namespace, "--api-key", "flag-key", "--api-key-file", str(key_file),
-                      env={"DYN_API_KEYS": "env-key-a,env-key-b"})
+    start_worker(spawn, namespace, tiny_model, ready=True)
+    url = start_frontend(spawn, namespace, "--api-key", "flag-key", "--api-key-file",
+                         str(key_file), env={"DYN_API_KEYS": "env-key-a,env-key-b"}, mode=None,
+                         ready=True).address
     await wait_models_with_key(url, "flag-key")
 
     # Every configured key serves, through the real openai client.
@@ -101,8 +95,9 @@ async def test_api_keys_from_flags_env_and_file(namespace, spawn, tiny_model, tm
 
 
 async def test_exempt_routes_are_configurable(namespace, spawn, tiny_model):
-    worker(spawn, namespace, tiny_model)
-    _, url = frontend(spawn, namespace, "--api-key", "k", "--api-key-exempt", "/live")
+    start_worker(spawn, namespace, tiny_model, ready=True)
+    url = start_frontend(spawn, namespace, "--api-key", "k", "--api-key-exempt", "/live",
+                         mode=None, ready=True).address
     await wait_models_with_key(url, "k")
     assert (await asyncio.to_thread(call, url, "/live"))[0] == 200
     assert (await asyncio.to_thread(call, url, "/metrics"))[0] == 401
@@ -111,8 +106,8 @@ async def test_exempt_routes_are_configurable(namespace, spawn, tiny_model):
 
 
 async def test_without_keys_the_frontend_is_open(namespace, spawn, tiny_model):
-    worker(spawn, namespace, tiny_model)
-    _, url = frontend(spawn, namespace)
+    start_worker(spawn, namespace, tiny_model, ready=True)
+    url = start_frontend(spawn, namespace, mode=None, ready=True).address
     await wait_models(url, {"tiny"})
     status, answer = await asyncio.to_thread(call, url, "/v1/chat/completions", None, CHAT)
     assert status == 200, answer
@@ -145,9 +140,9 @@ def self_signed(tmp_path):
 
 async def test_tls_with_api_key(namespace, spawn, tiny_model, tmp_path):
     cert, key = self_signed(tmp_path)
-    worker(spawn, namespace, tiny_model)
-    _, url = frontend(spawn, namespace, "--tls-cert-file", str(cert), "--tls-key-file", str(key),
-                      "--api-key", "secret")
+    start_worker(spawn, namespace, tiny_model, ready=True)
+    url = start_frontend(spawn, namespace, "--tls-cert-file", str(cert), "--tls-key-file",
+                         str(key), "--api-key", "secret", mode=None, ready=True).address
     assert url.startswith("https://")
     trusted = ssl.create_default_context(cafile=str(cert))
     loop = asyncio.get_running_loop()

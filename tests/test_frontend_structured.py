@@ -17,8 +17,8 @@ from dynamo_zmq.frontend.errors import HttpError
 from dynamo_zmq.frontend.preprocess import Preprocessor
 from dynamo_zmq.frontend.protocol import parse_chat, parse_completion
 from dynamo_zmq.llm import Capability, GuidedDecoding, build_card
+from tests.support.mocker_fleet import start_frontend, start_worker
 from tests.support.waiting import wait_models
-from tests.test_frontend import frontend, worker
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -114,7 +114,7 @@ def test_malformed_constraints_are_400_naming_the_parameter(fields, param) -> No
 async def test_malformed_constraints_are_refused_without_a_worker(namespace, spawn):
     """A frontend with no worker at all: each malformed constraint is a 400 (not 404 for the
     unknown model, not 503), from the real `openai` client."""
-    _, url = frontend(spawn, namespace)
+    url = start_frontend(spawn, namespace, mode=None, ready=True).address
     async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client:
         for fields, param in MALFORMED:
             with pytest.raises(openai.BadRequestError) as info:
@@ -129,8 +129,8 @@ async def test_malformed_constraints_are_refused_without_a_worker(namespace, spa
 async def test_the_mocker_refuses_every_constraint_naming_engine_and_parameter(
     namespace, spawn, tiny_model
 ):
-    worker(spawn, namespace, tiny_model)
-    _, url = frontend(spawn, namespace)
+    start_worker(spawn, namespace, tiny_model, ready=True)
+    url = start_frontend(spawn, namespace, mode=None, ready=True).address
     await wait_models(url, {"tiny"})
     async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client:
         for fields, param, _ in CONSTRAINTS:

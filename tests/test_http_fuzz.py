@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 from dynamo_zmq.tools.http_fuzz import Case, make_case, send
 from tests.support.http_calls import get
 from tests.support.metrics import sample
+from tests.support.mocker_fleet import start_worker
 from tests.support.waiting import wait_models
-from tests.test_frontend import worker
 
 #: Seconds a body may take to arrive in these tests (``--body-timeout``).
 BODY_TIMEOUT = "0.5"
@@ -35,7 +35,7 @@ BAD_UTF8 = [b"\xff", b"\xc0\x80", b"\xed\xa0\x80", b"\xf5\x80\x80\x80"]
 async def served(namespace, spawn, tiny_model):
     """A mocker worker serving 'tiny' (embeddings too) and a frontend with a short body timeout
     and a 2 MiB body cap; yields (host, port, url, frontend process)."""
-    worker(spawn, namespace, tiny_model, "--mock-embedding-dim", "8")
+    start_worker(spawn, namespace, tiny_model, "--mock-embedding-dim", "8", ready=True)
     proc = spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
                  "--body-timeout", BODY_TIMEOUT, "--max-body-bytes", str(2 * 2**20), ready=False)
     url = proc.wait_ready().address
@@ -186,7 +186,7 @@ async def long_context(namespace, spawn, tiny_model, tmp_path):
     shutil.copytree(tiny_model, model)
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 262_144}))
-    worker(spawn, namespace, model)
+    start_worker(spawn, namespace, model, ready=True)
     proc = spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
                  ready=False)
     url = proc.wait_ready().address

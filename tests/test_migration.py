@@ -18,49 +18,25 @@ import pytest
 from dynamo_zmq import errors
 from tests.support import waiting
 from tests.support.http_calls import get
-from tests.support.metrics import sample
-from tests.support.mocker_fleet import Fleet, mocker_fleet, start_frontend, start_mocker
+from tests.support.metrics import metrics_page, sample
+from tests.support.migration import (
+    LONG,
+    MESSAGES,
+    PARAMS,
+    client_for,
+    fleet,
+    mocker,
+    serving_worker,
+)
+from tests.support.mocker_fleet import start_frontend
 from tests.support.procs import Proc, system_port
 
-#: About 29 ms a token (the mocker's decode step at speedup 0.2): a stream of LONG tokens lasts
-#: a few seconds, so a worker can be lost in its middle.
-SLOW = "0.2"
-#: Every mocker worker's flags: a metrics port of its own.
-WORKER = ("--metrics-port", "0")
-LONG = 80
-MESSAGES = [{"role": "user", "content": "Tell me a long story about moving house"}]
 #: Chunks the client reads before the serving worker is lost.
 BEFORE = 10
 
 
-def mocker(spawn, namespace: str, model_dir: Path, *extra: str) -> Proc:
-    return start_mocker(spawn, namespace, model_dir, *WORKER, *extra, speedup=SLOW).wait_ready()
-
-
-async def fleet(spawn, namespace: str, model_dir: Path, n: int, *extra: str,
-                mode: str | None = None, frontend_args: tuple[str, ...] = ()) -> Fleet:
-    """``n`` slow mocker workers (``extra`` flags each) and a frontend (round-robin unless
-    ``mode``) that lists them all."""
-    return await mocker_fleet(spawn, namespace, model_dir, n, mode=mode, speedup=SLOW,
-                              worker_args=(*WORKER, *extra), frontend_args=frontend_args)
-
-
-def client_for(url: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
-
-
-async def metrics_page(url: str) -> str:
-    _, body = await asyncio.to_thread(get, f"{url}/metrics")
-    return body.decode()
-
-
 def metrics_url(proc: Proc) -> str:
     return f"http://127.0.0.1:{system_port(proc)}"
-
-
-def serving(workers: list[Proc], header: str) -> Proc:
-    iid = int(header.split("/")[0], 16)
-    return next(w for w in workers if w.instance_id == iid)
 
 
 async def migrations(url: str) -> float:
@@ -79,7 +55,7 @@ async def stream_losing_worker(client, workers, sig, **params) -> tuple[str, lis
         model="tiny", messages=MESSAGES, stream=True, stream_options={"include_usage": True},
         **params,
     )
-    victim = serving(workers, raw.headers["x-dynamo-worker"])
+    victim = serving_worker(workers, raw.headers["x-dynamo-worker"])
     chunks = []
     seen = 0
     async for chunk in raw.parse():
@@ -90,9 +66,6 @@ async def stream_losing_worker(client, workers, sig, **params) -> tuple[str, lis
                 victim.signal(sig)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     return text, chunks, victim
-
-
-PARAMS = {"max_tokens": LONG, "extra_body": {"ignore_eos": True}}
 
 
 @pytest.fixture
@@ -203,7 +176,7 @@ async def test_the_advertised_limit_wins_and_a_second_loss_fails(namespace, spaw
         raw = await client.chat.completions.with_raw_response.create(
             model="tiny", messages=MESSAGES, stream=True, **PARAMS
         )
-        first = serving(workers, raw.headers["x-dynamo-worker"])
+        first = serving_worker(workers, raw.headers["x-dynamo-worker"])
         seen = 0
         with pytest.raises(openai.APIError) as exc:
             async for chunk in raw.parse():
@@ -266,11 +239,11 @@ async def test_kv_mode_migrates_where_the_extended_prompt_is_cached(namespace, s
             model="tiny", prompt=prompt, max_tokens=LONG, stream=True,
             extra_body={"ignore_eos": True},
         )
-        x = serving(workers, raw.headers["x-dynamo-worker"])
+        x = serving_worker(workers, raw.headers["x-dynamo-worker"])
         warm = await client.completions.with_raw_response.create(
             model="tiny", prompt=prompt + ahead, max_tokens=1, extra_body={"ignore_eos": True},
         )
-        y = serving(workers, warm.headers["x-dynamo-worker"])
+        y = serving_worker(workers, warm.headers["x-dynamo-worker"])
         assert y is not x, "the warming request should avoid the loaded worker"
         (z,) = [w for w in workers if w is not x and w is not y]
         seen, finish = 0, []
@@ -345,7 +318,8 @@ async def test_engine_shutdown_mid_stream_migrates(namespace, spawn, tiny_model)
         for _ in range(4):  # round-robin: until one starts on the worker that ends it
             raw = await client.chat.completions.with_raw_response.create(
                 model="tiny", messages=MESSAGES, **PARAMS)
-            runs.append((serving([ending, whole], raw.headers["x-dynamo-worker"]), raw.parse()))
+            runs.append((serving_worker([ending, whole], raw.headers["x-dynamo-worker"]),
+                         raw.parse()))
             if runs[-1][0] is ending:
                 break
     assert runs[-1][0] is ending

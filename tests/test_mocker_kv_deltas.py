@@ -29,10 +29,10 @@ from dynamo_zmq.llm import (
 )
 from engines.mocker._publisher import SNAPSHOT_SEQ
 from router.hashing import block_hashes
+from tests.support.completions import complete_header
 from tests.support.mocker_fleet import serving, start_frontend, start_mocker
 from tests.support.procs import Proc
 from tests.support.waiting import eventually
-from tests.test_router_warm_restart import complete
 
 BLOCK = 16
 END_SEQ = b"\xff" * 8
@@ -156,7 +156,7 @@ async def test_deltas_replay_to_the_dump_and_to_the_stores_forms_state(
 
     for i, prompt in enumerate(prompts):
         for w in (deltas_w, stores_w):
-            await asyncio.to_thread(complete, front.address, prompt, w.instance_id)
+            await asyncio.to_thread(complete_header, front.address, prompt, w.instance_id)
         if i < 3:  # 2 + 3 x 4 = 14 blocks fit in 20: nothing evicted yet
             expected |= set(block_hashes(prompt, BLOCK))
             await eventually(same_state, 15, f"prompt {i}'s own hashes published in both forms")

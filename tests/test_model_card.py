@@ -15,8 +15,8 @@ from dynamo_zmq import errors
 from dynamo_zmq.frontend.preprocess import Preprocessor
 from dynamo_zmq.frontend.protocol import parse_completion
 from dynamo_zmq.llm import build_card
+from tests.support.mocker_fleet import start_frontend, start_worker
 from tests.support.waiting import wait_models
-from tests.test_frontend import frontend, worker
 
 WARNING = "serves it with another model card"
 
@@ -53,10 +53,11 @@ async def served_by(client, n: int) -> list[str]:
 
 
 async def test_one_name_two_cards_are_not_mixed(namespace, spawn, tiny_model, tmp_path):
-    first = worker(spawn, namespace, tiny_model)
-    fe, url = frontend(spawn, namespace)
+    first = start_worker(spawn, namespace, tiny_model, ready=True)
+    fe = start_frontend(spawn, namespace, mode=None, ready=True)
+    url = fe.address
     await wait_models(url, {"tiny"})
-    second = worker(spawn, namespace, other_card_model(tiny_model, tmp_path))
+    second = start_worker(spawn, namespace, other_card_model(tiny_model, tmp_path), ready=True)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 30
     while WARNING not in fe.logs():  # the frontend saw the second card, and said so
@@ -83,7 +84,7 @@ async def test_one_name_two_cards_are_not_mixed(namespace, spawn, tiny_model, tm
 async def test_a_worker_refuses_a_request_for_another_card(
     namespace, spawn, make_runtime, tiny_model
 ):
-    proc = worker(spawn, namespace, tiny_model)
+    proc = start_worker(spawn, namespace, tiny_model, ready=True)
     client = await (
         make_runtime(static=(proc.address,)).endpoint(f"{namespace}.backend.generate").client()
     )

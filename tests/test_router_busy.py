@@ -11,20 +11,19 @@ import asyncio
 import http.client
 import json
 import random
-import re
 import subprocess
 import sys
 from typing import Any
 
 import pytest
-from openai import OpenAI
 
 from dynamo_zmq import errors
 from router.busy import AdmissionQueue, BusyPolicy, PrefillTokens
 from router.metrics import RouterMetrics
 from router.options import add_kv_router_args, kv_router_options
 from router.scheduler import LoadTracker
-from tests.support.http_calls import get
+from tests.support.completions import complete_worker_tokens
+from tests.support.metrics import first_sample, metrics_page
 from tests.support.mocker_fleet import mocker_fleet
 from tests.support.waiting import eventually
 
@@ -33,15 +32,6 @@ TOTAL_BLOCKS = 32  # each worker's KV cache
 LONG_PROMPT_BLOCKS = 20  # a long request alone holds more than half of it: busy at 0.5
 LONG_OUTPUT = 150  # prompt + output fit in the cache: 30 blocks
 QUEUE = 2
-
-
-def metric(text: str, name: str, **labels: str) -> float | None:
-    """One sample of ``name`` with (at least) ``labels`` from a /metrics page."""
-    for m in re.finditer(rf"^{name}\{{(.*)\}} (\S+)$", text, re.MULTILINE):
-        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
-        if all(got.get(k) == v for k, v in labels.items()):
-            return float(m.group(2))
-    return None
 
 
 @pytest.fixture
@@ -56,29 +46,12 @@ async def busy_cluster(namespace, spawn, tiny_model):
     url, ids = fleet.url, fleet.ids
 
     async def reported() -> bool:  # both reported their cache size
-        text = await metrics_of(url)
-        return all(metric(text, "dynamo_router_reported_active_blocks", worker=i) is not None
+        text = await metrics_page(url)
+        return all(first_sample(text, "dynamo_router_reported_active_blocks", worker=i) is not None
                    for i in ids)
 
     await eventually(reported, 30, "both workers serving and reporting load")
     return url, ids
-
-
-async def metrics_of(url: str) -> str:
-    status, body = await asyncio.to_thread(get, f"{url}/metrics")
-    assert status == 200
-    return body.decode()
-
-
-def complete(url: str, prompt: list[int], max_tokens: int) -> tuple[str, int]:
-    """A completion through the real openai client: (x-dynamo-worker, completion tokens)."""
-    client = OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
-    raw = client.completions.with_raw_response.create(
-        model="tiny", prompt=prompt, max_tokens=max_tokens, extra_body={"ignore_eos": True}
-    )
-    body = raw.parse()
-    assert body.usage is not None
-    return raw.headers["x-dynamo-worker"].split("/")[0], body.usage.completion_tokens
 
 
 def raw_completion(url: str, prompt: list[int]) -> tuple[int, str | None, dict[str, Any]]:
@@ -101,40 +74,40 @@ async def test_busy_workers_are_skipped_then_requests_wait_then_503(busy_cluster
         return [rng.randrange(10, 500) for _ in range(blocks * BLOCK)]
 
     async def indexed_on(blocks: int, exclude: str = "") -> str | None:
-        text = await metrics_of(url)
+        text = await metrics_page(url)
         for i in ids - {exclude}:
-            n = metric(text, "dynamo_router_kv_index_blocks", model="tiny", worker=i)
+            n = first_sample(text, "dynamo_router_kv_index_blocks", model="tiny", worker=i)
             if n is not None and n >= blocks:
                 return i
         return None
 
     # A long request makes its worker (x) busy: its prompt alone is over half of the cache.
     shared = prompt(LONG_PROMPT_BLOCKS)
-    first = asyncio.create_task(asyncio.to_thread(complete, url, shared, LONG_OUTPUT))
+    first = asyncio.create_task(asyncio.to_thread(complete_worker_tokens, url, shared, LONG_OUTPUT))
     x = await eventually(lambda: indexed_on(LONG_PROMPT_BLOCKS), 30, "the long prompt indexed")
 
     # 1. A request sharing that prefix would be cheapest on x (overlap weight 2), but x is
     # busy and the other worker is not: it goes there.
-    got, _ = await asyncio.to_thread(complete, url, [*shared, 1, 2, 3], 2)
+    got, _ = await asyncio.to_thread(complete_worker_tokens, url, [*shared, 1, 2, 3], 2)
     assert got != x and got in ids
 
     # 2. Another long request makes the other worker (y) busy too.
-    second = asyncio.create_task(asyncio.to_thread(complete, url, prompt(LONG_PROMPT_BLOCKS),
-                                                   LONG_OUTPUT))
+    second = asyncio.create_task(asyncio.to_thread(complete_worker_tokens, url,
+                                                   prompt(LONG_PROMPT_BLOCKS), LONG_OUTPUT))
 
     async def routed() -> bool:  # the first three requests routed, the third to y
-        text = await metrics_of(url)
-        return metric(text, "dynamo_router_decisions_total", model="tiny") == 3
+        text = await metrics_page(url)
+        return first_sample(text, "dynamo_router_decisions_total", model="tiny") == 3
 
     await eventually(routed, 30, "the second long request routed")
 
     # 3. Every worker busy: the next requests wait in the frontend (sent nowhere yet) ...
-    waiting = [asyncio.create_task(asyncio.to_thread(complete, url, prompt(2), 2))
+    waiting = [asyncio.create_task(asyncio.to_thread(complete_worker_tokens, url, prompt(2), 2))
                for _ in range(QUEUE)]
 
     async def queued() -> bool:
-        text = await metrics_of(url)
-        return metric(text, "dynamo_router_busy_queued_requests", model="tiny") == QUEUE
+        text = await metrics_page(url)
+        return first_sample(text, "dynamo_router_busy_queued_requests", model="tiny") == QUEUE
 
     await eventually(queued, 30, f"{QUEUE} requests queued")
 
@@ -151,10 +124,10 @@ async def test_busy_workers_are_skipped_then_requests_wait_then_503(busy_cluster
         assert done[0] in ids
     assert [n for _, n in [first.result(), second.result()]] == [LONG_OUTPUT] * 2
     assert second.result()[0] != x  # the second long request went to the free worker
-    text = await metrics_of(url)
-    assert metric(text, "dynamo_router_busy_queued_requests", model="tiny") == 0
-    assert metric(text, "dynamo_router_busy_rejected_total", model="tiny") == 1
-    waited = metric(text, "dynamo_router_busy_wait_seconds_count", model="tiny")
+    text = await metrics_page(url)
+    assert first_sample(text, "dynamo_router_busy_queued_requests", model="tiny") == 0
+    assert first_sample(text, "dynamo_router_busy_rejected_total", model="tiny") == 1
+    waited = first_sample(text, "dynamo_router_busy_wait_seconds_count", model="tiny")
     assert waited is not None and waited >= QUEUE
 
 
@@ -173,19 +146,19 @@ async def test_unprefilled_prompt_tokens_make_a_worker_busy(namespace, spawn, ti
         return [rng.randrange(10, 500) for _ in range(tokens)]
 
     # Two long prompts (seconds of prefill each at this speed) take one worker each.
-    longs = [asyncio.create_task(asyncio.to_thread(complete, url, prompt(1000), 1))
+    longs = [asyncio.create_task(asyncio.to_thread(complete_worker_tokens, url, prompt(1000), 1))
              for _ in range(2)]
 
     async def routed() -> bool:
-        text = await metrics_of(url)
-        return metric(text, "dynamo_router_decisions_total", model="tiny") == 2
+        text = await metrics_page(url)
+        return first_sample(text, "dynamo_router_decisions_total", model="tiny") == 2
 
     await eventually(routed, 30, "both long prompts routed")
-    short = asyncio.create_task(asyncio.to_thread(complete, url, prompt(BLOCK), 1))
+    short = asyncio.create_task(asyncio.to_thread(complete_worker_tokens, url, prompt(BLOCK), 1))
 
     async def queued() -> bool:
-        text = await metrics_of(url)
-        return metric(text, "dynamo_router_busy_queued_requests", model="tiny") == 1
+        text = await metrics_page(url)
+        return first_sample(text, "dynamo_router_busy_queued_requests", model="tiny") == 1
 
     await eventually(queued, 30, "the short request queued")
     status, retry_after, body = await asyncio.to_thread(raw_completion, url, prompt(BLOCK))

@@ -11,10 +11,13 @@ import random
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.support.completions import complete_header
 from tests.support.http_calls import get
 from tests.support.mocker_fleet import mocker_fleet, serving, start_frontend
 from tests.support.waiting import eventually
-from tests.test_router_warm_restart import BLOCK, PREFIX_BLOCKS, complete
+
+BLOCK = 16
+PREFIX_BLOCKS = 6
 
 
 async def samples(url: str, name: str) -> dict[str, float]:
@@ -45,7 +48,7 @@ async def test_kv_frontends_route_by_prefix_from_delta_events_and_dumps(
     # another tail) must follow it, which only the index of the delta events can tell.
     placed = {}
     for i, tokens in enumerate(prefixes):
-        placed[i] = await asyncio.to_thread(complete, front.address, tokens)
+        placed[i] = await asyncio.to_thread(complete_header, front.address, tokens)
 
     async def indexed(url: str) -> bool:
         blocks = await samples(url, "dynamo_router_kv_index_blocks")
@@ -53,7 +56,7 @@ async def test_kv_frontends_route_by_prefix_from_delta_events_and_dumps(
 
     await eventually(lambda: indexed(front.address), 10, "the delta events indexed")
     for i, tokens in enumerate(prefixes):
-        got = await asyncio.to_thread(complete, front.address, [*tokens[:-3], 7, 8, 9])
+        got = await asyncio.to_thread(complete_header, front.address, [*tokens[:-3], 7, 8, 9])
         assert got == placed[i], (i, got, placed[i])
     edge = await samples(front.address, "dynamo_router_edge_hashed_blocks_total")
     assert edge.get("", 0) >= len(prefixes) * PREFIX_BLOCKS
@@ -66,5 +69,5 @@ async def test_kv_frontends_route_by_prefix_from_delta_events_and_dumps(
     await serving(late, fleet.workers)
     await eventually(lambda: indexed(late.address), 10, "the dumps indexed")
     for i, tokens in enumerate(prefixes):
-        got = await asyncio.to_thread(complete, late.address, [*tokens[:-3], 5, 6])
+        got = await asyncio.to_thread(complete_header, late.address, [*tokens[:-3], 5, 6])
         assert got == placed[i], (i, got, placed[i])

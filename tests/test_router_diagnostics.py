@@ -5,14 +5,11 @@ another block size says so in its log (one line per worker or period) and in its
 from __future__ import annotations
 
 import asyncio
-import json
 import random
-import urllib.request
-
-from prometheus_client.parser import text_string_to_metric_families
 
 from router.diagnostics import FLAT_STREAK, SILENT_AFTER
-from tests.support.http_calls import get
+from tests.support.completions import complete_worker
+from tests.support.metrics import fetch_sample
 from tests.support.mocker_fleet import serving, start_frontend, start_mocker
 from tests.support.procs import Proc
 from tests.support.waiting import eventually
@@ -22,28 +19,6 @@ BLOCK = 16
 
 def worker(spawn, namespace, model_dir, *extra: str, block: int = BLOCK) -> Proc:
     return start_mocker(spawn, namespace, model_dir, "--block-size", str(block), *extra)
-
-
-def complete(url: str, tokens: list[int], max_tokens: int = 4) -> str:
-    """POST a token-id completion; the x-dynamo-worker header's worker (hex)."""
-    body = json.dumps({"model": "tiny", "prompt": tokens, "max_tokens": max_tokens}).encode()
-    req = urllib.request.Request(f"{url}/v1/completions", body,
-                                 {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=30) as resp:
-        assert resp.status == 200
-        return str(resp.headers["x-dynamo-worker"]).split("/")[0]
-
-
-async def metric(url: str, name: str, **labels: str) -> float:
-    """The sample ``name`` of model 'tiny' with ``labels`` on ``url``'s /metrics (0 if none)."""
-    status, page = await asyncio.to_thread(get, f"{url}/metrics")
-    assert status == 200
-    for family in text_string_to_metric_families(page.decode()):
-        for s in family.samples:
-            if s.name == name and s.labels.get("model") == "tiny" and all(
-                    s.labels.get(k) == v for k, v in labels.items()):
-                return float(s.value)
-    return 0.0
 
 
 def prompt(rng: random.Random, blocks: int = 2) -> list[int]:
@@ -56,7 +31,7 @@ async def test_workers_without_kv_events_are_silent_and_scores_flat(namespace, s
     url = await serving(front, workers)
 
     async def both_silent() -> bool:
-        return await metric(url, "dynamo_router_silent_workers") == 2
+        return await fetch_sample(url, "dynamo_router_silent_workers") == 2
 
     await eventually(both_silent, 10, "dynamo_router_silent_workers at 2")
     logs = front.logs()
@@ -65,8 +40,8 @@ async def test_workers_without_kv_events_are_silent_and_scores_flat(namespace, s
 
     rng = random.Random(7)
     for _ in range(FLAT_STREAK):  # every decision has nothing to tell the workers apart
-        await asyncio.to_thread(complete, url, prompt(rng))
-    assert await metric(url, "dynamo_router_flat_decisions_total") >= FLAT_STREAK
+        await asyncio.to_thread(complete_worker, url, prompt(rng))
+    assert await fetch_sample(url, "dynamo_router_flat_decisions_total") >= FLAT_STREAK
     logs = front.logs()
     assert "routing was on load alone: the index is empty: 2 worker(s) publish no KV" in logs
     assert logs.count("routing was on load alone") == 1  # once per period
@@ -80,16 +55,17 @@ async def test_a_worker_that_never_publishes_turns_silent(namespace, spawn, tiny
     url = await serving(front, [talker, mute])
     rng = random.Random(8)
     for _ in range(10):  # until the mute worker has been sent a request (ties are random)
-        got = await asyncio.gather(*(asyncio.to_thread(complete, url, prompt(rng), 16)
+        got = await asyncio.gather(*(asyncio.to_thread(complete_worker, url, prompt(rng), 16)
                                      for _ in range(4)))
         if f"{mute.instance_id:x}" in got:
             break
     else:
         raise AssertionError("no request routed to the mute worker")
-    assert await metric(url, "dynamo_router_silent_workers") == 0  # not yet: it may just be slow
+    # Not yet: it may just be slow.
+    assert await fetch_sample(url, "dynamo_router_silent_workers") == 0
 
     async def silent() -> bool:
-        return await metric(url, "dynamo_router_silent_workers") == 1
+        return await fetch_sample(url, "dynamo_router_silent_workers") == 1
 
     await eventually(silent, SILENT_AFTER + 10, "the mute worker counted as silent")
     logs = front.logs()
@@ -107,7 +83,7 @@ async def test_a_block_size_mismatch_is_reported(namespace, spawn, tiny_model):
     await serving(front, [first, other])
 
     async def mismatched() -> bool:
-        return await metric(url, "dynamo_router_mismatched_workers", reason="block_size") == 1
+        return await fetch_sample(url, "dynamo_router_mismatched_workers", reason="block_size") == 1
 
     await eventually(mismatched, 10, "dynamo_router_mismatched_workers at 1")
     assert (f"instance {other.instance_id:x} uses KV block size {2 * BLOCK} but the router "
@@ -115,7 +91,7 @@ async def test_a_block_size_mismatch_is_reported(namespace, spawn, tiny_model):
 
     rng = random.Random(9)
     for _ in range(10):  # until the other worker has stored blocks of its size
-        got = await asyncio.gather(*(asyncio.to_thread(complete, url, prompt(rng, 4), 16)
+        got = await asyncio.gather(*(asyncio.to_thread(complete_worker, url, prompt(rng, 4), 16)
                                      for _ in range(4)))
         if f"{other.instance_id:x}" in got:
             break
@@ -123,7 +99,7 @@ async def test_a_block_size_mismatch_is_reported(namespace, spawn, tiny_model):
         raise AssertionError("no request routed to the mismatched worker")
 
     async def ignored() -> bool:
-        return await metric(url, "dynamo_router_kv_block_size_mismatches_total") > 0
+        return await fetch_sample(url, "dynamo_router_kv_block_size_mismatches_total") > 0
 
     await eventually(ignored, 10, "the mismatched worker's KV events counted as ignored")
     assert "ignored: their block size is not the router's 16" in front.logs()
@@ -139,10 +115,11 @@ async def test_a_hash_scheme_mismatch_is_reported(namespace, spawn, tiny_model):
     url = await serving(front, [other])
 
     async def mismatched() -> bool:
-        return await metric(url, "dynamo_router_mismatched_workers", reason="hash_scheme") == 1
+        return await fetch_sample(url, "dynamo_router_mismatched_workers",
+                                  reason="hash_scheme") == 1
 
     await eventually(mismatched, 10, "dynamo_router_mismatched_workers{hash_scheme} at 1")
-    assert await metric(url, "dynamo_router_mismatched_workers", reason="block_size") == 0
+    assert await fetch_sample(url, "dynamo_router_mismatched_workers", reason="block_size") == 0
     logs = front.logs()
     assert f"instance {other.instance_id:x} of model 'tiny' hashes its KV blocks as" in logs
     assert "seed 12345" in logs
@@ -150,14 +127,14 @@ async def test_a_hash_scheme_mismatch_is_reported(namespace, spawn, tiny_model):
     # Routing by prefix still works: the store was indexed from its tokens, so the same prompt
     # matches all its blocks the second time.
     tokens = prompt(random.Random(11), 4)
-    await asyncio.to_thread(complete, url, tokens, 2)
+    await asyncio.to_thread(complete_worker, url, tokens, 2)
     w = f"{other.instance_id:x}"
 
     async def indexed() -> bool:
-        return await metric(url, "dynamo_router_kv_index_blocks", worker=w) >= 4
+        return await fetch_sample(url, "dynamo_router_kv_index_blocks", worker=w) >= 4
 
     await eventually(indexed, 10, "the worker's blocks indexed")
-    before = await metric(url, "dynamo_router_matched_blocks_total")
-    await asyncio.to_thread(complete, url, tokens, 2)
-    assert await metric(url, "dynamo_router_matched_blocks_total") - before >= 4
-    assert await metric(url, "dynamo_router_edge_hashed_blocks_total") == 0
+    before = await fetch_sample(url, "dynamo_router_matched_blocks_total")
+    await asyncio.to_thread(complete_worker, url, tokens, 2)
+    assert await fetch_sample(url, "dynamo_router_matched_blocks_total") - before >= 4
+    assert await fetch_sample(url, "dynamo_router_edge_hashed_blocks_total") == 0

@@ -12,13 +12,12 @@ import select
 import signal
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 
 import pytest
 
 from dynamo_zmq import errors
-from tests.support.http_calls import get
+from tests.support.completions import complete_header_body
+from tests.support.metrics import index_blocks_per_rank, metrics_page
 from tests.support.mocker_fleet import mocker_fleet, start_mocker
 from tests.support.waiting import eventually
 
@@ -29,37 +28,10 @@ WORKER = ("--block-size", str(BLOCK), "--data-parallel-size", "2", "--num-gpu-bl
           "256")
 
 
-def complete(url: str, tokens: list[int], max_tokens: int = 4) -> tuple[str, dict]:
-    """POST a token-id completion; returns (x-dynamo-worker header, body)."""
-    body = json.dumps({"model": "tiny", "prompt": tokens, "max_tokens": max_tokens}).encode()
-    req = urllib.request.Request(
-        f"{url}/v1/completions", body, {"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=30) as resp:
-        assert resp.status == 200
-        return resp.headers["x-dynamo-worker"], json.loads(resp.read())
-
-
-def index_blocks(metrics: str) -> dict[str, float]:
-    """``dynamo_router_kv_index_blocks`` per ``"<worker>/<rank>"`` from a /metrics page."""
-    out = {}
-    for m in re.finditer(r"^dynamo_router_kv_index_blocks\{(.*)\} (\S+)$", metrics, re.MULTILINE):
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
-        if labels.get("model") == "tiny":
-            out[f"{labels['worker']}/{labels['dp_rank']}"] = float(m.group(2))
-    return out
-
-
 @pytest.fixture
 async def cluster(namespace, spawn, tiny_model):
     fleet = await mocker_fleet(spawn, namespace, tiny_model, 4, worker_args=WORKER)
     return fleet.url, fleet.workers
-
-
-async def metrics_of(url: str) -> str:
-    status, body = await asyncio.to_thread(get, f"{url}/metrics")
-    assert status == 200
-    return body.decode()
 
 
 async def test_kv_routing_end_to_end(namespace, spawn, make_runtime, cluster):
@@ -68,26 +40,27 @@ async def test_kv_routing_end_to_end(namespace, spawn, make_runtime, cluster):
     prefix = [rng.randrange(10, 500) for _ in range(PREFIX_BLOCKS * BLOCK)]
 
     # 1. Requests sharing a long prefix land where the first one was served.
-    target, _first = await asyncio.to_thread(complete, url, [*prefix, 1, 2, 3])
+    target, _first = await asyncio.to_thread(complete_header_body, url, [*prefix, 1, 2, 3])
     assert re.fullmatch(r"[0-9a-f]+/[01]", target)
     assert target.split("/")[0] in {f"{w.instance_id:x}" for w in workers}
 
     async def indexed() -> bool:  # the first request's KV events reached the frontend's index
-        return index_blocks(await metrics_of(url)).get(target, 0) >= PREFIX_BLOCKS
+        return index_blocks_per_rank(await metrics_page(url)).get(target, 0) >= PREFIX_BLOCKS
 
     await eventually(indexed, 15, "the prefix in the frontend's index")
     for i in range(5):
         suffix = [rng.randrange(10, 500) for _ in range(3 + 7 * i)]
-        got, _ = await asyncio.to_thread(complete, url, prefix + suffix)
+        got, _ = await asyncio.to_thread(complete_header_body, url, prefix + suffix)
         assert got == target, f"request {i} with the shared prefix went to {got}, not {target}"
 
     # 2. Unrelated requests spread over (worker, rank) pairs by load.
     prompts = [[rng.randrange(10, 500) for _ in range(4 * BLOCK)] for _ in range(16)]
-    results = await asyncio.gather(*(asyncio.to_thread(complete, url, p, 48) for p in prompts))
+    results = await asyncio.gather(*(asyncio.to_thread(complete_header_body, url, p, 48)
+                                     for p in prompts))
     pairs = {h for h, _ in results}
     assert len(pairs) >= 4 and len({p.split("/")[0] for p in pairs}) >= 3, pairs
 
-    text = await metrics_of(url)
+    text = await metrics_page(url)
     assert "dynamo_router_decisions_total" in text and "dynamo_router_kv_hit_rate_bucket" in text
     assert "dynamo_frontend_requests_total" in text  # one /metrics page for both
 
@@ -129,11 +102,12 @@ async def test_kv_routing_end_to_end(namespace, spawn, make_runtime, cluster):
 
     async def forgotten() -> bool:
         return not any(
-            k.startswith(f"{victim.instance_id:x}/") for k in index_blocks(await metrics_of(url))
+            k.startswith(f"{victim.instance_id:x}/")
+            for k in index_blocks_per_rank(await metrics_page(url))
         )
 
     await eventually(forgotten, 15, "the killed worker's blocks leaving the frontend's index")
-    got, body = await asyncio.to_thread(complete, url, [*prefix, 1, 2, 3])
+    got, body = await asyncio.to_thread(complete_header_body, url, [*prefix, 1, 2, 3])
     assert (
         not got.startswith(f"{victim.instance_id:x}/")
         and body["choices"][0]["finish_reason"] == "length"
@@ -159,9 +133,9 @@ async def test_approximate_kv_routing_without_kv_events(namespace, spawn, tiny_m
         worker_args=("--block-size", str(BLOCK), "--data-parallel-size", "2", "--no-kv-events"),
         frontend_args=("--no-kv-events", "--router-temperature", "0"))).url
     prefix = list(range(20, 20 + 4 * BLOCK))
-    target, _ = await asyncio.to_thread(complete, url, [*prefix, 5])
+    target, _ = await asyncio.to_thread(complete_header_body, url, [*prefix, 5])
     for tail in ([6], [7, 8], list(range(30, 60))):
-        got, _ = await asyncio.to_thread(complete, url, prefix + tail)
+        got, _ = await asyncio.to_thread(complete_header_body, url, prefix + tail)
         assert got == target
 
     def stream_header() -> tuple[str, bytes]:
@@ -180,7 +154,7 @@ async def test_approximate_kv_routing_without_kv_events(namespace, spawn, tiny_m
     assert header == target and sse.rstrip().endswith(b"data: [DONE]")
 
     async def gauged() -> bool:  # the gauges follow within a second
-        return index_blocks(await metrics_of(url)).get(target, 0) >= 4
+        return index_blocks_per_rank(await metrics_page(url)).get(target, 0) >= 4
 
     await eventually(gauged, 5, "the routed prefix in the index-size gauge")
 

@@ -13,16 +13,12 @@ import asyncio
 import random
 
 import msgspec
-import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dynamo_zmq.llm import (
-    AllBlocksCleared,
-    BlockRemoved,
     BlockStored,
     EngineConfig,
-    KvEvent,
     KvHashScheme,
     OwnHashLedger,
     encode_batch,
@@ -32,62 +28,22 @@ from engines.vllm._edge import EdgeHasher
 from router import events as events_mod
 from router._own_events import decode_own_batch
 from router.events import decode_batch, decode_edge_batch
-from router.hashing import ROOT_SEED, block_hashes, root_hash
+from router.hashing import ROOT_SEED, block_hashes
 from router.indexer import KvIndexer
+from tests.support.completions import complete_header_body
 from tests.support.fixtures import vllm_kv_events
+from tests.support.indexer_models import scenarios
+from tests.support.metrics import metrics_page
 from tests.support.mocker_fleet import mocker_fleet
-from tests.test_router_e2e import BLOCK, PREFIX_BLOCKS, WORKER, complete, eventually, metrics_of
+from tests.support.waiting import eventually
+
+BLOCK = 16
+PREFIX_BLOCKS = 6
+#: The mocker workers' flags: two data-parallel ranks each.
+WORKER = ("--block-size", str(BLOCK), "--data-parallel-size", "2", "--num-gpu-blocks-override",
+          "256")
 
 # --- the property: edge-hashed and token-hashed ingestion build the same index -------------------
-
-
-def _engine_hashes(tokens: list[int], size: int, salt: int) -> list[int]:
-    """An engine's own chained hashes (unlike the router's: another function, another seed)."""
-    out, h = [], salt
-    for i in range(len(tokens) // size):
-        h = xxhash.xxh64_intdigest(repr((h, tokens[i * size:(i + 1) * size])).encode())
-        out.append(h)
-    return out
-
-
-@st.composite
-def scenarios(draw: st.DrawFn) -> tuple[int, list[list[KvEvent]], list[list[int]]]:
-    """A block size, batches of events an edge-hashing publisher sends, and prompts to query."""
-    size = draw(st.sampled_from([1, 2, 3, 4, 8]))
-    vocab = draw(st.integers(2, 6))  # small vocabularies: prompts share prefixes
-    prompts = draw(st.lists(st.lists(st.integers(0, vocab), min_size=size, max_size=8 * size),
-                            min_size=1, max_size=6))
-    loras = [draw(st.sampled_from([None, None, "ad"])) for _ in prompts]
-    chains = []
-    for p, lora in zip(prompts, loras, strict=True):
-        root = None if lora is None else root_hash(lora)
-        salt = 0 if lora is None else 1
-        chains.append((_engine_hashes(p, size, salt), block_hashes(p, size, root)))
-    batches: list[list[KvEvent]] = []
-    stored: list[int] = []
-    for _ in range(draw(st.integers(1, 14))):
-        events: list[KvEvent] = []
-        for _ in range(draw(st.integers(1, 3))):
-            kind = draw(st.sampled_from(["store", "store", "store", "remove", "clear"]))
-            if kind == "store":
-                i = draw(st.integers(0, len(prompts) - 1))
-                eng, own = chains[i]
-                if not eng:
-                    continue
-                a = draw(st.integers(0, len(eng) - 1))
-                b = draw(st.integers(a + 1, len(eng)))
-                toks = prompts[i][a * size:b * size]
-                events.append(BlockStored(eng[a:b], eng[a - 1] if a else None, toks, size,
-                                          lora_name=loras[i], own_hashes=own[a:b]))
-                stored += eng[a:b]
-            elif kind == "remove" and stored:
-                events.append(BlockRemoved(draw(st.lists(st.sampled_from(stored), max_size=4))))
-            elif kind == "clear":
-                events.append(AllBlocksCleared())
-        batches.append(events)
-    queries = [p[:k] for p in prompts for k in range(size, len(p) + 1, size)]
-    queries += draw(st.lists(st.lists(st.integers(0, vocab), max_size=6 * size), max_size=4))
-    return size, batches, queries
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -241,21 +197,21 @@ async def test_mocker_edge_hashes_feed_kv_routing(namespace, spawn, tiny_model, 
 
     async def served() -> bool:
         try:
-            await asyncio.to_thread(complete, url, [1, 2, 3], 1)
+            await asyncio.to_thread(complete_header_body, url, [1, 2, 3], 1)
         except OSError:
             return False
         return True
 
     await eventually(served, 30, "the frontend serving 'tiny'")
-    target, _ = await asyncio.to_thread(complete, url, [*prefix, 1, 2, 3])
+    target, _ = await asyncio.to_thread(complete_header_body, url, [*prefix, 1, 2, 3])
 
     async def indexed() -> bool:  # the prefix's blocks arrived edge-hashed
-        return edge_hashed_blocks(await metrics_of(url)) >= PREFIX_BLOCKS
+        return edge_hashed_blocks(await metrics_page(url)) >= PREFIX_BLOCKS
 
     await eventually(indexed, 15, "edge-hashed blocks in the frontend's index")
     for i in range(4):
         suffix = [rng.randrange(10, 500) for _ in range(3 + 5 * i)]
-        got, _ = await asyncio.to_thread(complete, url, prefix + suffix)
+        got, _ = await asyncio.to_thread(complete_header_body, url, prefix + suffix)
         assert got == target, f"request {i} with the shared prefix went to {got}, not {target}"
 
     # ``python -m router`` takes the same edge hashes and answers with the prefix's worker.

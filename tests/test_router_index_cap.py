@@ -14,8 +14,10 @@ import pytest
 
 from router import __main__ as router_main
 from router.options import kv_router_options
+from tests.support.completions import complete_header_body
+from tests.support.metrics import metrics_page
 from tests.support.mocker_fleet import mocker_fleet
-from tests.test_router_e2e import complete, eventually, metrics_of
+from tests.support.waiting import eventually
 
 BLOCK = 16
 CAP = 48
@@ -40,7 +42,7 @@ async def capped(request, namespace, spawn, tiny_model):
     front, url = fleet.front, fleet.url
 
     async def both_serving() -> bool:
-        page = await metrics_of(url)
+        page = await metrics_page(url)
         return len(re.findall(r'^dynamo_router_kv_index_blocks\{[^}]*model="tiny"', page,
                               re.MULTILINE)) == 2
 
@@ -59,39 +61,39 @@ async def test_capped_index_evicts_and_keeps_routing_by_prefix(capped):
 
     # 1. Unrelated prompts, about twice the cap in blocks: the index evicts, stays within the cap.
     for _ in range(2 * CAP // PREFIX_BLOCKS):
-        await asyncio.to_thread(complete, url, [*prompt(PREFIX_BLOCKS), 1, 2])
+        await asyncio.to_thread(complete_header_body, url, [*prompt(PREFIX_BLOCKS), 1, 2])
 
     async def evicted() -> float:
-        return sample(await metrics_of(url), "dynamo_router_kv_index_evicted_blocks_total")
+        return sample(await metrics_page(url), "dynamo_router_kv_index_evicted_blocks_total")
 
     await eventually(evicted, 15, "evictions counted in the metric")
-    page = await metrics_of(url)
+    page = await metrics_page(url)
     assert 0 < sample(page, "dynamo_router_kv_index_size_blocks") <= CAP
 
     # 2. A new prefix, once indexed (a request is credited with its blocks), keeps its worker.
     prefix = prompt(PREFIX_BLOCKS)
-    target, _ = await asyncio.to_thread(complete, url, [*prefix, 7])
+    target, _ = await asyncio.to_thread(complete_header_body, url, [*prefix, 7])
 
     async def credited() -> bool:
-        before = sample(await metrics_of(url), "dynamo_router_matched_blocks_total")
-        got, _ = await asyncio.to_thread(complete, url, [*prefix, *prompt(1)])
-        after = sample(await metrics_of(url), "dynamo_router_matched_blocks_total")
+        before = sample(await metrics_page(url), "dynamo_router_matched_blocks_total")
+        got, _ = await asyncio.to_thread(complete_header_body, url, [*prefix, *prompt(1)])
+        after = sample(await metrics_page(url), "dynamo_router_matched_blocks_total")
         return got == target and after - before >= PREFIX_BLOCKS
 
     await eventually(credited, 15, "the new prefix credited to the worker that served it")
     for i in range(6):
-        got, _ = await asyncio.to_thread(complete, url, [*prefix, *prompt(1 + i % 3)])
+        got, _ = await asyncio.to_thread(complete_header_body, url, [*prefix, *prompt(1 + i % 3)])
         assert got == target, f"request {i} with the shared prefix went to {got}, not {target}"
 
     # 3. A little more unrelated load (older blocks than the prefix's are left to evict): still
     # evicting, still within the cap, the prefix still routed.
     before = await evicted()
     for _ in range(2):
-        await asyncio.to_thread(complete, url, [*prompt(PREFIX_BLOCKS), 3])
-    got, _ = await asyncio.to_thread(complete, url, [*prefix, *prompt(2)])
+        await asyncio.to_thread(complete_header_body, url, [*prompt(PREFIX_BLOCKS), 3])
+    got, _ = await asyncio.to_thread(complete_header_body, url, [*prefix, *prompt(2)])
     assert got == target
     await eventually(lambda: _more(evicted, before), 15, "more evictions counted")
-    assert sample(await metrics_of(url), "dynamo_router_kv_index_size_blocks") <= CAP
+    assert sample(await metrics_page(url), "dynamo_router_kv_index_size_blocks") <= CAP
 
 
 async def _more(evicted, before: float) -> bool:

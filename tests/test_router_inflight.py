@@ -16,8 +16,10 @@ from router._inflight import with_inflight
 from router.hashing import block_hashes
 from router.options import add_kv_router_args, kv_router_options
 from router.scheduler import LoadTracker
+from tests.support.completions import complete_worker_tokens
+from tests.support.metrics import first_sample, metrics_page
 from tests.support.mocker_fleet import mocker_fleet
-from tests.test_router_busy import complete, eventually, metric, metrics_of
+from tests.support.waiting import eventually
 
 BLOCK = 16
 
@@ -31,20 +33,20 @@ async def test_a_prefix_in_flight_counts_as_matched(namespace, spawn, tiny_model
         frontend_args=("--kv-overlap-score-weight", "8", *flags))).url
     rng = random.Random(7)
     prefix = [rng.randrange(10, 500) for _ in range(62 * BLOCK)]
-    first = asyncio.create_task(asyncio.to_thread(complete, url, prefix, 1))
+    first = asyncio.create_task(asyncio.to_thread(complete_worker_tokens, url, prefix, 1))
 
     async def routed() -> bool:
-        text = await metrics_of(url)
-        return metric(text, "dynamo_router_decisions_total", model="tiny") == 1
+        text = await metrics_page(url)
+        return first_sample(text, "dynamo_router_decisions_total", model="tiny") == 1
 
     await eventually(routed, 30, "the first prompt routed")
-    text = await metrics_of(url)
-    assert not metric(text, "dynamo_router_kv_index_size_blocks")  # still prefilling
+    text = await metrics_page(url)
+    assert not first_sample(text, "dynamo_router_kv_index_size_blocks")  # still prefilling
     tail = [rng.randrange(10, 500) for _ in range(BLOCK)]
-    second, _ = await asyncio.to_thread(complete, url, prefix + tail, 1)
+    second, _ = await asyncio.to_thread(complete_worker_tokens, url, prefix + tail, 1)
     first_worker, _ = await asyncio.wait_for(first, 60)
-    text = await metrics_of(url)
-    matched = metric(text, "dynamo_router_matched_blocks_total", model="tiny")
+    text = await metrics_page(url)
+    matched = first_sample(text, "dynamo_router_matched_blocks_total", model="tiny")
     if inflight:
         assert second == first_worker  # 62 blocks in flight there outweigh its load
         assert matched == 62

@@ -29,9 +29,10 @@ from router.kv_router import KvRouter
 from router.load import LoadSubscriber, ReportClock
 from router.metrics import RouterMetrics
 from router.scheduler import LoadTracker
+from tests.support.completions import complete_header_body
+from tests.support.metrics import index_blocks_per_rank, metrics_page
 from tests.support.mocker_fleet import mocker_fleet
-from tests.support.waiting import until
-from tests.test_router_e2e import complete, eventually, index_blocks, metrics_of
+from tests.support.waiting import eventually, until
 
 WID = 0xABC
 BLOCK = 16
@@ -199,7 +200,7 @@ async def test_a_frontend_avoids_a_worker_others_loaded_because_it_publishes_its
     assert [r.data() async for r in warm][-1]["finish_reason"] == "length"
 
     async def b_indexed_the_prefix() -> bool:
-        return index_blocks(await metrics_of(url)).get(f"{xid}/0", 0) >= 4
+        return index_blocks_per_rank(await metrics_page(url)).get(f"{xid}/0", 0) >= 4
 
     await eventually(b_indexed_the_prefix, 15, "X's cached prefix in the frontend's index")
 
@@ -216,17 +217,17 @@ async def test_a_frontend_avoids_a_worker_others_loaded_because_it_publishes_its
             long_streams.append(stream)
 
         async def b_sees_x_busy() -> bool:
-            return reported_blocks(await metrics_of(url), f"{xid}/0") >= 32
+            return reported_blocks(await metrics_page(url), f"{xid}/0") >= 32
 
         await eventually(b_sees_x_busy, 15, "X's published load at the frontend")
         # Prefix on X (4 of 6 blocks cached) + unrelated suffixes: X is cheaper by 4 blocks of
         # prefill, but dearer by >= 32 active blocks.
         for i in range(4):
             suffix = [rng.randrange(10, 500) for _ in range(2 * BLOCK + 1)]
-            got, body = await asyncio.to_thread(complete, url, prefix + suffix, 2)
+            got, body = await asyncio.to_thread(complete_header_body, url, prefix + suffix, 2)
             assert got == f"{yid}/0", f"request {i} went to {got}, X is {xid}, Y is {yid}"
             assert body["choices"][0]["finish_reason"] == "length"
-        text = await metrics_of(url)
+        text = await metrics_page(url)
         assert "dynamo_router_load_reports_total" in text
     finally:
         for stream in long_streams:

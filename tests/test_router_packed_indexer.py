@@ -11,8 +11,7 @@ from router._packed_indexer import PackedKvIndexer
 from router.events import BlockStored, decode_batch, decode_edge_batch, encode_batch
 from router.hashing import block_hashes
 from router.indexer import KvIndexer
-from tests.test_router_edge_hashing import scenarios
-from tests.test_router_indexer import CAP, SBS, CappedIndexerMachine, IndexerMachine
+from tests.support.indexer_models import CAP, SBS, CappedIndexerMachine, IndexerMachine, scenarios
 
 
 class PackedIndexerMachine(IndexerMachine):

@@ -15,8 +15,10 @@ import sys
 import pytest
 
 from router.options import add_kv_router_args, kv_router_options
+from tests.support.completions import complete_worker_tokens
+from tests.support.metrics import first_sample, metrics_page
 from tests.support.mocker_fleet import mocker_fleet
-from tests.test_router_busy import complete, eventually, metric, metrics_of
+from tests.support.waiting import eventually
 
 BLOCK = 16
 
@@ -34,22 +36,23 @@ async def test_queued_prefill_steers_a_shared_prefix_away(namespace, spawn, tiny
     def tail(n: int) -> list[int]:
         return [rng.randrange(10, 500) for _ in range(n)]
 
-    first, _ = await asyncio.to_thread(complete, url, prefix, 1)  # cached on `first`
+    first, _ = await asyncio.to_thread(complete_worker_tokens, url, prefix, 1)  # cached on `first`
 
     async def indexed() -> bool:  # the router saw its blocks stored
-        text = await metrics_of(url)
-        return (metric(text, "dynamo_router_kv_index_size_blocks") or 0) >= 62
+        text = await metrics_page(url)
+        return (first_sample(text, "dynamo_router_kv_index_size_blocks") or 0) >= 62
 
     await eventually(indexed, 30, "the prefix indexed")
     # A long prompt on the same prefix joins it there, with 1,000 tokens to prefill.
-    long = asyncio.create_task(asyncio.to_thread(complete, url, prefix + tail(1000), 1))
+    long = asyncio.create_task(asyncio.to_thread(complete_worker_tokens, url, prefix + tail(1000),
+                                                 1))
 
     async def routed() -> bool:
-        text = await metrics_of(url)
-        return metric(text, "dynamo_router_decisions_total", model="tiny") == 2
+        text = await metrics_page(url)
+        return first_sample(text, "dynamo_router_decisions_total", model="tiny") == 2
 
     await eventually(routed, 30, "the long prompt routed")
-    probe, _ = await asyncio.to_thread(complete, url, prefix + tail(BLOCK), 1)
+    probe, _ = await asyncio.to_thread(complete_worker_tokens, url, prefix + tail(BLOCK), 1)
     long_worker, _ = await asyncio.wait_for(long, 60)
     assert long_worker == first
     if weight > 0:

@@ -19,8 +19,10 @@ import zmq
 from router._replica_wire import ADD, FREE, REPLICA_TOPIC, ReplicaEvent, encode_event, pack_hashes
 from router.hashing import block_hashes
 from router.replica_sync import META_KEY, replica_path
+from tests.support.completions import complete_worker
+from tests.support.metrics import fetch_sample
 from tests.support.mocker_fleet import mocker_fleet, serving, start_frontend, start_mocker
-from tests.test_router_diagnostics import complete, eventually, metric
+from tests.support.waiting import eventually
 
 BLOCK = 16
 SYNC = ("--router-replica-sync",)
@@ -32,8 +34,8 @@ def worker(spawn, namespace, model_dir, *extra: str):
 
 
 async def replica_blocks(url: str, workers) -> dict[str, float]:
-    return {f"{w.instance_id:x}": await metric(url, "dynamo_router_replica_active_blocks",
-                                               worker=f"{w.instance_id:x}") for w in workers}
+    return {f"{w.instance_id:x}": await fetch_sample(url, "dynamo_router_replica_active_blocks",
+                                                     worker=f"{w.instance_id:x}") for w in workers}
 
 
 async def start(spawn, namespace, tiny_model, fronts: int = 2, extra: tuple[str, ...] = ()):
@@ -43,7 +45,7 @@ async def start(spawn, namespace, tiny_model, fronts: int = 2, extra: tuple[str,
         await serving(proc, workers)
     if fronts > 1:
         for proc in procs:
-            await eventually(lambda p=proc: metric(p.address, "dynamo_router_replica_peers"),
+            await eventually(lambda p=proc: fetch_sample(p.address, "dynamo_router_replica_peers"),
                              30, "the other replica followed")
     return workers, procs
 
@@ -56,11 +58,11 @@ def prompt(seed: int, blocks: int = 4) -> list[int]:
 async def test_a_peer_routed_request_counts_until_it_completes(namespace, spawn, tiny_model):
     workers, (f1, f2) = await start(spawn, namespace, tiny_model)
     # A long request through frontend 1 (hundreds of decode steps at half speed).
-    long = asyncio.create_task(asyncio.to_thread(complete, f1.address, prompt(1), 300))
+    long = asyncio.create_task(asyncio.to_thread(complete_worker, f1.address, prompt(1), 300))
     seen = await eventually(
         lambda: _nonzero(replica_blocks(f2.address, workers)), 30,
         "frontend 2 counting frontend 1's request")
-    assert await metric(f2.address, "dynamo_router_replica_requests") == 1
+    assert await fetch_sample(f2.address, "dynamo_router_replica_requests") == 1
     routed_to = await long
     # The worker frontend 1 chose is the one frontend 2 charged: its prompt (4 blocks) and
     # expected output blocks.
@@ -69,20 +71,21 @@ async def test_a_peer_routed_request_counts_until_it_completes(namespace, spawn,
     async def freed() -> bool:
         blocks = await replica_blocks(f2.address, workers)
         return (not any(blocks.values())
-                and await metric(f2.address, "dynamo_router_replica_requests") == 0)
+                and await fetch_sample(f2.address, "dynamo_router_replica_requests") == 0)
 
     await eventually(freed, 30, "frontend 2 releasing the completed request")
-    assert await metric(f2.address, "dynamo_router_replica_events_received_total",
-                        kind="free") >= 1
-    assert await metric(f1.address, "dynamo_router_replica_events_sent_total", kind="add") >= 1
+    assert await fetch_sample(f2.address, "dynamo_router_replica_events_received_total",
+                              kind="free") >= 1
+    assert await fetch_sample(f1.address, "dynamo_router_replica_events_sent_total",
+                              kind="add") >= 1
     # Frontend 1 counts nothing of its own as a peer's.
-    assert await metric(f1.address, "dynamo_router_replica_requests") == 0
+    assert await fetch_sample(f1.address, "dynamo_router_replica_requests") == 0
 
     # A replica that stops cleanly withdraws its replica endpoint: frontend 2 lets it go.
     f1.signal(signal.SIGTERM)
     assert await asyncio.to_thread(f1.wait, 20) == 0
     assert "Traceback" not in f1.logs()
-    await eventually(lambda: _zero(metric(f2.address, "dynamo_router_replica_peers")), 30,
+    await eventually(lambda: _zero(fetch_sample(f2.address, "dynamo_router_replica_peers")), 30,
                      "frontend 2 dropping the stopped replica")
 
 
@@ -105,20 +108,20 @@ async def test_a_replica_that_joins_late_counts_what_was_in_flight(namespace, sp
         seen = await eventually(lambda: _nonzero(replica_blocks(f2.address, workers)), 30,
                                 "frontend 2 counting the request routed before it started")
         assert len(seen) == 1 and next(iter(seen.values())) >= 4
-        assert await metric(f2.address, "dynamo_router_replica_requests") == 1
-        assert await metric(f2.address, "dynamo_router_replica_snapshots_total",
-                            outcome="applied") >= 1
+        assert await fetch_sample(f2.address, "dynamo_router_replica_requests") == 1
+        assert await fetch_sample(f2.address, "dynamo_router_replica_snapshots_total",
+                                  outcome="applied") >= 1
         # No ADD reached frontend 2: it went out once, before frontend 2 existed.
-        assert await metric(f1.address, "dynamo_router_replica_events_sent_total",
-                            kind="add") == 1
-        assert await metric(f2.address, "dynamo_router_replica_events_received_total",
-                            kind="add") == 0
+        assert await fetch_sample(f1.address, "dynamo_router_replica_events_sent_total",
+                                  kind="add") == 1
+        assert await fetch_sample(f2.address, "dynamo_router_replica_events_received_total",
+                                  kind="add") == 0
     finally:
         await stream.close()
         await client.close()
 
     async def freed() -> bool:
-        return (await metric(f2.address, "dynamo_router_replica_requests") == 0
+        return (await fetch_sample(f2.address, "dynamo_router_replica_requests") == 0
                 and not any((await replica_blocks(f2.address, workers)).values()))
 
     await eventually(freed, 30, "frontend 2 releasing the request when it ends")
@@ -126,23 +129,23 @@ async def test_a_replica_that_joins_late_counts_what_was_in_flight(namespace, sp
 
 async def test_a_killed_replica_stops_counting(namespace, spawn, tiny_model):
     workers, (f1, f2) = await start(spawn, namespace, tiny_model)
-    long = asyncio.create_task(asyncio.to_thread(complete, f1.address, prompt(2), 600))
+    long = asyncio.create_task(asyncio.to_thread(complete_worker, f1.address, prompt(2), 600))
     await eventually(lambda: _nonzero(replica_blocks(f2.address, workers)), 30,
                      "frontend 2 counting frontend 1's request")
     f1.signal(signal.SIGKILL)  # no FREE will ever come
     with_err = asyncio.gather(long, return_exceptions=True)
 
     async def dropped() -> bool:
-        return (await metric(f2.address, "dynamo_router_replica_requests") == 0
-                and await metric(f2.address, "dynamo_router_replica_peers") == 0)
+        return (await fetch_sample(f2.address, "dynamo_router_replica_requests") == 0
+                and await fetch_sample(f2.address, "dynamo_router_replica_peers") == 0)
 
     await eventually(dropped, 60, "frontend 2 dropping the killed replica's request")
     assert not any((await replica_blocks(f2.address, workers)).values())
-    assert await metric(f2.address, "dynamo_router_replica_expired_requests_total",
-                        reason="peer_left") >= 1
+    assert await fetch_sample(f2.address, "dynamo_router_replica_expired_requests_total",
+                              reason="peer_left") >= 1
     await with_err
     # Frontend 2 routes on.
-    assert await asyncio.to_thread(complete, f2.address, prompt(3), 2)
+    assert await asyncio.to_thread(complete_worker, f2.address, prompt(3), 2)
 
 
 async def test_garbage_is_counted_and_a_peers_events_applied(
@@ -168,7 +171,7 @@ async def test_garbage_is_counted_and_a_peers_events_applied(
 
     try:
         await rt.endpoint(replica_path(path, "tiny")).start_serving(answer, meta)
-        await eventually(lambda: metric(url, "dynamo_router_replica_peers"), 30,
+        await eventually(lambda: fetch_sample(url, "dynamo_router_replica_peers"), 30,
                          "the frontend following the test's replica")
         garbage = [[REPLICA_TOPIC, b"\xc1not msgpack"], [REPLICA_TOPIC], [b"x", b"y", b"z"],
                    [REPLICA_TOPIC, encode_event(ReplicaEvent(1, 7, rt.instance_id, 0, 1))],
@@ -177,7 +180,8 @@ async def test_garbage_is_counted_and_a_peers_events_applied(
         async def counted() -> bool:
             for frames in garbage:
                 pub.send_multipart(frames)
-            return await metric(url, "dynamo_router_replica_decode_errors_total") >= len(garbage)
+            return (await fetch_sample(url, "dynamo_router_replica_decode_errors_total")
+                    >= len(garbage))
 
         await eventually(counted, 30, "garbage counted")
         # A well-formed ADD for a real worker counts; its FREE releases it.
@@ -185,15 +189,16 @@ async def test_garbage_is_counted_and_a_peers_events_applied(
         hashes = pack_hashes(block_hashes(prompt(4), BLOCK))
         pub.send_multipart([REPLICA_TOPIC, encode_event(ReplicaEvent(
             1, ADD, rt.instance_id, 0, 9, workers[0].instance_id, 0, hashes, 3))])
-        await eventually(lambda: metric(url, "dynamo_router_replica_active_blocks", worker=w),
+        await eventually(lambda: fetch_sample(url, "dynamo_router_replica_active_blocks", worker=w),
                          10, "the peer's request counted")
-        assert await metric(url, "dynamo_router_replica_active_blocks", worker=w) == 4 + 3
+        assert await fetch_sample(url, "dynamo_router_replica_active_blocks", worker=w) == 4 + 3
         pub.send_multipart([REPLICA_TOPIC, encode_event(ReplicaEvent(
             1, FREE, rt.instance_id, 1, 9))])
 
         async def released() -> bool:
-            return await metric(url, "dynamo_router_replica_requests") == 0 and not await metric(
-                url, "dynamo_router_replica_active_blocks", worker=w)
+            return (await fetch_sample(url, "dynamo_router_replica_requests") == 0
+                    and not await fetch_sample(url, "dynamo_router_replica_active_blocks",
+                                               worker=w))
 
         await eventually(released, 10, "the peer's request released")
         # A gap (events 2-4 lost): the frontend asks for a snapshot, which holds request 77.
@@ -201,36 +206,39 @@ async def test_garbage_is_counted_and_a_peers_events_applied(
         snapshot["requests"] = [[77, workers[0].instance_id, 0, hashes, 3, 0]]
         pub.send_multipart([REPLICA_TOPIC, encode_event(ReplicaEvent(
             1, FREE, rt.instance_id, 5, 55))])
-        await eventually(lambda: metric(url, "dynamo_router_replica_requests"), ttl,
+        await eventually(lambda: fetch_sample(url, "dynamo_router_replica_requests"), ttl,
                          "the snapshot's request counted")
-        assert await metric(url, "dynamo_router_replica_gaps_total") == 3
-        assert await metric(url, "dynamo_router_replica_active_blocks", worker=w) == 4 + 3
+        assert await fetch_sample(url, "dynamo_router_replica_gaps_total") == 3
+        assert await fetch_sample(url, "dynamo_router_replica_active_blocks", worker=w) == 4 + 3
         pub.send_multipart([REPLICA_TOPIC, encode_event(ReplicaEvent(
             1, FREE, rt.instance_id, 6, 77))])
         await eventually(released, 10, "the snapshot's request released by its FREE")
-        assert await metric(url, "dynamo_router_replica_snapshots_total", outcome="applied") >= 1
+        assert await fetch_sample(url, "dynamo_router_replica_snapshots_total",
+                                  outcome="applied") >= 1
         # An ADD whose FREE never comes counts for the TTL, then no more.
         pub.send_multipart([REPLICA_TOPIC, encode_event(ReplicaEvent(
             1, ADD, rt.instance_id, 7, 10, workers[0].instance_id, 0, hashes, 3))])
-        await eventually(lambda: metric(url, "dynamo_router_replica_requests"), ttl,
+        await eventually(lambda: fetch_sample(url, "dynamo_router_replica_requests"), ttl,
                          "the unanswered request counted")
         # (Meanwhile it counts for longer than ttl / 10, so the frontend asks for a snapshot
         # again: this one, as of event 5, is older than event 7 it heard, and is refused.)
-        await eventually(lambda: metric(url, "dynamo_router_replica_expired_requests_total",
-                                        reason="ttl"), ttl + 10, "the request expired")
-        assert await metric(url, "dynamo_router_replica_requests") == 0
-        assert await metric(url, "dynamo_router_replica_snapshots_total", outcome="failed") >= 1
+        await eventually(lambda: fetch_sample(url, "dynamo_router_replica_expired_requests_total",
+                                              reason="ttl"), ttl + 10, "the request expired")
+        assert await fetch_sample(url, "dynamo_router_replica_requests") == 0
+        assert await fetch_sample(url, "dynamo_router_replica_snapshots_total",
+                                  outcome="failed") >= 1
         # A FREE lost with no later event (no gap shows): the snapshot asked for once the
         # request has counted ttl / 10 seconds, as of that FREE, releases it before the TTL.
         snapshot["seq"], snapshot["requests"] = 9, []
         pub.send_multipart([REPLICA_TOPIC, encode_event(ReplicaEvent(
             1, ADD, rt.instance_id, 8, 11, workers[0].instance_id, 0, hashes, 3))])
-        await eventually(lambda: metric(url, "dynamo_router_replica_expired_requests_total",
-                                        reason="snapshot"), ttl + 10, "the resync releasing it")
-        assert await metric(url, "dynamo_router_replica_requests") == 0
-        assert await metric(url, "dynamo_router_replica_expired_requests_total",
-                            reason="ttl") == 1
-        assert await asyncio.to_thread(complete, url, prompt(5), 2)  # still serving
+        await eventually(lambda: fetch_sample(url, "dynamo_router_replica_expired_requests_total",
+                                              reason="snapshot"), ttl + 10,
+                         "the resync releasing it")
+        assert await fetch_sample(url, "dynamo_router_replica_requests") == 0
+        assert await fetch_sample(url, "dynamo_router_replica_expired_requests_total",
+                                  reason="ttl") == 1
+        assert await asyncio.to_thread(complete_worker, url, prompt(5), 2)  # still serving
     finally:
         pub.close(linger=0)
 
@@ -256,15 +264,15 @@ async def test_replicas_sync_under_curve(namespace, spawn, tiny_model, tmp_path)
     f1, f2 = (start_frontend(spawn, namespace, *SYNC, *auth[n]) for n in ("front1", "front2"))
     for proc in (f1, f2):
         await serving(proc, [w])
-        await eventually(lambda p=proc: metric(p.address, "dynamo_router_replica_peers"),
+        await eventually(lambda p=proc: fetch_sample(p.address, "dynamo_router_replica_peers"),
                          30, "the other replica followed")
-    long = asyncio.create_task(asyncio.to_thread(complete, f1.address, prompt(6), 300))
-    await eventually(lambda: metric(f2.address, "dynamo_router_replica_requests"), 30,
+    long = asyncio.create_task(asyncio.to_thread(complete_worker, f1.address, prompt(6), 300))
+    await eventually(lambda: fetch_sample(f2.address, "dynamo_router_replica_requests"), 30,
                      "frontend 2 counting frontend 1's request over CURVE")
     await long
-    await eventually(lambda: _zero(metric(f2.address, "dynamo_router_replica_requests")), 30,
+    await eventually(lambda: _zero(fetch_sample(f2.address, "dynamo_router_replica_requests")), 30,
                      "frontend 2 releasing it")
-    assert await metric(f2.address, "dynamo_router_replica_decode_errors_total") == 0
+    assert await fetch_sample(f2.address, "dynamo_router_replica_decode_errors_total") == 0
 
 
 async def test_python_m_router_weighs_a_frontends_requests(namespace, spawn, tiny_model,
@@ -291,12 +299,12 @@ async def test_python_m_router_weighs_a_frontends_requests(namespace, spawn, tin
         # ZeroMQ's slow joiner: the router's subscription reaches the frontend's PUB some time
         # after it connects, and what is published before is lost. Short requests until the
         # router has heard one event from the frontend.
-        await asyncio.to_thread(complete, front.address, prompt(8), 1)
+        await asyncio.to_thread(complete_worker, front.address, prompt(8), 1)
         return any(s["peers"] and not s["sent"] and None not in s["heard"].values()
                    for s in await statuses())
 
     await eventually(router_hears_the_frontend, 30, "python -m router hearing the frontend", 0.5)
-    long = asyncio.create_task(asyncio.to_thread(complete, front.address, prompt(7), 300))
+    long = asyncio.create_task(asyncio.to_thread(complete_worker, front.address, prompt(7), 300))
 
     async def router_counts() -> dict | None:
         # Only python -m router can count a peer's request: it routes (publishes) nothing.

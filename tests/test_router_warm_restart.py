@@ -7,12 +7,11 @@ bring the state: only the dump can."""
 from __future__ import annotations
 
 import asyncio
-import json
 import random
-import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.support.completions import complete_header
 from tests.support.http_calls import get
 from tests.support.metrics import index_blocks
 from tests.support.mocker_fleet import serving, start_frontend, start_mocker
@@ -26,18 +25,6 @@ PREFIX_BLOCKS = 6
 def worker(spawn, namespace, model_dir, blocks: int) -> Proc:
     return start_mocker(spawn, namespace, model_dir, "--block-size", str(BLOCK),
                         "--num-gpu-blocks-override", str(blocks), "--kv-replay-buffer-size", "2")
-
-
-def complete(url: str, tokens: list[int], instance: int | None = None) -> str:
-    """POST a token-id completion (to ``instance`` in direct mode); the x-dynamo-worker header."""
-    headers = {"Content-Type": "application/json"}
-    if instance is not None:
-        headers["x-worker-instance-id"] = f"{instance:x}"
-    body = json.dumps({"model": "tiny", "prompt": tokens, "max_tokens": 4}).encode()
-    req = urllib.request.Request(f"{url}/v1/completions", body, headers)
-    with urllib.request.urlopen(req, timeout=30) as resp:
-        assert resp.status == 200
-        return str(resp.headers["x-dynamo-worker"])
 
 
 async def test_a_new_router_routes_prefixes_cached_before_it_started(
@@ -56,9 +43,9 @@ async def test_a_new_router_routes_prefixes_cached_before_it_started(
     on_w1 = [prefix() for _ in range(5)]
     on_w2 = [prefix() for _ in range(3)]
     for tokens in on_w1:
-        await asyncio.to_thread(complete, first.address, tokens, w1.instance_id)
+        await asyncio.to_thread(complete_header, first.address, tokens, w1.instance_id)
     for tokens in on_w2:
-        await asyncio.to_thread(complete, first.address, tokens, w2.instance_id)
+        await asyncio.to_thread(complete_header, first.address, tokens, w2.instance_id)
     evicted, kept = on_w1[0], on_w1[2:]
 
     # A kv-mode frontend started now routes each kept prefix to the worker that holds it.
@@ -72,7 +59,7 @@ async def test_a_new_router_routes_prefixes_cached_before_it_started(
 
     await eventually(indexed, 5, "the workers' cached prefixes in the new frontend's index")
     for tokens, target in [*((t, w1) for t in kept), *((t, w2) for t in on_w2)]:
-        got = await asyncio.to_thread(complete, front.address, [*tokens[:-3], 7, 8])
+        got = await asyncio.to_thread(complete_header, front.address, [*tokens[:-3], 7, 8])
         assert got == f"{target.instance_id:x}/0"
 
     # So does python -m router; the evicted prefix matches nowhere.
@@ -109,7 +96,7 @@ async def test_the_dump_carries_the_workers_own_hashes(namespace, spawn, tiny_mo
     await serving(first, [w])
     rng = random.Random(25)
     tokens = [rng.randrange(10, 500) for _ in range(PREFIX_BLOCKS * BLOCK + 3)]
-    await asyncio.to_thread(complete, first.address, tokens, w.instance_id)
+    await asyncio.to_thread(complete_header, first.address, tokens, w.instance_id)
 
     front = start_frontend(spawn, namespace)
     await serving(front, [w])

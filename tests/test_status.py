@@ -2,47 +2,12 @@
 
 from __future__ import annotations
 
-import json
-import os
 import signal
 import socket
-import subprocess
-import sys
 
 from dynamo_zmq.tools.status import format_age
 from tests.conftest import app_args
-from tests.support.procs import ROOT
-
-
-def run_cli(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
-    """Run ``python ARGS...`` to completion; the child is stopped by pid whatever happens."""
-    env = {**os.environ, "DYN_MDNS_INTERFACES": "127.0.0.1"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.Popen(
-        [sys.executable, *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        cwd=ROOT,
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.wait(10)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
-def status_json(*args: str) -> list[dict]:
-    result = run_cli("-m", "dynamo_zmq", "status", "--json", *args)
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)
+from tests.support.procs import run_cli, status_json
 
 
 def free_port() -> int:

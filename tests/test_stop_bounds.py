@@ -13,15 +13,15 @@ import pytest
 from dynamo_zmq import errors
 from dynamo_zmq.llm import MAX_STOP_LENGTH, MAX_STOP_STRINGS
 from tests.support.http_calls import post
+from tests.support.mocker_fleet import ECHO, start_frontend, start_worker
 from tests.support.waiting import wait_models
-from tests.test_frontend import ECHO, frontend, worker
 
 
 @pytest.fixture
 async def echo(namespace, spawn, tiny_model):
     """An echo worker and a frontend; yields (worker proc, frontend url)."""
-    proc = worker(spawn, namespace, tiny_model, name="echo", engine=ECHO)
-    _, url = frontend(spawn, namespace)
+    proc = start_worker(spawn, namespace, tiny_model, model="echo", engine=ECHO, ready=True)
+    url = start_frontend(spawn, namespace, mode=None, ready=True).address
     await wait_models(url, {"echo"})
     return proc, url
 

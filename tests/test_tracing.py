@@ -12,15 +12,14 @@ import json
 import signal
 from pathlib import Path
 
-import openai
 import pytest
 
 from tests.support import waiting
+from tests.support.disagg import wait_pools
+from tests.support.migration import MESSAGES, PARAMS, client_for, serving_worker
 from tests.support.mocker_fleet import Fleet, mocker_fleet, start_frontend, start_mocker
 from tests.support.otlp_receiver import OtlpReceiver, Span
 from tests.support.procs import Proc
-from tests.test_disagg_frontend import wait_pools
-from tests.test_migration import MESSAGES, PARAMS, serving
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
@@ -44,10 +43,6 @@ async def traced(spawn, namespace: str, model: Path, env: dict[str, str], *extra
     """A mocker worker (``extra`` flags) and a frontend, both with ``env``; the worker listed."""
     return await mocker_fleet(spawn, namespace, model, 1, mode=mode, speedup="100", env=env,
                               worker_args=extra)
-
-
-def client_for(url: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
 
 
 def trace_of(header: str) -> str:
@@ -191,9 +186,9 @@ async def test_a_migrated_requests_engine_span_links_to_the_first(namespace, spa
         for _ in range(4):  # round-robin: until one starts on the worker that ends it
             raw = await client.chat.completions.with_raw_response.create(
                 model="tiny", messages=MESSAGES, **PARAMS)
-            if serving([ending, whole], raw.headers["x-dynamo-worker"]) is ending:
+            if serving_worker([ending, whole], raw.headers["x-dynamo-worker"]) is ending:
                 break
-        assert serving([ending, whole], raw.headers["x-dynamo-worker"]) is ending
+        assert serving_worker([ending, whole], raw.headers["x-dynamo-worker"]) is ending
         assert raw.parse().usage.completion_tokens == PARAMS["max_tokens"]
     trace_id = trace_of(raw.headers["traceparent"])
     spans = await asyncio.to_thread(  # (a parent ends after its child: maybe a later export)

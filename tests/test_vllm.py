@@ -9,9 +9,7 @@ Runs only where vLLM is installed (the ``vllm`` extra); skipped otherwise, excep
 from __future__ import annotations
 
 import asyncio
-import os
 import time
-import urllib.request
 
 import pytest
 
@@ -38,14 +36,21 @@ from dynamo_zmq.llm import (
 from dynamo_zmq.testing import run_conformance, validate_stream
 from engines.vllm import VllmEngine, VllmOptions
 from tests.conftest import runtime_factory
+from tests.support.http_calls import get_text
 from tests.support.metrics import sample
-from tests.support.vllm_stack import MAX_MODEL_LEN, VLLM_ENV, WORKER_FLAGS, WORKER_START
+from tests.support.vllm_stack import (
+    ENGINE_ARGS,
+    MAX_MODEL_LEN,
+    VLLM_ENV,
+    WORKER_FLAGS,
+    WORKER_START,
+    use_vllm_env,
+)
 
-#: vLLM on this CPU: a small KV cache, multiprocessing off for the uni executor.
-for _k, _v in VLLM_ENV.items():
-    os.environ.setdefault(_k, _v)
+# vLLM on this CPU (a small KV cache, multiprocessing off for the uni executor), for the
+# engines this module runs in the test process.
+use_vllm_env()
 
-ENGINE_ARGS = {"max_model_len": MAX_MODEL_LEN, "dtype": "float32"}
 BLOCK = 32
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(600)]
@@ -354,11 +359,6 @@ def metrics_port(proc) -> int:
                     if "metrics and health on port" in line))
 
 
-def fetch(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=5) as resp:
-        return resp.read().decode()
-
-
 def worker_request(tokens, max_tokens=24, native=False, **stop) -> dict:
     req = {"token_ids": list(tokens), "sampling": {"temperature": 0.0},
            "stop": {"max_tokens": max_tokens, **stop}}
@@ -413,7 +413,7 @@ async def test_workers_default_and_native_match_vllm(
         port = metrics_port(proc)
         deadline = time.monotonic() + 10
         while True:
-            body = await asyncio.to_thread(fetch, f"http://127.0.0.1:{port}/metrics")
+            body = await asyncio.to_thread(get_text, f"http://127.0.0.1:{port}/metrics")
             if (sample(body, "dynamo_component_cancellation_total", model="tiny") == 1
                     and sample(body, "dynamo_component_inflight_requests", model="tiny") == 0):
                 break
@@ -485,7 +485,7 @@ async def test_vllm_worker_serves_vllms_metrics_and_clears_its_cache(
     port = metrics_port(proc)
     deadline = time.monotonic() + 15
     while True:
-        body = await asyncio.to_thread(fetch, f"http://127.0.0.1:{port}/metrics")
+        body = await asyncio.to_thread(get_text, f"http://127.0.0.1:{port}/metrics")
         if (sample(body, "vllm:request_success_total") or 0) >= 1:
             break
         assert time.monotonic() < deadline, body[-3000:]

@@ -30,8 +30,7 @@ from dynamo_zmq import errors
 from dynamo_zmq.llm import EmbeddingOptions, PreprocessedRequest, StopConditions
 from tests.conftest import runtime_factory
 from tests.support.procs import pythonpath
-from tests.support.vllm_stack import vllm_stack, wait_models
-from tests.test_vllm import MAX_MODEL_LEN, VLLM_ENV, WORKER_START
+from tests.support.vllm_stack import MAX_MODEL_LEN, VLLM_ENV, WORKER_START, vllm_stack, wait_models
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(600)]
 

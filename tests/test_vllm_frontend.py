@@ -25,10 +25,20 @@ import pytest_asyncio
 
 from engines.vllm import VllmEngine
 from engines.vllm.native import NativeTokenizer
+from tests.support.http_calls import get_text
 from tests.support.metrics import sample
 from tests.support.procs import Proc
-from tests.support.vllm_stack import wait_models
-from tests.test_vllm import ENGINE_ARGS, VLLM_ENV, WORKER_FLAGS, WORKER_START, fetch
+from tests.support.vllm_stack import (
+    ENGINE_ARGS,
+    VLLM_ENV,
+    WORKER_FLAGS,
+    WORKER_START,
+    use_vllm_env,
+    wait_models,
+)
+
+# vLLM on this CPU, for the engine this module runs in the test process (``reference``).
+use_vllm_env()
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(600)]
 
@@ -162,7 +172,7 @@ async def test_client_disconnect_aborts_the_vllm_request(stack, client):
     host, port = re.match(r"http://([^:]+):(\d+)", urls["round-robin"]).groups()
     mport = int(next(line.split()[-1] for line in worker.logs().splitlines()
                      if "metrics and health on port" in line))
-    before = await asyncio.to_thread(fetch, f"http://127.0.0.1:{mport}/metrics")
+    before = await asyncio.to_thread(get_text, f"http://127.0.0.1:{mport}/metrics")
     cancelled = sample(before, "dynamo_component_cancellation_total", model="tiny") or 0
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
     body = json.dumps({"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 400, "stream": True,
@@ -175,7 +185,7 @@ async def test_client_disconnect_aborts_the_vllm_request(stack, client):
     conn.close()
     deadline = time.monotonic() + 15
     while True:
-        metrics = await asyncio.to_thread(fetch, f"http://127.0.0.1:{mport}/metrics")
+        metrics = await asyncio.to_thread(get_text, f"http://127.0.0.1:{mport}/metrics")
         if (sample(metrics, "dynamo_component_cancellation_total", model="tiny") == cancelled + 1
                 and sample(metrics, "dynamo_component_inflight_requests", model="tiny") == 0):
             break
@@ -199,17 +209,17 @@ async def test_kv_router_routes_a_repeated_prefix_with_a_full_match(stack):
         assert first.headers["x-dynamo-worker"] == f"{worker.instance_id:x}/0"
         # The router learns the prompt's blocks from the worker's KV events.
         deadline = time.monotonic() + 15
-        while _counter(await asyncio.to_thread(fetch, f"{url}/metrics"),
+        while _counter(await asyncio.to_thread(get_text, f"{url}/metrics"),
                        'dynamo_router_kv_event_batches_total{model="tiny"}') < 1:
             assert time.monotonic() < deadline, "no KV events reached the router"
             await asyncio.sleep(0.2)
         await asyncio.sleep(0.5)
-        before = await asyncio.to_thread(fetch, f"{url}/metrics")
+        before = await asyncio.to_thread(get_text, f"{url}/metrics")
         second = await c.completions.with_raw_response.create(
             model="tiny", prompt=prompt, max_tokens=2
         )
         assert second.headers["x-dynamo-worker"] == f"{worker.instance_id:x}/0"
-        after = await asyncio.to_thread(fetch, f"{url}/metrics")
+        after = await asyncio.to_thread(get_text, f"{url}/metrics")
     name = 'dynamo_router_matched_blocks_total{model="tiny"}'
     assert _counter(after, name) - _counter(before, name) == 7, after
 

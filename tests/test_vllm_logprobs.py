@@ -20,7 +20,7 @@ import tests.support.needs_vllm  # noqa: F401  (skips this module without vLLM; 
 import openai
 
 from tests.support.procs import Proc
-from tests.test_vllm import MAX_MODEL_LEN, VLLM_ENV, WORKER_FLAGS, WORKER_START
+from tests.support.vllm_stack import MAX_MODEL_LEN, VLLM_ENV, WORKER_FLAGS, WORKER_START
 
 pytestmark = [pytest.mark.timeout(600)]
 

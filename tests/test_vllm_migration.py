@@ -18,7 +18,7 @@ import tests.support.needs_vllm  # noqa: F401  (skips this module without vLLM; 
 
 from tests.support.cluster import cluster, served_by, wait_until
 from tests.support.metrics import sample
-from tests.test_vllm import VLLM_ENV, WORKER_FLAGS, WORKER_START
+from tests.support.vllm_stack import VLLM_ENV, WORKER_FLAGS, WORKER_START
 
 pytestmark = [pytest.mark.timeout(600)]
 

@@ -25,11 +25,11 @@ import zmq
 
 from dynamo_zmq.llm import AllBlocksCleared, BlockStored, EventBatch, OwnBatch, OwnStored
 from router.hashing import block_hashes
+from tests.support.completions import complete_header
 from tests.support.http_calls import get
 from tests.support.metrics import index_blocks
 from tests.support.vllm_stack import VLLM_ENV, WORKER_FLAGS, WORKER_START
 from tests.support.waiting import eventually, serving
-from tests.test_router_warm_restart import complete
 
 SNAPSHOT_SEQ = 0xFFFFFFFFFFFFFFFE
 END_SEQ = b"\xff" * 8
@@ -149,7 +149,7 @@ async def test_a_frontend_started_later_routes_a_vllm_workers_prefix_to_it(
     await serving(first, [w, other], timeout=60)
     rng = random.Random(5)
     prompt = [rng.randrange(10, 500) for _ in range(4 * block + 3)]
-    await asyncio.to_thread(complete, first.address, prompt, w.instance_id)
+    await asyncio.to_thread(complete_header, first.address, prompt, w.instance_id)
     await asyncio.sleep(1)  # the relay follows the stores (vLLM publishes them after the step)
 
     front = spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
@@ -161,7 +161,7 @@ async def test_a_frontend_started_later_routes_a_vllm_workers_prefix_to_it(
 
     await eventually(indexed, 20, "the vLLM worker's cached prompt in the new index")
     assert await asyncio.to_thread(_snapshot_count, front.address) >= 1
-    got = await asyncio.to_thread(complete, front.address, [*prompt[:-3], 7, 8, 9])
+    got = await asyncio.to_thread(complete_header, front.address, [*prompt[:-3], 7, 8, 9])
     assert got == f"{w.instance_id:x}/0"
 
 

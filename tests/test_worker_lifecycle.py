@@ -17,8 +17,9 @@ import openai
 import pytest
 
 from dynamo_zmq import errors
+from tests.support.mocker_fleet import start_frontend
 from tests.support.procs import Proc
-from tests.support.waiting import until
+from tests.support.waiting import until, wait_models
 
 ENGINES = "tests.support.engines"
 
@@ -183,13 +184,10 @@ async def test_a_mocker_whose_scheduler_dies_fails_requests_with_engine_shutdown
 
 
 async def test_a_crashed_engine_is_a_503_through_the_frontend(namespace, spawn, tiny_model):
-    from tests.support.waiting import wait_models
-    from tests.test_frontend import frontend
-
     spawn(*worker_args(namespace, tiny_model, f"{ENGINES}:CrashingMockerTestEngine",
                        "--crash-at-publish", "3", "--block-size", "4", "--speedup-ratio", "100",
                        "--model-name", "tiny"))
-    _, url = frontend(spawn, namespace)
+    url = start_frontend(spawn, namespace, mode=None, ready=True).address
     await wait_models(url, {"tiny"})
     async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client:
         with pytest.raises(openai.APIStatusError) as caught:

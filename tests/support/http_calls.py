@@ -15,6 +15,12 @@ def get(url: str) -> tuple[int, bytes]:
         return exc.code, exc.read()
 
 
+def get_text(url: str, timeout: float = 5.0) -> str:
+    """``GET url``: the body as text; an error status raises ``urllib.error.HTTPError``."""
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return str(resp.read().decode())
+
+
 def post(url: str, body: bytes) -> tuple[int, bytes]:
     """``POST url`` with a JSON body: the status and the body, error statuses included."""
     req = urllib.request.Request(url, body, {"Content-Type": "application/json"})

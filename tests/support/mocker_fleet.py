@@ -5,7 +5,8 @@ through the ``spawn`` fixture (so stopped at teardown, by pid).
 frontend (``--router-mode kv`` unless told otherwise) and returns once the frontend's
 ``/health`` lists exactly those workers. Tests whose workers differ, or whose frontends come
 later, build the same processes one at a time with ``start_mocker`` and ``start_frontend``
-and wait with ``serving`` (tests/support/waiting.py).
+and wait with ``serving`` (tests/support/waiting.py); ``start_worker`` starts a worker on any
+engine (``ECHO``: the echo test engine).
 """
 
 from __future__ import annotations
@@ -17,10 +18,14 @@ from pathlib import Path
 from tests.support.procs import Proc
 from tests.support.waiting import serving
 
-__all__ = ["Fleet", "mocker_fleet", "serving", "start_frontend", "start_mocker"]
+__all__ = ["ECHO", "Fleet", "mocker_fleet", "serving", "start_frontend", "start_mocker",
+           "start_worker"]
 
 #: The ``spawn`` fixture (tests/conftest.py).
 Spawn = Callable[..., Proc]
+
+#: The echo test engine (tests/support/engines.py), for ``start_worker``'s ``engine``.
+ECHO = "tests.support.engines:EchoEngine"
 
 
 @dataclass(frozen=True)
@@ -41,31 +46,43 @@ class Fleet:
         return {f"{w.instance_id:x}" for w in self.workers}
 
 
-def start_mocker(spawn: Spawn, namespace: str, model_dir: Path | str, *extra: str,
-                 model: str = "tiny", speedup: str | None = "1000",
-                 env: Mapping[str, str] | None = None) -> Proc:
-    """Start ``python -m dynamo_zmq.worker --engine mocker`` serving ``model`` from
-    ``model_dir`` on loopback, without waiting for it (``serving`` or ``wait_ready`` does).
+def start_worker(spawn: Spawn, namespace: str, model_dir: Path | str, *extra: str,
+                 engine: str = "mocker", model: str = "tiny", speedup: str | None = "1000",
+                 env: Mapping[str, str] | None = None, ready: bool = False) -> Proc:
+    """Start ``python -m dynamo_zmq.worker --engine ENGINE`` serving ``model`` from
+    ``model_dir`` on loopback; it waits for the worker's READY only with ``ready``.
 
     Args:
         spawn: the ``spawn`` fixture.
         namespace: the namespace it registers in.
         model_dir: the model directory (``--model-path``).
         *extra: more worker flags.
+        engine: ``--engine`` (a name or ``module:Class``).
         model: the served model name (``--model-name``).
-        speedup: ``--speedup-ratio`` (None: the mocker's default).
+        speedup: ``--speedup-ratio``, passed only when ``engine`` is ``mocker`` (None: the
+            mocker's default).
         env: extra environment variables.
+        ready: wait until it says READY.
     """
-    speed = () if speedup is None else ("--speedup-ratio", speedup)
-    return spawn("-m", "dynamo_zmq.worker", "--engine", "mocker", "--model-path", str(model_dir),
+    speed = () if engine != "mocker" or speedup is None else ("--speedup-ratio", speedup)
+    return spawn("-m", "dynamo_zmq.worker", "--engine", engine, "--model-path", str(model_dir),
                  "--model-name", model, "--namespace", namespace, "--host", "127.0.0.1",
-                 *speed, *extra, env=dict(env) if env else None, ready=False)
+                 *speed, *extra, env=dict(env) if env else None, ready=ready)
+
+
+def start_mocker(spawn: Spawn, namespace: str, model_dir: Path | str, *extra: str,
+                 model: str = "tiny", speedup: str | None = "1000",
+                 env: Mapping[str, str] | None = None) -> Proc:
+    """``start_worker`` with the mocker engine, without waiting for it (``serving`` or
+    ``wait_ready`` does)."""
+    return start_worker(spawn, namespace, model_dir, *extra, model=model, speedup=speedup,
+                        env=env)
 
 
 def start_frontend(spawn: Spawn, namespace: str, *extra: str, mode: str | None = "kv",
-                   env: Mapping[str, str] | None = None) -> Proc:
-    """Start ``python -m dynamo_zmq.frontend`` on a free port in ``namespace``, without waiting
-    for it.
+                   env: Mapping[str, str] | None = None, ready: bool = False) -> Proc:
+    """Start ``python -m dynamo_zmq.frontend`` on a free port in ``namespace``; it waits for
+    the frontend's READY only with ``ready``.
 
     Args:
         spawn: the ``spawn`` fixture.
@@ -73,10 +90,11 @@ def start_frontend(spawn: Spawn, namespace: str, *extra: str, mode: str | None =
         *extra: more frontend flags.
         mode: ``--router-mode`` (None: the frontend's default).
         env: extra environment variables.
+        ready: wait until it says READY.
     """
     router = () if mode is None else ("--router-mode", mode)
     return spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
-                 *router, *extra, env=dict(env) if env else None, ready=False)
+                 *router, *extra, env=dict(env) if env else None, ready=ready)
 
 
 async def mocker_fleet(spawn: Spawn, namespace: str, model_dir: Path | str, n: int = 2, *,

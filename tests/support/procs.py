@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from dynamo_zmq.tools.child_process import ChildProcess
 
@@ -44,3 +48,36 @@ def system_port(proc: ChildProcess) -> int:
     ``--metrics-port 0``, ``--system-port 0`` or ``DYN_SYSTEM_PORT=0``), from its log."""
     return int(next(line.split()[-1] for line in proc.logs().splitlines()
                     if "metrics and health on port" in line))
+
+
+def run_cli(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    """Run ``python ARGS...`` to completion; the child is stopped by pid whatever happens."""
+    env = {**os.environ, "DYN_MDNS_INTERFACES": "127.0.0.1"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.Popen(
+        [sys.executable, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def status_json(*args: str) -> list[dict[str, Any]]:
+    """``python -m dynamo_zmq status --json ARGS...``'s rows; asserts it exits 0."""
+    result = run_cli("-m", "dynamo_zmq", "status", "--json", *args)
+    assert result.returncode == 0, result.stderr
+    rows: list[dict[str, Any]] = json.loads(result.stdout)
+    return rows

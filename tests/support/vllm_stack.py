@@ -1,29 +1,43 @@
 """One vLLM worker and a frontend on a namespace of their own, for the vLLM test modules
-(``with vllm_stack(model_dir) as stack: ...``); the processes stop when the block ends."""
+(``with vllm_stack(model_dir) as stack: ...``); the processes stop when the block ends. Also the
+vLLM settings those modules share: its environment on this CPU, the worker flags and the engine
+arguments for the tiny model."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tests.support.http_calls import get
 from tests.support.procs import Proc
 
-__all__ = ["VllmStack", "vllm_stack", "wait_listed", "wait_models"]
+__all__ = ["ENGINE_ARGS", "MAX_MODEL_LEN", "VLLM_ENV", "WORKER_FLAGS", "WORKER_START", "VllmStack",
+           "use_vllm_env", "vllm_stack", "wait_listed", "wait_models"]
 
 #: vLLM on this CPU: in-process engine core, 1 GiB of KV cache, logs on stderr.
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
             "VLLM_LOGGING_STREAM": "ext://sys.stderr"}
 MAX_MODEL_LEN = 512
 WORKER_FLAGS = ("--max-model-len", str(MAX_MODEL_LEN), "--dtype", "float32")
+#: ``WORKER_FLAGS`` as engine arguments, for a ``VllmEngine`` run in the test process.
+ENGINE_ARGS: dict[str, Any] = {"max_model_len": MAX_MODEL_LEN, "dtype": "float32"}
 #: Seconds a vLLM worker process may take to load (import + model + KV cache) on a busy CI box.
 WORKER_START = 240
+
+
+def use_vllm_env() -> None:
+    """Set ``VLLM_ENV`` in this process's environment (what is set already stays), for vLLM
+    engines run in the test process."""
+    for key, value in VLLM_ENV.items():
+        os.environ.setdefault(key, value)
 
 
 @dataclass(frozen=True)
