@@ -95,12 +95,17 @@ def describe_frames(address: str, server_key: str | None,
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.linger = 0
+    # A DEALER whose handshake failed has no peer, and a send then blocks: bound it too.
+    sock.sndtimeo = timeout_ms
     try:
         if keypair is not None:
             sock.curve_publickey, sock.curve_secretkey = keypair
             sock.curve_serverkey = (server_key or "").encode()
         sock.connect(address)
-        sock.send_multipart(payload or [Kind.DESCRIBE, encode(Describe(1))])
+        try:
+            sock.send_multipart(payload or [Kind.DESCRIBE, encode(Describe(1))])
+        except zmq.Again:
+            return None
         if not sock.poll(timeout_ms):
             return None
         return sock.recv_multipart()
