@@ -12,6 +12,7 @@ from ._peer_liveness import PingTicker as PingTicker
 from ._sockets import AsyncSocket as AsyncSocket
 from ._sockets import SendResult as SendResult
 from ._sockets import make_socket as make_socket
+from ._sockets import set_connect_options as set_connect_options
 from ._streams import ItemDecoder as ItemDecoder
 from ._streams import ItemStream as ItemStream
 from ._streams import Reopen as Reopen
@@ -54,4 +55,5 @@ __all__ = [
     "peer_key",
     "plain_items",
     "response_items",
+    "set_connect_options",
 ]
