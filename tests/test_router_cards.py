@@ -17,8 +17,8 @@ import pytest
 from dynamo_zmq import errors
 from dynamo_zmq.llm import build_card
 from tests.support.mocker_fleet import start_mocker
+from tests.support.model_cards import other_card_model
 from tests.support.waiting import eventually
-from tests.test_model_card import other_card_model
 
 BLOCK = 16
 WORKER = ("--block-size", str(BLOCK))
