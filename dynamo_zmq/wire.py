@@ -203,6 +203,9 @@ class Description(msgspec.Struct, **_STRUCT):
     endpoints: list[EndpointInfo]
     draining: bool = False
     metadata: dict[str, Any] = msgspec.field(default_factory=dict)
+    #: The addresses its request plane is advertised at. Its other endpoints (KV events, load)
+    #: advertised at one of them are reached at the one a caller dialed (``endpoint_via``).
+    hosts: list[str] = msgspec.field(default_factory=list)
 
 
 CLIENT_KINDS: dict[bytes, type[msgspec.Struct]] = {

@@ -4,10 +4,15 @@
         [--router-temperature 0.0] [--no-kv-events] [--router-replica-sync]
         [--wait-for-workers N] [--host H] [--port P] [--metrics-port P] [discovery flags]
 
-It follows the namespace's workers as a frontend does (one ``KvRouter`` per model card it sees,
-each subscribing to its workers' KV events) and serves ``<namespace>.router.best_worker``:
-request ``{"model": NAME, "token_ids": [...]}``, one response ``{"worker_id", "dp_rank",
-"overlap_blocks", "prompt_blocks", "matches": {"<worker hex>/<rank>": blocks}}``. The answer is
+It follows the namespace's workers as a frontend does (one ``KvRouter`` per model, each
+subscribing to its workers' KV events) and serves ``<namespace>.router.best_worker``: request
+``{"model": NAME, "token_ids": [...], "mdcsum": CARD?}``, one response ``{"worker_id",
+"dp_rank", "overlap_blocks", "prompt_blocks", "matches": {"<worker hex>/<rank>": blocks},
+"mdcsum"}``. One card per model name, as the frontend keeps it: workers serving a name with
+different model cards (checksums) are never mixed. The first card seen is routed, and only to
+its workers (each other card is warned about once); once no live worker serves it, the card of
+a live one replaces it. A request naming another card (``mdcsum``: the checksum it was
+preprocessed for) is refused, and each answer names the card it routed. The answer is
 advice: nothing is sent to the worker and no load is counted for it (the caller sends the
 request, and only the caller knows when it ends); with ``--router-replica-sync`` the load
 that kv-mode frontends with the flag route is counted, from their replica events. Prints
@@ -31,7 +36,7 @@ from typing import Any
 import msgspec
 
 from dynamo_zmq import errors, tracing
-from dynamo_zmq.llm import served_models, serves
+from dynamo_zmq.llm import ServedModel, served_models, serves
 from dynamo_zmq.runtime import (
     DistributedRuntime,
     RuntimeConfig,
@@ -53,10 +58,14 @@ log = logging.getLogger("router")
 class BestWorkerRequest(msgspec.Struct, forbid_unknown_fields=False):
     model: str
     token_ids: list[int]
+    #: The model card the caller preprocessed for (a worker request's ``mdcsum``); None: the
+    #: card routed here.
+    mdcsum: str | None = None
 
 
 class RouterService:
-    """The model table (one started ``KvRouter`` per model) and the ``best_worker`` handler."""
+    """The model table (one started ``KvRouter`` per model, over the workers of one card) and
+    the ``best_worker`` handler."""
 
     def __init__(self, runtime: DistributedRuntime, namespace: str, config: KvRouterConfig) -> None:
         self.runtime = runtime
@@ -64,6 +73,10 @@ class RouterService:
         self.config = config
         self.metrics = RouterMetrics()
         self.routers: dict[str, KvRouter] = {}
+        #: The card checksum each model's router routes to.
+        self.cards: dict[str, str] = {}
+        #: (model, checksum) of the other cards already warned about.
+        self._warned: set[tuple[str, str]] = set()
         self._res = runtime.resources.child("router-service")
 
     async def start(self) -> None:
@@ -78,17 +91,51 @@ class RouterService:
         self.routers.clear()
 
     async def refresh(self) -> None:
-        """Add a router for every model the namespace's live workers serve."""
+        """Route every model the namespace's live workers serve, one card per name (see the
+        module docstring): a new model gets a router over its first card's workers, and a
+        model whose card no live worker serves any more gets one over a live card's."""
+        by_name: dict[str, list[ServedModel]] = {}
         for served in served_models(await self.runtime.peers(self.namespace), self.namespace):
-            name, path = served.advert.name, served.endpoint.path
-            if name in self.routers:
+            by_name.setdefault(served.advert.name, []).append(served)
+        for name, instances in by_name.items():
+            card = self.cards.get(name)
+            if card is not None and any(s.advert.checksum == card for s in instances):
+                self._warn_other_cards(name, card, instances)
+            else:
+                await self._route(instances[0])
+
+    async def _route(self, served: ServedModel) -> None:
+        """Route ``served``'s model to the workers of ``served``'s card (replacing the router of
+        a card served no more)."""
+        name, path, card = served.advert.name, served.endpoint.path, served.advert.checksum
+        client = await self.runtime.endpoint(path).client(select=serves(name, path, card))
+        block_size = served.advert.kv_block_size or DEFAULT_BLOCK_SIZE
+        router = KvRouter(client, block_size, self.config, metrics=self.metrics,
+                          model=name, runtime=self.runtime)
+        old, old_card = self.routers.get(name), self.cards.get(name)
+        self.routers[name] = await router.start()
+        self.cards[name] = card
+        if old is None:
+            log.info("routing model %r (card %s, block size %d)", name, card[:12], block_size)
+            return
+        await old.close()
+        self._warned = {w for w in self._warned if w[0] != name}
+        log.warning("model %r: now routed with card %s (no live worker serves card %s any "
+                    "more)", name, card[:12], (old_card or "")[:12])
+
+    def _warn_other_cards(self, name: str, card: str, instances: list[ServedModel]) -> None:
+        """Warn once per card about workers serving ``name`` with a card other than ``card``."""
+        for served in instances:
+            other = served.advert.checksum
+            if other == card or (name, other) in self._warned:
                 continue
-            client = await self.runtime.endpoint(path).client(select=serves(name, path))
-            block_size = served.advert.kv_block_size or DEFAULT_BLOCK_SIZE
-            router = KvRouter(client, block_size, self.config, metrics=self.metrics,
-                              model=name, runtime=self.runtime)
-            self.routers[name] = await router.start()
-            log.info("routing model %r (block size %d)", name, block_size)
+            self._warned.add((name, other))
+            log.warning(
+                "model %r: instance %x serves it with another model card (checksum %s) than "
+                "the one routed here (checksum %s, the first seen); it is not routed to. "
+                "Serve one model directory per model name.",
+                name, served.instance_id, other[:12], card[:12],
+            )
 
     async def _follow(self) -> None:
         while True:
@@ -121,13 +168,19 @@ class RouterService:
         router = self.routers.get(request.model)
         if router is None:
             raise errors.InvalidArgument(f"unknown model {request.model!r}")
+        card = self.cards[request.model]
+        if request.mdcsum is not None and request.mdcsum != card:
+            raise errors.InvalidArgument(
+                f"model {request.model!r} is routed here with model card {card}, not "
+                f"{request.mdcsum} (its workers would refuse the request)"
+            )
         if not request.token_ids:
             raise errors.InvalidArgument("token_ids must not be empty")
         try:
             decision = router.best_worker(request.token_ids)
         except ValueError as exc:  # token ids outside uint32 (router.hashing)
             raise errors.InvalidArgument(str(exc)) from exc
-        yield decision.to_dict()
+        yield {**decision.to_dict(), "mdcsum": card}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -31,7 +31,7 @@ import zmq
 from dynamo_zmq import errors
 from dynamo_zmq.resources import Resources
 from dynamo_zmq.runtime import Client, DistributedRuntime
-from dynamo_zmq.transport import AsyncSocket, BadInput, make_socket, peer_key
+from dynamo_zmq.transport import AsyncSocket, BadInput, endpoint_via, make_socket, peer_key
 
 from . import _replica_snapshot as snapshots
 from ._replica_metrics import ReplicaMetrics
@@ -189,7 +189,7 @@ class ReplicaSync:
         for conn in self._client.instances():
             if conn.instance_id == self._runtime.instance_id:
                 continue
-            endpoint = self._advertised(conn.description)
+            endpoint = self._advertised(conn.description, conn.address)
             if endpoint is not None:
                 live[conn.instance_id] = endpoint
         for iid in [i for i, p in self._peers.items() if live.get(i) != p.endpoint]:
@@ -202,7 +202,8 @@ class ReplicaSync:
         self._m.peers.labels(self._model).set(len(self._peers))
         self._update_gauges()
 
-    def _advertised(self, desc: Any) -> str | None:
+    def _advertised(self, desc: Any, dialed: str) -> str | None:
+        """The replica events endpoint in ``desc``, as dialed via ``dialed``."""
         for info in getattr(desc, "endpoints", ()):
             if info.path != self.path:
                 continue
@@ -210,7 +211,7 @@ class ReplicaSync:
             if (isinstance(meta, dict) and meta.get("model") == self._model
                     and meta.get("path") == self._client_path
                     and isinstance(meta.get("events"), str)):
-                return str(meta["events"])
+                return endpoint_via(str(meta["events"]), dialed, desc.hosts)
         return None
 
     def _add_peer(self, iid: int, endpoint: str) -> None:

@@ -120,8 +120,9 @@ def descriptions(draw: st.DrawFn) -> tuple[Description, list[Any]]:
     ]
     draining = draw(st.booleans())
     meta = draw(st.dictionaries(texts, items, max_size=4))
-    msg = Description(*fields, [e for e, _ in eps], draining, meta)
-    return msg, [*fields, [arr for _, arr in eps], draining, meta]
+    hosts = draw(st.lists(texts, max_size=3))
+    msg = Description(*fields, [e for e, _ in eps], draining, meta, hosts)
+    return msg, [*fields, [arr for _, arr in eps], draining, meta, hosts]
 
 
 def _plain(cls: type[msgspec.Struct], *field_strategies: st.SearchStrategy[Any]):

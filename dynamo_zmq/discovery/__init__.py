@@ -14,6 +14,8 @@ from ._combined import CombinedDiscovery as CombinedDiscovery
 from ._config import DiscoveryConfig as DiscoveryConfig
 from ._config import add_discovery_args as add_discovery_args
 from ._config import read_static_file as read_static_file
+from ._mdns_addresses import local_networks as local_networks
+from ._mdns_addresses import pick_ip as pick_ip
 from ._mdns_addresses import reachable_ipv4 as reachable_ipv4
 from .directory import DirectoryDiscovery as DirectoryDiscovery
 from .mdns import MdnsDiscovery as MdnsDiscovery
@@ -33,7 +35,9 @@ __all__ = [
     "PeerRemoved",
     "StaticDiscovery",
     "add_discovery_args",
+    "local_networks",
     "make_discovery",
+    "pick_ip",
     "reachable_ipv4",
     "read_static_file",
 ]

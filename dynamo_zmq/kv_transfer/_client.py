@@ -1,9 +1,11 @@
 """``KvTransferClient``: a decode worker pulls the KV blocks a prefill worker holds for it.
 
 One DEALER per pull, connected to the ticket's endpoint (a CURVE client of the ticket's key
-when auth is on). It grants the server ``credit`` batches and acknowledges each batch once the
-consumer has taken it, so a slow consumer slows the server down instead of piling up memory.
-Every way a pull can break ends in a typed error within the timeout: never a hang.
+when auth is on); when the ticket names several addresses of the server (a multi-homed prefill
+worker), at the first one on a network this host is attached to. It grants the server
+``credit`` batches and acknowledges each batch once the consumer has taken it, so a slow
+consumer slows the server down instead of piling up memory. Every way a pull can break ends in
+a typed error within the timeout: never a hang.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import zmq
 
 from .. import errors
 from ..context import Context
+from ..discovery import local_networks, pick_ip
 from ..resources import cancel_and_wait, process_zmq_context
 from ..transport import AsyncSocket, BadInput, make_socket
 from ._config import KvTransferConfig
@@ -67,7 +70,7 @@ class KvTransferClient:
         grant = credit or self.config.credit
         try:
             raw = make_socket(
-                process_zmq_context(), zmq.DEALER, connect=t.transfer_endpoint,
+                process_zmq_context(), zmq.DEALER, connect=reachable_endpoint(t),
                 server_key=t.transfer_key.encode() if t.transfer_key else None,
             )
         except errors.CannotConnect as exc:  # CURVE: no key, or not authorized
@@ -160,3 +163,14 @@ class KvTransferClient:
         if msg.seq != seq:
             raise TransferFailed(f"KV transfer {t.transfer_id}: batch {msg.seq}, expected {seq}")
         return msg
+
+
+def reachable_endpoint(ticket: Ticket) -> str:
+    """The ticket's endpoint at the first of its server's addresses that is on one of this
+    host's networks (the advertised one if it is, or if none is)."""
+    endpoint = ticket.transfer_endpoint
+    if not ticket.transfer_hosts:
+        return endpoint
+    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    best = pick_ip([host, *ticket.transfer_hosts], local_networks(()))
+    return f"tcp://{best}:{port}" if best else endpoint

@@ -118,3 +118,6 @@ class Ticket(msgspec.Struct, frozen=True, kw_only=True, tag="transfer", tag_fiel
     num_bytes: _Count
     #: The server's CURVE public key (Z85) when the prefill worker runs with auth keys.
     transfer_key: str | None = None
+    #: Every address the server is reached at, when it binds several (a multi-homed prefill
+    #: worker): a decode worker dials the first on a network it is attached to.
+    transfer_hosts: tuple[str, ...] = ()

@@ -59,16 +59,19 @@ class KvTransferServer:
         config: limits and batch size.
         bind_host: where the ROUTER binds (``*`` for every interface).
         advertise_host: the address put in tickets (default: ``bind_host``).
+        hosts: every address it is reached at, when ``bind_host`` is a wildcard on a host with
+            several (tickets name them all, for decode workers on other networks).
         metrics: where to count (default: metrics of its own).
     """
 
     def __init__(self, config: KvTransferConfig | None = None, *, bind_host: str = "127.0.0.1",
-                 advertise_host: str | None = None,
+                 advertise_host: str | None = None, hosts: Sequence[str] = (),
                  metrics: KvTransferMetrics | None = None) -> None:
         self.config = config or KvTransferConfig()
         self.metrics = metrics or KvTransferMetrics()
         self._bind_host = bind_host
         self._advertise = advertise_host or bind_host
+        self._hosts = tuple(hosts) if len(hosts) > 1 else ()
         self._held: dict[str, _Held] = {}
         self._held_bytes = 0
         self._res: Resources | None = None
@@ -147,7 +150,7 @@ class KvTransferServer:
         self.metrics.held.inc()
         self.metrics.held_bytes.inc(size)
         return Ticket(transfer_endpoint=self.endpoint, transfer_id=tid, num_blocks=len(blocks),
-                      num_bytes=size, transfer_key=self._key)
+                      num_bytes=size, transfer_key=self._key, transfer_hosts=self._hosts)
 
     def _release(self, tid: str, reason: str) -> None:
         held = self._held.pop(tid, None)

@@ -2,8 +2,11 @@
 
 The worker writes it into its endpoint's metadata (``ModelAdvert.to_metadata``); frontends,
 KV routers and tools read it back with ``advert_of(conn, path)``, which decodes each instance's
-advert once per description revision and remembers the result. ``served_models`` lists what the
-live instances of a namespace serve, for anyone keeping a model table.
+advert once per description revision and remembers the result. Its KV-event, replay and load
+endpoints are given as the connection reaches them (``transport.endpoint_via``: a multi-homed
+worker advertises them at one of its addresses, the caller dials the one it reached it at).
+``served_models`` lists what the live instances of a namespace serve, for anyone keeping a
+model table.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from ..transport import PeerConnection
+from ..transport import PeerConnection, endpoint_via
 from ..wire import EndpointInfo
 from ._messages import EngineConfig
 from ._model_card import ModelCard
@@ -120,7 +123,7 @@ class ServedModel:
         return self.conn.instance_id
 
 
-_cache: OrderedDict[tuple[int, int, str], ModelAdvert | None] = OrderedDict()
+_cache: OrderedDict[tuple[int, int, str, str], ModelAdvert | None] = OrderedDict()
 
 
 def advert_of(conn: PeerConnection, path: str) -> ModelAdvert | None:
@@ -132,7 +135,7 @@ def advert_of(conn: PeerConnection, path: str) -> ModelAdvert | None:
     desc = conn.description
     if desc is None:
         return None
-    key = (desc.instance_id, desc.rev, path)
+    key = (desc.instance_id, desc.rev, path, conn.address)
     try:
         found = _cache[key]
     except KeyError:
@@ -145,6 +148,8 @@ def advert_of(conn: PeerConnection, path: str) -> ModelAdvert | None:
         if info.path == path:
             try:
                 advert = ModelAdvert.from_metadata(info.metadata)
+                if advert is not None and len(desc.hosts) > 1:
+                    advert = _reached(advert, conn.address, desc.hosts)
             except msgspec.ValidationError as exc:
                 log.warning("instance %x advertises a malformed model on %s: %s",
                             desc.instance_id, path, exc)
@@ -153,6 +158,19 @@ def advert_of(conn: PeerConnection, path: str) -> ModelAdvert | None:
     if len(_cache) > CACHE_SIZE:
         _cache.popitem(last=False)
     return advert
+
+
+def _reached(advert: ModelAdvert, dialed: str, hosts: list[str]) -> ModelAdvert:
+    """``advert`` with its endpoints as a caller that dialed ``dialed`` reaches them."""
+
+    def via(endpoint: str | None) -> str | None:
+        return endpoint_via(endpoint, dialed, hosts) if endpoint else endpoint
+
+    engine = msgspec.structs.replace(
+        advert.engine, kv_events_endpoint=via(advert.engine.kv_events_endpoint),
+        kv_replay_endpoint=via(advert.engine.kv_replay_endpoint),
+    )
+    return msgspec.structs.replace(advert, engine=engine, load_endpoint=via(advert.load_endpoint))
 
 
 def served_models(conns: Iterable[PeerConnection], namespace: str) -> list[ServedModel]:

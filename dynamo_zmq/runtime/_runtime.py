@@ -90,6 +90,8 @@ class DistributedRuntime:
         self.instance_id = secrets.randbits(63) or 1
         self.started_at = time.time()
         self.metadata: dict[str, Any] = {}
+        #: Where the request plane is advertised (read once, when it is bound).
+        self._hosts: tuple[str, ...] = ()
         self.resources = resources if resources is not None else Resources("runtime")
         #: CURVE on every socket of the process (``--auth-keys``); before any socket is made.
         self._curve = (
@@ -145,6 +147,7 @@ class DistributedRuntime:
                 )
                 server.kill_grace = self.config.kill_grace
                 await server.start()
+                self._hosts = self.config.advertised_hosts()
                 self._server = server
                 log.info("instance %x serving on %s", self.instance_id, server.address)
             return self._server
@@ -167,6 +170,7 @@ class DistributedRuntime:
             endpoints=list(self._endpoint_info.values()),
             draining=self._server.draining if self._server else False,
             metadata=self.metadata,
+            hosts=list(self._hosts),
         )
 
     async def create_service(self) -> None:
@@ -254,7 +258,7 @@ class DistributedRuntime:
         advert = Advert(
             namespace=namespace,
             instance_id=self.instance_id,
-            addresses=tuple(f"tcp://{h}:{port}" for h in self.config.advertised_hosts()),
+            addresses=tuple(f"tcp://{h}:{port}" for h in self._hosts),
             components=components,
             public_key=self._curve.public.decode() if self._curve is not None else "",
         )

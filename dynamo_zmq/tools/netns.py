@@ -8,7 +8,9 @@ own interfaces. The bridge floods multicast (snooping off), so mDNS works as on 
 
 With ``subnets`` the hosts sit on several /24s, each its own bridge, joined by a router (a
 namespace of its own, the ``.254`` of every subnet, every host's default gateway) that
-forwards unicast and, like a plain IP router, no multicast: mDNS stays within a subnet.
+forwards unicast and, like a plain IP router, no multicast: mDNS stays within a subnet. A host
+given several subnets is multi-homed (``eth0``, ``eth1``... one on each); with
+``routed=False`` no router joins the subnets: each host reaches only the subnets it is on.
 
 Processes are started inside a host with ``ip netns exec`` and stopped by pid. ``cut``/``heal``
 take a host's bridge port down and up (the host's link loses carrier, as when a cable is
@@ -86,6 +88,10 @@ def ip(*args: str, check: bool = True) -> str:
     return done.stdout
 
 
+def _indexes(subnet: int | Sequence[int]) -> list[int]:
+    return [subnet] if isinstance(subnet, int) else list(subnet)
+
+
 def _bridge(*args: str) -> None:
     done = subprocess.run(["bridge", *args], capture_output=True, text=True, timeout=30)
     if done.returncode != 0:
@@ -98,8 +104,9 @@ class Host:
     Attributes:
         name: the short name given to the cluster (``"a"``).
         netns: the network namespace's name (unique per cluster).
-        address: its IPv4 address on the cluster's network.
-        port: its bridge port (in the bridge's namespace).
+        address: its IPv4 address on the cluster's network (its first, if multi-homed).
+        port: its bridge port (in the bridge's namespace; its first).
+        addresses, ports, on: each of its links' address, bridge port and subnet index.
     """
 
     def __init__(
@@ -110,8 +117,9 @@ class Host:
         self.netns = netns
         self.address = address
         self.port = port
-        #: The index of its subnet (``Cluster.subnets``).
+        #: The index of its (first) subnet (``Cluster.subnets``).
         self.subnet = subnet
+        self.addresses, self.ports, self.on = [address], [port], [subnet]
         self._forwards: dict[int, ChildProcess] = {}
 
     def __repr__(self) -> str:
@@ -200,12 +208,13 @@ class Cluster:
         env: variables every process started in the cluster gets, on top of this process's
             environment without its ``DYN_*`` variables.
         cwd: the working directory of those processes.
-        subnets: host name -> subnet index (0, 1, ...); hosts not named are on subnet 0.
-            Several subnets are joined by a router that forwards no multicast.
+        subnets: host name -> subnet index (0, 1, ...), or several (a multi-homed host, one
+            link on each); hosts not named are on subnet 0. Several subnets are joined by a
+            router that forwards no multicast, unless ``routed`` is False.
 
     Raises:
         ValueError: a host name is malformed, repeated, or there are more than 250 hosts
-            (on one subnet).
+            (on one subnet), or a host's subnets are none or repeated.
     """
 
     def __init__(
@@ -214,16 +223,18 @@ class Cluster:
         *,
         env: Mapping[str, str] | None = None,
         cwd: str | Path | None = None,
-        subnets: Mapping[str, int] | None = None,
+        subnets: Mapping[str, int | Sequence[int]] | None = None,
+        routed: bool = True,
     ) -> None:
         names = list(hosts)
         bad = [n for n in names if not _HOST_NAME.match(n)]
-        on = {n: (subnets or {}).get(n, 0) for n in names}
-        count = max(on.values(), default=0) + 1
-        per = [list(on.values()).count(k) for k in range(count)]
-        if bad or len(set(names)) != len(names) or not names or max(per) > 250 or count > 16:
+        on = {n: _indexes((subnets or {}).get(n, 0)) for n in names}
+        count = max((k for ks in on.values() for k in ks), default=0) + 1
+        per = [sum(k in ks for ks in on.values()) for k in range(count)]
+        if (bad or len(set(names)) != len(names) or not names or max(per) > 250 or count > 16
+                or any(not ks or len(set(ks)) != len(ks) for ks in on.values())):
             raise ValueError(f"host names must be distinct [a-z][a-z0-9]{{0,7}}, at most 250 "
-                             f"a subnet, got {names!r}")
+                             f"a subnet, each on distinct subnets, got {names!r}, {subnets!r}")
         self.id = secrets.token_hex(3)
         second, third = 18 + secrets.randbelow(2), secrets.randbelow(240)
         #: One /24 per subnet; ``subnet`` is the first (every host's without ``subnets``).
@@ -231,8 +242,8 @@ class Cluster:
                         for k in range(count)]
         self.subnet = self.subnets[0]
         self.bridge_netns = f"dz{self.id}-br"
-        #: The router's namespace (several subnets only).
-        self.router_netns = f"dz{self.id}-rt" if count > 1 else None
+        #: The router's namespace (several subnets, ``routed``, only).
+        self.router_netns = f"dz{self.id}-rt" if count > 1 and routed else None
         base = {k: v for k, v in os.environ.items() if not k.startswith("DYN_")}
         self.env: dict[str, str] = {**base, **(env or {})}
         self.cwd = cwd
@@ -240,10 +251,16 @@ class Cluster:
         self.hosts: dict[str, Host] = {}
         taken = [0] * count
         for i, name in enumerate(names, start=1):
-            k = on[name]
-            taken[k] += 1
-            netns, address = f"dz{self.id}-{name}", str(self.subnets[k][taken[k]])
-            self.hosts[name] = Host(self, name, netns, address, f"p{i}", k)
+            for n, k in enumerate(on[name]):
+                taken[k] += 1
+                address, port = str(self.subnets[k][taken[k]]), f"p{i}" + f"x{n}" * (n > 0)
+                host = self.hosts.get(name)
+                if host is None:
+                    self.hosts[name] = Host(self, name, f"dz{self.id}-{name}", address, port, k)
+                else:
+                    host.addresses.append(address)
+                    host.ports.append(port)
+                    host.on.append(k)
         self._made: list[str] = []
         self.tmp = ""
 
@@ -276,11 +293,14 @@ class Cluster:
         for host in self.hosts.values():
             ns = host.netns
             self._add_netns(ns)
-            ip("link", "add", HOST_IFACE, "netns", ns, "type", "veth",
-               "peer", "name", host.port, "netns", br)
-            ip("-n", br, "link", "set", host.port, "master", _bridge_name(host.subnet), "up")
-            ip("-n", ns, "addr", "add", f"{host.address}/{prefix}", "dev", HOST_IFACE)
-            ip("-n", ns, "link", "set", HOST_IFACE, "up")
+            for n, (address, port, k) in enumerate(zip(host.addresses, host.ports, host.on,
+                                                       strict=True)):
+                iface = f"eth{n}"  # HOST_IFACE first
+                ip("link", "add", iface, "netns", ns, "type", "veth",
+                   "peer", "name", port, "netns", br)
+                ip("-n", br, "link", "set", port, "master", _bridge_name(k), "up")
+                ip("-n", ns, "addr", "add", f"{address}/{prefix}", "dev", iface)
+                ip("-n", ns, "link", "set", iface, "up")
             ip("-n", ns, "link", "set", "lo", "up")
         if self.router_netns is not None:
             self._start_router(self.router_netns)
@@ -331,25 +351,28 @@ class Cluster:
         (a dead switch upstream, a firewall dropping everything), so connection attempts hang
         rather than fail.
         """
-        if silent:
-            _bridge("-n", self.bridge_netns, "link", "set", "dev", host.port, "state", "0")
-        else:
-            ip("-n", self.bridge_netns, "link", "set", host.port, "down")
+        for port in host.ports:
+            if silent:
+                _bridge("-n", self.bridge_netns, "link", "set", "dev", port, "state", "0")
+            else:
+                ip("-n", self.bridge_netns, "link", "set", port, "down")
 
     def heal(self, host: Host) -> None:
-        """Undo ``cut``: ``host``'s bridge port up and forwarding."""
-        ip("-n", self.bridge_netns, "link", "set", host.port, "up")
+        """Undo ``cut``: ``host``'s bridge ports up and forwarding."""
+        for port in host.ports:
+            ip("-n", self.bridge_netns, "link", "set", port, "up")
         # A port set up a moment ago may not be running yet, and the bridge refuses to set the
         # state of a port that is not ("Network is down"); once running it forwards anyway.
         deadline = time.monotonic() + 5.0
-        while True:
-            try:
-                _bridge("-n", self.bridge_netns, "link", "set", "dev", host.port, "state", "3")
-                return
-            except ClusterError as exc:
-                if "Network is down" not in str(exc) or time.monotonic() > deadline:
-                    raise
-            time.sleep(0.05)
+        for port in host.ports:
+            while True:
+                try:
+                    _bridge("-n", self.bridge_netns, "link", "set", "dev", port, "state", "3")
+                    break
+                except ClusterError as exc:
+                    if "Network is down" not in str(exc) or time.monotonic() > deadline:
+                        raise
+                time.sleep(0.05)
 
     def freeze(self, host: Host) -> None:
         """SIGSTOP every process inside ``host``."""

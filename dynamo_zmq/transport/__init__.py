@@ -9,9 +9,11 @@ from ._curve import disable_curve as disable_curve
 from ._curve import enable_curve as enable_curve
 from ._curve import peer_key as peer_key
 from ._peer_liveness import PingTicker as PingTicker
+from ._reach import endpoint_via as endpoint_via
 from ._sockets import AsyncSocket as AsyncSocket
 from ._sockets import SendResult as SendResult
 from ._sockets import make_socket as make_socket
+from ._sockets import set_connect_options as set_connect_options
 from ._streams import ItemDecoder as ItemDecoder
 from ._streams import ItemStream as ItemStream
 from ._streams import Reopen as Reopen
@@ -49,9 +51,11 @@ __all__ = [
     "current_curve",
     "disable_curve",
     "enable_curve",
+    "endpoint_via",
     "item_decoder",
     "make_socket",
     "peer_key",
     "plain_items",
     "response_items",
+    "set_connect_options",
 ]

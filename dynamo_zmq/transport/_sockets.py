@@ -1,9 +1,11 @@
 """The one place ZMQ sockets are made, and their asyncio driver.
 
 ``make_socket`` applies the options every socket of a kind needs (linger, HWM, heartbeats,
-ROUTER_MANDATORY, IMMEDIATE). ``AsyncSocket`` drives a plain (non-asyncio) pyzmq socket from the
-event loop: receives drain with non-blocking calls until the queue is empty and only then await
-readiness (far more frames/s than one ``await`` per frame), and sends never block the loop.
+ROUTER_MANDATORY; on every socket that connects, the connect timeout, reconnect interval and
+retransmission limit that bring a peer back within a second of a healed partition).
+``AsyncSocket`` drives a plain (non-asyncio) pyzmq socket from the event loop: receives drain
+with non-blocking calls until the queue is empty and only then await readiness (far more
+frames/s than one ``await`` per frame), and sends never block the loop.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from .. import errors
 from ..resources import wait_event
 from ._curve import current_curve
 
-__all__ = ["AsyncSocket", "SendResult", "make_socket"]
+__all__ = ["AsyncSocket", "SendResult", "make_socket", "set_connect_options"]
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +48,33 @@ KEEPALIVE_IDLE = 3
 #: Per-peer queue limit in messages. Streams are flow-controlled by credit, so this only bounds
 #: what one slow peer can hold; a full queue is backpressure, never a drop (ROUTER_MANDATORY).
 DEFAULT_HWM = 10_000
+
+
+#: Milliseconds a TCP connect may take before ZMQ gives it up and tries again
+#: (``ZMQ_CONNECT_TIMEOUT``). Without it a connect started while the peer is unreachable waits
+#: in the kernel's SYN backoff (1, 2, 4, 8, 16 s...), so a peer came back up to tens of seconds
+#: after a partition healed.
+CONNECT_TIMEOUT_MS = 500
+#: Milliseconds before the first reconnect, and the most they back off to.
+RECONNECT_IVL_MS = 100
+RECONNECT_IVL_MAX_MS = 250
+#: Milliseconds sent data may stay unacknowledged before the kernel drops the connection
+#: (``ZMQ_TCP_MAXRT``: TCP_USER_TIMEOUT on Linux), and ZMQ reconnects. A connection cut by a
+#: partition otherwise stays ESTABLISHED in retransmission backoff (0.2 s doubling to 2 min),
+#: and its next retransmission after the heal comes up to tens of seconds later. A live peer's
+#: kernel acknowledges at once, even with the peer's process stopped or busy.
+TCP_MAXRT_MS = 2000
+
+
+def set_connect_options(sock: zmq.Socket[bytes]) -> None:
+    """Bound how long a connecting socket's connects and dead connections take to be retried
+    (see ``CONNECT_TIMEOUT_MS``, ``RECONNECT_IVL_MS``, ``TCP_MAXRT_MS``). ``make_socket`` calls
+    it for every socket it does not bind; call it on a socket made otherwise, before
+    ``connect``."""
+    sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
+    sock.setsockopt(zmq.CONNECT_TIMEOUT, CONNECT_TIMEOUT_MS)
+    sock.setsockopt(zmq.TCP_MAXRT, TCP_MAXRT_MS)
 
 
 def make_socket(
@@ -88,12 +117,11 @@ def make_socket(
         sock.setsockopt(zmq.RCVHWM, hwm)
         if socket_type == zmq.ROUTER:
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        if socket_type == zmq.DEALER:
-            # Not IMMEDIATE: with it, ZMQ drops the frames already received from a peer when the
-            # connection drops (a finished stream's terminal could be lost). Callers check the
-            # peer is READY before sending a request instead.
-            sock.setsockopt(zmq.RECONNECT_IVL, 100)
-            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        if bind is None:
+            # Not IMMEDIATE on a DEALER: with it, ZMQ drops the frames already received from a
+            # peer when the connection drops (a finished stream's terminal could be lost).
+            # Callers check the peer is READY before sending a request instead.
+            set_connect_options(sock)
         if heartbeat_ms and socket_type in (zmq.ROUTER, zmq.DEALER):
             # ZMTP heartbeats run on ZMQ's I/O thread: they find a dead host or a cut link even
             # when no application traffic flows. A stuck event loop is found by our own pings.

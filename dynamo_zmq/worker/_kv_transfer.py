@@ -44,8 +44,9 @@ async def start_kv_transfer(engine: LLMEngine, settings: WorkerConfig, rc: Runti
     if role == "decode":
         engine.kv_transfer = transfer = KvTransfer(role, client=KvTransferClient(cfg, tm))
         return transfer
-    server = KvTransferServer(cfg, bind_host=rc.bind_host,
-                              advertise_host=rc.advertised_hosts()[0], metrics=tm)
+    hosts = rc.advertised_hosts()
+    server = KvTransferServer(cfg, bind_host=rc.bind_host, advertise_host=hosts[0], hosts=hosts,
+                              metrics=tm)
     res.on_close(server.close)
     await server.start()
     engine.kv_transfer = transfer = KvTransfer(role, server=server)

@@ -238,9 +238,9 @@ def _config_from_args(args: argparse.Namespace) -> MockerConfig:
 
 def _hosts(args: argparse.Namespace) -> tuple[str | None, str | None]:
     """Bind and advertised host of the KV sockets. Given the worker's flags (``--discovery``
-    and friends) and no concrete ``--host``, bind and advertise as its request plane does."""
+    and friends), bind and advertise as its request plane does (``--advertise-host`` too)."""
     host = getattr(args, "host", None) or None
-    if (host is None or host in _WILDCARDS) and hasattr(args, "discovery"):
+    if hasattr(args, "discovery"):
         from dynamo_zmq.runtime import RuntimeConfig
 
         runtime = RuntimeConfig.from_args(args)

@@ -33,7 +33,7 @@ import msgspec
 import torch
 import zmq
 
-from dynamo_zmq.transport import CurveAuth
+from dynamo_zmq.transport import CurveAuth, set_connect_options
 
 from ._kv_scheduler import PullJob, ZmqConnectorMetadata
 
@@ -211,6 +211,7 @@ class WorkerSide:
                 if sock is None:
                     sock = self._zmq.socket(zmq.DEALER)
                     sock.setsockopt(zmq.LINGER, 0)
+                    set_connect_options(sock)
                     if self._curve is not None:
                         key = job.curve_key.encode() if job.curve_key else None
                         try:

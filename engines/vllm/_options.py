@@ -190,7 +190,7 @@ def engine_args_from_args(args: argparse.Namespace) -> dict[str, Any]:
 def options_from_args(args: argparse.Namespace) -> VllmOptions:
     host = getattr(args, "host", None) or None
     advertise = getattr(args, "kv_advertise_host", None)
-    if advertise is None and (host is None or host in _WILDCARDS) and hasattr(args, "discovery"):
+    if advertise is None and hasattr(args, "discovery"):  # as the request plane (and its pin)
         from dynamo_zmq.runtime import RuntimeConfig
 
         runtime = RuntimeConfig.from_args(args)

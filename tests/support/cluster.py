@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,18 +44,22 @@ def require_cluster() -> None:
 
 
 @contextlib.contextmanager
-def cluster(*hosts: str, subnets: dict[str, int] | None = None) -> Iterator[Cluster]:
-    """A cluster of ``hosts`` (``subnets``: host -> subnet index, joined by a router that
-    forwards no multicast), torn down (processes by pid, namespaces by name) on exit."""
+def cluster(*hosts: str, subnets: Mapping[str, int | Sequence[int]] | None = None,
+            routed: bool = True) -> Iterator[Cluster]:
+    """A cluster of ``hosts`` (``subnets``: host -> subnet index, or several for a multi-homed
+    host; subnets joined by a router that forwards no multicast, unless not ``routed``), torn
+    down (processes by pid, namespaces by name) on exit."""
     require_cluster()
-    with Cluster(hosts, env={"PYTHONPATH": pythonpath()}, cwd=ROOT, subnets=subnets) as built:
+    with Cluster(hosts, env={"PYTHONPATH": pythonpath()}, cwd=ROOT, subnets=subnets,
+                 routed=routed) as built:
         yield built
 
 
-def mocker_worker(host: Host, model_dir: Path, *extra: str) -> ChildProcess:
+def mocker_worker(host: Host, model_dir: Path, *extra: str,
+                  env: Mapping[str, str] | None = None) -> ChildProcess:
     """``python -m dynamo_zmq.worker --engine mocker`` on ``host``, no discovery flags."""
     return host.python("-m", "dynamo_zmq.worker", "--engine", "mocker", "--model-path",
-                       str(model_dir), "--speedup-ratio", "1000", *extra)
+                       str(model_dir), "--speedup-ratio", "1000", *extra, env=env)
 
 
 def frontend(host: Host, *extra: str) -> ChildProcess:
