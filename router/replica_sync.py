@@ -31,7 +31,7 @@ import zmq
 from dynamo_zmq import errors
 from dynamo_zmq.resources import Resources
 from dynamo_zmq.runtime import Client, DistributedRuntime
-from dynamo_zmq.transport import AsyncSocket, BadInput, make_socket, peer_key
+from dynamo_zmq.transport import AsyncSocket, BadInput, Domain, make_socket, peer_key
 
 from . import _replica_snapshot as snapshots
 from ._replica_metrics import ReplicaMetrics
@@ -117,7 +117,8 @@ class ReplicaSync:
     async def start(self) -> None:
         """Bind the PUB socket, advertise it and start following the peers."""
         rc = self._runtime.config
-        sock = make_socket(self._res.zctx, zmq.PUB, bind=f"tcp://{rc.bind_host}:0", hwm=PUB_HWM)
+        sock = make_socket(self._res.zctx, zmq.PUB, bind=f"tcp://{rc.bind_host}:0", hwm=PUB_HWM,
+                           zap_domain=Domain.REPLICA)
         self._pub.sock, self._pub.replica = sock, self._runtime.instance_id
         self._res.on_close(self._pub.close)
         port = sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]

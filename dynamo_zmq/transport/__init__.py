@@ -8,6 +8,16 @@ from ._curve import current_curve as current_curve
 from ._curve import disable_curve as disable_curve
 from ._curve import enable_curve as enable_curve
 from ._curve import peer_key as peer_key
+from ._curve import peer_roles as peer_roles
+from ._key_roles import DEFAULT_CALLERS as DEFAULT_CALLERS
+from ._key_roles import EVERY_ROLE as EVERY_ROLE
+from ._key_roles import KEY_ROLES as KEY_ROLES
+from ._key_roles import SERVING as SERVING
+from ._key_roles import WORKER as WORKER
+from ._key_roles import WORKER_CALLERS as WORKER_CALLERS
+from ._key_roles import Domain as Domain
+from ._key_roles import format_roles as format_roles
+from ._key_roles import parse_roles as parse_roles
 from ._peer_liveness import PingTicker as PingTicker
 from ._sockets import AsyncSocket as AsyncSocket
 from ._sockets import SendResult as SendResult
@@ -28,11 +38,18 @@ from .server import Handler as Handler
 from .server import Server as Server
 
 __all__ = [
+    "DEFAULT_CALLERS",
     "DEFAULT_WINDOW",
+    "EVERY_ROLE",
+    "KEY_ROLES",
+    "SERVING",
+    "WORKER",
+    "WORKER_CALLERS",
     "AsyncSocket",
     "BadInput",
     "CurveAuth",
     "CurveRefused",
+    "Domain",
     "Handler",
     "ItemDecoder",
     "ItemStream",
@@ -49,9 +66,12 @@ __all__ = [
     "current_curve",
     "disable_curve",
     "enable_curve",
+    "format_roles",
     "item_decoder",
     "make_socket",
+    "parse_roles",
     "peer_key",
+    "peer_roles",
     "plain_items",
     "response_items",
 ]

@@ -45,6 +45,7 @@ from ..llm import (
 from ..llm.parsers import detect_parsers
 from ..resources import cancel_and_wait
 from ..runtime import DistributedRuntime, StatusServer
+from ..transport import WORKER_CALLERS
 from ._config import WorkerConfig
 from ._embed import serve_embedding
 from ._health import Health, embedding_payload
@@ -229,10 +230,14 @@ class Worker:
             tool_call_parser=self.tool_parser, reasoning_parser=self.reasoning_parser,
         )
         side = SideEndpoints(engine, args.model_path, self.card)
-        await component.endpoint("model_files").start_serving(side.model_files)
-        await component.endpoint("clear_kv_blocks").start_serving(side.clear_kv_blocks)
+        # With auth on, only frontends' and workers' keys may call a worker (docs/security.md).
+        await component.endpoint("model_files").start_serving(
+            side.model_files, callers=WORKER_CALLERS)
+        await component.endpoint("clear_kv_blocks").start_serving(
+            side.clear_kv_blocks, callers=WORKER_CALLERS)
         await generate.start_serving(
-            self._generate, metadata=advert.to_metadata(), request_type=PreprocessedRequest
+            self._generate, metadata=advert.to_metadata(), request_type=PreprocessedRequest,
+            callers=WORKER_CALLERS,
         )
         await self.health.canary()
         self._res.spawn(self.health.run(), "worker-health")
