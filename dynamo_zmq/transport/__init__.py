@@ -9,6 +9,7 @@ from ._curve import disable_curve as disable_curve
 from ._curve import enable_curve as enable_curve
 from ._curve import peer_key as peer_key
 from ._curve import peer_roles as peer_roles
+from ._curve import warn_unless_own_role as warn_unless_own_role
 from ._key_roles import DEFAULT_CALLERS as DEFAULT_CALLERS
 from ._key_roles import EVERY_ROLE as EVERY_ROLE
 from ._key_roles import KEY_ROLES as KEY_ROLES
@@ -74,4 +75,5 @@ __all__ = [
     "peer_roles",
     "plain_items",
     "response_items",
+    "warn_unless_own_role",
 ]

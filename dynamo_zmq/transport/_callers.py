@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Container
 
 from ._connections import Connection, of_fd, shut_down
 from ._curve import CurveAuth
@@ -49,8 +49,12 @@ class Callers:
         if sender is not None and identity not in self._by_identity:
             self._by_identity[identity] = (sender[0], of_fd(sender[1]))
 
-    def forget(self, identity: bytes) -> None:
-        self._by_identity.pop(identity, None)
+    def prune(self, active: Container[bytes]) -> None:
+        """Forget the callers not ``active`` whose connection is gone. (A silent caller's
+        connection may still be open: its key is kept, so a revoke can close it.)"""
+        for identity, (_, conn) in list(self._by_identity.items()):
+            if identity not in active and (conn is None or of_fd(conn.fd) != conn):
+                del self._by_identity[identity]
 
     def deny(self, identity: bytes, endpoint: str) -> str | None:
         """Why the caller behind ``identity`` may not call ``endpoint`` (None: it may)."""

@@ -42,6 +42,7 @@ __all__ = [
     "enable_curve",
     "peer_key",
     "peer_roles",
+    "warn_unless_own_role",
 ]
 
 log = logging.getLogger(__name__)
@@ -136,7 +137,8 @@ class CurveAuth:
 
     def _index(self, trusted: dict[str, TrustedKey]) -> None:
         self._roles = {t.public: t.roles for t in trusted.values()}
-        self._names = {t.public: name for name, t in trusted.items()}
+        # Names of revoked keys are kept: the logs of what a revoke closes use them.
+        self._names = {**self._names, **{t.public: name for name, t in trusted.items()}}
         every = sorted(name for name, t in trusted.items()
                        if not t.explicit and name not in self._every_role_noted)
         if every:
@@ -183,7 +185,8 @@ class CurveAuth:
             for key, roles in before.items():
                 if not roles <= self._roles.get(key, frozenset()):
                     shrunk[key] = roles
-            self._refused = {(k, d) for k, d in self._refused if not self._admits(k, d)}
+            self._refused = {(k, d) for k, d in self._refused
+                             if not (self._admits(k, d) if d else k in self._roles)}
             log.info("authorized keys reloaded from %s: %d (+%d, -%d)",
                      self.key_dir / AUTHORIZED, len(self._roles),
                      len(self._roles.keys() - before.keys()),
@@ -246,8 +249,9 @@ class CurveAuth:
                     seen.add(address)
             return True
         self.refusals += 1
-        if (key, domain) not in self._refused and len(self._refused) < MAX_LOGGED_REFUSALS:
-            self._refused.add((key, domain))
+        said = (key, domain if roles else "")  # an unknown key is said once, not per socket
+        if said not in self._refused and len(self._refused) < MAX_LOGGED_REFUSALS:
+            self._refused.add(said)
             if not roles:
                 log.warning("refused a connection from unauthorized key %s", key.decode())
             else:
@@ -371,3 +375,12 @@ def peer_roles(key: bytes | None) -> frozenset[str] | None:
     if _current is None:
         return None
     return _current.roles_of(key) if key else frozenset()
+
+
+def warn_unless_own_role(role: str, what: str) -> None:
+    """Say so when this process's own key is authorized here without ``role``: its peers
+    (sharing this authorized set) refuse it as that (``what`` they would do with it)."""
+    if _current is None or (own := _current.own_roles()) is None or role in own:
+        return
+    log.warning("this process's key %s is not authorized as a %s here (it holds %s): %s",
+                _current.name, role, format_roles(own), what)

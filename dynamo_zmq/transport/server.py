@@ -371,8 +371,6 @@ class Server:
 
     def _client_gone(self, identity: bytes) -> None:
         self._last_seen.pop(identity, None)
-        if self.callers is not None:
-            self.callers.forget(identity)
         orphans = [st for (ident, _), st in self._streams.items() if ident == identity]
         if orphans:
             log.info("client %s is gone: killing its %d open streams", identity.hex(), len(orphans))
@@ -395,3 +393,5 @@ class Server:
         for identity, seen in list(self._last_seen.items()):
             if seen < cutoff:
                 self._client_gone(identity)
+        if self.callers is not None:
+            self.callers.prune(self._last_seen)

@@ -45,7 +45,7 @@ from ..llm import (
 from ..llm.parsers import detect_parsers
 from ..resources import cancel_and_wait
 from ..runtime import DistributedRuntime, StatusServer
-from ..transport import WORKER_CALLERS
+from ..transport import WORKER, WORKER_CALLERS, warn_unless_own_role
 from ._config import WorkerConfig
 from ._embed import serve_embedding
 from ._health import Health, embedding_payload
@@ -74,6 +74,7 @@ class Worker:
         self.engine = engine
         self.settings = settings
         self.runtime = DistributedRuntime(config=settings.runtime)
+        warn_unless_own_role(WORKER, "frontends and routers will not route to it")
         self._res = self.runtime.resources.child("worker")
         self.config: EngineConfig | None = None
         self.card: ModelCard | None = None
