@@ -216,13 +216,12 @@ class Worker:
             on_change=lambda ok: self.runtime.set_endpoint_health(generate.path, ok),
         )
         if args.system_port is not None:
-            rc = self.runtime.config
             self.status = StatusServer(
-                rc.bind_host if rc.host else "0.0.0.0", int(args.system_port), metrics.render,
-                self._health,
+                args.system_host, int(args.system_port), metrics.render, self._health,
             )
             self.status.start()
-            log.info("metrics and health on port %d", self.status.port)
+            log.info("system port on %s (--system-host): metrics and health on port %d",
+                     args.system_host, self.status.port)
         engine = self.engine
         advert = ModelAdvert(
             self.card, config, await self._start_load_publisher(), args.migration_limit,
