@@ -208,6 +208,8 @@ class AsyncSocket:
         """One multipart message (raises ``zmq.Again`` when there is none)."""
         sock = self.sock
         frames: list[bytes] = [_recv(sock, _NOBLOCK)]
+        if self.senders:
+            self.sender = None
         if self.senders and _get(sock, _RCVMORE):
             # The second part as a Frame: it carries its connection's properties.
             frame = _recv(sock, _NOBLOCK, False)
