@@ -14,11 +14,14 @@ from pathlib import Path
 import pytest
 import zmq
 import zmq.auth
+from hypothesis import given
+from hypothesis import strategies as st
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
+from dynamo_zmq.errors import InvalidArgument
 from dynamo_zmq.tools.keys import KeyFileError, authorized_keys, load_keypair, trusted_keys
-from dynamo_zmq.transport import EVERY_ROLE
+from dynamo_zmq.transport import EVERY_ROLE, KEY_ROLES, format_roles, parse_roles
 from tests.support.procs import pythonpath
 
 
@@ -192,3 +195,20 @@ def test_the_files_are_zeromq_curve_certificates(tmp_path: Path) -> None:
             thread.join(10)
         auth.stop()
         ctx.destroy(linger=0)
+
+
+@given(st.sets(st.sampled_from(KEY_ROLES), min_size=1),
+       st.lists(st.sampled_from([",", " ,", ", "])))
+def test_roles_round_trip_through_their_text(roles: set[str], seps: list[str]) -> None:
+    text = format_roles(roles)
+    assert parse_roles(text) == roles
+    assert parse_roles(text.split(",")) == roles  # several words (repeated --role)
+    joined = "".join(r + (seps[i] if i < len(seps) else ",") for i, r in enumerate(roles))
+    assert parse_roles(joined.upper()) == roles  # spaces, case and a trailing comma
+
+
+@given(st.text(min_size=1).filter(lambda w: w.strip().lower() not in (*KEY_ROLES, "all")
+                                   and "," not in w and w.strip()))
+def test_an_unknown_role_is_a_clear_error(word: str) -> None:
+    with pytest.raises(InvalidArgument, match="unknown key role"):
+        parse_roles(f"worker,{word}")

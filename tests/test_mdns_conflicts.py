@@ -56,8 +56,10 @@ async def until_event(it: AsyncIterator[DiscoveryEvent], wanted: DiscoveryEvent,
     deadline = loop.time() + timeout
     while not seen or seen[-1] != wanted:
         left = deadline - loop.time()
-        assert left > 0, f"{wanted} did not come within {timeout} s; saw {seen}"
-        seen.append(await asyncio.wait_for(it.__anext__(), left))
+        try:
+            seen.append(await asyncio.wait_for(it.__anext__(), max(left, 0)))
+        except TimeoutError:
+            pytest.fail(f"{wanted} did not come within {timeout} s; saw {seen}")
     return seen
 
 

@@ -30,7 +30,7 @@ from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from zeroconf import IPVersion, ServiceStateChange, Zeroconf, current_time_millis
-from zeroconf._dns import DNSAddress, DNSService
+from zeroconf._dns import DNSAddress, DNSRecord, DNSService
 from zeroconf._services.browser import generate_service_query
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo
 from zeroconf.const import _CLASS_IN, _TYPE_A, _TYPE_SRV
@@ -242,10 +242,14 @@ class Watch:
                         "cloned responder?); %s stays in use while it answers, and the name is "
                         "resolved again in %.0f s, when that record expires", name, new.address,
                         old.address, old.address, delay)
+        self._recheck_later(name, delay, old.address)
+
+    def _recheck_later(self, name: str, delay: float, home: str) -> None:
         previous = self._rechecks.pop(name, None)
         if previous is not None:
             previous.cancel()
-        self._rechecks[name] = self._start(self._recheck(name, delay), f"mdns-recheck {name}")
+        self._rechecks[name] = self._start(self._recheck(name, delay, home),
+                                           f"mdns-recheck {name}")
 
     def _forget_expired(self, name: str) -> None:
         """Drop ``name``'s expired SRV records and their targets' expired A records from the
@@ -253,14 +257,18 @@ class Watch:
         latest record alone, although expired, when a valid one is there too)."""
         now = current_time_millis()
         cache = self._zc.cache
-        stale = []
+        stale: dict[DNSRecord, None] = {}  # once each: several SRV records share a target
         for srv in cache.async_all_by_details(name, _TYPE_SRV, _CLASS_IN):
             if isinstance(srv, DNSService):
-                stale += [a for a in cache.async_all_by_details(srv.server, _TYPE_A, _CLASS_IN)
-                          if a.is_expired(now)]
+                stale.update((a, None) for a in
+                             cache.async_all_by_details(srv.server, _TYPE_A, _CLASS_IN)
+                             if a.is_expired(now))
                 if srv.is_expired(now):
-                    stale.append(srv)
-        cache.async_remove_records(stale)
+                    stale[srv] = None
+        try:
+            cache.async_remove_records(stale)
+        except Exception:  # zeroconf's internals changed: resolve with the cache as it is
+            log.debug("mDNS: cannot drop the expired records of %s", name, exc_info=True)
 
     def _expiry(self, name: str, address: str) -> float:
         """Seconds until the cached records that make ``name`` resolve to ``address`` (its SRV
@@ -277,12 +285,17 @@ class Watch:
                         ends.append(a.get_expiration_time(100))
         return min(RECHECK_MAX, max(0.0, (max(ends, default=now) - now) / 1000))
 
-    async def _recheck(self, name: str, delay: float) -> None:
+    async def _recheck(self, name: str, delay: float, home: str) -> None:
+        """Resolve ``name`` again after ``delay``; while it still resolves away from ``home``
+        (the foreign records were refreshed meanwhile), again when those expire."""
         try:
             await asyncio.sleep(delay + RECHECK_MARGIN)
             if name in self._known:
                 self._forget_expired(name)
                 await self._resolve(name, recheck=True)
+            now = self._known.get(name)
+            if now is not None and now.address != home:
+                self._recheck_later(name, self._expiry(name, now.address), home)
         finally:
             if self._rechecks.get(name) is asyncio.current_task():
                 del self._rechecks[name]
