@@ -294,8 +294,9 @@ class Watch:
                 self._forget_expired(name)
                 await self._resolve(name, recheck=True)
             now = self._known.get(name)
-            if now is not None and now.address != home:
-                self._recheck_later(name, self._expiry(name, now.address), home)
+            if now is not None and now.address != home:  # never more often than a requery
+                delay = max(self._expiry(name, now.address), REQUERY_INTERVAL)
+                self._recheck_later(name, delay, home)
         finally:
             if self._rechecks.get(name) is asyncio.current_task():
                 del self._rechecks[name]
