@@ -74,12 +74,17 @@ class Peer:
     def _socket(self, kind: int) -> zmq.Socket[bytes]:
         sock = self.ctx.socket(kind)
         sock.linger = 0
+        # A DEALER whose handshake is refused has no peer, and a send would block for ever.
+        sock.sndtimeo = 3000
         sock.curve_publickey, sock.curve_secretkey = self.keypair
         sock.curve_serverkey = self.server
         return sock
 
     def ask(self, frames: list[bytes], timeout_ms: int = 3000) -> list[bytes] | None:
-        self.sock.send_multipart(frames)
+        try:
+            self.sock.send_multipart(frames)
+        except zmq.Again:  # no peer: the handshake was refused
+            return None
         return self.sock.recv_multipart() if self.sock.poll(timeout_ms) else None
 
     def describe(self) -> Description | None:
