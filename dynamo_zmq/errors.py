@@ -14,6 +14,7 @@ The wire carries ``(kind, message)``; ``from_wire`` rebuilds the same class on t
     ├── Overloaded                   every worker is busy and the wait queue is full or timed out
     ├── StreamIncomplete             a stream ended without its terminal or with a sequence gap
     ├── Unsupported                  the engine or endpoint does not offer the operation
+    ├── PermissionDenied             the caller's key lacks a role the endpoint admits (auth on)
     └── Unknown                      anything else, including a handler's unexpected exception
 """
 
@@ -28,6 +29,7 @@ __all__ = [
     "EngineShutdown",
     "InvalidArgument",
     "Overloaded",
+    "PermissionDenied",
     "ResponseTimeout",
     "StreamIncomplete",
     "Unknown",
@@ -124,6 +126,13 @@ class Unsupported(DynamoError):
     kind = "Unsupported"
 
 
+class PermissionDenied(DynamoError):
+    """With auth on, the caller's key holds no role the endpoint admits (a ``tool`` key asking
+    a worker to generate, say). Not retryable: every instance checks the same keys."""
+
+    kind = "PermissionDenied"
+
+
 class Unknown(DynamoError):
     """An error with no more specific kind (for example an exception in a handler)."""
 
@@ -143,6 +152,7 @@ _BY_KIND: dict[str, type[DynamoError]] = {
         Overloaded,
         StreamIncomplete,
         Unsupported,
+        PermissionDenied,
         Unknown,
     )
 }

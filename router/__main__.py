@@ -46,6 +46,7 @@ from dynamo_zmq.runtime import (
     run_main,
     setup_logging,
 )
+from dynamo_zmq.transport import warn_unless_own_role
 
 from .kv_router import KvRouter, KvRouterConfig
 from .metrics import RouterMetrics
@@ -211,6 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
 async def serve(args: argparse.Namespace) -> int:
     config = KvRouterConfig(**kv_router_options(args))
     runtime = DistributedRuntime(config=RuntimeConfig.from_args(args))
+    warn_unless_own_role("router", "peers grant it only what those roles may do (docs/security.md)")
     service = RouterService(runtime, args.namespace, config)
     status: StatusServer | None = None
     loop = asyncio.get_running_loop()

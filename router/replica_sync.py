@@ -12,9 +12,8 @@ KV index (that comes from the workers' events). It asks a new peer, one whose ev
 gap, and one with a request counted for a while, for a snapshot (``router/_replica_snapshot.py``),
 so a router that joins late counts what was in flight before, and a lost ``FREE`` ends. A
 peer's request counts until its ``FREE`` (or a snapshot without it), until the peer leaves
-discovery or liveness (killed, partitioned), or for at most ``ttl`` seconds.
-Malformed messages are counted and skipped; a request on a worker this router has not found
-yet (a peer may find it first) counts once it is found.
+discovery or liveness (killed, partitioned), or for at most ``ttl`` seconds. Malformed messages
+are counted and skipped; a request on a worker not found yet counts once it is found.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ import zmq
 from dynamo_zmq import errors
 from dynamo_zmq.resources import Resources
 from dynamo_zmq.runtime import Client, DistributedRuntime
-from dynamo_zmq.transport import AsyncSocket, BadInput, endpoint_via, make_socket, peer_key
+from dynamo_zmq.transport import AsyncSocket, BadInput, Domain, endpoint_via, make_socket, peer_key
 
 from . import _replica_snapshot as snapshots
 from ._replica_metrics import ReplicaMetrics
@@ -117,7 +116,8 @@ class ReplicaSync:
     async def start(self) -> None:
         """Bind the PUB socket, advertise it and start following the peers."""
         rc = self._runtime.config
-        sock = make_socket(self._res.zctx, zmq.PUB, bind=f"tcp://{rc.bind_host}:0", hwm=PUB_HWM)
+        sock = make_socket(self._res.zctx, zmq.PUB, bind=f"tcp://{rc.bind_host}:0", hwm=PUB_HWM,
+                           zap_domain=Domain.REPLICA)
         self._pub.sock, self._pub.replica = sock, self._runtime.instance_id
         self._res.on_close(self._pub.close)
         port = sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]

@@ -511,20 +511,6 @@ async def test_mdns_renew_keeps_a_registered_advert(
     assert await StaticDiscovery(DiscoveryConfig(backend="static")).renew(advert) is None
 
 
-async def test_mdns_renew_reports_another_responder_claiming_the_name(
-    mdns_pair: tuple[MdnsDiscovery, MdnsDiscovery],
-) -> None:
-    a, rogue = mdns_pair
-    ns, iid = unique_ns(), unique_iid()
-    advert = Advert(ns, iid, ("tcp://127.0.0.1:5562",))
-    await a.advertise(advert)
-    assert await a.renew(advert) is None
-    # Same namespace and instance id (so the same service name), another target.
-    await rogue.advertise(Advert(ns, iid, ("tcp://127.0.0.1:5563",)))
-    reason = await eventually_renew(a, advert, "another responder claims")
-    assert reason is not None and instance_name(ns, iid) in reason and ":5563" in reason
-
-
 async def test_mdns_renew_announces_again_after_a_goodbye_it_did_not_send(
     mdns_pair: tuple[MdnsDiscovery, MdnsDiscovery], caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -1,7 +1,7 @@
-"""``python -m dynamo_zmq.keys`` through the real CLI: keypairs, the trusted set, and clear
-errors for missing, malformed or too widely readable key files; the files work as ZeroMQ
-CURVE certificates with pyzmq's own ZAP authenticator (an authorized client is served, an
-unknown one is not)."""
+"""``python -m dynamo_zmq.keys`` through the real CLI: keypairs, the trusted set and each
+key's roles, and clear errors for missing, malformed or too widely readable key files and
+unknown roles; the files work as ZeroMQ CURVE certificates with pyzmq's own ZAP authenticator
+(an authorized client is served, an unknown one is not), roles and all."""
 
 from __future__ import annotations
 
@@ -14,10 +14,14 @@ from pathlib import Path
 import pytest
 import zmq
 import zmq.auth
+from hypothesis import given
+from hypothesis import strategies as st
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
-from dynamo_zmq.tools.keys import KeyFileError, authorized_keys, load_keypair
+from dynamo_zmq.errors import InvalidArgument
+from dynamo_zmq.tools.keys import KeyFileError, authorized_keys, load_keypair, trusted_keys
+from dynamo_zmq.transport import EVERY_ROLE, KEY_ROLES, format_roles, parse_roles
 from tests.support.procs import pythonpath
 
 
@@ -41,11 +45,13 @@ def test_create_print_authorize_list_and_revoke(tmp_path: Path) -> None:
     assert keys("public", str(a)).stdout.strip() == public
 
     other = keys("create", str(b), "--name", "worker1").stdout.strip()
-    assert keys("authorize", str(a), str(b / "worker1.key")).stdout.strip() == "authorized worker1"
+    made = keys("authorize", str(a), str(b / "worker1.key"))
+    assert made.stdout.strip() == "authorized worker1 (all)"
+    assert "holds every role" in made.stderr  # no --role: said, not silent
     assert keys("authorize", str(a), public, "--as", "self").returncode == 0
     listed = keys("list", str(a)).stdout.split("\n")
     assert sorted(line for line in listed if line) == sorted(
-        [f"self {public}", f"worker1 {other}"]
+        [f"self {public} all", f"worker1 {other} all"]
     )
     assert authorized_keys(a) == {"self": public.encode(), "worker1": other.encode()}
     clash = keys("authorize", str(a), public, "--as", "worker1")
@@ -54,6 +60,48 @@ def test_create_print_authorize_list_and_revoke(tmp_path: Path) -> None:
     assert set(authorized_keys(a)) == {"self"}
     missing = keys("revoke", str(a), "nobody")
     assert missing.returncode == 1 and "no authorized key matches" in missing.stderr
+
+
+def test_roles_are_written_read_changed_and_kept(tmp_path: Path) -> None:
+    home, peer = tmp_path / "home", tmp_path / "peer"
+    assert keys("create", str(home)).returncode == 0
+    public = keys("create", str(peer), "--name", "front1").stdout.strip()
+    made = keys("authorize", str(home), str(peer / "front1.key"), "--role", "frontend")
+    assert made.returncode == 0 and made.stdout.strip() == "authorized front1 (frontend)"
+    assert made.stderr == ""
+    held = trusted_keys(home)["front1"]
+    assert (held.public, held.roles, held.explicit) == (public.encode(), {"frontend"}, True)
+    cert = home / "authorized" / "front1.key"
+    assert 'role = "frontend"' in cert.read_text()
+    assert zmq.auth.load_certificate(str(cert))[0] == public.encode()  # still pyzmq's format
+
+    # Another role replaces the file's; authorizing again without --role keeps the roles.
+    assert keys("authorize", str(home), public, "--as", "front1", "--role", "tool",
+                "--role", "router").stdout.strip() == "authorized front1 (router,tool)"
+    assert keys("authorize", str(home), public, "--as", "front1").stdout.strip() == (
+        "authorized front1 (router,tool)")
+    assert trusted_keys(home)["front1"].roles == {"router", "tool"}
+    assert keys("authorize", str(home), public, "--as", "front1", "--role", "all").stdout.strip(
+    ) == "authorized front1 (worker,frontend,router,tool)"
+    assert sorted(p.name for p in (home / "authorized").iterdir()) == ["front1.key"]  # no debris
+    listed = keys("list", str(home)).stdout.split()
+    assert listed == ["front1", public, "worker,frontend,router,tool"]
+
+    bad = keys("authorize", str(home), public, "--as", "front1", "--role", "admin")
+    assert bad.returncode == 1 and "unknown key role 'admin'" in bad.stderr
+    assert "Traceback" not in bad.stderr
+    assert trusted_keys(home)["front1"].roles == EVERY_ROLE  # unchanged
+
+    # A key authorized before roles existed (a file without a role line) holds every role.
+    old = home / "authorized" / "old.key"
+    old.write_text(f'metadata\ncurve\n    public-key = "{public}"\n')
+    legacy = trusted_keys(home)["old"]
+    assert legacy.roles == EVERY_ROLE and not legacy.explicit
+    assert f"old {public} all" in keys("list", str(home)).stdout
+    # ...and a typo in a role is an error, never a silent lock-out or lock-in.
+    old.write_text(f'metadata\n    role = "wroker"\ncurve\n    public-key = "{public}"\n')
+    with pytest.raises(KeyFileError, match=r"old\.key: unknown key role 'wroker'"):
+        trusted_keys(home)
 
 
 def test_a_key_that_starts_with_a_dash_is_a_key_not_an_option(tmp_path: Path) -> None:
@@ -147,3 +195,20 @@ def test_the_files_are_zeromq_curve_certificates(tmp_path: Path) -> None:
             thread.join(10)
         auth.stop()
         ctx.destroy(linger=0)
+
+
+@given(st.sets(st.sampled_from(KEY_ROLES), min_size=1),
+       st.lists(st.sampled_from([",", " ,", ", "])))
+def test_roles_round_trip_through_their_text(roles: set[str], seps: list[str]) -> None:
+    text = format_roles(roles)
+    assert parse_roles(text) == roles
+    assert parse_roles(text.split(",")) == roles  # several words (repeated --role)
+    joined = "".join(r + (seps[i] if i < len(seps) else ",") for i, r in enumerate(roles))
+    assert parse_roles(joined.upper()) == roles  # spaces, case and a trailing comma
+
+
+@given(st.text(min_size=1).filter(lambda w: w.strip().lower() not in (*KEY_ROLES, "all")
+                                   and "," not in w and w.strip()))
+def test_an_unknown_role_is_a_clear_error(word: str) -> None:
+    with pytest.raises(InvalidArgument, match="unknown key role"):
+        parse_roles(f"worker,{word}")

@@ -1,10 +1,10 @@
 """The runtime's primary lease (the DistributedRuntime document's lease, without etcd).
 
 Its id is the instance id in every registration; revoking it, or losing a registration that
-cannot be renewed (another mDNS responder claims the instance's name), withdraws the runtime's
-adverts and shuts it down: ``serve_endpoint`` returns, ``wait_shutdown`` returns, a served
-process exits, and clients see the instance leave. Real runtimes and real processes, mDNS on
-loopback.
+cannot be renewed, withdraws the runtime's adverts and shuts it down: ``serve_endpoint``
+returns, ``wait_shutdown`` returns, a served process exits, and clients see the instance leave.
+Another mDNS responder claiming the instance's name is not such a loss: the process announces
+itself under a new name and keeps serving. Real runtimes and real processes, mDNS on loopback.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import pytest
 
 from dynamo_zmq import errors
 from dynamo_zmq.discovery import Advert, DiscoveryConfig, MdnsDiscovery
+from dynamo_zmq.discovery.mdns import instance_name
 from dynamo_zmq.runtime import Lease
 from tests.conftest import app_args
 from tests.support.waiting import until
@@ -103,7 +104,7 @@ async def test_a_served_process_stops_when_its_lease_is_revoked(
     assert "revoked by a caller" in server.logs()
 
 
-async def test_a_process_whose_mdns_name_is_claimed_by_another_stops(
+async def test_a_process_whose_mdns_name_is_claimed_keeps_serving_under_a_new_name(
     namespace: str, spawn, make_runtime
 ) -> None:
     server = spawn(*app_args(namespace))
@@ -111,14 +112,22 @@ async def test_a_process_whose_mdns_name_is_claimed_by_another_stops(
     count = await caller.endpoint(f"{namespace}.backend.count").client()
     assert await count.wait_for_instances(timeout=WAIT) == [server.instance_id]
 
-    # Another responder publishes the server's instance name with another target: the name
-    # (and so the instance id, the lease) can no longer be the server's.
+    # Another responder publishes the server's instance name with another target: a stray or
+    # cloned responder. The server gives the name up for a new one; it never stops.
     rogue = MdnsDiscovery(DiscoveryConfig(mdns_interfaces=("127.0.0.1",)))
+    renamed = f"as {instance_name(namespace, server.instance_id, 2)} from now on"
     try:
         port = int(server.address.rsplit(":", 1)[1])
         claim = Advert(namespace, server.instance_id, (f"tcp://127.0.0.1:{port + 1}",))
         await rogue.advertise(claim)
-        assert await exit_code(server) == 0
+        assert await until(count, lambda: renamed in server.logs(), WAIT), server.logs()
+        await asyncio.sleep(2)  # the keep-alive renews meanwhile, four times a second
+        assert server.running()
+        assert count.instance_ids() == [server.instance_id]
+        assert [r.data() async for r in await count.generate({"n": 2})]  # still served
     finally:
         await rogue.close()
-    assert "another responder claims" in server.logs()
+    assert server.logs().count("another responder claims") == 1, server.logs()
+    # A fresh caller finds it under its new name.
+    fresh = await make_runtime().endpoint(f"{namespace}.backend.count").client()
+    assert await fresh.wait_for_instances(timeout=WAIT) == [server.instance_id]

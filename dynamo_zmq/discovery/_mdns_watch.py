@@ -12,17 +12,28 @@ host receives and every responder parses. So it is paced: ``REQUERY_INTERVAL`` s
 the watch last saw a change (a peer added, updated or removed, or ``kick``: the caller saw a
 lost peer come back, so a link may have healed), doubling while nothing changes, up to
 ``REQUERY_MAX``.
+
+A service name is one instance's (it carries the instance id). When a name comes to resolve to
+another address, a responder is announcing a conflicting record (a stray or cloned one, or
+another responder's copy): said once per name and address, the new address is added, and the
+old one is removed only as ``stale`` (the caller keeps a peer whose connection answers). The
+name is resolved again once the foreign records expire. An address another known name still
+leads to (an instance that took a new name) is never removed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+import socket
+from collections.abc import Coroutine, Sequence
+from typing import Any
 
 from zeroconf import IPVersion, ServiceStateChange, Zeroconf, current_time_millis
+from zeroconf._dns import DNSAddress, DNSRecord, DNSService
 from zeroconf._services.browser import generate_service_query
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo
+from zeroconf.const import _CLASS_IN, _TYPE_A, _TYPE_SRV
 
 from ..resources import cancel_and_wait, wait_event
 from ._base import PROTOCOL_VERSION, SERVICE_TYPE, DiscoveryEvent, PeerAdded, PeerRemoved
@@ -36,6 +47,11 @@ log = logging.getLogger("dynamo_zmq.discovery.mdns")
 #: the interval doubles while nothing changes, up to ``REQUERY_MAX``.
 REQUERY_INTERVAL = 3.0
 REQUERY_MAX = 60.0
+#: Seconds after a conflicting record's expiry before its name is resolved again (zeroconf
+#: drops expired records lazily), and the longest wait for it (a record's TTL can be anything).
+RECHECK_MARGIN, RECHECK_MAX = 1.0, 600.0
+#: (name, address) conflicts said by name; past this many, only the addresses change.
+MAX_SAID = 1024
 _ADD_OR_UPDATE = (ServiceStateChange.Added, ServiceStateChange.Updated)
 
 
@@ -60,6 +76,10 @@ class Watch:
         self._known: dict[str, PeerAdded] = {}
         self._resolving: dict[str, asyncio.Task[None]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        #: Each name's addresses so far (a new one is a conflict), and its pending re-resolve.
+        self._seen: dict[str, set[str]] = {}
+        self._rechecks: dict[str, asyncio.Task[None]] = {}
+        self._said: set[tuple[str, str]] = set()
         self._stopped = False
         #: Set when something changed: the next query comes ``REQUERY_INTERVAL`` after it.
         self._changed = asyncio.Event()
@@ -123,19 +143,25 @@ class Watch:
             if previous is not None:
                 previous.cancel()
             if state_change in _ADD_OR_UPDATE:
-                task = asyncio.get_running_loop().create_task(
-                    self._resolve(name), name=f"mdns-resolve {name}"
-                )
-                self._resolving[name] = task
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+                self._resolving[name] = self._start(self._resolve(name), f"mdns-resolve {name}")
             elif (old := self._known.pop(name, None)) is not None:
-                self.queue.put_nowait(PeerRemoved(old.address, old.instance_id))
+                self._seen.pop(name, None)
+                if (recheck := self._rechecks.pop(name, None)) is not None:
+                    recheck.cancel()
+                self._drop(old, stale=False)
                 self._changed.set()
         except Exception:
             log.exception("mDNS: error handling %s for %s", state_change, name)
 
-    async def _resolve(self, name: str) -> None:
+    def _start(self, coro: Coroutine[Any, Any, None], what: str) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(coro, name=what)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _resolve(self, name: str, recheck: bool = False) -> None:
+        """Resolve ``name`` and publish what it resolves to; a ``recheck`` (after a conflict)
+        that gets no answer drops the name (as ``stale``)."""
         try:
             info = AsyncServiceInfo(SERVICE_TYPE, name)
             for _ in range(self._attempts):
@@ -143,8 +169,14 @@ class Watch:
                     break
             else:
                 log.debug("mDNS: %s did not resolve in %d attempts", name, self._attempts)
+                if recheck and name in self._known:
+                    log.info("mDNS: %s no longer resolves: the conflicting record expired", name)
+                    self._publish(name, None)
                 return
-            self._publish(name, self._event(info))
+            event = self._event(info)
+            if recheck and event is not None and event != self._known.get(name):
+                log.info("mDNS: %s resolves to %s again", name, event.address)
+            self._publish(name, event)
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -179,11 +211,99 @@ class Watch:
         old = self._known.get(name)
         if event == old:
             return
-        if old is not None and (event is None or event.address != old.address):
-            self.queue.put_nowait(PeerRemoved(old.address, old.instance_id))
         if event is None:
             self._known.pop(name, None)
+            self._seen.pop(name, None)
+            if old is not None:
+                self._drop(old, stale=True)
             return
         self._known[name] = event
+        seen = self._seen.setdefault(name, {event.address})
+        if old is not None and event.address != old.address:
+            if event.address not in seen:
+                seen.add(event.address)
+                self._conflict(name, old, event)
+            self._drop(old, stale=True)  # the caller keeps it while it answers
         self.queue.put_nowait(event)
         self._changed.set()
+
+    def _drop(self, old: PeerAdded, stale: bool) -> None:
+        """``PeerRemoved`` for ``old``'s address, unless another known name leads there."""
+        if all(known.address != old.address for known in self._known.values()):
+            self.queue.put_nowait(PeerRemoved(old.address, old.instance_id, stale))
+
+    def _conflict(self, name: str, old: PeerAdded, new: PeerAdded) -> None:
+        """``name`` resolved to ``old`` and now to ``new``: say so once, and resolve it again
+        when the records that say ``new`` expire."""
+        delay = self._expiry(name, new.address)
+        if (name, new.address) not in self._said and len(self._said) < MAX_SAID:
+            self._said.add((name, new.address))
+            log.warning("mDNS: %s now resolves to %s, not %s: a conflicting record (a stray or "
+                        "cloned responder?); %s stays in use while it answers, and the name is "
+                        "resolved again in %.0f s, when that record expires", name, new.address,
+                        old.address, old.address, delay)
+        self._recheck_later(name, delay, old.address)
+
+    def _recheck_later(self, name: str, delay: float, home: str) -> None:
+        previous = self._rechecks.pop(name, None)
+        if previous is not None:
+            previous.cancel()
+        self._rechecks[name] = self._start(self._recheck(name, delay, home),
+                                           f"mdns-recheck {name}")
+
+    def _forget_expired(self, name: str) -> None:
+        """Drop ``name``'s expired SRV records and their targets' expired A records from the
+        cache now (zeroconf drops them every 10 s, and until then may resolve with the
+        latest record alone, although expired, when a valid one is there too)."""
+        now = current_time_millis()
+        cache = self._zc.cache
+        stale: dict[DNSRecord, None] = {}  # once each: several SRV records share a target
+        for srv in cache.async_all_by_details(name, _TYPE_SRV, _CLASS_IN):
+            if isinstance(srv, DNSService):
+                stale.update((a, None) for a in
+                             cache.async_all_by_details(srv.server, _TYPE_A, _CLASS_IN)
+                             if a.is_expired(now))
+                if srv.is_expired(now):
+                    stale[srv] = None
+        try:
+            cache.async_remove_records(stale)
+        except Exception:  # zeroconf's internals changed: resolve with the cache as it is
+            log.debug("mDNS: cannot drop the expired records of %s", name, exc_info=True)
+
+    def _expiry(self, name: str, address: str) -> float:
+        """Seconds until the cached records that make ``name`` resolve to ``address`` (its SRV
+        records with that port, their targets' A records with that IP) expire."""
+        ip, _, port = address.removeprefix("tcp://").rpartition(":")
+        now = current_time_millis()
+        cache = self._zc.cache
+        ends = []
+        for srv in cache.async_all_by_details(name, _TYPE_SRV, _CLASS_IN):
+            if isinstance(srv, DNSService) and str(srv.port) == port and not srv.is_expired(now):
+                ends.append(srv.get_expiration_time(100))
+                for a in cache.async_all_by_details(srv.server, _TYPE_A, _CLASS_IN):
+                    if isinstance(a, DNSAddress) and not a.is_expired(now) and _ipv4(a) == ip:
+                        ends.append(a.get_expiration_time(100))
+        return min(RECHECK_MAX, max(0.0, (max(ends, default=now) - now) / 1000))
+
+    async def _recheck(self, name: str, delay: float, home: str) -> None:
+        """Resolve ``name`` again after ``delay``; while it still resolves away from ``home``
+        (the foreign records were refreshed meanwhile), again when those expire."""
+        try:
+            await asyncio.sleep(delay + RECHECK_MARGIN)
+            if name in self._known:
+                self._forget_expired(name)
+                await self._resolve(name, recheck=True)
+            now = self._known.get(name)
+            if now is not None and now.address != home:  # never more often than a requery
+                delay = max(self._expiry(name, now.address), REQUERY_INTERVAL)
+                self._recheck_later(name, delay, home)
+        finally:
+            if self._rechecks.get(name) is asyncio.current_task():
+                del self._rechecks[name]
+
+
+def _ipv4(record: DNSAddress) -> str:
+    try:
+        return socket.inet_ntoa(record.address)
+    except (OSError, TypeError, ValueError):
+        return ""

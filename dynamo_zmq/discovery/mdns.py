@@ -8,7 +8,9 @@ peers whose announcements were missed, and the queue it yields from. Zeroconf fa
 after ``start()`` are logged, never raised into the caller's loop. Which IPv4 addresses are
 published and dialled is ``_mdns_addresses.py``'s; what the network says about our own
 services (conflicts, goodbyes we did not send) ``_mdns_guard.py``'s, and ``renew`` (the
-runtime's lease keep-alive) acts on it.
+runtime's lease keep-alive) acts on it: another responder claiming an advert's name makes it
+announce the advert under a new one (``<namespace>-<instance id>-2``, ...), said once; the
+instance, its lease and its peers' connections stay as they are.
 """
 
 from __future__ import annotations
@@ -54,11 +56,13 @@ _RECEIVE_BUFFER = 4 * 1024 * 1024
 _SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
 
 
-def instance_name(namespace: str, instance_id: int) -> str:
-    """The service name for one advert: a DNS-safe namespace label plus the instance id in hex."""
+def instance_name(namespace: str, instance_id: int, generation: int = 1) -> str:
+    """The service name for one advert: a DNS-safe namespace label plus the instance id in hex,
+    and from the second ``generation`` on (a name claimed by another responder) ``-N``."""
+    suffix = f"-{generation}" if generation > 1 else ""
     safe = re.sub(r"[^A-Za-z0-9-]+", "-", namespace).strip("-") or "ns"
-    safe = safe[: _MAX_LABEL - 17].rstrip("-") or "ns"
-    return f"{safe}-{instance_id:016x}.{SERVICE_TYPE}"
+    safe = safe[: _MAX_LABEL - 17 - len(suffix)].rstrip("-") or "ns"
+    return f"{safe}-{instance_id:016x}{suffix}.{SERVICE_TYPE}"
 
 
 class MdnsDiscovery(Discovery):
@@ -68,6 +72,7 @@ class MdnsDiscovery(Discovery):
         cfg: ``cfg.mdns_interfaces`` pins mDNS to those IPv4 addresses (``None``: all).
         resolve_timeout: seconds one attempt to resolve a peer's records may take.
         resolve_attempts: attempts before a peer that does not answer is skipped.
+        ttl: seconds the records it publishes live in others' caches.
     """
 
     def __init__(
@@ -76,8 +81,12 @@ class MdnsDiscovery(Discovery):
         *,
         resolve_timeout: float = 1.0,
         resolve_attempts: int = 3,
+        ttl: int = _TTL,
     ) -> None:
         self._interfaces = tuple((cfg.mdns_interfaces if cfg else None) or ())
+        self._ttl = ttl
+        #: The name generation of each advert (``instance_name``): 1 until its name is claimed.
+        self._generation: dict[tuple[str, int], int] = {}
         self._resolve_timeout = resolve_timeout
         self._resolve_attempts = resolve_attempts
         self._aiozc: AsyncZeroconf | None = None
@@ -123,9 +132,10 @@ class MdnsDiscovery(Discovery):
                 self._unregistered[key] = info
 
     async def renew(self, advert: Advert) -> str | None:
-        """Keep ``advert`` registered: announce it again after a goodbye we did not send, or
-        register it when that failed before. Returns ``None`` while it is kept, else why it is
-        lost (another responder claims its name, the responder stopped, registering failed)."""
+        """Keep ``advert`` registered: announce it again after a goodbye we did not send, under
+        a new name when another responder claims its name, or register it when that failed
+        before. Returns ``None`` while it is kept, else why it is lost (the responder stopped,
+        registering under a new name failed)."""
         async with self._lock:
             key = (advert.namespace, advert.instance_id)
             if self._closed or self._aiozc is None or self._aiozc.zeroconf.done:
@@ -138,7 +148,7 @@ class MdnsDiscovery(Discovery):
             # second.)
             conflict = self._guard.conflict(info.name)
             if conflict is not None:
-                return conflict
+                return await self._rename_locked(advert, info, conflict)
             removed = self._guard.take_removed(info.name)
             if registered is not None and not removed:
                 return None  # kept
@@ -149,6 +159,30 @@ class MdnsDiscovery(Discovery):
             except Exception as exc:
                 return f"cannot register {info.name} again: {exc!r}"
             return None
+
+    async def _rename_locked(
+        self, advert: Advert, info: AsyncServiceInfo, conflict: str
+    ) -> str | None:
+        """Give up ``info``'s name, claimed by another responder, for the next one (RFC 6762,
+        section 9); None once the advert is registered under it, else why it cannot be."""
+        key = (advert.namespace, advert.instance_id)
+        self._generation[key] = self._generation.get(key, 1) + 1
+        renamed = self._service_info(advert)
+        log.warning("mDNS: %s: announcing instance %x as %s from now on", conflict,
+                    advert.instance_id, renamed.name)
+        self._guard.release(info.name)
+        self._cancel_announce(key)
+        if self._adverts.pop(key, None) is not None and self._aiozc is not None:
+            try:  # goodbyes for our records of the old name (the other responder's stay)
+                self._finish_later(await self._aiozc.async_unregister_service(info))
+            except Exception:
+                log.exception("mDNS: could not withdraw %s", info.name)
+        try:
+            await self._register_locked(key, renamed, update=False)
+        except Exception as exc:
+            self._unregistered[key] = renamed
+            return f"cannot register {renamed.name}: {exc!r}"
+        return None
 
     async def _register_locked(
         self, key: tuple[str, int], info: AsyncServiceInfo, update: bool
@@ -163,7 +197,8 @@ class MdnsDiscovery(Discovery):
             sent = await aiozc.async_register_service(info, cooperating_responders=True)
         self._adverts[key] = info
         self._unregistered.pop(key, None)
-        self._guard.claim(info.name, info.server or "", info.port or 0)
+        self._guard.claim(info.name, info.server or "", info.port or 0,
+                          info.parsed_addresses(IPVersion.V4Only))
         if isinstance(sent, asyncio.Future):
             self._announcing[key] = sent
 
@@ -174,6 +209,7 @@ class MdnsDiscovery(Discovery):
             self._cancel_announce(key)
             self._unregistered.pop(key, None)
             info = self._adverts.pop(key, None)
+            self._generation.pop(key, None)
             if info is None or self._aiozc is None:
                 return
             self._guard.release(info.name)
@@ -275,7 +311,8 @@ class MdnsDiscovery(Discovery):
         if not 0 <= advert.instance_id < 2**64:
             raise InvalidArgument(f"instance id {advert.instance_id} is not a u64")
         ips, port = _advert_endpoint(advert.addresses, self._interfaces)
-        name = instance_name(advert.namespace, advert.instance_id)
+        name = instance_name(advert.namespace, advert.instance_id,
+                             self._generation.get((advert.namespace, advert.instance_id), 1))
         return AsyncServiceInfo(
             SERVICE_TYPE,
             name,
@@ -288,8 +325,8 @@ class MdnsDiscovery(Discovery):
                 **({"key": advert.public_key} if advert.public_key else {}),
             },
             server=name.removesuffix(SERVICE_TYPE) + "local.",
-            host_ttl=_TTL,
-            other_ttl=_TTL,
+            host_ttl=self._ttl,
+            other_ttl=self._ttl,
             parsed_addresses=ips,
         )
 

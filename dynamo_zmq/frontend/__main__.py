@@ -44,6 +44,7 @@ from ..runtime import (
     run_main,
     setup_logging,
 )
+from ..transport import warn_unless_own_role
 from ._disagg import DisaggConfig, add_disagg_args, disagg_config
 from ._http_protocol import header_timeout_protocol
 from ._http_security import (
@@ -167,6 +168,7 @@ async def serve(
     runtime = DistributedRuntime(config=RuntimeConfig(
         discovery=DiscoveryConfig.from_args(args), **auth_from_args(args)
     ))
+    warn_unless_own_role("frontend", "workers may refuse its requests and subscriptions")
     app: FrontendApp
 
     async def start() -> ModelManager:

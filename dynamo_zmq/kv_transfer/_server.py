@@ -20,7 +20,7 @@ import msgspec
 import zmq
 
 from ..resources import Resources
-from ..transport import AsyncSocket, BadInput, SendResult, current_curve, make_socket
+from ..transport import AsyncSocket, BadInput, Domain, SendResult, current_curve, make_socket
 from ._config import KvTransferConfig
 from ._errors import TransferFull
 from ._messages import Ack, Batch, Failure, Pull, Release, Ticket, decode_client, encode
@@ -98,7 +98,8 @@ class KvTransferServer:
             raise RuntimeError("KvTransferServer already started")
         self._res = res = Resources("kv-transfer-server")
         res.on_close(self._close)
-        raw = make_socket(res.zctx, zmq.ROUTER, bind=f"tcp://{self._bind_host}:{self.config.port}")
+        raw = make_socket(res.zctx, zmq.ROUTER, bind=f"tcp://{self._bind_host}:{self.config.port}",
+                          zap_domain=Domain.KV_TRANSFER)
         self._sock = AsyncSocket(raw)
         bound = raw.getsockopt(zmq.LAST_ENDPOINT)
         port = (bound.decode() if isinstance(bound, bytes) else str(bound)).rsplit(":", 1)[1]

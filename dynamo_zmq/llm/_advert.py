@@ -6,7 +6,9 @@ advert once per description revision and remembers the result. Its KV-event, rep
 endpoints are given as the connection reaches them (``transport.endpoint_via``: a multi-homed
 worker advertises them at one of its addresses, the caller dials the one it reached it at).
 ``served_models`` lists what the live instances of a namespace serve, for anyone keeping a
-model table.
+model table. With auth on, a model is only ever a worker's: an instance whose key does not hold
+the ``worker`` role advertises none (said once), so nothing routes requests to it or follows its
+KV events and load.
 """
 
 from __future__ import annotations
@@ -19,7 +21,14 @@ from typing import Any
 
 import msgspec
 
-from ..transport import PeerConnection, endpoint_via
+from ..transport import (
+    WORKER,
+    PeerConnection,
+    current_curve,
+    endpoint_via,
+    format_roles,
+    peer_roles,
+)
 from ..wire import EndpointInfo
 from ._messages import EngineConfig
 from ._model_card import ModelCard
@@ -30,6 +39,8 @@ log = logging.getLogger(__name__)
 
 #: Adverts remembered (one per instance, endpoint and description revision).
 CACHE_SIZE = 4096
+#: Instances (and keys) refused as workers, each said once.
+_not_workers: set[tuple[int, bytes]] = set()
 
 
 class ModelAdvert(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=False):
@@ -142,7 +153,7 @@ def advert_of(conn: PeerConnection, path: str) -> ModelAdvert | None:
         pass
     else:
         _cache.move_to_end(key)
-        return found
+        return found if found is None or _worker_key(conn) else None
     advert = None
     for info in desc.endpoints:
         if info.path == path:
@@ -157,7 +168,23 @@ def advert_of(conn: PeerConnection, path: str) -> ModelAdvert | None:
     _cache[key] = advert
     if len(_cache) > CACHE_SIZE:
         _cache.popitem(last=False)
-    return advert
+    return advert if advert is None or _worker_key(conn) else None
+
+
+def _worker_key(conn: PeerConnection) -> bool:
+    """Whether the instance behind ``conn`` may serve a model: auth off, or its key holds the
+    ``worker`` role now (roles change at runtime, so this is never cached)."""
+    roles = peer_roles(conn.server_key)
+    if roles is None or WORKER in roles:
+        return True
+    curve, key = current_curve(), conn.server_key or b""
+    if (conn.instance_id, key) not in _not_workers and len(_not_workers) < CACHE_SIZE:
+        _not_workers.add((conn.instance_id, key))
+        name = curve.name_of(key) if curve is not None and key else "?"
+        log.warning("instance %x at %s advertises a model, but its key %s holds %s, not "
+                    "worker: nothing is routed to it", conn.instance_id, conn.address, name,
+                    format_roles(roles) if roles else "no role")
+    return False
 
 
 def _reached(advert: ModelAdvert, dialed: str, hosts: list[str]) -> ModelAdvert:

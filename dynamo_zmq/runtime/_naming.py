@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from .. import errors
-from ..transport import Handler, PeerConnection
+from ..transport import DEFAULT_CALLERS, Handler, PeerConnection, parse_roles
 from ..wire import EndpointInfo
 from ._client import Client, RouterMode
 from ._handlers import adapt_handler
@@ -26,8 +26,11 @@ class EndpointHost(Protocol):
         """Bind the request-plane socket if it is not bound yet."""
         ...
 
-    async def add_endpoint(self, info: EndpointInfo, handler: Handler) -> None:
-        """Serve ``handler`` as ``info.path`` and advertise it."""
+    async def add_endpoint(
+        self, info: EndpointInfo, handler: Handler, callers: frozenset[str] = DEFAULT_CALLERS
+    ) -> None:
+        """Serve ``handler`` as ``info.path`` (to callers whose key holds one of ``callers``)
+        and advertise it."""
         ...
 
     async def remove_endpoint(self, path: str) -> None:
@@ -93,6 +96,7 @@ class Endpoint:
         self._handler: Callable[..., Any] | None = None
         self._request_type: type | None = None
         self._health_check_payload: Any = None
+        self._callers: Iterable[str] | None = None
 
     def __repr__(self) -> str:
         return f"Endpoint({self.path})"
@@ -114,6 +118,7 @@ class Endpoint:
         metadata: dict[str, Any] | None = None,
         request_type: type | None = None,
         health_check_payload: Any = None,
+        callers: Iterable[str] | None = None,
     ) -> None:
         """Register ``handler`` and advertise it; returns at once (see ``serve_endpoint``).
 
@@ -121,16 +126,21 @@ class Endpoint:
         into that type; a request that does not fit fails with InvalidArgument. With a
         ``health_check_payload``, the handler itself is the endpoint's health canary: sent that
         payload whenever the endpoint is idle, it must answer, or the endpoint leaves routing
-        until it does again (``runtime/_canary.py``).
+        until it does again (``runtime/_canary.py``). With auth on, only callers whose key holds
+        one of the roles ``callers`` (``worker``, ``frontend``, ``router``, ``tool``; default
+        worker, frontend and router) may send it requests; others get ``PermissionDenied``.
         """
         self._handler = handler
         self._request_type = request_type
+        self._callers = callers
         self._health_check_payload = health_check_payload
         info = EndpointInfo(self.namespace, self.component_name, self.name, metadata or {})
         served = adapt_handler(handler, request_type)
         if health_check_payload is not None:
             served = self.runtime.watch_health(self.path, served, health_check_payload)
-        await self.runtime.add_endpoint(info, served)
+        await self.runtime.add_endpoint(
+            info, served, DEFAULT_CALLERS if callers is None else parse_roles(callers)
+        )
 
     async def serve_endpoint(
         self,
@@ -165,7 +175,7 @@ class Endpoint:
             raise errors.InvalidArgument(f"{self.path} has no handler to register")
         await self.start_serving(
             self._handler, request_type=self._request_type,
-            health_check_payload=self._health_check_payload,
+            health_check_payload=self._health_check_payload, callers=self._callers,
         )
 
     async def client(

@@ -14,12 +14,14 @@ import time
 from ..discovery import Discovery, PeerAdded, PeerRemoved
 from ..resources import Resources, wait_event
 from ..transport import (
+    SERVING,
     CurveAuth,
     CurveRefused,
     PeerConnection,
     PeerState,
     PingTicker,
     current_curve,
+    format_roles,
 )
 
 __all__ = ["PeerPool"]
@@ -64,6 +66,8 @@ class PeerPool:
         #: ``instances(path)`` as of a generation.
         self._instances: dict[str, tuple[int, list[PeerConnection]]] = {}
         self._closed = False
+        #: The authorized set's generation last seen (auth on): a change may change who serves.
+        self._trust = 0
 
     def watch(self, namespace: str | None) -> None:
         """Follow discovery for ``namespace`` (idempotent)."""
@@ -113,6 +117,7 @@ class PeerPool:
         conn = self.peers.get(address)
         if conn is None:
             try:
+                _check_serves(key)
                 conn = PeerConnection(
                     self._res, address, on_change=self._on_peer_change, server_key=key,
                     ticker=self._pings,
@@ -190,16 +195,36 @@ class PeerPool:
     async def _recheck_keys(self, curve: CurveAuth) -> None:
         """Connect to refused adverts whose key is now authorized; drop connections whose key
         was revoked (their streams end with ``Disconnected``; nothing new is routed there)."""
+        if curve.generation != self._trust:
+            self._trust = curve.generation
+            self._signal()  # a key's roles may have changed what its instance may serve
         for address, key in list(self._refused_adverts.items()):
-            if key is not None and curve.is_authorized(key):
+            if key is not None and curve.roles_of(key) & SERVING:
                 log.info("the key of %s is authorized now: connecting", address)
                 self.add(address, key)
         for address, conn in list(self.peers.items()):
-            if conn.server_key is not None and not curve.is_authorized(conn.server_key):
-                log.warning("the key of %r was revoked: disconnecting", conn)
+            if conn.server_key is not None and not curve.roles_of(conn.server_key) & SERVING:
+                log.warning("the key of %r was revoked (or holds only roles that serve "
+                            "nothing): disconnecting", conn)
                 del self.peers[address]
                 self._withdrawn.pop(address, None)
                 self._lost.discard(address)
                 self._refused_adverts[address] = conn.server_key
                 await conn.close()
                 self._signal()
+
+
+def _check_serves(key: bytes | None) -> None:
+    """Refuse an advert whose key (auth on) is authorized but only as a ``tool``: tools call,
+    they never serve, so such an advert is a stolen tool key's.
+
+    Raises:
+        CurveRefused: it is.
+    """
+    curve = current_curve()
+    if curve is None or key is None or not curve.is_authorized(key):
+        return  # auth off, or PeerConnection refuses an unauthorized key itself
+    roles = curve.roles_of(key)
+    if not roles & SERVING:
+        raise CurveRefused(f"its key {curve.name_of(key)} holds only {format_roles(roles)}, "
+                           "which serves nothing")

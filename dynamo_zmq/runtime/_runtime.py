@@ -37,8 +37,8 @@ from typing import Any
 from .. import errors
 from ..discovery import Advert, Discovery, make_discovery
 from ..resources import Resources, cancel_and_wait
+from ..transport import DEFAULT_CALLERS, PeerConnection, Server, enable_curve
 from ..transport import Handler as TransportHandler
-from ..transport import PeerConnection, Server, enable_curve
 from ..wire import PROTOCOL_VERSION, Description, EndpointInfo
 from ._canary import EndpointCanary
 from ._config import RuntimeConfig
@@ -102,6 +102,8 @@ class DistributedRuntime:
         self._discovery_started = False
         self._server: Server | None = None
         self._handlers: dict[str, TransportHandler] = {}
+        #: The key roles that may call each endpoint (auth on; default DEFAULT_CALLERS).
+        self._callers: dict[str, frozenset[str]] = {}
         self._endpoint_info: dict[str, EndpointInfo] = {}
         #: Endpoints whose health check failed: still served, but not listed in the description
         #: (so no caller routes new work to them) until the check passes again.
@@ -143,7 +145,8 @@ class DistributedRuntime:
             if self._server is None:
                 bind = f"tcp://{self.config.bind_host}:{self.config.port}"
                 server = Server(
-                    self.resources, bind, self.instance_id, self._handlers.get, self.describe
+                    self.resources, bind, self.instance_id, self._handlers.get, self.describe,
+                    lambda path: self._callers.get(path, DEFAULT_CALLERS),
                 )
                 server.kill_grace = self.config.kill_grace
                 await server.start()
@@ -177,8 +180,12 @@ class DistributedRuntime:
         """Bind the request-plane socket if it is not bound yet (``Component.create_service``)."""
         await self._ensure_server()
 
-    async def add_endpoint(self, info: EndpointInfo, handler: TransportHandler) -> None:
-        """Serve ``handler`` as ``info.path`` and advertise it (``Endpoint.start_serving``).
+    async def add_endpoint(
+        self, info: EndpointInfo, handler: TransportHandler,
+        callers: frozenset[str] = DEFAULT_CALLERS,
+    ) -> None:
+        """Serve ``handler`` as ``info.path`` and advertise it (``Endpoint.start_serving``);
+        with auth on, only keys holding one of ``callers`` (key roles) may call it.
 
         Raises:
             EngineShutdown: the runtime's lease was lost; it registers nothing new.
@@ -190,6 +197,7 @@ class DistributedRuntime:
             )
         server = await self._ensure_server()
         self._handlers[info.path] = handler
+        self._callers[info.path] = callers
         self._unhealthy.pop(info.path, None)
         self._endpoint_info[info.path] = info
         server.bump_rev()

@@ -73,3 +73,12 @@ def cancelled_terminal(st: OpenStream) -> End | Error:
     else:
         exc = errors.EngineShutdown("server closed" if st.interrupted else "handler cancelled")
     return Error(st.request_id, 0, exc.kind, exc.message)
+
+
+def wire_text(text: object) -> str:
+    """``text`` as a str MessagePack can carry.
+
+    A handler's message may hold lone surrogates (text decoded with ``surrogateescape``), which
+    make the terminal unencodable: the client would wait forever. Escape them instead.
+    """
+    return str(text).encode("utf-8", "backslashreplace").decode("utf-8")

@@ -6,8 +6,11 @@ A key directory holds::
     DIR/NAME.key_secret   the secret key (mode 0600; refused when others can read it)
     DIR/authorized/*.key  public keys of the peers this process accepts, one file each
 
-The files are ZeroMQ's certificate format (``zmq.auth.load_certificate`` reads them). The
-command line over these functions is ``python -m dynamo_zmq.keys`` (``tools/keys.py``).
+The files are ZeroMQ's certificate format (``zmq.auth.load_certificate`` reads them). An
+authorized key's file may name its roles in the certificate's ``metadata`` section
+(``role = "worker,frontend"``, ``_key_roles.py``); one without (authorized before roles, or
+without ``--role``) holds every role. The command line over these functions is
+``python -m dynamo_zmq.keys`` (``tools/keys.py``).
 """
 
 from __future__ import annotations
@@ -16,23 +19,27 @@ import datetime
 import os
 import stat
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
 from zmq.utils import z85
 
 from .. import errors
+from ._key_roles import EVERY_ROLE, format_roles, parse_roles
 
 __all__ = [
     "AUTHORIZED",
     "DEFAULT_NAME",
     "KeyFileError",
+    "TrustedKey",
     "authorize",
     "authorized_keys",
     "create_keypair",
     "load_keypair",
     "parse_public_key",
     "revoke",
+    "trusted_keys",
 ]
 
 DEFAULT_NAME = "node"
@@ -42,6 +49,16 @@ _Z85_LEN = 40  # a 32-byte CURVE key in Z85 text
 
 class KeyFileError(errors.InvalidArgument):
     """A key file that is missing, unreadable, malformed or too widely readable."""
+
+
+@dataclass(frozen=True)
+class TrustedKey:
+    """One authorized public key and its roles."""
+
+    public: bytes
+    roles: frozenset[str]
+    #: Whether its file names the roles (False: authorized without a role, so every role).
+    explicit: bool
 
 
 def parse_public_key(text: str | bytes) -> bytes:
@@ -61,7 +78,9 @@ def parse_public_key(text: str | bytes) -> bytes:
     return raw
 
 
-def _write(path: Path, public: bytes, secret: bytes | None) -> None:
+def _write(
+    path: Path, public: bytes, secret: bytes | None, roles: frozenset[str] | None = None
+) -> None:
     kind = "Secret" if secret is not None else "Public"
     lines = [
         f"#   ****  Generated on {datetime.datetime.now():%Y-%m-%d %H:%M:%S} by dynamo-zmq  ****",
@@ -69,7 +88,10 @@ def _write(path: Path, public: bytes, secret: bytes | None) -> None:
     ]
     if secret is not None:
         lines.append("#   DO NOT PROVIDE THIS FILE TO OTHER USERS nor change its permissions.")
-    lines += ["", "metadata", "curve", f'    public-key = "{public.decode()}"']
+    lines += ["", "metadata"]
+    if roles is not None:
+        lines.append(f'    role = "{format_roles(roles)}"')
+    lines += ["curve", f'    public-key = "{public.decode()}"']
     if secret is not None:
         lines.append(f'    secret-key = "{secret.decode()}"')
     mode = 0o600 if secret is not None else 0o644
@@ -80,6 +102,12 @@ def _write(path: Path, public: bytes, secret: bytes | None) -> None:
 
 def _read(path: Path) -> tuple[bytes, bytes | None]:
     """(public, secret or None) of a certificate file, checked."""
+    public, secret, _ = _read_all(path)
+    return public, secret
+
+
+def _read_all(path: Path) -> tuple[bytes, bytes | None, frozenset[str] | None]:
+    """(public, secret or None, roles or None) of a certificate file, checked."""
     try:
         text = path.read_bytes()
     except FileNotFoundError:
@@ -89,14 +117,20 @@ def _read(path: Path) -> tuple[bytes, bytes | None]:
     found: dict[bytes, bytes] = {}
     for line in text.splitlines():
         line = line.strip()
-        for field in (b"public-key", b"secret-key"):
-            if line.startswith(field) and b"=" in line:
+        for field in (b"public-key", b"secret-key", b"role"):
+            if line.split(b"=", 1)[0].strip() == field and b"=" in line:
                 found[field] = line.split(b"=", 1)[1].strip(b" \t'\"")
     if b"public-key" not in found:
         raise KeyFileError(f"{path} is not a CURVE key file (no public-key line)")
     public = _checked(found[b"public-key"], path, "public")
     secret = found.get(b"secret-key")
-    return public, None if secret is None else _checked(secret, path, "secret")
+    roles = None
+    if b"role" in found:
+        try:
+            roles = parse_roles(found[b"role"].decode("ascii", "replace"))
+        except errors.InvalidArgument as exc:
+            raise KeyFileError(f"{path}: {exc.message}") from None
+    return public, None if secret is None else _checked(secret, path, "secret"), roles
 
 
 def _checked(key: bytes, path: Path, which: str) -> bytes:
@@ -153,15 +187,33 @@ def authorized_keys(key_dir: str | Path) -> dict[str, bytes]:
         KeyFileError: a file there is unreadable or malformed (one bad file is an error, never
             skipped: a typo must not silently lock a peer out or in).
     """
+    return {name: trusted.public for name, trusted in trusted_keys(key_dir).items()}
+
+
+def trusted_keys(key_dir: str | Path) -> dict[str, TrustedKey]:
+    """The trusted public keys of ``key_dir`` and their roles, by name.
+
+    Raises:
+        KeyFileError: a file there is unreadable, malformed or names an unknown role.
+    """
     folder = Path(key_dir) / AUTHORIZED
     if not folder.is_dir():
         return {}
-    return {p.stem: _read(p)[0] for p in sorted(folder.glob("*.key"))}
+    found = {}
+    for path in sorted(folder.glob("*.key")):
+        public, _, roles = _read_all(path)
+        found[path.stem] = TrustedKey(public, roles or EVERY_ROLE, roles is not None)
+    return found
 
 
-def authorize(key_dir: str | Path, key: str, name: str | None = None) -> str:
+def authorize(
+    key_dir: str | Path, key: str, name: str | None = None,
+    roles: frozenset[str] | None = None,
+) -> str:
     """Trust ``key`` (Z85 text, or the path of a ``.key`` file) under ``name`` (default: the
-    file's stem, else the key's first 8 characters); returns the name.
+    file's stem, else the key's first 8 characters) with ``roles`` (None: every role, or the
+    roles it already has); returns the name. A key already trusted under that name gets
+    ``roles`` (the file is replaced atomically).
 
     Raises:
         KeyFileError: a malformed key, or another key already trusted under that name.
@@ -179,10 +231,17 @@ def authorize(key_dir: str | Path, key: str, name: str | None = None) -> str:
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     target = folder / f"{name}.key"
     if target.exists():
-        if _read(target)[0] == public:
+        current, _, had = _read_all(target)
+        if current != public:
+            raise KeyFileError(f"another key is already authorized as {name!r} ({target})")
+        if roles is None or roles == had:
             return name
-        raise KeyFileError(f"another key is already authorized as {name!r} ({target})")
-    _write(target, public, None)
+        staged = folder / f".{name}.key.new"
+        staged.unlink(missing_ok=True)
+        _write(staged, public, None, roles)
+        os.replace(staged, target)  # readers see the old file or the new one, never half
+        return name
+    _write(target, public, None, roles)
     return name
 
 

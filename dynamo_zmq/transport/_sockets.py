@@ -32,6 +32,7 @@ _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE = int(zmq.SNDMORE)
 _RCVMORE = int(zmq.RCVMORE)
 _EVENTS = int(zmq.EVENTS)
+_SRCFD = int(zmq.SRCFD)
 _POLLIN = int(zmq.POLLIN)
 _POLLOUT = int(zmq.POLLOUT)
 # pyzmq's compiled send, receive and option reads, called directly: its Python layer
@@ -88,6 +89,7 @@ def make_socket(
     keepalive: bool = False,
     server_key: bytes | None = None,
     curve: bool = True,
+    zap_domain: str | None = None,
 ) -> zmq.Socket[bytes]:
     """Create a socket with the project's standard options, bound or connected.
 
@@ -98,7 +100,9 @@ def make_socket(
 
     With auth on (``_curve.enable_curve``), a bound socket is a CURVE server and any other a
     CURVE client of ``server_key`` (the Z85 public key of what it will connect to), which must
-    be authorized, else ``CurveRefused`` (an ``errors.CannotConnect``) is raised. ``curve=False``
+    be authorized, else ``CurveRefused`` (an ``errors.CannotConnect``) is raised. A bound
+    socket's ``zap_domain`` (a ``_key_roles.Domain``) says what kind of socket it is, so which
+    roles of authorized keys it admits (None: every role). ``curve=False``
     keeps a socket plaintext even then, for loopback only (a process's own plaintext peers,
     e.g. vLLM's KV-event sockets): any other address raises ``errors.InvalidArgument``.
     """
@@ -109,7 +113,7 @@ def make_socket(
         auth = current_curve() if curve else None
         if auth is not None:
             if bind is not None:
-                auth.make_server(sock)
+                auth.make_server(sock, zap_domain)
             else:
                 auth.make_client(sock, server_key, connect or "")
         sock.setsockopt(zmq.LINGER, 0)
@@ -142,6 +146,10 @@ def make_socket(
                 # ZMQError always sets errno (from zmq_errno() when not given)
                 reason = zmq.strerror(exc.errno) if exc.errno is not None else str(exc)
                 raise errors.InvalidArgument(f"cannot bind {bind}: {reason}") from exc
+            if auth is not None:
+                port = sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[-1]
+                if port.isdigit():
+                    auth.note_bound(int(port), zap_domain)
         if connect is not None:
             sock.connect(connect)
     except BaseException:
@@ -183,6 +191,11 @@ class AsyncSocket:
         self._dispatch: tuple[Callable[[list[bytes]], object], str] | None = None
         self._draining = False
         self._drain_soon = False
+        #: Whether to read who sent each message (``sender``): a ROUTER's CURVE caller.
+        self.senders = False
+        #: The Z85 CURVE key and file descriptor of the connection the message just received
+        #: came from (with ``senders``; None without CURVE).
+        self.sender: tuple[str, int] | None = None
         self._loop.add_reader(self._fd, self._poll_events)
 
     def _poll_events(self, inline: bool = True) -> None:
@@ -223,6 +236,16 @@ class AsyncSocket:
         """One multipart message (raises ``zmq.Again`` when there is none)."""
         sock = self.sock
         frames: list[bytes] = [_recv(sock, _NOBLOCK)]
+        if self.senders:
+            self.sender = None
+        if self.senders and _get(sock, _RCVMORE):
+            # The second part as a Frame: it carries its connection's properties.
+            frame = _recv(sock, _NOBLOCK, False)
+            try:
+                self.sender = (str(frame.get("User-Id")), int(frame.get(_SRCFD)))
+            except zmq.ZMQError:  # no CURVE on the connection: no key to tell
+                self.sender = None
+            frames.append(frame.bytes)
         while _get(sock, _RCVMORE):
             frames.append(_recv(sock, _NOBLOCK))
         return frames

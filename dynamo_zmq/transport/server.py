@@ -5,7 +5,8 @@ DATA frames; items produced while earlier ones wait (same loop tick, a full peer
 credit) are coalesced into one frame, so an idle stream adds no latency and a busy one sends
 fewer, larger frames. A stream stops pulling from its generator when the client has not granted
 credit for more items or when its buffer is full and cannot be sent: a slow reader slows the
-producer instead of growing memory, and nothing is dropped.
+producer instead of growing memory, and nothing is dropped. With auth on, callers' keys are
+checked per request, and a revoked key's connections closed (``_callers.py``).
 """
 
 from __future__ import annotations
@@ -39,8 +40,11 @@ from ..wire import (
     encode,
 )
 from ._bad_input import BadInput
+from ._callers import Callers
 from ._client_frames import DECODERS, request_id_of
-from ._ending import cancelled_terminal, on_deadline, on_kill
+from ._curve import current_curve
+from ._ending import cancelled_terminal, on_deadline, on_kill, wire_text
+from ._key_roles import Domain
 from ._outbox import OpenStream, Outbox
 from ._sockets import AsyncSocket, SendResult, make_socket
 
@@ -72,6 +76,7 @@ class Server:
         instance_id: this process's instance id (reported in PONG/NOTICE).
         resolve: maps an endpoint path to its handler, or None if not served here.
         describe: builds the current ``Description``.
+        callers: the key roles that may call an endpoint (auth on; default DEFAULT_CALLERS).
     """
 
     def __init__(
@@ -81,8 +86,11 @@ class Server:
         instance_id: int,
         resolve: Callable[[str], Handler | None],
         describe: Callable[[], Description],
+        callers: Callable[[str], frozenset[str]] | None = None,
     ) -> None:
         self._res = resources.child("server")
+        self._admitted = callers
+        self.callers: Callers | None = None  # auth on: the callers' keys
         self._bind = bind
         self.instance_id = instance_id
         self._resolve = resolve
@@ -114,9 +122,13 @@ class Server:
         # keepalive, which probes only a connection gone idle: nothing while callers ping (ZMTP
         # heartbeats cost every frontend's I/O thread two messages a second per worker).
         sock = make_socket(self._res.zctx, zmq.ROUTER, bind=self._bind, heartbeat_ms=0,
-                           keepalive=True)
+                           keepalive=True, zap_domain=Domain.REQUEST)
         self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._sock = AsyncSocket(sock)
+        if (curve := current_curve()) is not None:
+            self.callers = Callers(curve, self._admitted)
+            self._sock.senders = True
+            self._res.on_close(self.callers.follow(self._client_gone))
         self._res.spawn(self._recv_loop(), "server-recv")
         self._res.spawn(self._reap_loop(), "server-reaper")
         return self.address
@@ -194,6 +206,8 @@ class Server:
     def _dispatch(self, frames: list[bytes]) -> None:
         identity = frames[0]
         self._last_seen[identity] = time.monotonic()
+        if self.callers is not None and self._sock is not None:
+            self.callers.note(identity, self._sock.sender)
         if len(frames) != 3:
             self._malformed(
                 identity, f"expected 2 frames after the identity, got {len(frames) - 1}"
@@ -268,6 +282,9 @@ class Server:
         if handler is None:
             reject(errors.InvalidArgument(f"endpoint {req.endpoint!r} is not served here"))
             return
+        if self.callers is not None and (why := self.callers.deny(identity, req.endpoint)):
+            reject(errors.PermissionDenied(why))
+            return
         if req.window <= 0:
             reject(errors.InvalidArgument("window must be positive"))
             return
@@ -315,7 +332,7 @@ class Server:
             elif isinstance(err, errors.InvalidArgument):
                 self.bad_input.note("request", "request %d from peer %s refused: %s",
                                     st.request_id, st.identity.hex(), err.message)
-            terminal = Error(st.request_id, 0, err.kind, _wire_text(err.message))
+            terminal = Error(st.request_id, 0, err.kind, wire_text(err.message))
         finally:
             st.finishing = True  # from here on a KILL no longer cancels this task
             aclose = getattr(agen, "aclose", None)
@@ -376,12 +393,5 @@ class Server:
         for identity, seen in list(self._last_seen.items()):
             if seen < cutoff:
                 self._client_gone(identity)
-
-
-def _wire_text(text: object) -> str:
-    """``text`` as a str MessagePack can carry.
-
-    A handler's message may hold lone surrogates (text decoded with ``surrogateescape``), which
-    make the terminal unencodable: the client would wait forever. Escape them instead.
-    """
-    return str(text).encode("utf-8", "backslashreplace").decode("utf-8")
+        if self.callers is not None:
+            self.callers.prune(self._last_seen)

@@ -143,6 +143,12 @@ def build_parser(
              "[DYN_SYSTEM_PORT; DYN_SYSTEM_ENABLED=true alone: 8081, =false: off]",
     )
     parser.add_argument(
+        "--system-host", default=_env("SYSTEM_HOST", "127.0.0.1"),
+        help="address the system port binds (default loopback: no other host reaches its "
+             "/metrics and /health; 0.0.0.0 or a management address to scrape it from "
+             "another host) [DYN_SYSTEM_HOST]",
+    )
+    parser.add_argument(
         "--health-check-interval", type=float, default=_env("HEALTH_CHECK_INTERVAL", "10.0"),
         help="run the health canary after this many idle seconds [DYN_HEALTH_CHECK_INTERVAL]",
     )

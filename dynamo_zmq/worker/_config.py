@@ -40,6 +40,8 @@ class WorkerConfig:
     #: Dynamo's system port: ``/metrics``, ``/health`` and ``/live`` (0 = any; None = not
     #: served).
     system_port: int | None = None
+    #: The address the system port binds: loopback unless told (it has no authentication).
+    system_host: str = "127.0.0.1"
     #: Idle seconds before the health canary runs again.
     health_check_interval: float = 10.0
     #: The canary request (None: one token); while it fails the worker leaves routing.
@@ -109,6 +111,7 @@ class WorkerConfig:
             endpoint=args.endpoint,
             disaggregation_mode=args.disaggregation_mode,
             system_port=None if args.system_port is None else int(args.system_port),
+            system_host=str(getattr(args, "system_host", None) or "127.0.0.1"),
             health_check_interval=float(args.health_check_interval),
             health_check_payload=args.health_check_payload,
             load_interval=float(args.load_interval),

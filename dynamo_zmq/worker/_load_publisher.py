@@ -13,7 +13,7 @@ import zmq
 
 from ..llm import LOAD_HEARTBEAT, LOAD_TOPIC, LOAD_VERSION, EngineLoad, LoadReport, encode_report
 from ..resources import Resources
-from ..transport import make_socket
+from ..transport import Domain, make_socket
 
 __all__ = ["PUB_HWM", "LoadPublisher"]
 
@@ -72,7 +72,8 @@ class LoadPublisher:
         """Bind the socket and start publishing."""
         if self._pub is not None:
             raise RuntimeError("load publisher already started")
-        self._pub = make_socket(self._res.zctx, zmq.PUB, bind=self._bind, hwm=PUB_HWM)
+        self._pub = make_socket(self._res.zctx, zmq.PUB, bind=self._bind, hwm=PUB_HWM,
+                                zap_domain=Domain.LOAD)
         self._res.on_close(self._close_socket)
         endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.port = int(endpoint.rsplit(":", 1)[1])

@@ -45,6 +45,7 @@ from ..llm import (
 from ..llm.parsers import detect_parsers
 from ..resources import cancel_and_wait
 from ..runtime import DistributedRuntime, StatusServer
+from ..transport import WORKER, WORKER_CALLERS, warn_unless_own_role
 from ._config import WorkerConfig
 from ._embed import serve_embedding
 from ._health import Health, embedding_payload
@@ -73,6 +74,7 @@ class Worker:
         self.engine = engine
         self.settings = settings
         self.runtime = DistributedRuntime(config=settings.runtime)
+        warn_unless_own_role(WORKER, "frontends and routers will not route to it")
         self._res = self.runtime.resources.child("worker")
         self.config: EngineConfig | None = None
         self.card: ModelCard | None = None
@@ -214,13 +216,12 @@ class Worker:
             on_change=lambda ok: self.runtime.set_endpoint_health(generate.path, ok),
         )
         if args.system_port is not None:
-            rc = self.runtime.config
             self.status = StatusServer(
-                rc.bind_host if rc.host else "0.0.0.0", int(args.system_port), metrics.render,
-                self._health,
+                args.system_host, int(args.system_port), metrics.render, self._health,
             )
             self.status.start()
-            log.info("metrics and health on port %d", self.status.port)
+            log.info("system port on %s (--system-host): metrics and health on port %d",
+                     args.system_host, self.status.port)
         engine = self.engine
         advert = ModelAdvert(
             self.card, config, await self._start_load_publisher(), args.migration_limit,
@@ -229,10 +230,14 @@ class Worker:
             tool_call_parser=self.tool_parser, reasoning_parser=self.reasoning_parser,
         )
         side = SideEndpoints(engine, args.model_path, self.card)
-        await component.endpoint("model_files").start_serving(side.model_files)
-        await component.endpoint("clear_kv_blocks").start_serving(side.clear_kv_blocks)
+        # With auth on, only frontends' and workers' keys may call a worker (docs/security.md).
+        await component.endpoint("model_files").start_serving(
+            side.model_files, callers=WORKER_CALLERS)
+        await component.endpoint("clear_kv_blocks").start_serving(
+            side.clear_kv_blocks, callers=WORKER_CALLERS)
         await generate.start_serving(
-            self._generate, metadata=advert.to_metadata(), request_type=PreprocessedRequest
+            self._generate, metadata=advert.to_metadata(), request_type=PreprocessedRequest,
+            callers=WORKER_CALLERS,
         )
         await self.health.canary()
         self._res.spawn(self.health.run(), "worker-health")

@@ -27,7 +27,7 @@ import zmq
 from dynamo_zmq.llm._block_hashing import FORM_STORES
 from dynamo_zmq.llm._kv_forms import EdgeKvState
 from dynamo_zmq.resources import Resources
-from dynamo_zmq.transport import AsyncSocket, BadInput, SendResult, make_socket
+from dynamo_zmq.transport import AsyncSocket, BadInput, Domain, SendResult, make_socket
 
 from ._kv_events import KvEvent
 from ._kv_mirror import KvStateMirror
@@ -87,11 +87,13 @@ class KvEventPublisher:
         res.on_close(self._close_sockets)
         try:
             self._pub = make_socket(
-                res.zctx, zmq.PUB, bind=self._endpoint(self._ports[0]), hwm=PUB_HWM
+                res.zctx, zmq.PUB, bind=self._endpoint(self._ports[0]), hwm=PUB_HWM,
+                zap_domain=Domain.KV_EVENTS,
             )
             self.events_port = _bound_port(self._pub)
             replay = make_socket(
-                res.zctx, zmq.ROUTER, bind=self._endpoint(self._ports[1]), hwm=PUB_HWM
+                res.zctx, zmq.ROUTER, bind=self._endpoint(self._ports[1]), hwm=PUB_HWM,
+                zap_domain=Domain.KV_EVENTS,
             )
             self._replay = AsyncSocket(replay)
             self.replay_port = _bound_port(replay)

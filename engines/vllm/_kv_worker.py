@@ -33,7 +33,7 @@ import msgspec
 import torch
 import zmq
 
-from dynamo_zmq.transport import CurveAuth, set_connect_options
+from dynamo_zmq.transport import CurveAuth, Domain, set_connect_options
 
 from ._kv_scheduler import PullJob, ZmqConnectorMetadata
 
@@ -102,8 +102,11 @@ class WorkerSide:
         server.setsockopt(zmq.LINGER, 0)
         if self._curve is not None:
             self._curve.start(self._zmq)
-            self._curve.make_server(server)
+            self._curve.make_server(server, Domain.KV_TRANSFER)
         server.bind(f"tcp://{self._bind}")
+        if self._curve is not None:
+            port = server.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[-1]
+            self._curve.note_bound(int(port), Domain.KV_TRANSFER)
         for target, args, name in ((self._serve, (server,), "kv-serve"),
                                    (self._pull_loop, (), "kv-pull")):
             th = threading.Thread(target=target, args=args, name=name, daemon=True)

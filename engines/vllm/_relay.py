@@ -26,7 +26,7 @@ import zmq
 from dynamo_zmq.llm._block_hashing import FORM_STORES
 from dynamo_zmq.llm._kv_forms import EdgeKvState
 from dynamo_zmq.resources import Resources
-from dynamo_zmq.transport import AsyncSocket, SendResult, current_curve, make_socket
+from dynamo_zmq.transport import AsyncSocket, Domain, SendResult, current_curve, make_socket
 
 from ._edge import EdgeHasher
 from ._endpoints import free_port
@@ -132,9 +132,9 @@ class KvRelay:
                 made.append([sub])
                 sub.setsockopt(zmq.SUBSCRIBE, b"")
                 made[-1].append(make_socket(self._res.zctx, zmq.PUB, bind=self._bind(0, rank),
-                                            hwm=_HWM))
-                made[-1].append(make_socket(self._res.zctx, zmq.ROUTER,
-                                            bind=self._bind(1, rank), hwm=_HWM))
+                                            hwm=_HWM, zap_domain=Domain.KV_EVENTS))
+                made[-1].append(make_socket(self._res.zctx, zmq.ROUTER, bind=self._bind(1, rank),
+                                            hwm=_HWM, zap_domain=Domain.KV_EVENTS))
         except BaseException:
             for sock in (s for group in made for s in group):
                 sock.close(linger=0)
