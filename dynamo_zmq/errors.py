@@ -7,6 +7,7 @@ The wire carries ``(kind, message)``; ``from_wire`` rebuilds the same class on t
     ├── InvalidArgument              the request itself is wrong (not retryable)
     ├── CannotConnect                no live instance could be reached (retryable)
     ├── Disconnected                 the peer vanished mid-stream (retryable / migratable)
+    │   └── StreamStalled            the stream brought nothing for its stall timeout (same)
     ├── ConnectionTimeout            connecting or discovering took too long (retryable)
     ├── ResponseTimeout              the peer stopped answering within the deadline
     ├── Cancelled                    the caller stopped or killed the request
@@ -32,6 +33,7 @@ __all__ = [
     "PermissionDenied",
     "ResponseTimeout",
     "StreamIncomplete",
+    "StreamStalled",
     "Unknown",
     "Unsupported",
     "from_exception",
@@ -72,6 +74,14 @@ class Disconnected(DynamoError):
 
     kind = "Disconnected"
     retryable = True
+
+
+class StreamStalled(Disconnected):
+    """The stream brought nothing for its stall timeout while its reader waited (a stuck
+    engine, a worker that stopped serving it): lost as if its peer had vanished, so it is
+    retried or migrated elsewhere (the caller sends KILL for it)."""
+
+    kind = "StreamStalled"
 
 
 class ConnectionTimeout(DynamoError):
@@ -151,6 +161,7 @@ _BY_KIND: dict[str, type[DynamoError]] = {
         EngineShutdown,
         Overloaded,
         StreamIncomplete,
+        StreamStalled,
         Unsupported,
         PermissionDenied,
         Unknown,

@@ -164,7 +164,7 @@ class PeerPool:
                 del self._refused_adverts[event.address]
             elif isinstance(event, PeerRemoved) and event.address in self.peers:
                 conn = self.peers[event.address]
-                if event.stale and conn.state is PeerState.READY:
+                if event.stale and conn.state in (PeerState.READY, PeerState.SILENT):
                     continue  # its record is old, but it answers: liveness is ours
                 if event.instance_id is None or event.instance_id in (0, conn.instance_id):
                     self._withdrawn[event.address] = time.monotonic()

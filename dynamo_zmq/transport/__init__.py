@@ -10,6 +10,11 @@ from ._curve import enable_curve as enable_curve
 from ._curve import peer_key as peer_key
 from ._curve import peer_roles as peer_roles
 from ._curve import warn_unless_own_role as warn_unless_own_role
+from ._items import ItemDecoder as ItemDecoder
+from ._items import Response as Response
+from ._items import item_decoder as item_decoder
+from ._items import plain_items as plain_items
+from ._items import response_items as response_items
 from ._key_roles import DEFAULT_CALLERS as DEFAULT_CALLERS
 from ._key_roles import EVERY_ROLE as EVERY_ROLE
 from ._key_roles import KEY_ROLES as KEY_ROLES
@@ -25,15 +30,10 @@ from ._sockets import AsyncSocket as AsyncSocket
 from ._sockets import SendResult as SendResult
 from ._sockets import make_socket as make_socket
 from ._sockets import set_connect_options as set_connect_options
-from ._streams import ItemDecoder as ItemDecoder
 from ._streams import ItemStream as ItemStream
 from ._streams import Reopen as Reopen
-from ._streams import Response as Response
 from ._streams import ResponseStream as ResponseStream
 from ._streams import StreamHost as StreamHost
-from ._streams import item_decoder as item_decoder
-from ._streams import plain_items as plain_items
-from ._streams import response_items as response_items
 from .client import DEFAULT_WINDOW as DEFAULT_WINDOW
 from .client import PeerConnection as PeerConnection
 from .client import PeerState as PeerState

@@ -1,10 +1,8 @@
 """Response streams on the calling side: one request's items as they arrive, decoded once.
 
 ``ResponseStream`` is what a ``PeerConnection`` returns for one request. Each DATA frame's items
-arrive as one MessagePack array and are decoded in one call, as they arrive, by the decoder
-given when the request was sent: ``response_items`` (Dynamo's annotated ``Response``, each
-decoded on ``data()``), ``plain_items`` (plain values), or a typed msgspec decoder
-(``item_decoder(T)``), so a caller that knows the item type gets validated objects and nothing
+are decoded in one call, as they arrive, by the decoder given when the request was sent
+(``_items.py``), so a caller that knows the item type gets validated objects and nothing
 decodes twice. ``ItemStream`` is the interface every stream of items implements (this one, and
 the runtime's retrying stream on top of it).
 """
@@ -13,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import types
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Generic, Protocol, TypeVar
@@ -22,66 +19,15 @@ import msgspec
 
 from .. import errors
 from ..context import Context
-from ..wire import Control, Credit, Kind, decode_item
+from ..wire import Control, Credit, Kind
+from ._items import ItemDecoder
 
-__all__ = [
-    "ItemDecoder",
-    "ItemStream",
-    "Reopen",
-    "Response",
-    "ResponseStream",
-    "StreamHost",
-    "item_decoder",
-    "plain_items",
-    "response_items",
-]
+__all__ = ["ItemStream", "Reopen", "ResponseStream", "StreamHost"]
 
 T = TypeVar("T")
 
-ItemDecoder = Callable[[msgspec.Raw], list[T]]
-"""Turns one DATA frame's items (a MessagePack array) into what the stream yields."""
-
 #: Most items ``next_batch`` returns at once (one DATA frame holds at most 256).
 MAX_BATCH_ITEMS = 256
-
-_typed_decoders: dict[Any, Callable[[msgspec.Raw], Any]] = {}
-_raw_items = msgspec.msgpack.Decoder(list[msgspec.Raw]).decode
-
-plain_items: ItemDecoder[Any] = msgspec.msgpack.Decoder(list[Any]).decode
-"""Items as plain Python values (what ``decode_item`` makes of each)."""
-
-
-def item_decoder(item_type: type[T]) -> ItemDecoder[T]:
-    """A decoder validating items into ``item_type`` (built once per type)."""
-    decode = _typed_decoders.get(item_type)
-    if decode is None:
-        # ``list[item_type]`` built at run time (a type variable's value is no static type)
-        list_type = types.GenericAlias(list, (item_type,))
-        decode = _typed_decoders[item_type] = msgspec.msgpack.Decoder(list_type).decode
-    return decode
-
-
-def response_items(raw: msgspec.Raw) -> list[Response]:
-    """Items as ``Response`` objects, each decoded on first ``data()`` (Dynamo's form)."""
-    return [Response(item) for item in _raw_items(raw)]
-
-
-def decode_items(
-    decode: ItemDecoder[T], raw: msgspec.Raw
-) -> tuple[list[T], errors.DynamoError | None]:
-    """The items of one frame, and the error that ends the stream if one does not decode: the
-    items before it are still delivered (decoded one by one to find it)."""
-    try:
-        return decode(raw), None
-    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
-        pass
-    good: list[T] = []
-    try:
-        for item in _raw_items(raw):
-            good.extend(decode(msgspec.Raw(b"\x91" + bytes(item))))  # a one-item array
-    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
-        return good, errors.Unknown(f"undecodable response item: {exc}")
-    return good, errors.Unknown("undecodable response items")
 
 
 class ItemStream(Protocol[T]):
@@ -107,6 +53,11 @@ class ItemStream(Protocol[T]):
 
     async def aclose(self) -> None: ...
 
+    def set_stall_timeout(self, seconds: float | None) -> None:
+        """End the stream with ``StreamStalled`` when nothing arrives for ``seconds`` while
+        its reader waits (see ``ResponseStream``); None: never."""
+        ...
+
 
 class StreamHost(Protocol):
     """What a stream needs of the connection its request went out on (``PeerConnection``)."""
@@ -122,28 +73,9 @@ class StreamHost(Protocol):
         """Stop tracking the stream ``request_id`` (its caller is done with it)."""
         ...
 
-
-class Response:
-    """One streamed item; ``data()`` decodes it on first use (Dynamo's annotated response)."""
-
-    __slots__ = ("_raw", "_value")
-
-    _UNSET: Any = object()
-
-    def __init__(self, raw: msgspec.Raw) -> None:
-        self._raw = raw
-        self._value = Response._UNSET
-
-    def data(self) -> Any:
-        if self._value is Response._UNSET:
-            self._value = decode_item(self._raw)
-        return self._value
-
-    def raw(self) -> bytes:
-        return bytes(self._raw)
-
-    def __repr__(self) -> str:
-        return f"Response({self.data()!r})"
+    def serves(self, endpoint: str) -> bool:
+        """Whether the instance still offers ``endpoint`` (its health check passes)."""
+        ...
 
 
 class _StreamState:
@@ -152,6 +84,7 @@ class _StreamState:
     __slots__ = (
         "decode",
         "done",
+        "endpoint",
         "error",
         "expected_seq",
         "items",
@@ -162,8 +95,10 @@ class _StreamState:
         "window",
     )
 
-    def __init__(self, request_id: int, window: int, decode: ItemDecoder[Any]) -> None:
+    def __init__(self, request_id: int, window: int, decode: ItemDecoder[Any],
+                 endpoint: str = "") -> None:
         self.request_id = request_id
+        self.endpoint = endpoint
         self.window = window
         #: Turns a DATA frame's items into what the stream yields.
         self.decode = decode
@@ -207,6 +142,13 @@ class ResponseStream(Generic[T]):
     - ``on_item`` (``set_on_item``): called with each item as it is handed to the caller.
     - ``on_release`` (``set_on_release``): called once when the stream is done with, however
       it ends (its end, an error, ``aclose``, or being dropped unread).
+
+    Two bounds on a wait for the next item, both off by default: the idle timeout (KILL, then
+    ``ResponseTimeout``), and the stall timeout (``set_stall_timeout``: KILL, then the
+    retryable ``StreamStalled``). A stall is judged only on a stream that has had an item, or
+    whose instance no longer offers its endpoint (a worker whose health check fails): waiting
+    for the first item on a healthy instance is a long prompt's prefill or a queue, not a
+    stall. The stall timeout outlives failover (it is the stream's, not the attempt's).
     """
 
     def __init__(
@@ -220,6 +162,7 @@ class ResponseStream(Generic[T]):
         self._st = state
         self._ctx = ctx
         self._idle_timeout = idle_timeout
+        self._stall: float | None = None
         self._closed = False
         self._half_window = max(1, state.window // 2)
         self._reopen: Reopen[T] | None = None
@@ -238,6 +181,11 @@ class ResponseStream(Generic[T]):
     def set_on_release(self, on_release: Callable[[], object] | None) -> None:
         """Called once when the stream is released (see the class docstring)."""
         self._on_release = on_release
+
+    def set_stall_timeout(self, seconds: float | None) -> None:
+        """Seconds without an item after which the stream is lost (see the class docstring);
+        None: never."""
+        self._stall = seconds
 
     @property
     def context(self) -> Context:
@@ -332,17 +280,36 @@ class ResponseStream(Generic[T]):
                     raise error
                 raise StopAsyncIteration
             st.waiter.clear()
-            if self._idle_timeout is None:
+            if self._idle_timeout is None and self._stall is None:
                 await st.waiter.wait()
-                continue
+            else:
+                await self._wait_bounded(st)
+
+    async def _wait_bounded(self, st: _StreamState) -> None:
+        """Wait for ``st`` to change within the idle and stall timeouts; ends it past either."""
+        idle, stall, loop = self._idle_timeout, self._stall, self._loop
+        idle_at = None if idle is None else loop.time() + idle
+        while True:
+            left = None if idle_at is None else idle_at - loop.time()
+            stalls = stall is not None and (left is None or stall < left)
             try:
                 # (asyncio.timeout, not wait_for: wait_for can swallow a cancellation that
                 # comes just as the waiter is set.)
-                async with asyncio.timeout(self._idle_timeout):
+                async with asyncio.timeout(stall if stalls else left):
                     await st.waiter.wait()
+                return
             except TimeoutError:
-                self._conn.send_control(Kind.KILL, Control(st.request_id))
-                st.terminate(errors.ResponseTimeout(f"no response within {self._idle_timeout}s"))
+                if st.done:
+                    return
+            if not stalls:
+                error: errors.DynamoError = errors.ResponseTimeout(f"no response within {idle}s")
+            elif st.expected_seq == 0 and self._conn.serves(st.endpoint):
+                continue  # its first item, from an instance that is fine: not a stall
+            else:
+                error = errors.StreamStalled(f"nothing arrived for {stall:g}s")
+            self._conn.send_control(Kind.KILL, Control(st.request_id))
+            st.terminate(error)
+            return
 
     def _adopt(self, other: ResponseStream[T]) -> None:
         """Continue on ``other``'s attempt (same context; ``other`` is left empty)."""

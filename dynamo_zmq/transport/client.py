@@ -38,9 +38,10 @@ from ..wire import (
     encode,
 )
 from ._curve import current_curve
+from ._items import ItemDecoder, decode_items
 from ._peer_liveness import HANDSHAKE_FAILED, PING_INTERVAL, PeerLiveness, PeerState, PingTicker
 from ._sockets import AsyncSocket, SendResult, make_socket
-from ._streams import ItemDecoder, ResponseStream, _StreamState, decode_items
+from ._streams import ResponseStream, _StreamState
 
 __all__ = ["DEFAULT_WINDOW", "PeerConnection", "PeerState"]
 
@@ -78,7 +79,8 @@ class PeerConnection:
             is made only with it and only if it is authorized (``CurveRefused`` from start).
         ping_interval: seconds between application pings (a ``ticker``'s interval when it
             has one).
-        liveness_timeout: a READY peer silent for this long is marked DOWN.
+        liveness_timeout: a READY peer silent for this long is marked DOWN (one that leaves a
+            ping unanswered for ``ANSWER_TIMEOUT`` is out of routing before that: SILENT).
         ticker: the pool's shared pinger (``PingTicker``); None: a ping task of its own.
     """
 
@@ -203,14 +205,14 @@ class PeerConnection:
             raise errors.CannotConnect(f"instance at {self.address} is {self.state.value}")
         ctx = context if context is not None else Context()
         request_id = next(_request_ids)
-        st = _StreamState(request_id, window, decode)
+        st = _StreamState(request_id, window, decode, endpoint)
         self._streams[request_id] = st
         req = Request(request_id, endpoint, ctx.id(), payload, window, timeout, outgoing())
         result = await self._sock.send([Kind.REQUEST, encode(req)], timeout=self.liveness.timeout)
         if result != SendResult.SENT:
             self._streams.pop(request_id, None)
             raise errors.CannotConnect(f"could not send to {self.address}")
-        if self.state is not PeerState.READY and not st.done:
+        if self.state in (PeerState.DOWN, PeerState.CLOSED) and not st.done:
             st.terminate(errors.Disconnected(f"instance at {self.address} went away"))
 
         def on_cancel(killed: bool) -> None:
@@ -227,6 +229,11 @@ class PeerConnection:
     def forget_stream(self, request_id: int) -> None:
         """Stop tracking the stream ``request_id`` (its caller is done with it)."""
         self._streams.pop(request_id, None)
+
+    def serves(self, endpoint: str) -> bool:
+        """Whether the peer lists ``endpoint`` (a failing health check leaves it out)."""
+        desc = self.description
+        return desc is not None and any(ep.path == endpoint for ep in desc.endpoints)
 
     def send_control(self, kind: bytes, msg: msgspec.Struct) -> None:
         """Send a control frame (STOP, KILL, CREDIT, PING, DESCRIBE) without waiting; a full
@@ -337,6 +344,8 @@ class PeerConnection:
         if desc is None or desc.instance_id != instance_id or desc.rev != rev:
             self.liveness.request_description()
         elif self.state is not PeerState.READY:
+            if self.state is PeerState.SILENT:
+                log.info("peer %s answers again: routable", self)
             self.state = PeerState.READY  # came back from a stall
             self._changed()
         if draining != self.draining:
@@ -374,6 +383,13 @@ class PeerConnection:
         self._fail_streams(errors.Disconnected(f"instance at {self.address} {reason}"), kill=True)
         if self.state is not PeerState.DOWN:
             self.state = PeerState.DOWN
+            self._changed()
+
+    def mark_silent(self, reason: str) -> None:
+        """A READY peer leaves routing (SILENT), keeping its streams, until it answers."""
+        if self.state is PeerState.READY:
+            log.info("peer %s silent: %s; out of routing until it answers", self, reason)
+            self.state = PeerState.SILENT
             self._changed()
 
     def _changed(self) -> None:

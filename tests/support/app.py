@@ -1,8 +1,8 @@
 """A small serving process for tests: ``python -m tests.support.app --role server|middle ...``.
 
 Endpoints (all in ``--namespace``, component ``--component``):
-- ``count``: yields ``{"i", "instance"}`` ``n`` times, ``delay`` seconds apart; notes in its
-  journal whether its context was stopped or killed.
+- ``count``: yields ``{"i", "instance"}`` ``n`` times, ``delay`` seconds apart (the first
+  after ``wait`` seconds); notes in its journal whether its context was stopped or killed.
 - ``journal``: yields the journal entries for ``context_id`` (what ``count`` observed).
 - ``relay`` (role middle): calls ``<namespace>.<target>.count`` passing its own context on.
 - ``lease`` (with ``--lease-endpoint``): yields ``{"lease_id", "valid"}`` of the runtime's
@@ -38,10 +38,13 @@ def make_handlers(runtime: DistributedRuntime, args: argparse.Namespace):
             raise RuntimeError("broken by the test switch")
         n = int(request.get("n", 10))
         delay = float(request.get("delay", 0.0))
+        first_wait = float(request.get("wait", 0.0))  # before the first item: a "prefill"
         payload = "x" * int(request.get("pad", 0))
         note = JOURNAL.setdefault(context.id(), [])
         note.append("started")
         try:
+            if first_wait:
+                await asyncio.sleep(first_wait)
             for i in range(n):
                 if context.is_stopped():  # a kill lets the handler look before cancelling it
                     note.append("killed" if context.is_killed() else "stopped")
