@@ -3,8 +3,8 @@
     python -m dynamo_zmq.frontend [--http-host 127.0.0.1] [--http-port 8000]
         [--router-mode round-robin|random|direct|kv|approx] [--namespace dynamo]
         [--discovery mdns|static] [--static-workers tcp://h:p,...] [--request-timeout S]
-        [--idle-timeout S] [--graceful-timeout 30] [--migration-limit N] [--max-body-bytes N]
-        [--body-timeout S]
+        [--idle-timeout S] [--graceful-timeout 30] [--stream-stall-timeout S]
+        [--migration-limit N] [--max-body-bytes N] [--body-timeout S]
         [--api-key KEY | --api-key-file F] [--tls-cert-file C --tls-key-file K]
         [--disagg-mode conditional|always|never] [--disagg-max-local-prefill-tokens N]
         [--disagg-max-prefill-queue N] [--disagg-prefill-timeout S]
@@ -33,7 +33,14 @@ import uvicorn
 
 from .. import errors, tracing
 from ..discovery import DiscoveryConfig, add_discovery_args, read_static_file
-from ..llm import BUILTIN_MODES, ROUTERS, RouterPlugin, load_plugin, plugin_names
+from ..llm import (
+    BUILTIN_MODES,
+    DEFAULT_STALL_TIMEOUT,
+    ROUTERS,
+    RouterPlugin,
+    load_plugin,
+    plugin_names,
+)
 from ..runtime import (
     DistributedRuntime,
     RuntimeConfig,
@@ -104,6 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM/SIGINT, seconds open requests get to finish; those still open then "
              "end with a retryable 503 (an SSE error event and [DONE] when streaming) "
              "[DYN_GRACEFUL_TIMEOUT]",
+    )
+    parser.add_argument(
+        "--stream-stall-timeout", type=float,
+        default=env("DYN_STREAM_STALL_TIMEOUT", str(DEFAULT_STALL_TIMEOUT)),
+        help="seconds a started stream may bring nothing (or an unstarted one on a worker that "
+             "failed its health check) before it counts as lost and migrates; 0 = off "
+             "[DYN_STREAM_STALL_TIMEOUT]",
     )
     parser.add_argument(
         "--migration-limit", type=int, default=env("DYN_MIGRATION_LIMIT", "3"),
@@ -195,7 +209,7 @@ async def serve(
 
     app = FrontendApp(
         start, stop, request_timeout=args.request_timeout, idle_timeout=args.idle_timeout,
-        migration_limit=args.migration_limit,
+        migration_limit=args.migration_limit, stall_timeout=args.stream_stall_timeout or None,
         limits=HttpLimits(max_body=args.max_body_bytes, body_timeout=args.body_timeout),
     )
     asgi: Any = app
@@ -276,6 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_number("--request-timeout", args.request_timeout, positive=True)
         check_number("--idle-timeout", args.idle_timeout, positive=True)
         check_number("--graceful-timeout", args.graceful_timeout)
+        check_number("--stream-stall-timeout", args.stream_stall_timeout)
         check_number("--body-timeout", args.body_timeout, positive=True)
         if args.max_body_bytes < 1:
             raise errors.InvalidArgument(

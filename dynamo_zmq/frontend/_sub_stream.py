@@ -22,6 +22,8 @@ class SubStream:
 
     def __init__(self, sub: SubRequest, stream: OutputStream, migration: Migration | None) -> None:
         self.sub, self.stream, self.migration = sub, stream, migration
+        if migration is not None:
+            migration.arm(stream)  # a stream that stalls is lost, and migrates
         #: What each output's token ids are added to (the migration's record of them).
         self.record = migration.generated.extend if migration is not None else None
 

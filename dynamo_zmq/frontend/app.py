@@ -80,6 +80,8 @@ class FrontendApp:
         idle_timeout: seconds to wait for a worker's next output (504 after; None: forever).
         migration_limit: how many times a request may move to another worker mid-stream
             (``llm.Migration``; 0: never); a model's workers may advertise their own.
+        stall_timeout: seconds a stream may bring nothing before it is lost and migrates
+            (``Migration.arm``; None: never).
         limits: body size and body-read timeout (``_limits.HttpLimits``).
     """
 
@@ -91,12 +93,14 @@ class FrontendApp:
         idle_timeout: float | None = None,
         migration_limit: int = DEFAULT_MIGRATION_LIMIT,
         limits: HttpLimits | None = None,
+        stall_timeout: float | None = None,
     ) -> None:
         self._manager_factory = manager_factory
         self._on_shutdown = on_shutdown
         self.timeout = request_timeout
         self.idle_timeout = idle_timeout
         self.migration_limit = migration_limit
+        self.stall_timeout = stall_timeout
         self.manager: ModelManager | None = None
         self.metrics = FrontendMetrics()
         self.limits = limits or HttpLimits()
@@ -293,6 +297,7 @@ class FrontendApp:
         return Migration(
             entry.router, pre, limit, self.idle_timeout, deadline,
             on_migrate=lambda kind: counter.labels(model, kind).inc(),
+            stall_timeout=self.stall_timeout,
         )
 
     async def _run(

@@ -62,6 +62,7 @@ from ._messages import error_output as error_output
 from ._messages import length_output as length_output
 from ._messages import stop_output as stop_output
 from ._migration import DEFAULT_MIGRATION_LIMIT as DEFAULT_MIGRATION_LIMIT
+from ._migration import DEFAULT_STALL_TIMEOUT as DEFAULT_STALL_TIMEOUT
 from ._migration import Migration as Migration
 from ._migration import resumable as resumable
 from ._model_card import CARD_FILES as CARD_FILES
@@ -109,6 +110,7 @@ __all__ = [
     "CHUNK",
     "DEFAULT_MIGRATION_LIMIT",
     "DEFAULT_ROUTE",
+    "DEFAULT_STALL_TIMEOUT",
     "ENGINES",
     "LOAD_HEARTBEAT",
     "LOAD_TOPIC",

@@ -12,6 +12,12 @@ are excluded. A failure before the first output is the runtime's failover's (``f
 first; when it gives up (no other instance then), the request is sent again unchanged, the same
 way (waiting for an instance, counted against the limit).
 
+A stream that brings nothing for the stall timeout (``--stream-stall-timeout``) while a
+migration could still move it is lost the same way (``StreamStalled``, retryable; see
+``ResponseStream.set_stall_timeout``): ``Migration.arm`` gives each of the request's streams
+that bound, and none to a stream that could not move (no migration left, or a request that
+cannot be resumed), which waits as before.
+
 Never migrated: a stopped or killed request (its caller left, its deadline passed), a
 non-retryable error, an error terminal (``finish_reason="error"``, which is an output), and a
 request ``resumable`` says cannot be resumed (those end with ``EngineShutdown`` saying why).
@@ -32,6 +38,7 @@ from ._routing import ModelRouter, OutputStream, RouteOptions
 
 __all__ = [
     "DEFAULT_MIGRATION_LIMIT",
+    "DEFAULT_STALL_TIMEOUT",
     "MIGRATION_WAIT",
     "Migration",
     "continuation",
@@ -42,6 +49,11 @@ log = logging.getLogger(__name__)
 
 #: Migrations a request may make by default (``--migration-limit``; 0 turns migration off).
 DEFAULT_MIGRATION_LIMIT = 3
+#: Seconds a started stream may bring nothing before it counts as lost and migrates
+#: (``--stream-stall-timeout``). A healthy engine's outputs come milliseconds apart, and even a
+#: long prefill chunk or a preemption's recompute pauses a running request for seconds, not
+#: ten; a prompt's own prefill or a queue is never a stall (it comes before the first output).
+DEFAULT_STALL_TIMEOUT = 10.0
 #: Seconds a migration waits for an instance it may go to (one restarting on the same port, or
 #: one not discovered yet) when none is live (never beyond the request's deadline).
 MIGRATION_WAIT = 10.0
@@ -110,11 +122,13 @@ class Migration:
         deadline: the loop time the request's deadline passes at (None: no deadline); a
             continuation gets what is left of it as its timeout.
         on_migrate: called with the error kind of each migration (metrics).
+        stall_timeout: seconds a stream may bring nothing before it is lost (``arm``); None:
+            streams are never judged stalled.
     """
 
     __slots__ = (
         "_deadline", "_idle_timeout", "_limit", "_lost", "_on_migrate", "_request", "_router",
-        "generated", "link", "migrations",
+        "_stall", "generated", "link", "migrations",
     )
 
     def __init__(
@@ -125,6 +139,7 @@ class Migration:
         idle_timeout: float | None = None,
         deadline: float | None = None,
         on_migrate: Callable[[str], object] | None = None,
+        stall_timeout: float | None = None,
     ) -> None:
         self._router = router
         self._request = request
@@ -132,6 +147,7 @@ class Migration:
         self._idle_timeout = idle_timeout
         self._deadline = deadline
         self._on_migrate = on_migrate
+        self._stall = stall_timeout if stall_timeout and resumable(request) is None else None
         #: The token ids handed to the client so far, across workers.
         self.generated: list[int] = []
         self._lost: set[int] = set()
@@ -140,6 +156,13 @@ class Migration:
         #: With tracing on: the ``worker_trace_link`` of the request's first output with tokens
         #: (its first worker's ``engine.generate``), which a continuation links to.
         self.link: str | None = None
+
+    def arm(self, stream: OutputStream) -> OutputStream:
+        """Give ``stream`` (the request's, now) the stall timeout, if a stall could still move
+        it to another worker; returns it."""
+        if self._stall is not None:
+            stream.set_stall_timeout(self._stall if self.migrations < self._limit else None)
+        return stream
 
     async def recover(self, stream: OutputStream, exc: errors.DynamoError) -> OutputStream:
         """The stream to continue ``stream``'s request on, after it failed with ``exc``.
@@ -166,7 +189,7 @@ class Migration:
             self.migrations += 1
             if self._on_migrate is not None:
                 self._on_migrate(exc.kind)
-            return new
+            return self.arm(new)
         why = (f"the worker serving it ({lost:x}) was lost after {len(generated)} tokens "
                f"({exc.kind}: {exc.message})")
         if (reason := resumable(self._request)) is not None:
@@ -183,7 +206,7 @@ class Migration:
         self.migrations += 1
         if self._on_migrate is not None:
             self._on_migrate(exc.kind)
-        return new
+        return self.arm(new)
 
     async def _reopen(
         self, request: PreprocessedRequest, ctx: Context, exc: errors.DynamoError
