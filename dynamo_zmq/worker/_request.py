@@ -117,7 +117,8 @@ def engine_stream(
 class Accounting:
     """One request's metrics and health, from its admission (``__init__``) to its end
     (``end``, once): requests, in-flight, TTFT and inter-token latency, output tokens,
-    duration, and the health canary's idea of when the worker last served."""
+    duration, and the health canary's idea of when the worker last served and when the engine
+    last produced an output."""
 
     __slots__ = ("_health", "_last", "_metrics", "_start", "tokens")
 
@@ -137,12 +138,13 @@ class Accounting:
         else:
             self._metrics.ttft.observe(now - self._start)
             out.worker_trace_link = link
+            self._health.decoding += 1
         self.tokens += len(out.token_ids)
-        self._last = now
+        self._last = self._health.progress = now
 
     def end(self) -> None:
         m = self._metrics
         m.output_tokens.inc(self.tokens)
         m.duration.observe(time.monotonic() - self._start)
         m.inflight.dec()
-        self._health.request_ended()
+        self._health.request_ended(self.tokens > 0)

@@ -1,7 +1,8 @@
 """Small third-party-style engines, loaded with ``--engine tests.support.engines:NAME``:
 ``EchoEngine``, and test engines built on it (and on the mocker) that record their lifecycle,
 fail to start, crash mid-request or stall the event loop, for the worker's lifecycle and error
-tests, a mocker whose health a test breaks from outside (``FlakyMocker``), one whose requests
+tests, a mocker whose health a test breaks from outside (``FlakyMocker``), one whose engine
+stops producing while its process lives (``StopsProducingMocker``), one whose requests
 end with ``EngineShutdown`` part-way (``ShuttingDownMocker``), an echo engine with
 deterministic log-probabilities (``ScoredEchoEngine``, for ``best_of``), and one that emits
 scripted text token by token (``ScriptedEngine``, for the worker's tool-call and reasoning
@@ -291,6 +292,38 @@ class StallingTestEngine(EchoEngine):
                 continue
             self.stalled = True
             time.sleep(self.stall_for)  # noqa: ASYNC251 (blocks the whole event loop on purpose)
+
+
+class StopsProducingMocker(MockerEngine):
+    """TEST ONLY: the mocker, whose engine stops producing for good once it has streamed
+    ``--stop-producing-after`` tokens in all (health canaries not counted): every request, a
+    canary's too, then waits for ever at its next output, while the process, its event loop and
+    its connections live on (a stuck kernel, a deadlock: liveness sees nothing wrong)."""
+
+    name = "stops-producing-mocker"
+
+    def __init__(self, config: MockerConfig, after: int) -> None:
+        super().__init__(config)
+        self.after = after
+        self.streamed = 0
+
+    @classmethod
+    def add_args(cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+        super().add_args(parser)
+        parser.add_argument("--stop-producing-after", type=int, default=20)
+
+    @classmethod
+    def from_namespace(cls, args: argparse.Namespace) -> StopsProducingMocker:
+        return cls(config_from_args(args), args.stop_producing_after)
+
+    async def generate(self, request: PreprocessedRequest, ctx: Context):
+        canary = ctx.id().startswith("health-")
+        async for out in super().generate(request, ctx):
+            if self.streamed >= self.after:
+                await asyncio.Event().wait()  # never set: stuck (cancellable, as a task is)
+            if not canary:
+                self.streamed += len(out.token_ids)
+            yield out
 
 
 class ShuttingDownMocker(MockerEngine):
