@@ -128,7 +128,8 @@ class InstanceFollower:
 
     async def sync(self) -> None:
         """Bring the followed set in line with the client's live instances now."""
-        live = {c.instance_id: c for c in self.client.instances()}
+        # Silent ones too: an instance out of routing for a moment keeps its index state.
+        live = {c.instance_id: c for c in self.client.instances(silent=True)}
         for iid in [i for i in self._instances if i not in live]:
             await self._remove(iid)
         for iid, conn in live.items():

@@ -30,7 +30,9 @@ from tests.support.churn import (
     worker,
     worker_inflight,
 )
-from tests.support.waiting import until
+from tests.support.http_calls import get
+from tests.support.metrics import sample
+from tests.support.waiting import eventually, until
 
 DEADLINE = 20.0
 #: Slack past the deadline for the frontend to write the 504 and the client to read it.
@@ -43,6 +45,12 @@ NO_EOS = {"ignore_eos": True}
 
 def hexid(proc) -> str:
     return f"{proc.instance_id:x}"
+
+
+async def frontend_migrations(url: str, n: int) -> bool:
+    """Whether the frontend has migrated ``n`` streams (or more)."""
+    _, body = await asyncio.to_thread(get, f"{url}/metrics")
+    return (sample(body.decode(), "dynamo_frontend_migrations_total") or 0) >= n
 
 
 def assert_all_ended(outcomes: list[Outcome]) -> Counter[str]:
@@ -117,6 +125,9 @@ async def test_a_frozen_worker_hands_its_streams_on_and_drops_them_when_it_thaws
         frozen.signal(signal.SIGSTOP)
         try:
             await wait_live(url, lambda ids: ids == {hexid(workers[1])})
+            # Out of routing comes first (a ping unanswered); its streams move on only once
+            # it has been silent for the liveness timeout.
+            await eventually(lambda: frontend_migrations(url, 2), what="both streams moved")
         finally:
             frozen.signal(signal.SIGCONT)
         # After the thaw the abandoned streams are killed there, long before they would end.

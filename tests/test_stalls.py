@@ -1,8 +1,9 @@
 """Streams that stop moving, through real processes: a frozen instance (SIGSTOP) leaves routing
-as soon as a ping goes unanswered, long before its streams are failed, and keeps them if it
-thaws in time; a stream whose handler stops yielding ends with the retryable ``StreamStalled``
-after its stall timeout (and the server's handler is killed); waiting for a first item is not a
-stall while the instance is healthy, and is once its health check withdraws the endpoint."""
+as soon as a ping goes unanswered (while another instance answers), long before its streams are
+failed, and keeps them if it thaws in time; a stream whose handler stops yielding ends with the
+retryable ``StreamStalled`` after its stall timeout (and the server's handler is killed);
+waiting for a first item is not a stall while the instance is healthy, and is once its health
+check withdraws the endpoint."""
 
 from __future__ import annotations
 
@@ -48,21 +49,31 @@ async def journal_says(client, context_id: str, want: str, timeout: float = 10.0
 async def test_a_frozen_instance_leaves_routing_at_once_and_keeps_its_streams_if_it_thaws(
     namespace, spawn, make_runtime
 ):
-    server, client = await one_client(spawn, make_runtime, namespace)
-    (conn,) = client.instances()
+    frozen = spawn(*app_args(namespace, "--discovery", "static"))
+    other = spawn(*app_args(namespace, "--discovery", "static"))
+    runtime = make_runtime(static=(frozen.address, other.address))
+    client = await runtime.endpoint(f"{namespace}.backend.count").client()
+    both = sorted([frozen.instance_id, other.instance_id])
+    assert await until(client, lambda: client.instance_ids() == both, 15)
+    (conn,) = [c for c in client.instances() if c.instance_id == frozen.instance_id]
     # Streams are failed only after this long of silence: far beyond the test.
     conn.liveness.timeout = 60.0
-    stream = await client.generate({"n": 40, "delay": 0.05})
+    stream = await client.direct({"n": 40, "delay": 0.05}, frozen.instance_id)
     await stream.__anext__()
-    server.signal(signal.SIGSTOP)
+    frozen.signal(signal.SIGSTOP)
     try:
-        assert await until(client, lambda: not client.instance_ids(), timeout=20), (
+        assert await until(client, lambda: client.instance_ids() == [other.instance_id], 20), (
             "a frozen instance is still routed to"
         )
         assert conn.state is PeerState.SILENT
+        # A silent instance is routed to only when none answers: here one does.
+        served = set()
+        for _ in range(4):
+            served |= {r.data()["instance"] async for r in await client.generate({"n": 1})}
+        assert served == {other.instance_id}
     finally:
-        server.signal(signal.SIGCONT)
-    assert await until(client, lambda: client.instance_ids() == [server.instance_id], 20)
+        frozen.signal(signal.SIGCONT)
+    assert await until(client, lambda: client.instance_ids() == both, 20)
     rest = [item.data()["i"] async for item in stream]  # the same stream, never failed
     assert rest == list(range(1, 40))
 

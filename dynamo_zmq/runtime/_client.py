@@ -17,6 +17,7 @@ from ..transport import (
     ItemDecoder,
     ItemStream,
     PeerConnection,
+    PeerState,
     ResponseStream,
     plain_items,
     response_items,
@@ -68,7 +69,8 @@ class Client:
         self.mode = router_mode
         self._pool = pool
         self._select = select
-        self._selected: tuple[int, list[PeerConnection]] | None = None
+        #: (pool generation, live instances, instances to route to) as of that generation.
+        self._selected: tuple[int, list[PeerConnection], list[PeerConnection]] | None = None
         self._rr = itertools.count()
 
     @property
@@ -76,16 +78,19 @@ class Client:
         """Bumped by every change of the instances (their pool's generation)."""
         return self._pool.generation
 
-    def instances(self) -> list[PeerConnection]:
+    def instances(self, *, silent: bool = False) -> list[PeerConnection]:
         """Connections to the instances able to take work now (narrowed by ``select``, once
-        per change of the pool)."""
-        if self._select is None:
-            return self._pool.instances(self.path)
+        per change of the pool). An instance that left a ping unanswered (SILENT: frozen, or
+        its loop stuck) is left out while another one answers; ``silent``: include those
+        (state that should outlive a moment's silence, e.g. a KV router's index of it)."""
         gen = self._pool.generation
         if self._selected is None or self._selected[0] != gen:
-            conns = [c for c in self._pool.instances(self.path) if self._select(c)]
-            self._selected = (gen, conns)
-        return list(self._selected[1])
+            conns = self._pool.instances(self.path)
+            if self._select is not None:
+                conns = [c for c in conns if self._select(c)]
+            answering = [c for c in conns if c.state is PeerState.READY]
+            self._selected = (gen, conns, answering or conns)
+        return list(self._selected[1] if silent else self._selected[2])
 
     def instance_ids(self) -> list[int]:
         """Ids of the instances currently able to take work, sorted."""

@@ -1,9 +1,8 @@
 """The calling side of the request plane: one DEALER connection per remote process.
 
-A ``PeerConnection`` connects to one address, learns who is there (DESCRIBE), keeps checking
-that it is alive (socket monitor events, ZMTP heartbeats, and application pings that also catch a
-stuck event loop: ``_peer_liveness.py``), and multiplexes any number of response streams over
-the socket. When the peer goes away every open stream ends with ``Disconnected``, never a hang.
+A ``PeerConnection`` connects to one address, learns who is there (DESCRIBE), checks that it
+is alive (monitor events, pings: ``_peer_liveness.py``), and multiplexes any number of response
+streams over the socket. A lost peer's open streams end with ``Disconnected``, never a hang.
 """
 
 from __future__ import annotations
@@ -125,7 +124,8 @@ class PeerConnection:
 
     @property
     def routable(self) -> bool:
-        return self.state is PeerState.READY and not self.draining
+        """READY, or SILENT (routed to only while no other instance answers), not draining."""
+        return self.state in (PeerState.READY, PeerState.SILENT) and not self.draining
 
     @property
     def open_streams(self) -> int:

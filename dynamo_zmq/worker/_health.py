@@ -6,13 +6,14 @@ engine's live numbers copied into the metrics. Each change of the verdict goes t
 The canary runs at start, after idle spells, every ``interval`` while requests are in flight
 (a stuck engine with nothing but queued requests), and at once when the engine stalls: a
 request has had outputs, and for ``STALL_AFTER`` no output came from the engine for any
-request. A healthy engine's outputs come milliseconds apart while it decodes, so a canary
-sent on a stall that has no answer after ``STALL_CANARY_TIMEOUT`` means the engine stopped
-producing (a stuck kernel, a deadlock; the process and its loop live on, so liveness sees
-nothing): the worker leaves routing 0.35-0.8 s after the engine's last output, and the
-canary's answer, whenever it comes, brings it back. A canary that passes counts as the engine's
-progress, so readers that stopped taking outputs (slow clients) cost one canary per stall, no
-withdrawal. Otherwise a canary fails when it has no answer after ``CANARY_TIMEOUT``.
+request. A healthy engine's outputs come milliseconds apart while it decodes, so a canary sent
+on a stall that has no answer after ``STALL_CANARY_TIMEOUT``, in a process not short of CPU
+itself (its watch has been on time), means the engine stopped producing (a stuck kernel, a
+deadlock; the process and its loop live on, so liveness sees nothing): the worker leaves
+routing 0.35-0.8 s after the engine's last output, and the canary's answer, whenever it comes,
+brings it back. A canary that passes counts as the engine's progress, so readers that stopped
+taking outputs (slow clients) cost one canary per stall, no withdrawal. Otherwise a canary
+fails when it has no answer after ``CANARY_TIMEOUT``.
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ STALL_AFTER = 0.25
 STALL_CANARY_TIMEOUT = 0.35
 #: Seconds between two looks at the engine's progress.
 WATCH_TICK = 0.1
+#: A look this much late means this process is short of CPU: no stall is judged until it has
+#: been punctual for a stall's whole window (its outputs were slowed with it).
+LATE = 0.05
 
 
 class Health:
@@ -92,6 +96,7 @@ class Health:
         self.progress = time.monotonic()
         self._last_activity = time.monotonic()
         self._last_canary = time.monotonic()
+        self._late_at = 0.0
 
     def request_started(self) -> None:
         self.inflight += 1
@@ -173,9 +178,11 @@ class Health:
             while True:
                 await asyncio.sleep(WATCH_TICK)
                 now = time.monotonic()
-                if now - last - WATCH_TICK > STALL_AFTER:
-                    # This loop stalled (GC, CPU starvation), outputs with it: judge nothing.
-                    self.progress = max(self.progress, now)
+                late = now - last - WATCH_TICK
+                if late > LATE:  # this loop was held up (GC, CPU starvation), outputs with it
+                    self._late_at = now
+                    if late > STALL_AFTER:
+                        self.progress = max(self.progress, now)
                 last = now
                 if now - stats_at >= 1.0:
                     stats_at = now
@@ -204,7 +211,8 @@ class Health:
         ``STALL_CANARY_TIMEOUT``, the engine counts as stuck until the canary answers."""
         stalled = self.stalled_for(now)
         waited = now - self._last_canary
-        if self.healthy and stalled > STALL_AFTER and waited > STALL_CANARY_TIMEOUT:
+        punctual = now - self._late_at > STALL_AFTER + STALL_CANARY_TIMEOUT
+        if self.healthy and punctual and stalled > STALL_AFTER and waited > STALL_CANARY_TIMEOUT:
             self._verdict(False, {
                 "status": "unhealthy",
                 "error": f"the engine produced nothing for {stalled:.2f}s with requests in "
