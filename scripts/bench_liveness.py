@@ -177,6 +177,7 @@ async def idle_cost(peers: int, servers: int, seconds: float, answer: float | No
     args = [BENCH_SERVER, "--namespace", ns, "--host", "127.0.0.1", "--discovery", "static"]
     children = [Child(args) for _ in range(servers)]
     res = Resources("idle-bench")
+    conns: list[PeerConnection] = []
     try:
         for child in children:
             child.wait_ready()
@@ -193,6 +194,8 @@ async def idle_cost(peers: int, servers: int, seconds: float, answer: float | No
         await asyncio.sleep(seconds)
         return 100 * (cpu_seconds(me) - cpu0) / (time.perf_counter() - t0)
     finally:
+        for conn in conns:
+            await conn.close()
         await res.close()
         for child in children:
             child.stop()
