@@ -150,7 +150,8 @@ def build_parser(
     )
     parser.add_argument(
         "--health-check-interval", type=float, default=_env("HEALTH_CHECK_INTERVAL", "10.0"),
-        help="run the health canary after this many idle seconds [DYN_HEALTH_CHECK_INTERVAL]",
+        help="run the health canary after this many idle seconds, and this often while busy "
+             "(also at once when the engine stalls) [DYN_HEALTH_CHECK_INTERVAL]",
     )
     parser.add_argument(
         "--health-check-payload", default=_env("HEALTH_CHECK_PAYLOAD"),
