@@ -7,12 +7,14 @@ process's health from outside."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 
 import openai
 import pytest
 
+from dynamo_zmq import errors
 from tests.conftest import app_args
 from tests.support.http_calls import get
 from tests.support.mocker_fleet import start_frontend
@@ -54,6 +56,39 @@ async def test_runtime_api_endpoint_canary_leaves_and_rejoins_routing(
         "the repaired instance did not come back"
     )
     assert {await one() for _ in range(4)} == both
+
+
+async def test_runtime_api_canary_runs_while_requests_keep_coming(
+    namespace, spawn, make_runtime, tmp_path
+):
+    """Requests every 50 ms, never idle for the canary's 0.2 s: it is probed all the same (a
+    stuck handler still has requests started on it), and leaves routing once broken."""
+    switch = tmp_path / "broken"
+    flaky = spawn(*app_args(namespace, "--canary-file", str(switch), "--discovery", "static"),
+                  env=CANARY_ENV)
+    runtime = make_runtime(static=(flaky.address,))
+    client = await runtime.endpoint(f"{namespace}.backend.count").client()
+    assert await until(client, lambda: client.instance_ids() == [flaky.instance_id], 15)
+    stop = asyncio.Event()
+
+    async def traffic() -> None:  # bounded: at most 400 requests, 50 ms apart
+        for _ in range(400):
+            if stop.is_set():
+                return
+            with contextlib.suppress(errors.DynamoError):
+                [r async for r in await client.direct({"n": 1}, flaky.instance_id)]
+            await asyncio.sleep(0.05)
+
+    load = asyncio.create_task(traffic())
+    try:
+        await asyncio.sleep(0.5)
+        switch.touch()
+        assert await until(client, lambda: not client.instance_ids(), 10), (
+            "a busy endpoint whose canary fails is still routed to"
+        )
+    finally:
+        stop.set()
+        await load
 
 
 # -- a worker's canary, seen by a round-robin frontend and a KV-routing frontend ---------------

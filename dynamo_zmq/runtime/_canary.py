@@ -2,7 +2,9 @@
 ``serve_endpoint(handler, health_check_payload=...)``).
 
 An endpoint given a payload has its own handler called with that payload after it has had no
-request for ``DYN_CANARY_WAIT_TIME`` seconds (default 10). The check passes when the handler
+request for ``DYN_CANARY_WAIT_TIME`` seconds (default 10), and as often while requests keep
+coming: a handler that is stuck still has requests started on it, so traffic proves nothing.
+The check passes when the handler
 yields its first response (or ends cleanly) within ``DYN_HEALTH_CHECK_REQUEST_TIMEOUT`` seconds
 (default 3); anything else (an exception, a timeout) fails it. The verdict goes to
 ``DistributedRuntime.set_endpoint_health``: a failing endpoint leaves routing, a passing one
@@ -93,7 +95,7 @@ class EndpointCanary:
         self._handler = handler
         self._payload = encode_item(payload)
         self.config = config
-        self.last_request = time.monotonic()
+        self.last_request = self.last_probe = time.monotonic()
         self.healthy = True
 
     def watch(self) -> Handler:
@@ -127,15 +129,17 @@ class EndpointCanary:
                     await aclose()
 
     async def run(self) -> None:
-        """Forever: once idle for ``wait_time``, probe and report the verdict."""
+        """Forever: once idle for ``wait_time``, or ``wait_time`` after the last probe while
+        busy, probe and report the verdict."""
         wait = self.config.wait_time
         while True:
-            idle = time.monotonic() - self.last_request
-            if idle < wait:
-                await asyncio.sleep(wait - idle)
+            now = time.monotonic()
+            idle, since = now - self.last_request, now - self.last_probe
+            if idle < wait and since < wait:
+                await asyncio.sleep(wait - max(idle, since))
                 continue
             ok = await self.probe()
             if ok != self.healthy:
                 self.healthy = ok
                 self.host.set_endpoint_health(self.path, ok)
-            self.last_request = time.monotonic()
+            self.last_request = self.last_probe = time.monotonic()
