@@ -95,3 +95,22 @@ async def test_an_engine_that_stops_producing_leaves_routing_with_its_requests_i
             for task in streams:
                 task.cancel()
             await asyncio.gather(*streams, return_exceptions=True)
+
+
+async def test_a_reader_that_stops_reading_is_no_stuck_engine(namespace, spawn, make_runtime,
+                                                             tiny_model):
+    """A stream whose reader takes nothing more holds the worker's engine back (credit): no
+    output for seconds, with a request that has had outputs. The canary it triggers passes,
+    so the worker stays routed and healthy."""
+    proc = worker(spawn, namespace, tiny_model, "--speedup-ratio", "1000")
+    runtime = make_runtime(static=(proc.address,))
+    client = await runtime.endpoint(f"{namespace}.backend.generate").client()
+    assert await client.wait_for_instances(timeout=15) == [proc.instance_id]
+    stream = await client.generate({"token_ids": list(range(10, 42)),
+                                    "stop": {"max_tokens": 1900, "ignore_eos": True}})
+    await stream.__anext__()
+    await asyncio.sleep(3)  # the window's 1024 outputs are sent; the engine waits for credit
+    assert client.instance_ids() == [proc.instance_id]
+    status, body = await worker_health(proc)
+    assert status == 200 and body["status"] == "healthy", body
+    await stream.aclose()

@@ -287,20 +287,22 @@ class ResponseStream(Generic[T]):
 
     async def _wait_bounded(self, st: _StreamState) -> None:
         """Wait for ``st`` to change within the idle and stall timeouts; ends it past either."""
-        idle, stall, loop = self._idle_timeout, self._stall, self._loop
-        idle_at = None if idle is None else loop.time() + idle
+        idle, stall = self._idle_timeout, self._stall
+        waited = 0.0
         while True:
-            left = None if idle_at is None else idle_at - loop.time()
+            left = None if idle is None else idle - waited
             stalls = stall is not None and (left is None or stall < left)
+            bound = stall if stalls else left
             try:
                 # (asyncio.timeout, not wait_for: wait_for can swallow a cancellation that
                 # comes just as the waiter is set.)
-                async with asyncio.timeout(stall if stalls else left):
+                async with asyncio.timeout(bound):
                     await st.waiter.wait()
                 return
             except TimeoutError:
                 if st.done:
                     return
+            waited += bound or 0.0
             if not stalls:
                 error: errors.DynamoError = errors.ResponseTimeout(f"no response within {idle}s")
             elif st.expected_seq == 0 and self._conn.serves(st.endpoint):
