@@ -114,3 +114,21 @@ async def test_a_first_item_awaited_from_an_instance_whose_health_fails_stalls(
     switch.touch()  # its health canary fails now: the endpoint leaves its description
     with pytest.raises(errors.StreamStalled):
         await asyncio.wait_for(stream.__anext__(), 30)
+
+
+async def test_a_silent_instance_is_still_routed_to_when_no_other_answers(
+    namespace, spawn, make_runtime
+):
+    """Its loop held up (here: frozen) with no other instance: requests still go to it and are
+    served once it answers, rather than failing at once for want of an instance."""
+    server, client = await one_client(spawn, make_runtime, namespace)
+    (conn,) = client.instances()
+    conn.liveness.timeout = 60.0  # never DOWN here
+    server.signal(signal.SIGSTOP)
+    try:
+        assert await until(client, lambda: conn.state is PeerState.SILENT, 20)
+        assert client.instance_ids() == [server.instance_id]
+        stream = await client.generate({"n": 3})
+    finally:
+        server.signal(signal.SIGCONT)
+    assert [r.data()["i"] async for r in stream] == [0, 1, 2]

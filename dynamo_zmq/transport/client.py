@@ -201,7 +201,7 @@ class PeerConnection:
         deadline the server enforces (ResponseTimeout); ``idle_timeout`` bounds the wait for each
         next item on this side.
         """
-        if self.state is not PeerState.READY or self._sock is None:
+        if self.state not in (PeerState.READY, PeerState.SILENT) or self._sock is None:
             raise errors.CannotConnect(f"instance at {self.address} is {self.state.value}")
         ctx = context if context is not None else Context()
         request_id = next(_request_ids)
