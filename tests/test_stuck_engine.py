@@ -26,6 +26,8 @@ from tests.support.procs import Proc
 #: Tokens a stream asks for (about 60 ms each at the workers' speed).
 TOKENS = 30
 NO_EOS = {"ignore_eos": True}
+#: Every stream runs to its max_tokens and reports its usage.
+FULL = {"extra_body": NO_EOS, "stream_options": {"include_usage": True}}
 STOPS = ("--engine", "tests.support.engines:StopsProducingMocker")
 
 
@@ -54,7 +56,7 @@ async def test_streams_on_an_engine_that_stops_producing_finish_elsewhere_unchan
                                             "--stream-stall-timeout", "2")
     async with openai_client(url) as client:
         outcomes = await asyncio.wait_for(asyncio.gather(*(
-            stream_completion(client, TOKENS, extra_body=NO_EOS) for _ in range(8)
+            stream_completion(client, TOKENS, **FULL) for _ in range(8)
         )), 60)
         assert [o.served_by for o in outcomes].count(hexid(stuck)) == 4, outcomes
         # The stuck worker is out of routing; what it was serving went on elsewhere.
@@ -62,11 +64,12 @@ async def test_streams_on_an_engine_that_stops_producing_finish_elsewhere_unchan
         again = await asyncio.gather(*(stream_completion(client, 3, extra_body=NO_EOS)
                                        for _ in range(4)))
         assert {o.served_by for o in again} == {hexid(healthy)}, again
-        ref = await stream_completion(client, TOKENS, extra_body=NO_EOS)  # fault-free
+        ref = await stream_completion(client, TOKENS, **FULL)  # fault-free
     assert ref.ok and ref.finish == "length"
+    assert ref.completion_tokens == TOKENS
     for o in outcomes:
         assert o.ok and o.finish == "length", o
-        assert o.text == ref.text, o
+        assert o.text == ref.text and o.completion_tokens == TOKENS, o
     _, page = await asyncio.to_thread(get, f"{url}/metrics")
     stalls = sample(page.decode(), "dynamo_frontend_migrations_total", reason="StreamStalled")
     assert stalls and stalls >= 1, page.decode()

@@ -81,6 +81,8 @@ class Outcome:
     status: int | None = None  # the HTTP status of a request refused before streaming
     error: dict | None = field(default=None)  # the SSE error event's (or error body's) error
     seconds: float = 0.0
+    #: ``usage.completion_tokens`` of its last chunk (with ``stream_options.include_usage``)
+    completion_tokens: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -97,6 +99,8 @@ async def stream_completion(client: openai.AsyncOpenAI, max_tokens: int,
             model="tiny", prompt="Once", max_tokens=max_tokens, stream=True, **extra)
         out.served_by = raw.headers.get("x-dynamo-worker", "")
         async for chunk in raw.parse():
+            if chunk.usage is not None:
+                out.completion_tokens = chunk.usage.completion_tokens
             if chunk.choices:
                 out.chunks += 1
                 out.text += chunk.choices[0].text
