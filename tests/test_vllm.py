@@ -451,7 +451,9 @@ async def test_a_dead_engine_core_fails_requests_with_engine_shutdown(
     spawn, namespace, make_runtime, tiny_model
 ):
     """vLLM's engine core dying (EngineDeadError) mid-request reaches the caller as
-    EngineShutdown (retryable), and so does every request after it."""
+    EngineShutdown (retryable); a request after it gets EngineShutdown while the worker is
+    still listed, and CannotConnect (retryable too) once its failing health canary has taken
+    it out of routing (issue 33: a canary also runs when the engine stalls)."""
     proc = vllm_worker(spawn, namespace, tiny_model)
     client = await make_runtime(static=(proc.address,)).endpoint(
         f"{namespace}.backend.generate").client()
@@ -465,7 +467,7 @@ async def test_a_dead_engine_core_fails_requests_with_engine_shutdown(
         with pytest.raises(errors.EngineShutdown, match="engine core"):
             async for _ in stream:
                 pass
-    with pytest.raises(errors.EngineShutdown):
+    with pytest.raises((errors.EngineShutdown, errors.CannotConnect)):
         async for _ in await client.generate(worker_request([4, 5], 4)):
             pass
 
