@@ -2,7 +2,8 @@
 
     python scripts/bench_liveness.py [--trials 20] [--discovery mdns|static]
         [--cases kill,stop,stuck] [--max-seconds 30]
-    python scripts/bench_liveness.py --idle-peers 256,512 [--idle-seconds 20] [--servers 8]
+    python scripts/bench_liveness.py --idle-peers 256,512 [--idle-seconds 20] [--idle-runs 3]
+        [--servers 8]
 
 Trials (each bounded by ``--max-seconds``; every child process is always stopped):
 
@@ -21,7 +22,8 @@ Trials (each bounded by ``--max-seconds``; every child process is always stopped
 ``--idle-peers``: this process keeps N idle connections (a ``PingTicker`` shared by them, as a
 frontend's ``PeerPool`` has) to ``--servers`` server processes, and measures its own CPU for
 ``--idle-seconds``, with the answer check (``ANSWER_TIMEOUT``, the SILENT state) and without
-it (pings only, as before): the same pings and pongs go out either way.
+it (pings only, as before), ``--idle-runs`` times each, alternating which goes first: the same
+pings and pongs go out either way.
 
 mDNS is pinned to loopback.
 """
@@ -216,16 +218,21 @@ async def main() -> None:
     parser.add_argument("--max-seconds", type=float, default=30.0, help="bound on each trial")
     parser.add_argument("--idle-peers", default="", help="e.g. 256,512: measure idle cost only")
     parser.add_argument("--idle-seconds", type=float, default=20.0)
+    parser.add_argument("--idle-runs", type=int, default=3)
     parser.add_argument("--servers", type=int, default=8, help="server processes (idle cost)")
     args = parser.parse_args()
     if args.idle_peers:
-        print("| peers | answers judged (SILENT after) | CPU % of one core |")
+        print("| peers | answers judged (SILENT after) | CPU % of one core, each run |")
         print("|---|---|---|")
         for n in (int(x) for x in args.idle_peers.split(",")):
-            for answer in (None, ANSWER_TIMEOUT):
-                cpu = await idle_cost(n, args.servers, args.idle_seconds, answer)
+            cpu: dict[float | None, list[float]] = {None: [], ANSWER_TIMEOUT: []}
+            for run in range(args.idle_runs):
+                for answer in (None, ANSWER_TIMEOUT)[:: 1 if run % 2 == 0 else -1]:
+                    cpu[answer].append(await idle_cost(n, args.servers, args.idle_seconds,
+                                                       answer))
+            for answer, runs in cpu.items():
                 label = "no (pings only)" if answer is None else f"yes ({answer} s)"
-                print(f"| {n} | {label} | {cpu:.2f} |", flush=True)
+                print(f"| {n} | {label} | {', '.join(f'{c:.2f}' for c in runs)} |", flush=True)
         return
     print("| case | discovery | trials | stream fails p50 / p99 / max (ms) "
           "| out of routing p50 / p99 / max (ms) |")
