@@ -5,8 +5,6 @@ with different cards."""
 from __future__ import annotations
 
 import asyncio
-import json
-import shutil
 
 import openai
 import pytest
@@ -16,20 +14,10 @@ from dynamo_zmq.frontend.preprocess import Preprocessor
 from dynamo_zmq.frontend.protocol import parse_completion
 from dynamo_zmq.llm import build_card
 from tests.support.mocker_fleet import start_frontend, start_worker
+from tests.support.model_cards import other_card_model
 from tests.support.waiting import wait_models
 
 WARNING = "serves it with another model card"
-
-
-def other_card_model(tiny_model, tmp_path):
-    """A copy of the tiny model with another context length: same name, another card."""
-    other = tmp_path / "other-model"
-    shutil.copytree(tiny_model, other)
-    config = json.loads((other / "config.json").read_text())
-    config["max_position_embeddings"] = 1024
-    (other / "config.json").write_text(json.dumps(config))
-    assert build_card(other, "tiny").checksum != build_card(tiny_model, "tiny").checksum
-    return other
 
 
 def test_requests_carry_the_checksum_of_their_card(tiny_model):
