@@ -235,7 +235,7 @@ class Watch:
     def _conflict(self, name: str, old: PeerAdded, new: PeerAdded) -> None:
         """``name`` resolved to ``old`` and now to ``new``: say so once, and resolve it again
         when the records that say ``new`` expire."""
-        delay = self._expiry(name, new.address)
+        delay = self._expiry(name, new.address, old.address)
         if (name, new.address) not in self._said and len(self._said) < MAX_SAID:
             self._said.add((name, new.address))
             log.warning("mDNS: %s now resolves to %s, not %s: a conflicting record (a stray or "
@@ -270,16 +270,22 @@ class Watch:
         except Exception:  # zeroconf's internals changed: resolve with the cache as it is
             log.debug("mDNS: cannot drop the expired records of %s", name, exc_info=True)
 
-    def _expiry(self, name: str, address: str) -> float:
-        """Seconds until the cached records that make ``name`` resolve to ``address`` (its SRV
-        records with that port, their targets' A records with that IP) expire."""
+    def _expiry(self, name: str, address: str, home: str) -> float:
+        """Seconds until the cached records that make ``name`` resolve to ``address`` rather
+        than ``home`` expire: its SRV records with that port, their targets' A records with
+        that IP. A record ``home`` shares (the same port, or the same IP: a claimant on the
+        owner's host has the owner's A record, refreshed by the owner) is not foreign."""
         ip, _, port = address.removeprefix("tcp://").rpartition(":")
+        home_ip, _, home_port = home.removeprefix("tcp://").rpartition(":")
         now = current_time_millis()
         cache = self._zc.cache
         ends = []
         for srv in cache.async_all_by_details(name, _TYPE_SRV, _CLASS_IN):
             if isinstance(srv, DNSService) and str(srv.port) == port and not srv.is_expired(now):
-                ends.append(srv.get_expiration_time(100))
+                if port != home_port:
+                    ends.append(srv.get_expiration_time(100))
+                if ip == home_ip:
+                    continue
                 for a in cache.async_all_by_details(srv.server, _TYPE_A, _CLASS_IN):
                     if isinstance(a, DNSAddress) and not a.is_expired(now) and _ipv4(a) == ip:
                         ends.append(a.get_expiration_time(100))
@@ -295,7 +301,7 @@ class Watch:
                 await self._resolve(name, recheck=True)
             now = self._known.get(name)
             if now is not None and now.address != home:  # never more often than a requery
-                delay = max(self._expiry(name, now.address), REQUERY_INTERVAL)
+                delay = max(self._expiry(name, now.address, home), REQUERY_INTERVAL)
                 self._recheck_later(name, delay, home)
         finally:
             if self._rechecks.get(name) is asyncio.current_task():
