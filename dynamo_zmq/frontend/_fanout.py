@@ -15,7 +15,8 @@ no queue: the common case pays nothing for the others). ``best_of > n`` keeps, p
 engine's ``LLMEngineOutput.log_probs``). Usage counts each prompt once and every generated
 token. Logprobs, when asked for, are written per choice (``ChoiceLogprobs``), and so are the
 reasoning and tool calls the worker parsed (chat). The outputs arrive decoded (the worker made
-their text); what arrived together is written in one send.
+their text); what arrived together is written in one send, a choice's content (and logprobs) as
+one multi-token event, as vLLM's server does when the client is behind: nothing waits for more.
 """
 
 from __future__ import annotations
@@ -190,8 +191,18 @@ class FanOut:
 
     # -- merging ---------------------------------------------------------------------------
 
-    def _account(self, sub: SubRequest, out: LLMEngineOutput) -> str:
-        n = len(out.token_ids)
+    def _account(self, sub: SubRequest, outs: list[LLMEngineOutput]) -> None:
+        """Count a batch of ``sub``'s outputs: tokens, TTFT or inter-token latency (one
+        observation per batch: its gap over its tokens), score and the worker's usage."""
+        n = 0
+        for out in outs:
+            if out.token_ids:
+                n += len(out.token_ids)
+                if out.log_probs:
+                    sub.score += sum(out.log_probs)
+            if out.usage is not None:
+                sub.usage_tokens = out.usage.completion_tokens
+                sub.cached = out.usage.cached_tokens
         if n:
             now = time.monotonic()
             ttft, itl = self.metrics.token_metrics(self.model)
@@ -203,12 +214,6 @@ class FanOut:
             sub.last = now
             sub.tokens += n
             self.completion_tokens += n
-            if out.log_probs:
-                sub.score += sum(out.log_probs)
-        if out.usage is not None:
-            sub.usage_tokens = out.usage.completion_tokens
-            sub.cached = out.usage.cached_tokens
-        return out.text or ""
 
     async def _next(self) -> list[_Event]:
         """What the readers have: at least one event, all that are there."""
@@ -261,28 +266,9 @@ class FanOut:
                 for sub, item in await self._next():
                     if not isinstance(item, list):
                         raise _Failed(self._failure(item))
-                    for out in item:
-                        text = self._account(sub, out)
-                        if self.parsed:
-                            self._parsed_chunks(sub, out, text, parts)
-                        elif sub.logprobs is not None and out.log_probs:
-                            chunk = fmt.logprobs_chunk(text, self._take(sub, out), sub.index)
-                            if continuous:
-                                chunk = fmt.with_usage(
-                                    chunk, self.prompt_tokens, self.completion_tokens
-                                )
-                            parts.append(chunk)
-                        elif text:
-                            chunk = fmt.content_chunk_at(sub.index, text)
-                            if continuous:
-                                chunk = fmt.with_usage(
-                                    chunk, self.prompt_tokens, self.completion_tokens
-                                )
-                            parts.append(chunk)
-                        if out.finish_reason is not None:
-                            parts.append(self._finish_chunk(sub, out))
-                            pending -= 1
-                            break
+                    self._account(sub, item)
+                    if self._sse_chunks(sub, item, parts):
+                        pending -= 1
                 if pending:
                     await send_message(send, {"type": "http.response.body",
                                               "body": b"".join(parts), "more_body": True})
@@ -299,6 +285,53 @@ class FanOut:
         await send_message(send, {"type": "http.response.body", "body": b"".join(parts),
                                   "more_body": False})
         return "success"
+
+    def _sse_chunks(self, sub: SubRequest, outs: list[LLMEngineOutput],
+                    parts: list[bytes]) -> bool:
+        """Add the SSE chunks of a batch of ``sub``'s outputs to ``parts``; True if it
+        finished. Outputs that arrived together go out as one content chunk (their texts,
+        and logprobs, joined: a client that is behind reads fewer, larger events, as from
+        vLLM's server); nothing is held back for later."""
+        if self.parsed:  # reasoning and tool-call deltas: a chunk per output
+            for out in outs:
+                self._parsed_chunks(sub, out, out.text or "", parts)
+                if out.finish_reason is not None:
+                    parts.append(self._finish_chunk(sub, out))
+                    return True
+            return False
+        fmt = self.fmt
+        texts: list[str] = []
+        logprobs: dict[str, Any] | None = None
+        finish: LLMEngineOutput | None = None
+        with_logprobs = sub.logprobs is not None
+        for out in outs:
+            if out.text:
+                texts.append(out.text)
+            if with_logprobs and out.log_probs:
+                lp = self._take(sub, out)
+                if logprobs is None:
+                    logprobs = lp
+                else:
+                    for key, values in lp.items():
+                        logprobs[key] += values
+            if out.finish_reason is not None:
+                finish = out
+                break
+        if logprobs is not None:
+            chunk = fmt.logprobs_chunk("".join(texts), logprobs, sub.index)
+        elif texts:
+            chunk = fmt.content_chunk_at(sub.index, texts[0] if len(texts) == 1
+                                         else "".join(texts))
+        else:
+            chunk = b""
+        if chunk:
+            if fmt.continuous_usage:
+                chunk = fmt.with_usage(chunk, self.prompt_tokens, self.completion_tokens)
+            parts.append(chunk)
+        if finish is None:
+            return False
+        parts.append(self._finish_chunk(sub, finish))
+        return True
 
     def _finish_chunk(self, sub: SubRequest, out: LLMEngineOutput) -> bytes:
         if out.finish_reason == FinishReason.ERROR:
@@ -323,8 +356,9 @@ class FanOut:
                 for sub, item in await self._next():
                     if not isinstance(item, list):
                         raise _Failed(self._failure(item))
+                    self._account(sub, item)
                     for out in item:
-                        sub.texts.append(self._account(sub, out))
+                        sub.texts.append(out.text or "")
                         if sub.logprobs is not None:
                             self._take(sub, out)
                         if out.reasoning:
