@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Generic, Protocol, TypeVar
@@ -120,6 +121,18 @@ class _StreamState:
             self.unlink = None
 
 
+#: Seconds early a timer may fire (the loop runs handles due within its clock's resolution).
+_EARLY = 1e-3
+
+
+def _check_wait(ref: weakref.ref[ResponseStream[Any]]) -> None:
+    """A stream's bounds timer (a weak reference: an armed timer never keeps a dropped stream
+    alive)."""
+    stream = ref()
+    if stream is not None:
+        stream._check_wait()
+
+
 Reopen = Callable[["ResponseStream[T]", errors.DynamoError], Awaitable["ResponseStream[T] | None"]]
 """Called with a stream and its error when it fails before its first item: the same request on
 another instance (a new stream the failed one takes over), or None to let the error reach the
@@ -169,6 +182,10 @@ class ResponseStream(Generic[T]):
         self._on_item: Callable[[T], object] | None = None
         self._on_release: Callable[[], object] | None = None
         self._loop = asyncio.get_running_loop()
+        #: The bounds' timer (``_arm``) and when the reader's current wait began (None: it
+        #: is not waiting).
+        self._timer: asyncio.TimerHandle | None = None
+        self._waiting_since: float | None = None
 
     def set_reopen(self, reopen: Reopen[T] | None) -> None:
         """What to do when the stream fails before its first item (see the class docstring)."""
@@ -186,6 +203,7 @@ class ResponseStream(Generic[T]):
         """Seconds without an item after which the stream is lost (see the class docstring);
         None: never."""
         self._stall = seconds
+        self._disarm()  # the next wait arms the timer with the new bound
 
     @property
     def context(self) -> Context:
@@ -286,32 +304,55 @@ class ResponseStream(Generic[T]):
                 await self._wait_bounded(st)
 
     async def _wait_bounded(self, st: _StreamState) -> None:
-        """Wait for ``st`` to change within the idle and stall timeouts; ends it past either."""
+        """Wait for ``st`` to change within the idle and stall timeouts; past either, the
+        stream's timer ends it (``_check_wait``). The timer is armed once and moved on lazily
+        when it fires, so a wait that ends in time costs no timer work (most waits do)."""
+        since = self._waiting_since = self._loop.time()
+        if self._timer is None:
+            self._arm(since, since)
+        try:
+            await st.waiter.wait()
+        finally:
+            self._waiting_since = None
+
+    def _arm(self, since: float, now: float) -> None:
+        """Check the wait that began at ``since`` at its next bound after ``now``."""
         idle, stall = self._idle_timeout, self._stall
-        waited = 0.0
-        while True:
-            left = None if idle is None else idle - waited
-            stalls = stall is not None and (left is None or stall < left)
-            bound = stall if stalls else left
-            try:
-                # (asyncio.timeout, not wait_for: wait_for can swallow a cancellation that
-                # comes just as the waiter is set.)
-                async with asyncio.timeout(bound):
-                    await st.waiter.wait()
-                return
-            except TimeoutError:
-                if st.done:
-                    return
-            waited += bound or 0.0
-            if not stalls:
-                error: errors.DynamoError = errors.ResponseTimeout(f"no response within {idle}s")
-            elif st.expected_seq == 0 and self._conn.serves(st.endpoint):
-                continue  # its first item, from an instance that is fine: not a stall
-            else:
-                error = errors.StreamStalled(f"nothing arrived for {stall:g}s")
-            self._conn.send_control(Kind.KILL, Control(st.request_id))
-            st.terminate(error)
+        due = []
+        if idle is not None:
+            due.append(since + idle)
+        if stall is not None:
+            # Past the stall bound on a stream still waiting for its first item from a healthy
+            # instance: not a stall (see the class docstring); look again a stall later.
+            due.append(since + stall if now < since + stall - _EARLY else now + stall)
+        if due:
+            self._timer = self._loop.call_at(min(due), _check_wait, weakref.ref(self))
+
+    def _disarm(self) -> None:
+        timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.cancel()
+
+    def _check_wait(self) -> None:
+        """The timer: end the stream if its reader has waited past a bound, else re-arm."""
+        self._timer = None
+        st, since = self._st, self._waiting_since
+        if st.done or since is None:  # ended, or not waiting: the next wait arms it again
             return
+        now = self._loop.time()
+        waited = now + _EARLY - since
+        idle, stall = self._idle_timeout, self._stall
+        error: errors.DynamoError
+        if idle is not None and waited >= idle:
+            error = errors.ResponseTimeout(f"no response within {idle}s")
+        elif (stall is not None and waited >= stall
+              and not (st.expected_seq == 0 and self._conn.serves(st.endpoint))):
+            error = errors.StreamStalled(f"nothing arrived for {stall:g}s")
+        else:
+            self._arm(since, now)
+            return
+        self._conn.send_control(Kind.KILL, Control(st.request_id))
+        st.terminate(error)
 
     def _adopt(self, other: ResponseStream[T]) -> None:
         """Continue on ``other``'s attempt (same context; ``other`` is left empty)."""
@@ -329,6 +370,7 @@ class ResponseStream(Generic[T]):
 
     def _release_attempt(self) -> None:
         """Forget the current attempt on its connection."""
+        self._disarm()
         if not self._closed:
             self._closed = True
             self._conn.forget_stream(self._st.request_id)
