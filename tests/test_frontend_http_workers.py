@@ -194,6 +194,18 @@ async def test_a_killed_process_comes_back_while_the_other_serves(
     assert all(b > a for a, b in zip(before, after, strict=True)), (before, after)
 
 
+async def test_a_killed_supervisor_leaves_no_process_behind(spawn, groups, namespace, tiny_model):
+    front, _ = await group(spawn, groups, namespace, tiny_model)
+    pids = [p for p in children(front.pid) if _is_frontend(p)]
+    assert len(pids) == N
+    front.signal(signal.SIGKILL)  # the kernel sends each child SIGTERM (PR_SET_PDEATHSIG)
+
+    async def all_gone() -> bool:
+        return not any(_is_frontend(p) for p in pids)
+
+    await eventually(all_gone, 30, "the children of a killed supervisor exiting")
+
+
 @pytest.mark.parametrize("discovery", ["mdns", "static"])
 async def test_kv_processes_count_each_others_requests_in_flight(
         spawn, groups, namespace, tiny_model, discovery):
