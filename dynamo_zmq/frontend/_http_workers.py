@@ -210,13 +210,14 @@ async def _supervise(argv: Sequence[str], args: argparse.Namespace, port: int,
         loop.add_signal_handler(sig, group.on_signal, sig)
     ready = await asyncio.gather(*(child.start() for child in group.children))
     if not all(ready) or group.stopping.is_set():
-        if not group.stopping.is_set():
+        asked = group.stopping.is_set()  # a signal while they started
+        if not asked:
             log.error("http workers %s exited before they were ready: stopping the others",
                       [c.slot.index for c, ok in zip(group.children, ready, strict=True)
                        if not ok])
-        group.on_signal(signal.SIGTERM)
-        await asyncio.gather(*(c.wait() for c in group.children if c.proc is not None))
-        return 1
+        group.on_signal(signal.SIGTERM)  # (again: one started as the signal came missed it)
+        codes = await asyncio.gather(*(c.wait() for c in group.children if c.proc is not None))
+        return 0 if asked and not any(codes) else 1
     print(f"READY {group.children[0].url}", flush=True)
     codes = await asyncio.gather(*(group.keep(child) for child in group.children))
     return 0 if not any(codes) else 1
