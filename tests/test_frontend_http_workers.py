@@ -23,6 +23,7 @@ import openai
 import pytest
 
 from dynamo_zmq.frontend import FrontendMetrics
+from dynamo_zmq.frontend._http_workers import WORKER_ENV
 from dynamo_zmq.frontend._sibling_metrics import merge_pages
 from tests.support.http_calls import post
 from tests.support.metrics import metrics_page, sample
@@ -194,16 +195,26 @@ async def test_a_killed_process_comes_back_while_the_other_serves(
     assert all(b > a for a, b in zip(before, after, strict=True)), (before, after)
 
 
+def supervisor_directory(child: int) -> str:
+    """The supervisor's temporary directory, from a child's environment (``WORKER_ENV``)."""
+    environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+    value = next(v for v in environ if v.startswith(WORKER_ENV.encode() + b"="))
+    return value.decode().split(":", 2)[2]
+
+
 async def test_a_killed_supervisor_leaves_no_process_behind(spawn, groups, namespace, tiny_model):
     front, _ = await group(spawn, groups, namespace, tiny_model)
     pids = [p for p in children(front.pid) if _is_frontend(p)]
     assert len(pids) == N
+    directory = supervisor_directory(pids[0])
+    assert await asyncio.to_thread(os.path.isdir, directory)
     front.signal(signal.SIGKILL)  # the kernel sends each child SIGTERM (PR_SET_PDEATHSIG)
 
     async def all_gone() -> bool:
         return not any(_is_frontend(p) for p in pids)
 
     await eventually(all_gone, 30, "the children of a killed supervisor exiting")
+    assert not await asyncio.to_thread(os.path.exists, directory)  # the children removed it
 
 
 @pytest.mark.parametrize("discovery", ["mdns", "static"])

@@ -292,6 +292,8 @@ async def serve(
     host, port = server.servers[0].sockets[0].getsockname()[:2]
     print(f"READY {'https' if tls else 'http'}://{host}:{port}", flush=True)
     await task
+    if slot is not None:
+        slot.remove_if_orphaned()
     return 0
 
 

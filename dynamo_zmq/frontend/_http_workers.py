@@ -60,6 +60,8 @@ class WorkerSlot:
     index: int
     count: int
     directory: Path
+    #: The supervisor's pid (this process's parent when it started).
+    supervisor: int = 0
 
     @classmethod
     def from_env(cls) -> WorkerSlot | None:
@@ -68,7 +70,12 @@ class WorkerSlot:
         if not value:
             return None
         index, count, directory = value.split(":", 2)
-        return cls(int(index), int(count), Path(directory))
+        return cls(int(index), int(count), Path(directory), os.getppid())
+
+    def remove_if_orphaned(self) -> None:
+        """Remove the supervisor's directory if the supervisor is gone (killed: it could not)."""
+        if os.getppid() != self.supervisor:
+            shutil.rmtree(self.directory, ignore_errors=True)
 
     def env_value(self) -> str:
         return f"{self.index}:{self.count}:{self.directory}"
