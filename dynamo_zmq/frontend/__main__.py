@@ -7,11 +7,12 @@
         [--migration-limit N] [--max-body-bytes N] [--body-timeout S]
         [--api-key KEY | --api-key-file F] [--tls-cert-file C --tls-key-file K]
         [--disagg-mode conditional|always|never] [--disagg-max-local-prefill-tokens N]
-        [--disagg-max-prefill-queue N] [--disagg-prefill-timeout S]
+        [--disagg-max-prefill-queue N] [--disagg-prefill-timeout S] [--http-workers N]
         [router plugin flags, e.g. --kv-overlap-score-weight 1.0 --router-temperature 0.0]
 
 Every flag but ``--help`` has a ``DYN_*`` variable (``--http-port`` -> ``DYN_HTTP_PORT``). Prints
-``READY http://HOST:PORT`` once it accepts connections. Router modes beyond the built-in
+``READY http://HOST:PORT`` once it accepts connections (with ``--http-workers N`` > 1, once all
+N processes sharing the port do: ``_http_workers.py``). Router modes beyond the built-in
 ``round-robin``, ``random`` and ``direct`` come from plugins (``dynamo_zmq.routers`` entry
 points; the ``router`` package adds ``kv`` and ``approx``), which also add their flags.
 """
@@ -61,7 +62,9 @@ from ._http_security import (
     http_security,
     is_loopback,
 )
+from ._http_workers import WorkerSlot, reuseport_socket, supervise
 from ._limits import HttpLimits
+from ._sibling_metrics import SiblingMetrics
 from .app import FrontendApp
 from .models import ModelManager
 
@@ -88,6 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="[DYN_HTTP_HOST]")
     parser.add_argument("--http-port", type=int, default=env("DYN_HTTP_PORT", "8000"),
                         help="0 = any [DYN_HTTP_PORT]")
+    parser.add_argument(
+        "--http-workers", type=int, default=env("DYN_HTTP_WORKERS", "1"), metavar="N",
+        help="processes serving the HTTP port together (SO_REUSEPORT), each routing on its own; "
+             "in kv and approx modes they share their load views (router replica sync) "
+             "[DYN_HTTP_WORKERS]",
+    )
     parser.add_argument(
         "--router-mode", choices=router_modes(), default=env("DYN_ROUTER_MODE", "round-robin"),
         help="direct: each request names its instance in the x-worker-instance-id header "
@@ -184,14 +193,20 @@ async def serve(
     ))
     warn_unless_own_role("frontend", "workers may refuse its requests and subscriptions")
     app: FrontendApp
+    slot = WorkerSlot.from_env()  # one of --http-workers N's children
+    siblings: SiblingMetrics | None = None
 
     async def start() -> ModelManager:
+        if siblings is not None:
+            await siblings.start()
         manager = ModelManager(runtime, args.namespace, args.router_mode, plugin,
                                args.model_cache, app.metrics.registry, disagg)
         await manager.start()
         return manager
 
     async def close() -> None:
+        if siblings is not None:
+            await siblings.close()
         if app.manager is not None:
             await app.manager.close()
         await runtime.close()
@@ -212,6 +227,9 @@ async def serve(
         migration_limit=args.migration_limit, stall_timeout=args.stream_stall_timeout or None,
         limits=HttpLimits(max_body=args.max_body_bytes, body_timeout=args.body_timeout),
     )
+    if slot is not None:
+        siblings = SiblingMetrics(slot, app.metrics.render)
+        app.metrics_page = siblings.page
     asgi: Any = app
     if keys.enabled:
         asgi = ApiKeyGuard(app, keys, exempt, app.metrics.unauthorized.inc)
@@ -253,7 +271,12 @@ async def serve(
 
     async def serve_http() -> bool:
         try:
-            await server.serve()
+            # a child of --http-workers binds the port its siblings bind too
+            sockets = None if slot is None else [reuseport_socket(args.http_host, args.http_port)]
+            await server.serve(sockets=sockets)
+        except OSError as exc:
+            log.error("cannot bind %s:%s: %s", args.http_host, args.http_port, exc)
+            return False
         except SystemExit:  # uvicorn could not listen or start the app (it logged why)
             return False
         return True
@@ -269,6 +292,8 @@ async def serve(
     host, port = server.servers[0].sockets[0].getsockname()[:2]
     print(f"READY {'https' if tls else 'http'}://{host}:{port}", flush=True)
     await task
+    if slot is not None:
+        slot.remove_if_orphaned()
     return 0
 
 
@@ -300,9 +325,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise errors.InvalidArgument(
                 f"--migration-limit must be >= 0, got {args.migration_limit}"
             )
+        if args.http_workers < 1:
+            raise errors.InvalidArgument(f"--http-workers must be >= 1, got {args.http_workers}")
     except errors.DynamoError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2
+    if args.http_workers > 1:
+        return supervise(sys.argv[1:] if argv is None else argv, args)
     tracing.setup("dynamo-frontend")
     try:
         return run_main(serve(args, plugin, security, disagg))

@@ -108,6 +108,9 @@ class FrontendApp:
         self._rejections = Rejections(self.metrics)
         #: The requests open now: the shutdown ends those still open when its grace is over.
         self.in_flight = InFlight()
+        #: What ``/metrics`` answers when not this process's own page (``--http-workers``:
+        #: every child's, ``_sibling_metrics.py``).
+        self.metrics_page: Callable[[], Awaitable[bytes]] | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -150,7 +153,9 @@ class FrontendApp:
             elif path in ("/health", "/live") and method == "GET":
                 await reply(send, *health(self.manager, path))
             elif path == "/metrics" and method == "GET":
-                await reply(send, 200, self.metrics.render(), _METRICS_TYPE)
+                page = self.metrics.render() if self.metrics_page is None else (
+                    await self.metrics_page())
+                await reply(send, 200, page, _METRICS_TYPE)
             elif path == "/clear_kv_blocks" and method == "POST":
                 await self._clear_kv_blocks(scope, receive, send)
             elif path in _ROUTES:
