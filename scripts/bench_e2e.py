@@ -19,9 +19,11 @@ count drawn uniformly from ``--prompt-tokens``; otherwise a words-per-token esti
 The server's own ``usage.prompt_tokens`` is reported as a check.
 
 Reported per level: requests ok / errors, req/s, output tok/s (``usage.completion_tokens``
-when the server sends it, else content-bearing chunks), TTFT p50/p99, ITL p50 (median over
-requests of (last - first token time) / (tokens - 1)), and CPU milliseconds per request of every
-``--pids`` process and of this client, read with psutil around the measured window.
+when the server sends it, else content-bearing chunks), TTFT p50/p99, ITL p50/p99 (over
+requests of (last - first token time) / (tokens - 1)), CPU milliseconds per request of every
+``--pids`` process (with its children) and of this client, read with psutil around the measured
+window, and each ``--pids`` process tree's peak open fds and resident MB (sampled twice a
+second).
 
 The HTTP client is hand-rolled on asyncio streams (uvloop when installed) and decodes chunks with
 msgspec when installed, so the load generator itself stays cheap on a small machine: its CPU
@@ -348,6 +350,22 @@ def _cpu_tree(p: Any) -> dict[int, float]:
     return out
 
 
+def _footprint(p: Any) -> tuple[int, float]:
+    """Open fds and resident MB of a process and its live descendants."""
+    fds, rss = 0, 0.0
+    try:
+        procs = [p, *p.children(recursive=True)]
+    except Exception:
+        return fds, rss
+    for q in procs:
+        try:
+            fds += q.num_fds()
+            rss += q.memory_info().rss / 2**20
+        except Exception:
+            pass
+    return fds, rss
+
+
 def _busy() -> float:
     """Machine-wide busy CPU seconds (all cores), to spot load from processes not measured."""
     if psutil is None:
@@ -388,11 +406,15 @@ class Level:
     ttft_p50_ms: float = math.nan
     ttft_p99_ms: float = math.nan
     itl_p50_ms: float = math.nan
+    itl_p99_ms: float = math.nan
     e2e_p50_ms: float = math.nan
     prompt_tokens_mean: float = math.nan
     output_tokens_mean: float = math.nan
     cpu_ms_per_req: dict[str, float] = field(default_factory=dict)
     cpu_cores: dict[str, float] = field(default_factory=dict)
+    #: Peak open file descriptors and resident MB of each --pids process tree during the level.
+    fds_max: dict[str, int] = field(default_factory=dict)
+    rss_mb_max: dict[str, float] = field(default_factory=dict)
     first_errors: list[str] = field(default_factory=list)
     other_cores: float = math.nan  # busy cores not accounted to --pids or this client
 
@@ -480,13 +502,27 @@ class Bench:
                 issued += 1
                 results.append(await self.one(conn, payload))
 
+        peaks: dict[str, tuple[int, float]] = {}
+
+        async def sample() -> None:  # the processes' fds and RSS, twice a second
+            while True:
+                for n, p in self.procs.items():
+                    fds, rss = _footprint(p)
+                    old = peaks.get(n, (0, 0.0))
+                    peaks[n] = (max(old[0], fds), max(old[1], rss))
+                await asyncio.sleep(0.5)
+
+        sampler = asyncio.ensure_future(sample())
         await asyncio.gather(*(client(c) for c in conns))
         wall = time.perf_counter() - t0
+        sampler.cancel()
         cpu1 = {n: _cpu_tree(p) for n, p in self.procs.items()}
         busy1 = _busy()
         for c in conns:
             c.close()
         lvl = summarize(conc, results, wall, cpu0, cpu1)
+        lvl.fds_max = {n: v[0] for n, v in peaks.items()}
+        lvl.rss_mb_max = {n: round(v[1], 1) for n, v in peaks.items()}
         measured = sum(v for v in lvl.cpu_cores.values() if not math.isnan(v))
         lvl.other_cores = (busy1 - busy0) / wall - measured if wall > 0 else math.nan
         return lvl
@@ -521,7 +557,7 @@ def summarize(conc: int, results: list[Result], wall: float, cpu0: dict, cpu1: d
     ttft = [(r.t_first - r.t_send) * 1e3 for r in ok if r.chunks]
     lvl.ttft_p50_ms, lvl.ttft_p99_ms = pct(ttft, 0.5), pct(ttft, 0.99)
     itl = [(r.t_last - r.t_first) * 1e3 / (r.tokens - 1) for r in ok if r.chunks and r.tokens > 1]
-    lvl.itl_p50_ms = pct(itl, 0.5)
+    lvl.itl_p50_ms, lvl.itl_p99_ms = pct(itl, 0.5), pct(itl, 0.99)
     lvl.e2e_p50_ms = pct([(r.t_end - r.t_send) * 1e3 for r in ok], 0.5)
     pt = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
     lvl.prompt_tokens_mean = statistics.fmean(pt) if pt else math.nan
@@ -543,16 +579,20 @@ def f(x: float, nd: int = 1) -> str:
 def table(levels: list[dict[str, Any]], title: str | None = None) -> str:
     names = list(levels[0]["cpu_ms_per_req"]) if levels else []
     head = ["conc", "ok", "err", "wall s", "req/s", "out tok/s", "TTFT p50 ms", "TTFT p99 ms",
-            "ITL p50 ms", "prompt tok", "out tok"]
-    head += [f"{n} CPU ms/req (cores)" for n in names] + ["other cores"]
+            "ITL p50 ms", "ITL p99 ms", "prompt tok", "out tok"]
+    head += [f"{n} CPU ms/req (cores)" for n in names]
+    head += [f"{n} fds / RSS MB" for n in names] + ["other cores"]
     rows = [f"### {title}", ""] if title else []
     rows += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for lv in levels:
         cells = [str(lv["concurrency"]), str(lv["ok"]), str(lv["errors"]), f(lv["wall_s"], 2),
                  f(lv["req_s"]), f(lv["out_tok_s"], 0), f(lv["ttft_p50_ms"], 2),
                  f(lv["ttft_p99_ms"], 2), f(lv["itl_p50_ms"], 3),
+                 f(lv.get("itl_p99_ms", math.nan), 3),
                  f(lv["prompt_tokens_mean"], 0), f(lv["output_tokens_mean"], 0)]
         cells += [f"{f(lv['cpu_ms_per_req'][n], 2)} ({f(lv['cpu_cores'][n], 2)})" for n in names]
+        fds, rss = lv.get("fds_max", {}), lv.get("rss_mb_max", {})
+        cells += [f"{fds.get(n, '-')} / {f(rss.get(n, math.nan), 0)}" for n in names]
         cells.append(f(lv.get("other_cores", math.nan), 2))
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)

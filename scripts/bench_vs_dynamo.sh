@@ -2,13 +2,16 @@
 # Side-by-side: NVIDIA Dynamo 1.6.1 (frontend + mocker) vs dynamo-zmq (frontend + mocker worker),
 # same machine, same tiny model, same scripts/bench_e2e.py load, run alternately (never together).
 #
-#   scripts/bench_vs_dynamo.sh [--only dynamo|ours] [bench_e2e.py flags...]
+#   scripts/bench_vs_dynamo.sh [--only dynamo|ours] [--http-workers N] [bench_e2e.py flags...]
+#
+# --http-workers N: our frontend runs N HTTP processes (its own --http-workers; CPU, fds and RSS
+# are then its whole process tree's). Dynamo's frontend is one process with its own threads.
 #
 # Env: ROUNDS (2: dynamo, ours, dynamo, ours), SPEEDUP (1e6), DYN_PORT / OURS_PORT / OURS_WORKER_PORT
 # (18100 / 18200 / 18201), OURS_PY (.venv/bin/python), BASE_PY (python3, builds the Dynamo venv),
 # OURS_AUTH_KEYS (a key directory: ours runs with CURVE on, --auth-keys DIR, one keypair "node"
 # that authorizes itself; made by `python -m dynamo_zmq.keys` if missing).
-# Default load: --concurrency 1,16,64 --requests-per-level 1000 --max-seconds 20, 100 output
+# Default load: --concurrency 1,16,64,256 --requests-per-level 1000 --max-seconds 20, 100 output
 # tokens, 100-500-token prompts; later flags override.
 #
 # Cached under .bench/: the Dynamo venv (dynamo-1.6.1-venv) and the model dir (tiny-model-bench).
@@ -36,8 +39,17 @@ OURS_WORKER_PORT=${OURS_WORKER_PORT:-18201}
 OUT=$BENCH/results/$(date +%Y%m%d-%H%M%S)
 
 ONLY=""
-if [[ "${1:-}" == "--only" ]]; then ONLY=$2; shift 2; fi
+HTTP_WORKERS=1
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --only) ONLY=$2; shift 2 ;;
+    --http-workers) HTTP_WORKERS=$2; shift 2 ;;
+    *) break ;;
+  esac
+done
 EXTRA=("$@")
+# c=1024 needs more than the usual 1024 descriptors (the client's and the frontends' sockets).
+ulimit -n 65536 2>/dev/null || ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
 
 PIDS=()
 stop_all() {
@@ -98,7 +110,7 @@ build_dynamo_venv() {
 
 bench() {  # bench LABEL PORT FRONTEND_PID WORKER_PID
   "$DYN_VENV/bin/python" "$ROOT/scripts/bench_e2e.py" --url "http://127.0.0.1:$2" --model "$MODEL_NAME" \
-    --tokenizer "$MODEL" --concurrency 1,16,64 --requests-per-level 1000 --max-seconds 20 \
+    --tokenizer "$MODEL" --concurrency 1,16,64,256 --requests-per-level 1000 --max-seconds 20 \
     --max-tokens 100 --prompt-tokens 100-500 --label "$1" --pids "frontend=$3,worker=$4" \
     --json "$OUT/$1.json" ${EXTRA[@]+"${EXTRA[@]}"} || echo "($1: some requests failed)" >&2
 }
@@ -124,7 +136,7 @@ run_dynamo() {  # run_dynamo ROUND
 
 run_ours() {  # run_ours ROUND
   local fpid wpid auth=() key=""
-  echo "== dynamo-zmq, round $1${OURS_AUTH_KEYS:+ (CURVE on)}" >&2
+  echo "== dynamo-zmq, round $1${OURS_AUTH_KEYS:+ (CURVE on)}, $HTTP_WORKERS HTTP process(es)" >&2
   if [[ -n "${OURS_AUTH_KEYS:-}" ]]; then
     if [[ ! -f "$OURS_AUTH_KEYS/node.key" ]]; then
       "$OURS_PY" -m dynamo_zmq.keys create "$OURS_AUTH_KEYS" >/dev/null
@@ -138,7 +150,7 @@ run_ours() {  # run_ours ROUND
     --host 127.0.0.1 --port "$OURS_WORKER_PORT" --discovery static "${auth[@]}"
   wpid=$LAST_PID
   start "$OUT/ours-frontend-r$1.log" env DYN_MDNS_INTERFACES=127.0.0.1 "$OURS_PY" -m dynamo_zmq.frontend \
-    --http-host 127.0.0.1 --http-port "$OURS_PORT" --discovery static \
+    --http-host 127.0.0.1 --http-port "$OURS_PORT" --http-workers "$HTTP_WORKERS" --discovery static \
     --static-workers "tcp://127.0.0.1:$OURS_WORKER_PORT$key" "${auth[@]}"
   fpid=$LAST_PID
   wait_model "$OURS_PORT" "$fpid" "$OUT/ours-frontend-r$1.log"

@@ -241,6 +241,9 @@ async def serve(
         asgi, host=args.http_host, port=args.http_port, loop="none",
         http=header_timeout_protocol(args.body_timeout),
         lifespan="on", log_level="warning", access_log=False,
+        # Nothing reads the client's address or scheme: no X-Forwarded-* rewriting (a layer
+        # every request's every await would pass through).
+        proxy_headers=False,
         # a backstop only: the grace's end (``end_open_requests``) ends every open request
         timeout_graceful_shutdown=math.ceil(args.graceful_timeout) + _BACKSTOP,
         ssl_certfile=tls.cert if tls else None, ssl_keyfile=tls.key if tls else None,

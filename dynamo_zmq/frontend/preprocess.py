@@ -29,7 +29,7 @@ from ..llm import (
 )
 from ._chat_template import RESERVED, continue_final, function_dict, message_dict
 from ._chat_template import template_environment as template_environment
-from ._limits import OFFLOAD_CHARS, text_chars
+from ._limits import text_chars
 from ._logprobs import requested_logprobs
 from ._model_files import SPECIAL_TOKENS, id_list, longest_token, read_json, token_text, unique
 from ._structured import constraint
@@ -299,12 +299,10 @@ class Preprocessor:
     def _encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
         tok = self.tokenizer
         try:
-            # A long text is tokenized in a thread (_limits.Offload): encode_batch releases the
-            # GIL while it works, encode does not.
-            if len(text) > OFFLOAD_CHARS:
-                enc = tok.encode_batch([text], add_special_tokens=add_special_tokens)[0]
-            else:
-                enc = tok.encode(text, add_special_tokens=add_special_tokens)
+            # encode_batch_fast: the same ids as encode at half its cost (no offsets), and it
+            # releases the GIL while it works, so a long text tokenized in a thread
+            # (_limits.Offload) does not stop the event loop.
+            enc = tok.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0]
             ids: list[int] = enc.ids
         except Exception as exc:  # tokenizers raises plain exceptions on odd input
             raise bad_request(f"The {param} could not be tokenized: {exc}", param=param) from exc
