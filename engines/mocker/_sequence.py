@@ -14,7 +14,6 @@ import math
 import random
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
-from typing import cast
 
 import xxhash
 
@@ -65,10 +64,9 @@ class Sequence:
             self.sample = _Biased(self._rng, vocab_size, logit_bias).sample  # type: ignore[method-assign]
         else:
             # ``randrange(n)`` is ``_randbelow(n)`` after checking its argument: the same draws,
-            # one Python call per token instead of three.
-            self.sample = functools.partial(  # type: ignore[method-assign]
-                cast(Callable[[int], int], self._rng._randbelow), vocab_size  # type: ignore[attr-defined]
-            )
+            # one Python call per token instead of three (``randrange`` where there is none).
+            draw: Callable[[int], int] = getattr(self._rng, "_randbelow", self._rng.randrange)
+            self.sample = functools.partial(draw, vocab_size)  # type: ignore[method-assign]
         for _ in range(max(0, resumed)):
             self.sample()
         self._hashes: list[int] = []
@@ -98,7 +96,7 @@ class Sequence:
         self.remote_kv = False
         self.outbox: collections.deque[LLMEngineOutput] = collections.deque()
         #: The stream's consumer waiting for ``outbox`` (a bare future: an Event costs more per
-        #: token, and there is one waiter).
+        #: token, and there is one waiter); left behind done once it was woken.
         self.waiter: asyncio.Future[None] | None = None
 
     def __repr__(self) -> str:
