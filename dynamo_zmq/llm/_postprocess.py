@@ -93,11 +93,12 @@ class IncrementalDetokenizer:
 
     def step(self, token_id: int) -> str:
         """Add one token; returns the new text ("" while a character is incomplete)."""
-        self._pending.append(token_id)
+        pending = self._pending
+        pending.append(token_id)
         text = self._stream.step(self._tokenizer, token_id)
         if text is None:
             return ""
-        self._done, self._pending = self._pending, []
+        self._done, self._pending = pending, []
         return text
 
     def flush(self) -> str:
@@ -157,8 +158,13 @@ class PostProcessor:
         self.stopped_by_string = False
         # Tool-call and reasoning parsing, after stop strings (None: the request needs none).
         self._parser = output_parser(request, tool_parser, reasoning_parser)
-        # Most chunks are one token of a request without stop strings: detokenize, nothing else.
-        self._plain = self._detok is not None and not self._matcher.stops and self._parser is None
+        # Most chunks are one token of a request without stop strings or parsers: ``process``
+        # then only calls the detokenizer's step (None: every chunk takes the full path).
+        self._plain_step: Callable[[int], str] | None = (
+            self._detok.step
+            if self._detok is not None and not self._matcher.stops and self._parser is None
+            else None
+        )
         self._resumed = generated
         if generated:
             self._replay(ids[len(prompt) :])
@@ -189,10 +195,10 @@ class PostProcessor:
         """One engine chunk in, one chunk out; the result is terminal when the stream ends here
         (the engine's terminal, or a stop string)."""
         ids = out.token_ids
-        if self._plain and out.finish_reason is None and len(ids) == 1:
-            assert self._detok is not None
+        step = self._plain_step
+        if step is not None and out.finish_reason is None and len(ids) == 1:
             self.completion_tokens += 1
-            return LLMEngineOutput(ids, text=self._detok.step(ids[0]), log_probs=out.log_probs)
+            return LLMEngineOutput(ids, text=step(ids[0]), log_probs=out.log_probs)
         if self._parser is not None:
             return self._parser.apply(self._process(out))
         return self._process(out)

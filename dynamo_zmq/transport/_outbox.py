@@ -125,10 +125,15 @@ class Outbox:
         server zeroes its credit) drops what its producer yields: False, and ``wait_room``
         only yields to the loop, so the producer runs on and can notice the kill.
         """
-        if st.buf and not st.scheduled:
-            self.schedule(st)
         pending = len(st.buf)
-        room = min(st.credit, MAX_BATCH) - pending
+        if pending and not st.scheduled:  # ``schedule`` inline: the first item after a send
+            st.scheduled = True
+            self._dirty.append(st)
+            if not self._flush_pending:
+                self._flush_pending = True
+                asyncio.get_running_loop().call_soon(self._flush)
+        credit = st.credit
+        room = (credit if credit < MAX_BATCH else MAX_BATCH) - pending
         if room > 0:
             # An empty buffer was just sent: its next item must schedule the next flush.
             st.room = room if pending else 1

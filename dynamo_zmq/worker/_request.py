@@ -29,6 +29,8 @@ from ._metrics import ModelMetrics
 
 __all__ = ["Accounting", "EngineContext", "admit", "engine_stream"]
 
+_monotonic = time.monotonic
+
 
 def admit(request: PreprocessedRequest, card: ModelCard) -> None:
     """Refuse what this worker cannot serve as asked.
@@ -120,21 +122,22 @@ class Accounting:
     duration, and the health canary's idea of when the worker last served and when the engine
     last produced an output."""
 
-    __slots__ = ("_health", "_last", "_metrics", "_start", "tokens")
+    __slots__ = ("_health", "_itl", "_last", "_metrics", "_start", "tokens")
 
     def __init__(self, metrics: ModelMetrics, health: Health) -> None:
         self._metrics, self._health = metrics, health
+        self._itl = metrics.itl.observe
         metrics.requests.inc()
         metrics.inflight.inc()
         health.request_started()
-        self._start = self._last = time.monotonic()
+        self._start = self._last = _monotonic()
         self.tokens = 0
 
     def output(self, out: LLMEngineOutput, link: str | None) -> None:
         """An output with tokens went out (the first carries the engine span's ``link``)."""
-        now = time.monotonic()
-        if self.tokens:
-            self._metrics.itl.observe(now - self._last)
+        now = _monotonic()
+        if self.tokens:  # every output but the first: once per token
+            self._itl(now - self._last)
         else:
             self._metrics.ttft.observe(now - self._start)
             out.worker_trace_link = link
@@ -145,6 +148,6 @@ class Accounting:
     def end(self) -> None:
         m = self._metrics
         m.output_tokens.inc(self.tokens)
-        m.duration.observe(time.monotonic() - self._start)
+        m.duration.observe(_monotonic() - self._start)
         m.inflight.dec()
         self._health.request_ended(self.tokens > 0)

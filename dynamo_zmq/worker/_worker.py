@@ -315,21 +315,25 @@ class Worker:
             tool_parser=self.tool_parser, reasoning_parser=self.reasoning_parser,
             debug=self.settings.debug_streams, role=self.settings.disaggregation_mode,
         )
+        output = account.output
+        process = None if proc is None else proc.process
         try:
-            async for raw in stream:
-                out = raw
-                if proc is not None:
-                    out = proc.process(raw)
-                    if out.is_terminal and proc.stopped_by_string and not raw.is_terminal:
-                        engine.stop()  # a stop string ended it: free the engine's sequence
+            async for raw in stream:  # once per token: the common chunk takes the first branch
+                out = raw if process is None else process(raw)
                 if out.token_ids:
-                    account.output(out, link)
-                if out.finish_reason == FinishReason.ERROR:
+                    output(out, link)
+                finish = out.finish_reason
+                if finish is None:
+                    yield out
+                    continue
+                if proc is not None and proc.stopped_by_string and raw.finish_reason is None:
+                    engine.stop()  # a stop string ended it: free the engine's sequence
+                if finish == FinishReason.ERROR:
                     m.engine_errors.inc()
                     if (reason := self.engine.dead_reason()) is not None:
                         raise errors.EngineShutdown(f"the engine died: {reason}")
                 yield out
-                if proc is not None and out.is_terminal:
+                if proc is not None:
                     return  # the engine's stream is not read further (closed below)
             if proc is not None:  # the engine's stream ended without a terminal
                 m.engine_errors.inc()

@@ -180,16 +180,15 @@ class MockerEngine(LLMEngine):
         self.live_requests.add(key, entry)
         sched.add(seq)
         remove_listener = ctx.add_listener(lambda _killed: sched.cancel(seq))
-        loop = asyncio.get_running_loop()
+        create_future = asyncio.get_running_loop().create_future
+        outbox = seq.outbox
         try:
             while True:
-                while not seq.outbox:  # inline, not a helper coroutine: one frame less per token
-                    seq.waiter = loop.create_future()
-                    try:
-                        await seq.waiter
-                    finally:
-                        seq.waiter = None
-                chunk = seq.outbox.popleft()
+                while not outbox:  # inline, not a helper coroutine: one frame less per token
+                    # ``emit`` completes it (a done one left behind is never completed again)
+                    seq.waiter = waiter = create_future()
+                    await waiter
+                chunk = outbox.popleft()
                 if chunk.finish_reason is not None:
                     if chunk.finish_reason == FinishReason.ERROR and sched.crashed is not None:
                         raise errors.EngineShutdown(sched.crashed)

@@ -198,17 +198,32 @@ class RankScheduler:
         budget = self.max_num_batched_tokens
         size = self.block_size
         preempted = False
+        # The running sequences, once per step each: ``plan.add`` and ``_grow`` inlined, the
+        # latter called only when a sequence needs another block (once per ``size`` tokens).
+        running = self.running  # ``_grow`` pops preempted sequences from this same list
+        scheduled = plan.scheduled
+        prefill_tokens = decoding = 0
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed, budget)
-            if not self._grow(seq, _cdiv(seq.num_computed + n, size) - len(seq.block_ids)):
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            computed = seq.num_computed
+            n = len(seq.tokens) - computed
+            if n > budget:
+                n = budget
+            need = -(-(computed + n) // size) - len(seq.block_ids)
+            if need > 0 and not self._grow(seq, need):
                 preempted = True
                 if seq.status is not SeqStatus.RUNNING:
                     break  # it was the newest itself, or alone and too large
-            plan.add(seq, n)
+            scheduled.append((seq, n))
+            if seq.in_prefill:
+                prefill_tokens += n
+            else:
+                decoding += 1
             budget -= n
             i += 1
+        plan.prefill_tokens = prefill_tokens
+        plan.decoding = decoding
         if preempted:
             return plan
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -280,24 +295,32 @@ class RankScheduler:
         self.num_steps += 1
         self.num_prefill_tokens += plan.prefill_tokens
         finished = False
+        running_status = SeqStatus.RUNNING
+        caching = self.blocks.enable_caching
+        size = self.block_size
+        # Once per scheduled sequence and step: ``_cache_full_blocks`` is called only when a
+        # block filled up, and ``Sequence.emit`` is inlined for the common chunk.
         for seq, n in plan.scheduled:
-            if seq.status is not SeqStatus.RUNNING:
+            if seq.status is not running_status:
                 continue  # cancelled while the step ran
-            seq.num_computed += n
-            self._cache_full_blocks(seq)
-            if seq.num_computed < seq.num_tokens:
+            computed = seq.num_computed = seq.num_computed + n
+            if caching and computed // size > seq.num_hashed_blocks:
+                self._cache_full_blocks(seq)
+            if computed < len(seq.tokens):
                 continue  # a prefill chunk
             seq.in_prefill = False
             token = seq.sample()
             reason = seq.append(token)
-            if reason is None:
-                if seq.num_logprobs is None:
-                    seq.emit(LLMEngineOutput([token]))
-                else:
-                    seq.emit(seq.with_logprobs(LLMEngineOutput([token])))
-            else:
+            if reason is not None:
                 self._finish(seq, reason, [token])
                 finished = True
+            elif seq.num_logprobs is not None:
+                seq.emit(seq.with_logprobs(LLMEngineOutput([token])))
+            else:
+                seq.outbox.append(LLMEngineOutput([token]))
+                waiter = seq.waiter
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(None)
         if finished:
             self.running = [s for s in self.running if s.status is SeqStatus.RUNNING]
 

@@ -8,10 +8,11 @@ import asyncio
 import bisect
 import collections
 import enum
+import functools
 import itertools
 import math
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 
 import xxhash
@@ -61,6 +62,11 @@ class Sequence:
         self._rng = random.Random(sequence_seed(seed, original))
         if logit_bias:  # only then: unbiased sampling stays one randrange per token
             self.sample = _Biased(self._rng, vocab_size, logit_bias).sample  # type: ignore[method-assign]
+        else:
+            # ``randrange(n)`` is ``_randbelow(n)`` after checking its argument: the same draws,
+            # one Python call per token instead of three (``randrange`` where there is none).
+            draw: Callable[[int], int] = getattr(self._rng, "_randbelow", self._rng.randrange)
+            self.sample = functools.partial(draw, vocab_size)  # type: ignore[method-assign]
         for _ in range(max(0, resumed)):
             self.sample()
         self._hashes: list[int] = []
@@ -69,8 +75,9 @@ class Sequence:
         #: Top alternatives per token when the request asks for logprobs (None: it does not);
         #: their values come from a generator of their own, so the tokens do not change.
         self.num_logprobs = None if num_logprobs is None else min(num_logprobs, vocab_size - 1)
-        self._lp_rng = random.Random(sequence_seed(seed ^ 0x10C9, original))
+        self._lp_rng: random.Random | None = None  # made only for a request that asks
         if self.num_logprobs is not None:
+            self._lp_rng = random.Random(sequence_seed(seed ^ 0x10C9, original))
             for _ in range(max(0, resumed)):  # a migrated request's values go on unchanged
                 self._position(-1, self.num_logprobs)
         self.status = SeqStatus.WAITING
@@ -89,7 +96,7 @@ class Sequence:
         self.remote_kv = False
         self.outbox: collections.deque[LLMEngineOutput] = collections.deque()
         #: The stream's consumer waiting for ``outbox`` (a bare future: an Event costs more per
-        #: token, and there is one waiter).
+        #: token, and there is one waiter); left behind done once it was woken.
         self.waiter: asyncio.Future[None] | None = None
 
     def __repr__(self) -> str:
@@ -126,7 +133,8 @@ class Sequence:
 
     def sample(self) -> int:
         """The next token: uniform over the vocabulary, deterministic per (seed, prompt), and
-        per (seed, original prompt) for a migrated request, which goes on as it would have."""
+        per (seed, original prompt) for a migrated request, which goes on as it would have.
+        (``__init__`` replaces it with the same draw made with fewer calls.)"""
         return self._rng.randrange(self.vocab_size)
 
     def with_logprobs(self, chunk: LLMEngineOutput) -> LLMEngineOutput:
@@ -150,6 +158,7 @@ class Sequence:
         """One position's values (the same draws whatever the token, so a migrated request can
         skip the positions it replays)."""
         rng = self._lp_rng
+        assert rng is not None  # num_logprobs is set
         p = rng.uniform(0.3, 0.9)
         lp = math.log(p)
         top = [(token, lp)] if k else []
@@ -164,8 +173,9 @@ class Sequence:
     def append(self, token: int) -> str | None:
         """Add a generated token; returns the finish reason it causes, if any (vLLM's order:
         length first, then nothing before ``min_tokens``, then eos and stop tokens)."""
-        self.tokens.append(token)
-        n = self.num_output
+        tokens = self.tokens
+        tokens.append(token)
+        n = len(tokens) - self.num_prompt
         if n >= self.max_tokens:
             return FinishReason.LENGTH
         if n < self.min_tokens:
