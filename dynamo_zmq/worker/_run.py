@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import signal
 from collections.abc import Sequence
 
@@ -27,20 +26,10 @@ def run(engine: LLMEngine, config: WorkerConfig) -> int:
     """
     setup_logging()
     tracing.setup("dynamo-worker")
-    _freeze_startup_objects()
     try:
         return run_main(run_async(engine, config))
     finally:
         tracing.shutdown()  # flush the spans not exported yet
-
-
-def _freeze_startup_objects() -> None:
-    """Leave what the process made so far (its modules, classes, settings: tens of thousands
-    of objects that live as long as it does) out of the cyclic garbage collector's full
-    collections, which a busy worker otherwise runs every few seconds over all of them.
-    Only the process's own entry points call this (``gc.freeze`` is process-wide)."""
-    gc.collect()
-    gc.freeze()
 
 
 async def run_async(engine: LLMEngine, config: WorkerConfig) -> int:
@@ -54,7 +43,6 @@ def run_many(workers: Sequence[tuple[LLMEngine, WorkerConfig]]) -> int:
     Returns the worst exit status."""
     setup_logging()
     tracing.setup("dynamo-worker")
-    _freeze_startup_objects()
     try:
         return run_main(run_many_async(workers))
     finally:
