@@ -8,6 +8,13 @@
     python scripts/bench_e2e.py --compare OURS.json BASE.json [--labels ours,dynamo]
         [--plot OUT.png]
 
+    python scripts/bench_e2e.py --summary RESULTS_DIR... [--plot OUT.png]
+
+``--summary`` reads the ``ours-rN.json`` / ``dynamo-rN.json`` pairs that
+``scripts/bench_vs_dynamo.sh`` leaves in each results directory and prints, per concurrency, one
+row per pair (tok/s, TTFT and ITL p50/p99, CPU per request, SSE events per request, the
+frontend's peak fds and RSS) and the medians of the ratios; ``--plot`` draws the ratios per pair.
+
 For each concurrency level C, C closed-loop clients (one keep-alive HTTP/1.1 connection each)
 issue streaming requests (``stream: true``, ``max_tokens``, ``min_tokens``, ``ignore_eos``,
 ``stream_options.include_usage``) until ``--requests-per-level`` were issued or
@@ -622,6 +629,98 @@ def compare(a: dict[str, Any], b: dict[str, Any], la: str, lb: str) -> str:
     return "\n".join(rows)
 
 
+def summary_pairs(dirs: list[str]) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """(name, ours level, Dynamo level) for every level of every ours-rN / dynamo-rN pair."""
+    pairs = []
+    for d in dirs:
+        for ours in sorted(Path(d).glob("ours-r*.json"), key=lambda p: int(p.stem[6:])):
+            other = ours.with_name(ours.name.replace("ours-", "dynamo-"))
+            if not other.is_file():
+                continue
+            a, b = json.loads(ours.read_text()), json.loads(other.read_text())
+            for la, lb in zip(a["levels"], b["levels"], strict=False):
+                pairs.append((f"{Path(d).name} {ours.stem[5:]}", la, lb))
+    return pairs
+
+
+def _total(lv: dict[str, Any]) -> float:
+    cpu = lv["cpu_ms_per_req"]
+    return float(cpu.get("frontend", math.nan) + cpu.get("worker", math.nan))
+
+
+def summary(dirs: list[str]) -> str:
+    """Per concurrency: a row per pair and the medians of the ratios (ours / Dynamo)."""
+    pairs = summary_pairs(dirs)
+    out = []
+    for conc in sorted({la["concurrency"] for _, la, _ in pairs}):
+        rows = [(n, a, b) for n, a, b in pairs if a["concurrency"] == conc]
+        out += [f"### c={conc}", "",
+                "| pair | out tok/s ours / Dynamo | tok/s ratio | TTFT p50 / p99 ms ours | "
+                "TTFT p50 / p99 ms Dynamo | ITL p50 / p99 ms ours | ITL p50 / p99 ms Dynamo | "
+                "frontend CPU ms/req ours / Dynamo | worker CPU ms/req ours / Dynamo | "
+                "total CPU/req ratio | SSE events/req ours / Dynamo | frontend peak fds "
+                "ours / Dynamo | frontend peak RSS MB ours / Dynamo | errors ours / Dynamo |",
+                "|" + "---|" * 14]
+        tok, cpu = [], []
+        for name, a, b in rows:
+            tok.append(a["out_tok_s"] / b["out_tok_s"] if b["out_tok_s"] else math.nan)
+            cpu.append(_total(a) / _total(b))
+            ca, cb = a["cpu_ms_per_req"], b["cpu_ms_per_req"]
+
+            def ev(lv: dict[str, Any]) -> str:
+                return f(lv["chunks_s"] / lv["req_s"], 0) if lv["req_s"] else "-"
+
+            def peak(lv: dict[str, Any], key: str) -> str:
+                return f(float(lv.get(key, {}).get("frontend", math.nan)), 0)
+
+            out.append(
+                f"| {name} | {f(a['out_tok_s'], 0)} / {f(b['out_tok_s'], 0)} | {tok[-1]:.2f}x | "
+                f"{f(a['ttft_p50_ms'], 0)} / {f(a['ttft_p99_ms'], 0)} | "
+                f"{f(b['ttft_p50_ms'], 0)} / {f(b['ttft_p99_ms'], 0)} | "
+                f"{f(a['itl_p50_ms'], 2)} / {f(a.get('itl_p99_ms', math.nan), 2)} | "
+                f"{f(b['itl_p50_ms'], 2)} / {f(b.get('itl_p99_ms', math.nan), 2)} | "
+                f"{f(ca['frontend'], 2)} / {f(cb['frontend'], 2)} | "
+                f"{f(ca['worker'], 2)} / {f(cb['worker'], 2)} | {cpu[-1]:.2f}x | "
+                f"{ev(a)} / {ev(b)} | {peak(a, 'fds_max')} / {peak(b, 'fds_max')} | "
+                f"{peak(a, 'rss_mb_max')} / {peak(b, 'rss_mb_max')} | "
+                f"{a['errors']} / {b['errors']} |")
+        out += ["", f"median of {len(rows)} pairs: {statistics.median(tok):.2f}x Dynamo's "
+                f"output tok/s at {statistics.median(cpu):.2f}x its CPU per request (frontend + "
+                "worker)", ""]
+    return "\n".join(out)
+
+
+def plot_summary(dirs: list[str], out: str) -> None:
+    """The ratios per pair, one panel per concurrency: tok/s and total CPU per request."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"note: matplotlib is not installed; skipping the plot {out}", file=sys.stderr)
+        return
+    pairs = summary_pairs(dirs)
+    levels = sorted({a["concurrency"] for _, a, _ in pairs})
+    fig, axes = plt.subplots(1, len(levels), figsize=(5 * len(levels), 4), squeeze=False)
+    for ax, conc in zip(axes[0], levels, strict=True):
+        rows = [(a, b) for _, a, b in pairs if a["concurrency"] == conc]
+        x = range(1, len(rows) + 1)
+        ax.plot(x, [a["out_tok_s"] / b["out_tok_s"] for a, b in rows], "o-",
+                label="output tok/s, ours / Dynamo")
+        ax.plot(x, [_total(a) / _total(b) for a, b in rows], "s--",
+                label="CPU per request (frontend + worker), ours / Dynamo")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_title(f"c={conc}")
+        ax.set_xlabel("pair (Dynamo, then ours)")
+        ax.set_ylim(0, max(2.0, ax.get_ylim()[1]))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print(f"plot saved to {out}", file=sys.stderr)
+
+
 def plot(runs: list[tuple[str, dict[str, Any]]], out: str) -> None:
     try:
         import matplotlib
@@ -691,9 +790,16 @@ def main() -> int:
     p.add_argument("--compare", nargs=2, metavar=("A_JSON", "B_JSON"),
                    help="print A vs B ratios and exit")
     p.add_argument("--labels", default=None, help="names for --compare, e.g. ours,dynamo")
+    p.add_argument("--summary", nargs="+", metavar="RESULTS_DIR",
+                   help="print every ours/dynamo pair of bench_vs_dynamo.sh runs and exit")
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args()
 
+    if args.summary:
+        print(summary(args.summary))
+        if args.plot:
+            plot_summary(args.summary, args.plot)
+        return 0
     if args.compare:
         a, b = (json.loads(Path(x).read_text()) for x in args.compare)
         la, lb = (args.labels or f"{a.get('label') or 'A'},{b.get('label') or 'B'}").split(",")
