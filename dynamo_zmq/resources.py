@@ -11,19 +11,27 @@ awaited task's exception or cancellation, so the closer's own cancellation alway
 The process has one ZMQ context, ``zmq.Context.instance()``: every ``Resources`` hands it out,
 and none destroys it (sockets are closed by their owners; the context lives as long as the
 process, so one runtime closing cannot break another's sockets in the same process).
+
+``die_with_parent_hook`` has the kernel SIGTERM a child process when this one dies (Linux,
+``PR_SET_PDEATHSIG``): the children a process starts end with it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import inspect
 import logging
+import signal
+import sys
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any, TypeVar
 
 import zmq
 
-__all__ = ["Resources", "cancel_and_wait", "process_zmq_context", "wait_event"]
+__all__ = [
+    "Resources", "cancel_and_wait", "die_with_parent_hook", "process_zmq_context", "wait_event",
+]
 
 log = logging.getLogger(__name__)
 
@@ -192,3 +200,25 @@ def process_zmq_context() -> zmq.Context[zmq.Socket[bytes]]:
 
 
 _configured = False
+
+
+_PR_SET_PDEATHSIG = 1
+# Loaded here, in the parent: after fork only the prctl call itself runs (no dlopen).
+_libc: Any = None
+if sys.platform == "linux":
+    try:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        _libc = None
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: ask the kernel for SIGTERM when the parent dies."""
+    _libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+
+
+def die_with_parent_hook() -> Callable[[], None] | None:
+    """A ``preexec_fn`` for ``subprocess.Popen`` that has the kernel SIGTERM the child when this
+    process dies (None where that is not available: not Linux). Start such children from the
+    main thread: the kernel signals them when the thread that started them ends."""
+    return _die_with_parent if _libc is not None else None

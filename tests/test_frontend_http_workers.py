@@ -65,7 +65,12 @@ def full_log(front: Proc) -> str:
     return Path(front.log.name).read_text(errors="replace")
 
 
-async def all_serving(url: str, model: str = "tiny", timeout: float = 30.0) -> str:
+#: Seconds a group may take to start: a supervisor says READY once all N processes have, and
+#: each imports the frontend, slowly on a loaded 2-core machine.
+START = 120.0
+
+
+async def all_serving(url: str, model: str = "tiny", timeout: float = START) -> str:
     """Wait until every process of the group has a router for ``model`` that follows its
     sibling (``dynamo_router_replica_peers`` per ``http_worker``, on the merged page)."""
     async def each_follows_the_other() -> bool:
@@ -94,7 +99,7 @@ def complete(url: str) -> dict[str, Any]:
 async def group(spawn, groups, namespace: str, model_dir: Path, *extra: str,
                 speedup: str = "1000", workers: int = 1) -> tuple[Proc, str]:
     fleet = await mocker_fleet(spawn, namespace, model_dir, workers, speedup=speedup,
-                               frontend_args=("--http-workers", str(N), *extra))
+                               frontend_args=("--http-workers", str(N), *extra), timeout=START)
     groups(fleet.front)
     return fleet.front, await all_serving(fleet.url)
 
@@ -185,7 +190,7 @@ async def test_a_killed_process_comes_back_while_the_other_serves(
                                              since[-1])
         return int(found[1]) if found else None
 
-    new = await eventually(restarted, 30, "the killed process restarted")
+    new = await eventually(restarted, START, "the killed process restarted")
     assert new not in old and new in children(front.pid)
     await all_serving(url)
     before = served_per_process(await metrics_page(url))
@@ -231,7 +236,7 @@ async def test_kv_processes_count_each_others_requests_in_flight(
         front = groups(start_frontend(spawn, namespace, "--http-workers", str(N),
                                       "--discovery", "static", "--static-workers",
                                       worker.address))
-        url = await all_serving(await serving(front, [worker]))
+        url = await all_serving(await serving(front, [worker], timeout=START))
 
     async with httpx.AsyncClient(timeout=60) as client:
         started = asyncio.Event()

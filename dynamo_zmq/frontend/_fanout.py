@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import Any
 
 from .. import errors
 from ..context import Context
@@ -40,6 +39,7 @@ from ..resources import Resources
 from . import errors as http_errors
 from ._asgi import JSON, SSE, ClientGone, Send, error, reply, send_message
 from ._logprobs import ChoiceLogprobs
+from ._sse_chunks import Failed, SseChunks, gathered_logprobs, take_logprobs
 from ._sub_stream import SubStream
 from ._subrequests import SubRequest, best_choices
 from .errors import HttpError
@@ -248,6 +248,7 @@ class FanOut:
         ``choices[0].index`` names its choice); returns the status for the metrics."""
         fmt = self.fmt
         continuous = fmt.continuous_usage
+        chunks = SseChunks(fmt, self.prompt_tokens, self.parsed)
         self._start_readers()
         await send_message(send, {"type": "http.response.start", "status": 200,
                                   "headers": SSE + headers})
@@ -265,15 +266,15 @@ class FanOut:
             while pending:
                 for sub, item in await self._next():
                     if not isinstance(item, list):
-                        raise _Failed(self._failure(item))
+                        raise Failed(self._failure(item))
                     self._account(sub, item)
-                    if self._sse_chunks(sub, item, parts):
+                    if chunks.batch(sub, item, parts, self.completion_tokens):
                         pending -= 1
                 if pending:
                     await send_message(send, {"type": "http.response.body",
                                               "body": b"".join(parts), "more_body": True})
                     parts = []
-        except _Failed as failed:
+        except Failed as failed:
             parts += [sse_error(failed.error.to_json()), DONE]
             await send_message(send, {"type": "http.response.body", "body": b"".join(parts),
                                       "more_body": False})
@@ -286,66 +287,6 @@ class FanOut:
                                   "more_body": False})
         return "success"
 
-    def _sse_chunks(self, sub: SubRequest, outs: list[LLMEngineOutput],
-                    parts: list[bytes]) -> bool:
-        """Add the SSE chunks of a batch of ``sub``'s outputs to ``parts``; True if it
-        finished. Outputs that arrived together go out as one content chunk (their texts,
-        and logprobs, joined: a client that is behind reads fewer, larger events, as from
-        vLLM's server); nothing is held back for later."""
-        if self.parsed:  # reasoning and tool-call deltas: a chunk per output
-            for out in outs:
-                self._parsed_chunks(sub, out, out.text or "", parts)
-                if out.finish_reason is not None:
-                    parts.append(self._finish_chunk(sub, out))
-                    return True
-            return False
-        fmt = self.fmt
-        texts: list[str] = []
-        logprobs: dict[str, Any] | None = None
-        finish: LLMEngineOutput | None = None
-        with_logprobs = sub.logprobs is not None
-        for out in outs:
-            if out.text:
-                texts.append(out.text)
-            if with_logprobs and out.log_probs:
-                lp = self._take(sub, out)
-                if logprobs is None:
-                    logprobs = lp
-                else:
-                    for key, values in lp.items():
-                        logprobs[key] += values
-            if out.finish_reason is not None:
-                finish = out
-                break
-        if logprobs is not None:
-            chunk = fmt.logprobs_chunk("".join(texts), logprobs, sub.index)
-        elif texts:
-            chunk = fmt.content_chunk_at(sub.index, texts[0] if len(texts) == 1
-                                         else "".join(texts))
-        else:
-            chunk = b""
-        if chunk:
-            if fmt.continuous_usage:
-                chunk = fmt.with_usage(chunk, self.prompt_tokens, self.completion_tokens)
-            parts.append(chunk)
-        if finish is None:
-            return False
-        parts.append(self._finish_chunk(sub, finish))
-        return True
-
-    def _finish_chunk(self, sub: SubRequest, out: LLMEngineOutput) -> bytes:
-        if out.finish_reason == FinishReason.ERROR:
-            raise _Failed(http_errors.engine_error(out.error or "engine error"))
-        sub.finish = out.finish_reason
-        sub.stop_reason = out.stop_reason
-        chunk = self.fmt.finish_chunk(
-            openai_finish_reason(out.finish_reason or FinishReason.STOP), out.stop_reason,
-            sub.index,
-        )
-        if self.fmt.continuous_usage:
-            chunk = self.fmt.with_usage(chunk, self.prompt_tokens, self.completion_tokens)
-        return chunk
-
     async def respond_once(self, send: Send, headers: list[tuple[bytes, bytes]]) -> str:
         """Gather every choice into one JSON response (``best_of``: the best ``n`` per prompt);
         returns the status for the metrics."""
@@ -355,23 +296,23 @@ class FanOut:
             while pending:
                 for sub, item in await self._next():
                     if not isinstance(item, list):
-                        raise _Failed(self._failure(item))
+                        raise Failed(self._failure(item))
                     self._account(sub, item)
                     for out in item:
                         sub.texts.append(out.text or "")
                         if sub.logprobs is not None:
-                            self._take(sub, out)
+                            take_logprobs(self.fmt, sub, out)
                         if out.reasoning:
                             sub.thoughts.append(out.reasoning)
                         for delta in out.tool_calls or ():
                             add_tool_call(sub.calls, delta)
                         if out.finish_reason is not None:
                             if out.finish_reason == FinishReason.ERROR:
-                                raise _Failed(http_errors.engine_error(out.error or "engine error"))
+                                raise Failed(http_errors.engine_error(out.error or "engine error"))
                             sub.finish, sub.stop_reason = out.finish_reason, out.stop_reason
                             pending -= 1
                             break
-        except _Failed as failed:
+        except Failed as failed:
             await error(send, failed.error)
             return "error"
         fmt = self.fmt
@@ -379,7 +320,8 @@ class FanOut:
             fmt.choice(
                 s.index, s.echo + "".join(s.texts),
                 openai_finish_reason(s.finish or FinishReason.STOP), s.stop_reason,
-                self._gathered(s), reasoning="".join(s.thoughts) if s.thoughts else None,
+                gathered_logprobs(fmt, s),
+                reasoning="".join(s.thoughts) if s.thoughts else None,
                 tool_calls=[s.calls[i] for i in sorted(s.calls)] or None,
             )
             for s in sorted(best_choices(self.subs, self.n, self.best_of), key=lambda s: s.index)
@@ -388,43 +330,3 @@ class FanOut:
         await reply(send, 200, fmt.full_choices(choices, prompt, completion, cached),
                     JSON + headers)
         return "success"
-
-    def _parsed_chunks(
-        self, sub: SubRequest, out: LLMEngineOutput, text: str, parts: list[bytes]
-    ) -> None:
-        """A chat output's reasoning, content (with its logprobs) and tool-call chunks."""
-        fmt = self.fmt
-        assert isinstance(fmt, ChatFormatter)
-        chunks = []
-        if out.reasoning:
-            chunks.append(fmt.reasoning_chunk(out.reasoning, sub.index))
-        if sub.logprobs is not None and out.log_probs:
-            chunks.append(fmt.logprobs_chunk(text, self._take(sub, out), sub.index))
-        elif text:
-            chunks.append(fmt.content_chunk_at(sub.index, text))
-        if out.tool_calls:
-            chunks.append(fmt.tool_calls_chunk(out.tool_calls, sub.index))
-        for chunk in chunks:
-            if fmt.continuous_usage:
-                chunk = fmt.with_usage(chunk, self.prompt_tokens, self.completion_tokens)
-            parts.append(chunk)
-
-    def _take(self, sub: SubRequest, out: LLMEngineOutput) -> dict[str, Any]:
-        """The ``logprobs`` of ``out``'s tokens, in the choice's shape."""
-        lp = sub.logprobs
-        assert lp is not None
-        return lp.chat(out) if isinstance(self.fmt, ChatFormatter) else lp.completion(out)
-
-    def _gathered(self, sub: SubRequest) -> dict[str, Any] | None:
-        lp = sub.logprobs
-        if lp is None:
-            return None
-        return lp.chat_full() if isinstance(self.fmt, ChatFormatter) else lp.completion_full()
-
-
-class _Failed(Exception):
-    """Ends the merge loop with the error the client gets."""
-
-    def __init__(self, error: HttpError) -> None:
-        super().__init__(error.message)
-        self.error = error

@@ -37,7 +37,7 @@ from pathlib import Path
 
 from ..discovery import DiscoveryConfig
 from ..llm import BUILTIN_MODES
-from ..tools.child_process import die_with_parent_hook
+from ..resources import die_with_parent_hook
 
 __all__ = ["WORKER_ENV", "WorkerSlot", "reuseport_socket", "supervise"]
 

@@ -10,41 +10,18 @@ leaves no server behind.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import select
 import signal
 import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+
+from ..resources import die_with_parent_hook
 
 __all__ = ["ChildProcess", "die_with_parent_hook"]
-
-_PR_SET_PDEATHSIG = 1
-# Loaded here, in the parent: after fork only the prctl call itself runs (no dlopen).
-_libc: Any = None
-if sys.platform == "linux":
-    try:
-        _libc = ctypes.CDLL(None, use_errno=True)
-    except OSError:
-        _libc = None
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: ask the kernel for SIGTERM when the parent dies."""
-    _libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-
-
-def die_with_parent_hook() -> Callable[[], None] | None:
-    """A ``preexec_fn`` for ``subprocess.Popen`` that has the kernel SIGTERM the child when this
-    process dies (None where that is not available: not Linux). Start such children from the
-    main thread: the kernel signals them when the thread that started them ends."""
-    return _die_with_parent if _libc is not None else None
-
 
 class ChildProcess:
     """Start ``argv`` with stdout piped (for the READY line) and stderr to a log file.

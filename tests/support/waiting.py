@@ -55,10 +55,11 @@ async def serving(front: Any, workers: Sequence[Any], model: str = "tiny",
     """Wait until the frontend and ``workers`` (``spawn``ed with ``ready=False``) are ready and
     the frontend's ``/health`` lists exactly those workers for ``model``; returns its URL.
     A process that already said READY (``address`` set) is not waited for again, so a test can
-    wait for a frontend started later, or a worker added later, the same way."""
+    wait for a frontend started later, or a worker added later, the same way. ``timeout``
+    bounds each process's READY too."""
     for proc in [*workers, front]:
         if not proc.address:
-            proc.wait_ready()
+            proc.wait_ready(max(timeout, 30.0))
     url = str(front.address)
     ids = {f"{w.instance_id:x}" for w in workers}
 
