@@ -15,7 +15,6 @@ import os
 import re
 import subprocess
 import sys
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,20 +26,11 @@ from dynamo_zmq.discovery._config import parse_static_file, split_entry
 from dynamo_zmq.errors import InvalidArgument
 from dynamo_zmq.tools.keys import load_keypair
 from dynamo_zmq.wire import Describe, Kind, encode
+from tests.support.auth import BLOCK, complete, health_models, keys_cli, log_of, worker
 from tests.support.http_calls import get
-from tests.support.mocker_fleet import start_frontend, start_mocker
+from tests.support.mocker_fleet import start_frontend
 from tests.support.procs import ROOT, Proc
 from tests.support.waiting import eventually
-
-BLOCK = 16
-
-
-def keys_cli(*args: str) -> str:
-    """``python -m dynamo_zmq.keys ARGS`` (the real CLI); its stdout."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    done = subprocess.run([sys.executable, "-m", "dynamo_zmq.keys", *args], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=60, check=True)
-    return done.stdout.strip()
 
 
 @dataclass
@@ -66,19 +56,9 @@ def keys(tmp_path: Path) -> Keys:
     return Keys(cluster, rogue, made["worker"], made["front"], made["client"], rogue_key)
 
 
-def worker(spawn, namespace: str, model: Path, keydir: Path | None, name: str = "",
-           *extra: str) -> Proc:
-    auth = ["--auth-keys", str(keydir), "--auth-key-name", name] if keydir else []
-    return start_mocker(spawn, namespace, model, "--block-size", str(BLOCK), *auth, *extra)
-
-
 def frontend(spawn, namespace: str, keydir: Path, *extra: str) -> Proc:
     return start_frontend(spawn, namespace, "--auth-keys", str(keydir), "--auth-key-name",
                           "front", *extra)
-
-
-def log_of(proc: Proc) -> str:
-    return Path(proc.log.name).read_text(errors="replace")
 
 
 def describe(address: str, server_key: str | None, keypair: tuple[bytes, bytes] | None,
@@ -112,21 +92,6 @@ def describe_frames(address: str, server_key: str | None,
     finally:
         sock.close(0)
         ctx.term()
-
-
-def complete(url: str, tokens: list[int]) -> str:
-    """POST a token-id completion; the ``x-dynamo-worker`` instance that served it."""
-    body = json.dumps({"model": "tiny", "prompt": tokens, "max_tokens": 3}).encode()
-    req = urllib.request.Request(f"{url}/v1/completions", body,
-                                 {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=30) as resp:
-        assert resp.status == 200
-        return resp.headers["x-dynamo-worker"].split("/")[0]
-
-
-async def health_models(url: str) -> dict:
-    status, body = await asyncio.to_thread(get, f"{url}/health")
-    return json.loads(body).get("models", {}) if status in (200, 503) else {}
 
 
 def metric_workers(page: str, name: str) -> dict[str, float]:

@@ -27,9 +27,9 @@ from zmq.utils.monitor import recv_monitor_message
 from dynamo_zmq.llm import ModelAdvert, PreprocessedRequest, StopConditions
 from dynamo_zmq.tools.keys import load_keypair, revoke
 from dynamo_zmq.wire import Describe, Description, Error, Kind, Request, encode
+from tests.support.auth import complete, health_models, keys_cli, log_of, worker
 from tests.support.procs import ROOT, Proc
 from tests.support.waiting import eventually
-from tests.test_auth import complete, health_models, keys_cli, log_of, worker
 
 ROLES = {"worker": "worker", "front": "frontend", "router": "router", "tool": "tool",
          "client": "frontend"}

@@ -16,7 +16,6 @@ import re
 import signal
 import sys
 import textwrap
-import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -40,23 +39,10 @@ from dynamo_zmq.discovery import (
 )
 from dynamo_zmq.discovery.mdns import _pick_ip, instance_name
 from dynamo_zmq.errors import InvalidArgument
+from tests.support.discovery import WAIT, next_event, unique_iid, unique_ns
 
-#: Generous bound for one event; mDNS on loopback normally takes milliseconds.
-WAIT = 10.0
 LOOPBACK = DiscoveryConfig(mdns_interfaces=("127.0.0.1",))
 REPO = Path(__file__).resolve().parent.parent
-
-
-def unique_ns() -> str:
-    return f"t-{uuid.uuid4().hex[:10]}"
-
-
-def unique_iid() -> int:
-    return uuid.uuid4().int & (2**64 - 1)
-
-
-async def next_event(it: AsyncIterator[DiscoveryEvent]) -> DiscoveryEvent:
-    return await asyncio.wait_for(anext(it), WAIT)
 
 
 async def wait_until_seen(it: AsyncIterator[DiscoveryEvent], expected: DiscoveryEvent) -> None:

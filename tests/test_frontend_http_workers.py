@@ -29,8 +29,8 @@ from tests.support.http_calls import post
 from tests.support.metrics import metrics_page, sample
 from tests.support.mocker_fleet import mocker_fleet, serving, start_frontend, start_worker
 from tests.support.procs import Proc, children, run_cli
+from tests.support.sse import events, open_streams
 from tests.support.waiting import eventually
-from tests.test_frontend_graceful import events, open_streams
 
 N = 2
 CHAT = [{"role": "user", "content": "Tell me a story."}]

@@ -29,8 +29,8 @@ from dynamo_zmq.discovery import (
     PeerRemoved,
 )
 from dynamo_zmq.discovery.mdns import instance_name
+from tests.support.discovery import WAIT, next_event, unique_iid, unique_ns
 from tests.support.procs import ROOT, pythonpath
-from tests.test_discovery import WAIT, next_event, unique_iid, unique_ns
 
 LOOPBACK = DiscoveryConfig(mdns_interfaces=("127.0.0.1",))
 MDNS_LOG = "dynamo_zmq.discovery.mdns"
