@@ -3,6 +3,7 @@ routers connect to, and vLLM's version."""
 
 from __future__ import annotations
 
+import random
 import socket
 
 __all__ = ["KV_CONNECTOR", "KV_CONNECTOR_MODULE", "advertise", "free_port", "offset",
@@ -14,13 +15,40 @@ KV_CONNECTOR_MODULE = "engines.vllm._kv_connector"
 
 
 def free_port(exclude: int = 0) -> int:
-    """A free TCP port (other than ``exclude``)."""
-    while True:
+    """A free TCP port (other than ``exclude``) for a socket vLLM binds seconds later, in its
+    engine process: one below the kernel's ephemeral range when one is free there, since a
+    port from that range may meanwhile go to any outgoing connection or ``bind(0)`` on the host
+    (``Address already in use`` when vLLM binds it)."""
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(64):
+        port = rng.randrange(max(1024, low - 12288), low)
+        if port != exclude and _bindable(port):
+            return port
+    while True:  # that range is full: any free port
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind(("", 0))
             port = int(sock.getsockname()[1])
         if port != exclude:
             return port
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out on its own (Linux; 32768 elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return max(2048, int(f.read().split()[0]))
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return False
+    return True
 
 
 def advertise(endpoint: str | None, host: str) -> str | None:
