@@ -29,6 +29,7 @@ __all__ = [
     "DynamoError",
     "EngineShutdown",
     "InvalidArgument",
+    "NotFound",
     "Overloaded",
     "PermissionDenied",
     "ResponseTimeout",
@@ -143,6 +144,13 @@ class PermissionDenied(DynamoError):
     kind = "PermissionDenied"
 
 
+class NotFound(DynamoError):
+    """What the request names does not exist there: a LoRA adapter the worker does not hold, or
+    one to unload that is not loaded. Not retryable on the same instance."""
+
+    kind = "NotFound"
+
+
 class Unknown(DynamoError):
     """An error with no more specific kind (for example an exception in a handler)."""
 
@@ -164,6 +172,7 @@ _BY_KIND: dict[str, type[DynamoError]] = {
         StreamStalled,
         Unsupported,
         PermissionDenied,
+        NotFound,
         Unknown,
     )
 }

@@ -41,3 +41,9 @@ class Capability:
     #: KV connector), so the worker starts no transfer service of its own; the engine reads
     #: the ``--kv-transfer-*`` flags it needs from the worker's arguments.
     OWN_KV_TRANSFER = "own_kv_transfer"
+    #: LoRA adapters: ``PreprocessedRequest.lora_name`` selects one, and the engine loads and
+    #: unloads them at run time (``LLMEngine.load_lora`` / ``unload_lora``).
+    LORA = "lora"
+    #: Priority scheduling (``PreprocessedRequest.priority``; vLLM's ``--scheduling-policy
+    #: priority``).
+    PRIORITY = "priority"

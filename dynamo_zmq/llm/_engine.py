@@ -153,6 +153,33 @@ class LLMEngine(abc.ABC):
         raise errors.Unsupported(f"the {self.name or type(self).__name__} engine cannot clear "
                                  "its KV blocks")
 
+    async def load_lora(self, name: str, path: str) -> None:
+        """Optional (engines with ``Capability.LORA``): load the LoRA adapter at ``path`` under
+        ``name``, so requests with ``lora_name=name`` use it. All or nothing: on failure the
+        engine holds nothing new.
+
+        Raises:
+            Unsupported: the engine has no adapters (the default).
+            InvalidArgument: a bad path, an adapter that does not fit the model (its rank above
+                ``--max-lora-rank``, other target modules), or ``name`` already loaded.
+        """
+        raise errors.Unsupported(f"the {self.name or type(self).__name__} engine cannot load "
+                                 "LoRA adapters")
+
+    async def unload_lora(self, name: str) -> None:
+        """Optional: unload adapter ``name``; requests for it are refused from then on.
+
+        Raises:
+            Unsupported: the engine has no adapters (the default).
+            NotFound: no adapter of that name is loaded.
+        """
+        raise errors.Unsupported(f"the {self.name or type(self).__name__} engine cannot unload "
+                                 "LoRA adapters")
+
+    def lora_adapters(self) -> dict[str, str]:
+        """The adapters loaded now, name -> path (advertised with the model). Cheap."""
+        return {}
+
     async def embed(self, request: PreprocessedRequest, ctx: Context) -> list[float]:
         """Optional: the embedding of ``request.token_ids`` (``request.embedding`` holds the
         options). A stopped or killed ``ctx`` may end it with ``errors.Cancelled``.

@@ -196,6 +196,12 @@ class PreprocessedRequest(msgspec.Struct, **_WIRE):
     #: migrated request's lost worker, a disaggregated decode's prefill), which this request's
     #: span links to; set by the frontend with tracing on (docs/observability.md).
     migration_link: str | None = None
+    #: The LoRA adapter to generate with (its name as loaded on the worker); None: the base
+    #: model. A worker that does not hold it refuses the request (``NotFound``).
+    lora_name: str | None = None
+    #: Scheduling priority (vLLM's convention: lower runs first; 0 is the default). Engines
+    #: with ``Capability.PRIORITY`` schedule by it; routers order their waiting queue by it.
+    priority: int = 0
 
 
 class Usage(msgspec.Struct, **_WIRE):

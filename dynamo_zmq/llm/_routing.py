@@ -65,6 +65,11 @@ class RouteOptions(msgspec.Struct, frozen=True, kw_only=True):
     #: Instances the request must not go to, not even by failover (those a migrated request
     #: was lost on).
     exclude: frozenset[int] = frozenset()
+    #: The only instances the request may go to (those holding its LoRA adapter); None: any.
+    only: frozenset[int] | None = None
+    #: The request's session (``X-Dynamo-Session-ID``): routers that pin sessions send it to
+    #: the worker that served the session before. None: no session.
+    session_id: str | None = None
 
     def replace(self, **changes: object) -> RouteOptions:
         """A copy with ``changes``."""
