@@ -175,9 +175,7 @@ class KvRouter:
         Sets ``request.routing.dp_rank`` and ``request.routing.overlap_blocks`` (again on each
         re-route). ``options.instance_id`` is not read: the router chooses.
         ``options.exclude``: workers not to send to, not even on a re-route (a migrated
-        request's lost workers). While every (worker, rank) is busy the request waits in
-        ``queue``, ordered by ``request.priority``, then its deadline (``options.timeout``
-        from now), then arrival.
+        request's lost workers). While every rank is busy it waits in ``queue`` (``busy.py``).
 
         Raises:
             CannotConnect: no live instance could take the request.
@@ -188,7 +186,6 @@ class KvRouter:
         exclude = options.exclude
         admit = self.busy.enabled
         my_turn = not self.queue
-        # The wait queue's order: priority, then the request's deadline, then arrival.
         deadline = None if options.timeout is None else time.monotonic() + options.timeout
         while True:
             if my_turn:

@@ -1,8 +1,8 @@
 """Request priorities end to end, all real processes and the ``openai`` client: vLLM's
 ``priority`` body field and the ``x-dynamo-priority`` header (which wins) order the kv router's
-wait queue (priority, then deadline from ``x-dynamo-request-timeout``, then arrival) and a
-mocker's waiting queue under ``--scheduling-policy priority``; bad values get 400 in OpenAI's
-error shape.
+wait queue (priority, then deadline from ``x-dynamo-request-timeout``, then arrival; a deadline
+that passes in the queue is a 504) and a mocker's waiting queue under ``--scheduling-policy
+priority``; bad values get 400 in OpenAI's error shape.
 
 The order is observed as the order of first tokens where exactly one request runs at a time
 (one worker, busy while any request runs, or one running slot): a queued request cannot start
@@ -114,6 +114,12 @@ async def test_the_routers_wait_queue_serves_priority_then_deadline_then_arrival
             stream_first_token, url, next(prompt), 2, priority, headers))
         await eventually(lambda n=i + 1: _equals(metric("dynamo_router_busy_queued_requests"), n),
                          30, f"{i + 1} requests waiting")
+    # A waiting request whose deadline passes leaves the queue with its 504.
+    status, reply = await in_thread(_post, url, "/v1/completions", {
+        "model": "tiny", "prompt": next(prompt), "max_tokens": 2,
+    }, {"x-dynamo-request-timeout": "1"})
+    assert status == 504 and reply["error"]["code"] == "timeout", reply
+    assert await metric("dynamo_router_busy_queued_requests") == len(queued)
     assert not blocker.done()  # all of them queued while the first one ran
     firsts = dict(zip(tasks, await asyncio.wait_for(asyncio.gather(*tasks.values()), 120),
                       strict=True))
