@@ -6,15 +6,18 @@ from its load reports; unknown: never busy by KV), or when the prompt tokens rou
 not yet prefilled (no first output yet; ``PrefillTokens``) exceed ``prefill_tokens``. The check
 reads the load before the new request is added, so an idle worker is never busy, whatever the
 prompt. The router routes among the non-busy candidates; when every one is busy the request
-waits in an ``AdmissionQueue`` (first in, first out, bounded in count and in time), and past
-either bound gets ``errors.Overloaded`` (the frontend's 503 with ``Retry-After``).
+waits in an ``AdmissionQueue`` (ordered by priority, then deadline, then arrival; bounded in
+count and in time), and past either bound gets ``errors.Overloaded`` (the frontend's 503 with
+``Retry-After``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
+import itertools
+import math
 import time
-from collections import deque
 from collections.abc import Callable
 
 from dynamo_zmq import errors
@@ -91,19 +94,34 @@ class BusyPolicy:
 
 
 class _Waiter:
-    __slots__ = ("event",)
+    __slots__ = ("event", "evicted", "key", "queued")
 
-    def __init__(self) -> None:
+    def __init__(self, key: tuple[int, float, int]) -> None:
         self.event = asyncio.Event()
+        #: (priority, deadline or +inf, arrival): the queue's order, smallest first.
+        self.key = key
+        self.queued = True
+        #: A request of higher priority took its place in a full queue.
+        self.evicted = False
+
+
+def _key(waiter: _Waiter) -> tuple[int, float, int]:
+    return waiter.key
 
 
 class AdmissionQueue:
-    """Requests waiting for a non-busy candidate, first in, first out.
+    """Requests waiting for a non-busy candidate, in order: priority (lower first), then
+    deadline (earliest first; no deadline after every deadline), then arrival.
+
+    When the queue is full, an arrival of strictly higher priority (a lower number) than the
+    last waiter evicts that waiter (it gets ``Overloaded``) and takes a place; any other
+    arrival is refused (``Overloaded``).
 
     Args:
         max_size: requests that may wait at once (0: none wait, a busy cluster refuses at once).
         max_wait: seconds one request may wait.
-        metrics: ``busy_queued``, ``busy_rejected`` and ``busy_wait``, labelled ``model``.
+        metrics: ``busy_queued``, ``busy_rejected`` (refused, evicted or waited too long) and
+            ``busy_wait``, labelled ``model``.
     """
 
     def __init__(
@@ -113,7 +131,9 @@ class AdmissionQueue:
         self.max_wait = max_wait
         self._metrics = metrics
         self._model = model
-        self._waiters: deque[_Waiter] = deque()
+        #: Sorted by ``_Waiter.key``: the head is the next to go.
+        self._waiters: list[_Waiter] = []
+        self._arrivals = itertools.count()
 
     def __len__(self) -> int:
         return len(self._waiters)
@@ -123,36 +143,75 @@ class AdmissionQueue:
         if self._waiters:
             self._waiters[0].event.set()
 
-    async def admit(self, free: Callable[[], bool], context: Context | None) -> None:
+    def _drop(self, waiter: _Waiter) -> None:
+        """Take ``waiter`` out of the queue (once)."""
+        if waiter.queued:
+            waiter.queued = False
+            self._waiters.remove(waiter)
+            self._metrics.busy_queued.labels(self._model).dec()
+
+    def _make_room(self, priority: int) -> None:
+        """A full queue: evict its last waiter for an arrival of higher ``priority``.
+
+        Raises:
+            Overloaded: the arrival does not outrank the last waiter (or nobody may wait).
+        """
+        last = self._waiters[-1] if self._waiters else None
+        if last is None or last.key[0] <= priority:
+            self._metrics.busy_rejected.labels(self._model).inc()
+            raise errors.Overloaded(
+                f"every worker is busy and {self.max_size} requests of the same or higher "
+                "priority already wait",
+                retry_after=self.max_wait,
+            )
+        self._drop(last)
+        last.evicted = True
+        last.event.set()
+
+    async def admit(
+        self, free: Callable[[], bool], context: Context | None, priority: int = 0,
+        deadline: float | None = None,
+    ) -> None:
         """Return when the caller may route now: ``free()`` (some candidate is not busy) and no
         request waits before it. The caller must route without awaiting in between.
 
+        Args:
+            free: whether some candidate is not busy now.
+            context: the request's (stopping it ends the wait).
+            priority: the request's priority (lower goes first).
+            deadline: when the request's deadline passes (``time.monotonic()``; None: none).
+
         Raises:
-            Overloaded: the queue is full, or ``max_wait`` passed.
+            Overloaded: the queue is full (of waiters of the same or higher priority),
+                ``max_wait`` passed, or a higher-priority arrival evicted it.
             Cancelled: ``context`` was stopped while waiting.
         """
         if not self._waiters and free():
             return
         m, model = self._metrics, self._model
         if len(self._waiters) >= self.max_size:
-            m.busy_rejected.labels(model).inc()
-            raise errors.Overloaded(
-                f"every worker is busy and {self.max_size} requests already wait",
-                retry_after=self.max_wait,
-            )
-        me = _Waiter()
-        self._waiters.append(me)
+            self._make_room(priority)
+        key = (priority, math.inf if deadline is None else deadline, next(self._arrivals))
+        me = _Waiter(key)
+        bisect.insort(self._waiters, me, key=_key)
         m.busy_queued.labels(model).inc()
         remove = None if context is None else context.add_listener(lambda _: me.event.set())
         started = time.monotonic()
-        deadline = started + self.max_wait
+        until = started + self.max_wait
         try:
             while True:
                 if context is not None and context.is_stopped():
                     raise errors.Cancelled("stopped while waiting for a worker")
+                if me.evicted:
+                    m.busy_rejected.labels(model).inc()
+                    raise errors.Overloaded(
+                        "every worker is busy and a request of higher priority took this "
+                        "one's place in the full wait queue",
+                        retry_after=self.max_wait,
+                    )
                 if self._waiters[0] is me and free():
                     return
-                left = deadline - time.monotonic()
+                left = until - time.monotonic()
                 if left <= 0:
                     m.busy_rejected.labels(model).inc()
                     raise errors.Overloaded(
@@ -164,7 +223,6 @@ class AdmissionQueue:
         finally:
             if remove is not None:
                 remove()
-            self._waiters.remove(me)
-            m.busy_queued.labels(model).dec()
+            self._drop(me)
             m.busy_wait.labels(model).observe(time.monotonic() - started)
             self.notify()  # the next one may go too (it runs after this one has routed)

@@ -175,7 +175,7 @@ class KvRouter:
         Sets ``request.routing.dp_rank`` and ``request.routing.overlap_blocks`` (again on each
         re-route). ``options.instance_id`` is not read: the router chooses.
         ``options.exclude``: workers not to send to, not even on a re-route (a migrated
-        request's lost workers).
+        request's lost workers). While every rank is busy it waits in ``queue`` (``busy.py``).
 
         Raises:
             CannotConnect: no live instance could take the request.
@@ -186,6 +186,7 @@ class KvRouter:
         exclude = options.exclude
         admit = self.busy.enabled
         my_turn = not self.queue
+        deadline = None if options.timeout is None else time.monotonic() + options.timeout
         while True:
             if my_turn:
                 try:
@@ -196,7 +197,8 @@ class KvRouter:
                 except AllBusy:
                     if _remote_decode(request):  # a disaggregated prefill: prefilled locally
                         raise errors.Overloaded("every prefill worker is busy") from None
-            await self.queue.admit(lambda: self._any_free(exclude), context)
+            await self.queue.admit(lambda: self._any_free(exclude), context, request.priority,
+                                   deadline)
             my_turn = True
         ctx = first.context  # not ``first``: the hook must not keep the stream alive
 

@@ -47,6 +47,7 @@ from ._fanout import FanOut
 from ._health import health, models_body
 from ._limits import HttpLimits, Offload, Rejections, prompt_chars, text_chars
 from ._logprobs import asks_logprobs
+from ._priority import header_priority
 from ._scope import InFlight, RequestScope
 from ._subrequests import SubRequest, chat_work, completion_work
 from .errors import HttpError
@@ -184,15 +185,20 @@ class FrontendApp:
             body = await read_body(receive, scope, self.limits)
             target = self._target(scope)
             timeout = request_timeout(scope, self.timeout)
+            priority = header_priority(scope)
             req: ChatCompletionRequest | CompletionRequest
             work: list[SubRequest]
             if endpoint == "chat":
                 req = parse_chat(body)
+                if priority is not None:  # the header wins over the body (_priority.py)
+                    req.priority = priority
                 entry = self._entry(req.model)
                 prompt_chars(entry.preprocessor, req)
                 work, n = await self._offload.run(len(body), chat_work, entry, req)
             else:
                 req = parse_completion(body)
+                if priority is not None:
+                    req.priority = priority
                 entry = self._entry(req.model)
                 prompt_chars(entry.preprocessor, req)
                 work, n = await self._offload.run(len(body), completion_work, entry, req)

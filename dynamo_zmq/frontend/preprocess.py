@@ -392,4 +392,5 @@ class Preprocessor:
             eos_token_ids=list(self.eos_token_ids),
             mdcsum=self.card.checksum,
             guided=guided.guided if guided is not None else None,
+            priority=req.priority,
         )

@@ -134,6 +134,7 @@ class _BaseRequest(msgspec.Struct, kw_only=True):
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
+    priority: int = 0  # vLLM's scheduling priority: lower runs first (_priority.py)
 
 
 class ChatCompletionRequest(_BaseRequest, kw_only=True):
@@ -230,6 +231,7 @@ def _validate_common(req: _BaseRequest) -> None:
     _range(req.max_tokens, "max_tokens", 1, _I64_MAX)
     _range(req.min_tokens, "min_tokens", 0, _I64_MAX)
     _range(req.n, "n", 1, MAX_CHOICES)
+    _range(req.priority, "priority", _I64_MIN, _I64_MAX)
     if req.top_k is not None and req.top_k != -1:
         _range(req.top_k, "top_k", 0, _I64_MAX)
     if req.stop is not None:

@@ -14,6 +14,8 @@ from dynamo_zmq.errors import InvalidArgument
 from dynamo_zmq.llm._block_hashing import FORM_DELTAS
 from dynamo_zmq.llm._kv_forms import KV_EVENT_FORMS
 
+from ._waiting import POLICIES
+
 __all__ = ["MockerConfig", "add_mocker_args", "config_from_args", "read_model_dir"]
 
 DEFAULT_CONTEXT_LENGTH = 8192
@@ -67,6 +69,9 @@ class MockerConfig:
     #: What the KV-event payloads are (``KvHashScheme.form``): "stores" (vLLM's events with the
     #: router's own hashes) or "deltas" (own-hash deltas, ``OwnBatch``).
     kv_event_form: str = FORM_DELTAS
+    #: The waiting queue's order (vLLM's ``--scheduling-policy``): "fcfs" (arrival) or
+    #: "priority" (``PreprocessedRequest.priority``, lower first, then arrival).
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "context_length", "block_size", "num_gpu_blocks", "max_num_seqs",
@@ -91,6 +96,9 @@ class MockerConfig:
             )
         if self.embedding_dim < 0:
             raise ValueError(f"embedding_dim must be >= 0, got {self.embedding_dim}")
+        if self.scheduling_policy not in POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {POLICIES}, "
+                             f"got {self.scheduling_policy!r}")
         if self.kv_event_form not in KV_EVENT_FORMS:
             raise ValueError(f"kv_event_form must be one of {KV_EVENT_FORMS}, "
                              f"got {self.kv_event_form!r}")
@@ -167,6 +175,11 @@ def add_mocker_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -
              "[DYN_KV_EVENT_FORM]")
 
 
+    add("--scheduling-policy", choices=POLICIES, default=env("DYN_SCHEDULING_POLICY", "fcfs"),
+        help="order of the waiting queue: 'fcfs' (arrival) or 'priority' (the request's "
+             "priority, lower first, then arrival; vLLM's flag) [DYN_SCHEDULING_POLICY]")
+
+
 def read_model_dir(path: str | Path) -> dict[str, Any]:
     """``vocab_size``, ``context_length`` and ``eos_token_ids`` found in a model directory."""
     root = Path(path)
@@ -232,6 +245,7 @@ def _config_from_args(args: argparse.Namespace) -> MockerConfig:
         kv_transfer_bandwidth=get("kv_transfer_bandwidth", 25.0),
         kv_hash_seed=get("kv_hash_seed", None),
         kv_event_form=get("kv_event_form", FORM_DELTAS),
+        scheduling_policy=get("scheduling_policy", "fcfs"),
         **from_dir,
     )
 

@@ -178,7 +178,7 @@ class MockerEngine(LLMEngine):
         key = ctx.id()
         entry = (sched, seq)
         self.live_requests.add(key, entry)
-        sched.add(seq)
+        sched.add(seq, request.priority)
         remove_listener = ctx.add_listener(lambda _killed: sched.cancel(seq))
         create_future = asyncio.get_running_loop().create_future
         outbox = seq.outbox
@@ -262,10 +262,13 @@ class MockerEngine(LLMEngine):
     def capabilities(self) -> frozenset[str]:
         """Logprobs (well-formed made-up values: see ``Sequence.with_logprobs``),
         ``logit_bias`` (its sampling weighs each token by ``exp(bias)`` against 1),
-        disaggregation (``_disagg``), and embeddings when ``--mock-embedding-dim`` is set."""
+        disaggregation (``_disagg``), embeddings when ``--mock-embedding-dim`` is set, and
+        priority scheduling under ``--scheduling-policy priority``."""
         caps = {Capability.LOGPROBS, Capability.LOGIT_BIAS, Capability.DISAGGREGATION}
         if self.config.embedding_dim:
             caps.add(Capability.EMBEDDINGS)
+        if self.config.scheduling_policy == "priority":
+            caps.add(Capability.PRIORITY)
         return frozenset(caps)
 
     async def embed(self, request: PreprocessedRequest, ctx: Context) -> list[float]:

@@ -6,9 +6,10 @@ Each step shares a budget of ``max_num_batched_tokens`` between:
    prompt (up to the budget left) when prefilling, so a long prompt is prefilled in chunks.
    When the KV cache cannot hold a sequence's next tokens, the newest running sequence is
    preempted (blocks freed, recomputed later from its prompt and outputs) until it fits;
-2. then, if nothing was preempted, **waiting** sequences in arrival order while there are fewer
-   than ``max_num_seqs`` running and the cache can hold their first chunk. A new sequence
-   starts from its longest cached prefix (those blocks need no prefill).
+2. then, if nothing was preempted, **waiting** sequences in arrival order (with
+   ``--scheduling-policy priority``: by priority, lower first, then arrival; ``_waiting.py``)
+   while there are fewer than ``max_num_seqs`` running and the cache can hold their first
+   chunk. A new sequence starts from its longest cached prefix (those blocks need no prefill).
 
 The step then "runs" for the time the model says, after which each sequence whose known tokens
 are all computed samples one token. Newly full blocks enter the prefix cache, and the step's KV
@@ -19,7 +20,6 @@ event otherwise.
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -32,6 +32,7 @@ from ._config import MockerConfig
 from ._kv_events import KvEvent
 from ._sequence import SeqStatus, Sequence
 from ._timing import step_seconds
+from ._waiting import Waiting, waiting_queue
 
 __all__ = ["Publish", "RankScheduler", "StepPlan"]
 
@@ -76,7 +77,7 @@ class RankScheduler:
         self.blocks = BlockManager(
             config.num_gpu_blocks, config.block_size, config.enable_prefix_caching
         )
-        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.waiting: Waiting = waiting_queue(config.scheduling_policy)
         self.running: list[Sequence] = []
         self.num_steps = 0
         self.num_preemptions = 0
@@ -117,12 +118,13 @@ class RankScheduler:
 
     # -- requests ---------------------------------------------------------------------------
 
-    def add(self, seq: Sequence) -> None:
-        """Queue a new sequence."""
+    def add(self, seq: Sequence, priority: int = 0) -> None:
+        """Queue a new sequence (``priority``: its place under the priority policy)."""
         if self._failure is not None:
             self._finish(seq, FinishReason.ERROR, error=self._failure)
             return
         seq.status = SeqStatus.WAITING
+        seq.priority = priority
         self.waiting.append(seq)
         self._idle.clear()
         self._wake.set()

@@ -92,6 +92,10 @@ class Sequence:
         self.num_preemptions = 0
         #: Prefill role: keep the blocks when finished, for a KV transfer (``release_held``).
         self.hold_on_finish = False
+        #: Scheduling priority (lower first) and arrival number: the waiting queue's order
+        #: under ``--scheduling-policy priority`` (``_waiting.py``).
+        self.priority = 0
+        self.arrival = 0
         #: Decode role: the prompt's KV was pulled; the next admission computes none of it.
         self.remote_kv = False
         self.outbox: collections.deque[LLMEngineOutput] = collections.deque()
