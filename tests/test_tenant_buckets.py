@@ -227,3 +227,20 @@ def test_limits_file_errors(text, says):
     with pytest.raises(errors.InvalidArgument) as info:
         parse_limits(text)
     assert says in info.value.message
+
+
+def test_http_workers_share_the_rates_not_the_sizes():
+    """With --http-workers 2 each process refills at half the file's rates; its buckets hold
+    the file's sizes (a request that fits the budget fits any one process)."""
+    now = [0.0]
+    limit = TenantLimit(requests_per_second=1.0, burst=1, tokens_per_minute=600)
+    tenants = Tenants(_Limits(LimitTable(default=limit)), False, CollectorRegistry(), share=2,
+                      clock=lambda: now[0])
+    ticket = tenants.admit(_scope("a"))
+    requests, tokens = ticket.tenant.requests, ticket.tenant.tokens
+    assert (requests.rate, requests.capacity) == (0.5, 1)
+    assert (tokens.rate, tokens.capacity) == (5.0, 600)
+    ticket.reserve(100, 500)  # the whole budget fits one process
+    with pytest.raises(HttpError) as info:
+        tenants.admit(_scope("a"))
+    assert info.value.retry_after == 2 and "1/2 per HTTP process" in info.value.message
