@@ -244,3 +244,18 @@ def test_http_workers_share_the_rates_not_the_sizes():
     with pytest.raises(HttpError) as info:
         tenants.admit(_scope("a"))
     assert info.value.retry_after == 2 and "1/2 per HTTP process" in info.value.message
+
+
+def test_unlisted_header_tenants_share_one_label_past_the_cap(monkeypatch):
+    """Clients choose header names: past MAX_LABELS of them the metrics say ``_other``
+    (each keeps its own budget); listed tenants and ``anonymous`` keep their names."""
+    monkeypatch.setattr("dynamo_zmq.frontend._tenants.MAX_LABELS", 2)
+    limits = _Limits(LimitTable(default=TenantLimit(requests_per_second=0.01, burst=1),
+                                tenants={"listed": TenantLimit()}))
+    tenants = Tenants(limits, False, CollectorRegistry(), clock=lambda: 0.0)
+    labels = [tenants.admit(_scope(name)).label for name in ("a", "b", "c", "key-x", "listed")]
+    assert labels == ["a", "b", "_other", "_other", "listed"]
+    assert tenants.admit(_scope()).label == ANONYMOUS
+    with pytest.raises(HttpError):  # "c" has a budget of its own, spent
+        tenants.admit(_scope("c"))
+    tenants.admit(_scope("d"))

@@ -161,7 +161,8 @@ class Tenants:
             if len(self._tenants) >= MAX_TENANTS and now - self._pruned >= 1.0:
                 self._pruned = now
                 self._tenants = {k: t for k, t in self._tenants.items() if not t.idle(now)}
-            listed = name in table.tenants or name == ANONYMOUS or name.startswith("key-")
+            # API keys are as many as configured; header names are whatever clients send
+            listed = self.keys_enabled or name in table.tenants or name == ANONYMOUS
             label = name
             if not listed and name not in self._labels:
                 if len(self._labels) >= MAX_LABELS:
