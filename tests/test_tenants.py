@@ -263,3 +263,36 @@ async def test_without_limits_there_are_no_tenant_series(worker, spawn):
     for _ in range(3):
         await chat(url, "alice")
     assert "dynamo_frontend_tenant_" not in await metrics_page(url)
+
+
+async def test_a_cancelled_request_settles(worker, spawn, tiny_model, tmp_path):
+    """A client that leaves mid-stream is charged what was generated until then; the rest of
+    its reservation comes back (the refill alone would take 40 s)."""
+    limits = tmp_path / "limits.toml"
+    limits.write_text(RATES)
+    spawn("-m", "dynamo_zmq.worker", "--engine", "mocker", "--model-path", str(tiny_model),
+          "--model-name", "slow", "--namespace", worker, "--host", "127.0.0.1",
+          "--speedup-ratio", "0.05")  # seconds per a few tokens: the stream is still going
+    url = start_frontend(spawn, worker, "--tenant-limits", str(limits), mode=None,
+                         ready=True).address
+    await wait_models(url, {"tiny", "slow"})
+    ask = {"model": "slow", "prompt": "tenants", "max_tokens": 250}
+    async with client(url, "tok") as c:
+        stream = await c.completions.create(**ask, stream=True, extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            assert chunk.choices[0].text is not None
+            break
+        await stream.close()  # the client goes away with ~250 tokens reserved
+
+    async def fits() -> bool:
+        async with client(url, "tok") as c:
+            try:
+                await c.completions.create(**{**ask, "model": "tiny"})
+            except openai.RateLimitError:
+                return False
+            return True
+
+    await eventually(fits, timeout=15, what="the cancelled request's refund", interval=0.2)
+    page = await metrics_page(url)
+    assert sample(page, "dynamo_frontend_tenant_requests_total", tenant="tok",
+                  outcome="disconnected") == 1
