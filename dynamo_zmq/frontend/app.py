@@ -9,7 +9,9 @@ several sequences (``n``, ``best_of``, ``echo``, a batch of prompts) fans out in
 (``_fanout.py``). A client that disconnects kills the request's context, which reaches the
 worker and aborts the engine's sequence; so does the request's deadline (``--request-timeout``
 or the
-``x-dynamo-request-timeout`` header), and the client then gets 504.
+``x-dynamo-request-timeout`` header), and the client then gets 504. With ``--tenant-limits``
+each chat, completions and embeddings request is admitted for its tenant, and settled when it
+ends (``_tenants.py``).
 """
 
 from __future__ import annotations
