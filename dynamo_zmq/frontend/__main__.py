@@ -6,6 +6,7 @@
         [--idle-timeout S] [--graceful-timeout 30] [--stream-stall-timeout S]
         [--migration-limit N] [--max-body-bytes N] [--body-timeout S]
         [--api-key KEY | --api-key-file F] [--tls-cert-file C --tls-key-file K]
+        [--tenant-limits FILE]
         [--disagg-mode conditional|always|never] [--disagg-max-local-prefill-tokens N]
         [--disagg-max-prefill-queue N] [--disagg-prefill-timeout S] [--http-workers N]
         [router plugin flags, e.g. --kv-overlap-score-weight 1.0 --router-temperature 0.0]
@@ -65,6 +66,8 @@ from ._http_security import (
 from ._http_workers import WorkerSlot, reuseport_socket, supervise
 from ._limits import HttpLimits
 from ._sibling_metrics import SiblingMetrics
+from ._tenant_limits import LimitsFile, add_tenant_args, limits_file
+from ._tenants import Tenants
 from .app import FrontendApp
 from .models import ModelManager
 
@@ -146,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model-cache", default=env("DYN_MODEL_CACHE"),
                         help="where fetched tokenizer files are kept [DYN_MODEL_CACHE]")
     add_http_security_args(parser)
+    add_tenant_args(parser)
     add_disagg_args(parser)
     add_discovery_args(parser)
     add_auth_args(parser)
@@ -186,6 +190,7 @@ async def serve(
     plugin: RouterPlugin | None,
     security: HttpSecurity,
     disagg: DisaggConfig | None = None,
+    tenant_limits: LimitsFile | None = None,
 ) -> int:
     keys, exempt, tls = security
     runtime = DistributedRuntime(config=RuntimeConfig(
@@ -230,6 +235,9 @@ async def serve(
     if slot is not None:
         siblings = SiblingMetrics(slot, app.metrics.render)
         app.metrics_page = siblings.page
+    if tenant_limits is not None:  # each of --http-workers N refills at 1/N of the rates
+        app.tenants = Tenants(tenant_limits, keys.enabled, app.metrics.registry,
+                              share=1 if slot is None else slot.count)
     asgi: Any = app
     if keys.enabled:
         asgi = ApiKeyGuard(app, keys, exempt, app.metrics.unauthorized.inc)
@@ -311,6 +319,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         plugin = routing_plugin(args)
         security = http_security(args)
         disagg = disagg_config(args)
+        tenant_limits = limits_file(args)
         check_name(args.namespace, "namespace")
         if not 0 <= args.http_port <= 65535:
             raise errors.InvalidArgument(f"--http-port must be 0-65535, got {args.http_port}")
@@ -337,7 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return supervise(sys.argv[1:] if argv is None else argv, args)
     tracing.setup("dynamo-frontend")
     try:
-        return run_main(serve(args, plugin, security, disagg))
+        return run_main(serve(args, plugin, security, disagg, tenant_limits))
     finally:
         tracing.shutdown()
 

@@ -112,9 +112,11 @@ async def reply(
 async def error(send: Send, exc: HttpError) -> None:
     """``exc`` in OpenAI's error shape (nothing if the client is already gone); the connection
     is closed after it when ``exc.close`` (a body left unread); ``Retry-After`` when
-    ``exc.retry_after`` is set."""
+    ``exc.retry_after`` is set; and ``exc.headers``."""
     headers = _CLOSE if exc.close else None
     if exc.retry_after is not None:
         headers = [*(headers or JSON), (b"retry-after", str(exc.retry_after).encode())]
+    if exc.headers:
+        headers = [*(headers or JSON), *exc.headers]
     with contextlib.suppress(ClientGone):
         await reply(send, exc.status, exc.to_json(), headers)

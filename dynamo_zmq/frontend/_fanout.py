@@ -103,6 +103,8 @@ class FanOut:
         self._resources: Resources | None = None
         self.completion_tokens = 0
         self.first = True
+        #: Seconds from arrival to the first token (None: none came).
+        self.ttft: float | None = None
         #: Outputs carry the worker's reasoning and tool-call parsing (chat only).
         pre = subs[0].pre
         self.parsed = isinstance(fmt, ChatFormatter) and (pre.tools is not None or pre.reasoning)
@@ -207,7 +209,8 @@ class FanOut:
             now = time.monotonic()
             ttft, itl = self.metrics.token_metrics(self.model)
             if self.first:
-                ttft.observe(now - self.started)
+                self.ttft = now - self.started
+                ttft.observe(self.ttft)
                 self.first = False
             elif sub.last:
                 itl.observe((now - sub.last) / n)

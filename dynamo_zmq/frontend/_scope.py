@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 from .. import errors
 from ..context import Context
@@ -28,6 +29,9 @@ from . import errors as http_errors
 from ._asgi import ClientGone, Receive, Send, error, watch_disconnect
 from ._deadline import Deadline
 from .metrics import FrontendMetrics
+
+if TYPE_CHECKING:
+    from ._tenants import Ticket
 
 __all__ = ["InFlight", "RequestScope"]
 
@@ -84,6 +88,10 @@ class RequestScope:
         self.deadline: Deadline | None = None
         self._receive = receive
         self.prompt_tokens = prompt_tokens
+        #: Tokens generated and seconds to the first, as the code inside the block saw them
+        #: (for the tenant's settlement).
+        self.completion_tokens = 0
+        self.ttft: float | None = None
         self._watcher: asyncio.Task[None] | None = None
         self._in_flight = in_flight
         self._shut_down = False
@@ -124,6 +132,11 @@ class RequestScope:
         m.inflight.labels(model).dec()
         m.duration.labels(model).observe(time.monotonic() - self.started)
         return gone
+
+    def settle(self, ticket: Ticket | None) -> None:
+        """Settle the tenant's reservation (after the block: ``status`` is final)."""
+        if ticket is not None:
+            ticket.settle(self.status, self.prompt_tokens, self.completion_tokens, self.ttft)
 
     def end_for_shutdown(self) -> None:
         """The frontend's shutdown grace is over: end the request (``ending`` says why)."""

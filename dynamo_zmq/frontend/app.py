@@ -9,7 +9,9 @@ several sequences (``n``, ``best_of``, ``echo``, a batch of prompts) fans out in
 (``_fanout.py``). A client that disconnects kills the request's context, which reaches the
 worker and aborts the engine's sequence; so does the request's deadline (``--request-timeout``
 or the
-``x-dynamo-request-timeout`` header), and the client then gets 504.
+``x-dynamo-request-timeout`` header), and the client then gets 504. With ``--tenant-limits``
+each chat, completions and embeddings request is admitted for its tenant, and settled when it
+ends (``_tenants.py``).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from ._logprobs import asks_logprobs
 from ._priority import header_priority
 from ._scope import InFlight, RequestScope
 from ._subrequests import SubRequest, chat_work, completion_work
+from ._tenants import Tenants, Ticket
 from .errors import HttpError
 from .metrics import FrontendMetrics
 from .models import ModelEntry, ModelManager
@@ -112,6 +115,8 @@ class FrontendApp:
         #: What ``/metrics`` answers when not this process's own page (``--http-workers``:
         #: every child's, ``_sibling_metrics.py``).
         self.metrics_page: Callable[[], Awaitable[bytes]] | None = None
+        #: Per-tenant limits (``--tenant-limits``; None: none).
+        self.tenants: Tenants | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -181,8 +186,10 @@ class FrontendApp:
 
     async def _generate(self, scope: Scope, receive: Receive, send: Send, endpoint: str) -> None:
         assert self.manager is not None
+        ticket: Ticket | None = None
         try:
             body = await read_body(receive, scope, self.limits)
+            ticket = self._admit(scope)
             target = self._target(scope)
             timeout = request_timeout(scope, self.timeout)
             priority = header_priority(scope)
@@ -213,9 +220,11 @@ class FrontendApp:
                 raise http_errors.embeddings_only(entry.name, entry.engine_name)
             if not entry.router.instance_ids():
                 raise http_errors.no_worker(f"no live worker serves model {req.model!r}")
+            prompt_tokens = sum(len(s.pre.token_ids) for s in work if s.number == 0)
+            if ticket is not None:
+                ticket.reserve(prompt_tokens, sum(s.pre.stop.max_tokens or 0 for s in work))
         except HttpError as exc:
-            self.metrics.requests.labels("", endpoint, "unknown", "error").inc()
-            self._rejections.note(endpoint, exc)
+            self._refuse(endpoint, exc, ticket)
             await error(send, exc)
             return
         fmt = ChatFormatter(entry.name) if endpoint == "chat" else CompletionFormatter(entry.name)
@@ -224,22 +233,27 @@ class FrontendApp:
             fmt.continuous_usage = True
         fmt.logprobs = logprobs
         streaming = bool(req.stream)
-        prompt_tokens = sum(len(s.pre.token_ids) for s in work if s.number == 0)
         # The deadline also travels as the runtime's per-request timeout (the worker enforces
         # it too).
         options = RouteOptions(instance_id=target, idle_timeout=self.idle_timeout, timeout=timeout)
-        async with RequestScope(self.metrics, entry.name, endpoint, streaming, fmt.id, receive,
-                                options, prompt_tokens, self.in_flight) as request_scope:
-            request_scope.status = await self._run(
-                request_scope, send, entry, work, fmt, include_usage, n
-            )
+        request_scope = RequestScope(self.metrics, entry.name, endpoint, streaming, fmt.id,
+                                     receive, options, prompt_tokens, self.in_flight)
+        try:
+            async with request_scope:
+                request_scope.status = await self._run(
+                    request_scope, send, entry, work, fmt, include_usage, n
+                )
+        finally:
+            request_scope.settle(ticket)
 
     async def _embeddings(self, scope: Scope, receive: Receive, send: Send) -> None:
         """``POST /v1/embeddings``: every input routed as its own request (``_embeddings.py``),
         with the request's deadline, disconnect watch and metrics as for a generation."""
         m, endpoint = self.metrics, "embeddings"
+        ticket: Ticket | None = None
         try:
             body = await read_body(receive, scope, self.limits)
+            ticket = self._admit(scope)
             target = self._target(scope)
             timeout = request_timeout(scope, self.timeout)
             req, inputs = parse_embedding(body)
@@ -254,17 +268,33 @@ class FrontendApp:
             )
             if not entry.router.instance_ids():
                 raise http_errors.no_worker(f"no live worker serves model {req.model!r}")
+            prompt_tokens = sum(len(r.token_ids) for r in requests)
+            if ticket is not None:
+                ticket.reserve(prompt_tokens, 0)
         except HttpError as exc:
-            m.requests.labels("", endpoint, "unknown", "error").inc()
-            self._rejections.note(endpoint, exc)
+            self._refuse(endpoint, exc, ticket)
             await error(send, exc)
             return
         options = RouteOptions(instance_id=target, idle_timeout=self.idle_timeout, timeout=timeout)
-        async with RequestScope(m, entry.name, endpoint, False, request_id, receive, options,
-                                sum(len(r.token_ids) for r in requests),
-                                self.in_flight) as request_scope:
-            request_scope.status = await serve_embeddings(request_scope, entry, req, requests,
-                                                          send)
+        request_scope = RequestScope(m, entry.name, endpoint, False, request_id, receive, options,
+                                     prompt_tokens, self.in_flight)
+        try:
+            async with request_scope:
+                request_scope.status = await serve_embeddings(request_scope, entry, req,
+                                                              requests, send)
+        finally:
+            request_scope.settle(ticket)
+
+    def _admit(self, scope: Scope) -> Ticket | None:
+        """The request's tenant ticket (None: no tenant limits); 429 over its request rate."""
+        return None if self.tenants is None else self.tenants.admit(scope)
+
+    def _refuse(self, endpoint: str, exc: HttpError, ticket: Ticket | None) -> None:
+        """Count a request refused before it reached a worker."""
+        self.metrics.requests.labels("", endpoint, "unknown", "error").inc()
+        self._rejections.note(endpoint, exc)
+        if ticket is not None:
+            ticket.refused(exc)
 
     def _entry(self, model: str) -> ModelEntry:
         assert self.manager is not None
@@ -337,4 +367,5 @@ class FrontendApp:
                 return await fan.stream_sse(send, headers, include_usage)
             return await fan.respond_once(send, headers)
         finally:
+            scope.completion_tokens, scope.ttft = fan.completion_tokens, fan.ttft
             await fan.close()

@@ -11,6 +11,8 @@ Every failure a client sees is an ``HttpError``; its body is exactly OpenAI's::
     408     invalid_request_error      the body did not arrive in time (``--body-timeout``)
     413     invalid_request_error      prompt too long (code ``context_length_exceeded``), or
                                        the body over ``--max-body-bytes``
+    429     requests / tokens          a tenant's limit (code ``rate_limit_exceeded``, with
+                                       ``Retry-After``; OpenAI's types: the limit's kind)
     499     client_closed_request      the client went away (or the request was cancelled)
     503     service_unavailable_error  no live worker, or the worker is draining, or every worker
                                        is busy (code ``overloaded``, with ``Retry-After``)
@@ -44,6 +46,7 @@ __all__ = [
     "no_worker",
     "not_found",
     "prompt_too_long",
+    "rate_limited",
     "shutting_down",
     "timeout",
     "unsupported",
@@ -79,10 +82,12 @@ class HttpError(Exception):
     Attributes:
         close: close the connection after answering (the request's body was left unread).
         retry_after: whole seconds for a ``Retry-After`` header (None: no header).
+        headers: more response headers.
     """
 
     close = False
     retry_after: int | None = None
+    headers: tuple[tuple[bytes, bytes], ...] = ()
 
     def __init__(
         self,
@@ -176,6 +181,19 @@ def not_found(message: str) -> HttpError:
 def prompt_too_long(message: str, *, param: str | None = None) -> HttpError:
     """413: the prompt (or prompt plus ``max_tokens``) exceeds the model's context length."""
     return HttpError(413, INVALID_REQUEST, message, code="context_length_exceeded", param=param)
+
+
+def rate_limited(message: str, kind: str, retry_after: float | None) -> HttpError:
+    """429: a tenant is over its limit of ``kind`` (``requests`` or ``tokens``, the error type
+    OpenAI sends); ``Retry-After`` says in how many seconds it would fit, or, when it never
+    can (``retry_after`` None), ``x-should-retry: false`` tells the ``openai`` client not to
+    retry."""
+    err = HttpError(429, kind, message, code="rate_limit_exceeded")
+    if retry_after is None:
+        err.headers = ((b"x-should-retry", b"false"),)
+    else:
+        err.retry_after = max(1, math.ceil(retry_after))
+    return err
 
 
 def client_closed(message: str = "The client closed the request.") -> HttpError:
