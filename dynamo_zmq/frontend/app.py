@@ -48,6 +48,7 @@ from ._health import health, models_body
 from ._limits import HttpLimits, Offload, Rejections, prompt_chars, text_chars
 from ._logprobs import asks_logprobs
 from ._scope import InFlight, RequestScope
+from ._sessions import session_id
 from ._subrequests import SubRequest, chat_work, completion_work
 from .errors import HttpError
 from .metrics import FrontendMetrics
@@ -184,6 +185,7 @@ class FrontendApp:
             body = await read_body(receive, scope, self.limits)
             target = self._target(scope)
             timeout = request_timeout(scope, self.timeout)
+            session = session_id(scope)
             req: ChatCompletionRequest | CompletionRequest
             work: list[SubRequest]
             if endpoint == "chat":
@@ -221,7 +223,8 @@ class FrontendApp:
         prompt_tokens = sum(len(s.pre.token_ids) for s in work if s.number == 0)
         # The deadline also travels as the runtime's per-request timeout (the worker enforces
         # it too).
-        options = RouteOptions(instance_id=target, idle_timeout=self.idle_timeout, timeout=timeout)
+        options = RouteOptions(instance_id=target, idle_timeout=self.idle_timeout, timeout=timeout,
+                               session_id=session)
         async with RequestScope(self.metrics, entry.name, endpoint, streaming, fmt.id, receive,
                                 options, prompt_tokens, self.in_flight) as request_scope:
             request_scope.status = await self._run(
@@ -302,7 +305,7 @@ class FrontendApp:
         return Migration(
             entry.router, pre, limit, self.idle_timeout, deadline,
             on_migrate=lambda kind: counter.labels(model, kind).inc(),
-            stall_timeout=self.stall_timeout,
+            stall_timeout=self.stall_timeout, options=options,
         )
 
     async def _run(
