@@ -4,7 +4,8 @@ prompts, stay on one worker while other sessions spread by load (a request of se
 too); when that worker dies the session moves and sticks to the new one (``moved{lost}``); when
 it is busy the request goes elsewhere and the session follows (``moved{busy}``); a session
 unused for ``--session-ttl`` is unpinned with no traffic at all (``expired``). Round-robin pins
-too; a bad session id is a 400 in OpenAI's shape."""
+too; a bad session id is a 400 in OpenAI's shape. A request migrated off a dying worker
+takes its session along."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import openai
 import pytest
 
 from tests.support.metrics import fetch_sample
+from tests.support.migration import LONG, MESSAGES, PARAMS, client_for
+from tests.support.migration import fleet as slow_fleet
 from tests.support.mocker_fleet import mocker_fleet, serving
 from tests.support.sessions import session_counts, session_worker, tokens
 from tests.support.waiting import eventually
@@ -129,3 +132,32 @@ async def test_round_robin_pins_sessions_and_a_bad_session_id_is_a_400(namespace
         body = err.value.body
         assert isinstance(body, dict) and body["param"] == "x-dynamo-session-id"
         assert body["type"] == "invalid_request_error" and "printable ASCII" in body["message"]
+
+
+async def test_a_migrated_request_takes_its_session_to_its_new_worker(namespace, spawn,
+                                                                     tiny_model):
+    fleet = await slow_fleet(spawn, namespace, tiny_model, 2, mode="kv")
+    url = fleet.url
+    home = await _call(url, "gus", 1)
+    client = client_for(url)
+    stream = await client.chat.completions.create(
+        model="tiny", messages=MESSAGES, stream=True,
+        extra_headers={"x-dynamo-session-id": "gus"}, stream_options={"include_usage": True},
+        **PARAMS)  # type: ignore[arg-type]
+    lost = next(w for w in fleet.workers if f"{w.instance_id:x}" == home)
+    chunks, usage = 0, None
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            chunks += 1
+            if chunks == 3:  # streaming from the session's worker: it dies
+                lost.signal(signal.SIGKILL)
+        usage = chunk.usage or usage
+    await client.close()
+    assert usage is not None and usage.completion_tokens == LONG  # it went on elsewhere
+    assert await fetch_sample(url, "dynamo_frontend_migrations_total") >= 1
+    counts = await session_counts(url)
+    assert counts["moved_lost"] == 1 and counts["pinned"] == 1
+    # The session now belongs to the worker the request migrated to.
+    other = next(f"{w.instance_id:x}" for w in fleet.workers if w is not lost)
+    assert await _call(url, "gus", 2) == other
+    assert (await session_counts(url))["pinned"] == 2
