@@ -143,7 +143,7 @@ async def test_a_migrated_request_takes_its_session_to_its_new_worker(namespace,
     stream = await client.chat.completions.create(
         model="tiny", messages=MESSAGES, stream=True,
         extra_headers={"x-dynamo-session-id": "gus"}, stream_options={"include_usage": True},
-        **PARAMS)  # type: ignore[arg-type]
+        **PARAMS)
     lost = next(w for w in fleet.workers if f"{w.instance_id:x}" == home)
     chunks, usage = 0, None
     async for chunk in stream:
