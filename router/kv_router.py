@@ -335,8 +335,11 @@ class KvRouter:
         if pinned is not None and options.only is not None and pinned[0] not in options.only:
             exclude = exclude | {pinned[0]}  # (not allowed: it is not a candidate)
         decision, sel = self._decide(hashes, exclude, not remote, admit, pinned)
-        if pins is not None and session is not None:
-            self._pin(pins, session, pinned, sel.candidate, exclude)
+        if pins is not None and session is not None:  # pinned where it goes, peers told
+            pins.routed(session, sel.candidate, pin_outcome(
+                pinned, sel.candidate, lambda: pinned in self.candidates(exclude)))
+            if self.replicas is not None:
+                self.replicas.pins.pinned(session, sel.candidate)
         request.routing.dp_rank = decision.dp_rank
         request.routing.overlap_blocks = decision.overlap_blocks
         route = self.loads.add(sel.candidate, hashes, self._expected_output_blocks(request))
@@ -347,14 +350,6 @@ class KvRouter:
         self.metrics.decided(self.model, time.perf_counter() - started, time.thread_time() - cpu,
                              len(hashes), decision.overlap_blocks)
         return decision, route
-
-    def _pin(self, pins: SessionPins, session: str, pinned: Candidate | None, chosen: Candidate,
-             exclude: set[int]) -> None:
-        """``session``'s request goes to ``chosen``: pin it there, and tell the replicas."""
-        pins.routed(session, chosen, pin_outcome(pinned, chosen,
-                                                 lambda: pinned in self.candidates(exclude)))
-        if self.replicas is not None:
-            self.replicas.pins.pinned(session, chosen)
 
     def _expected_output_blocks(self, request: PreprocessedRequest) -> int:
         cap = self.config.max_expected_output_tokens
