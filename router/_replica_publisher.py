@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -27,6 +27,9 @@ from ._replica_wire import (
 )
 from .scheduler import Route
 
+if TYPE_CHECKING:
+    from ._replica_sessions import ReplicaPins
+
 __all__ = ["ReplicaPublisher"]
 
 log = logging.getLogger(__name__)
@@ -44,6 +47,8 @@ class ReplicaPublisher:
         self.seq = 0  # the next event's sequence number
         self.replica = 0  # the router's instance id
         self.sock: zmq.Socket[bytes] | None = None
+        #: The router's session pins, in its snapshots (None: it pins none).
+        self.pins: ReplicaPins | None = None
 
     def added(self, route: Route, prefill_tokens: int) -> int:
         """This router routed a request (``route``): tell the peers; returns its id."""
@@ -63,8 +68,20 @@ class ReplicaPublisher:
         self._publish(FREE, rid)
 
     def snapshot(self) -> dict[str, Any]:
-        """The requests in flight, as of the last event published."""
-        return self._own.snapshot(self.seq - 1)
+        """The requests in flight, as of the last event published (and the session pins)."""
+        snap = self._own.snapshot(self.seq - 1)
+        if self.pins is not None:
+            snap["sessions"] = self.pins.snapshot()
+        return snap
+
+    def send(self, topic: bytes, payload: bytes) -> None:
+        """Publish one message outside the sequenced events (a session pin)."""
+        if self.sock is None:
+            return
+        try:
+            self.sock.send_multipart([topic, payload], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # a full queue: the session's next request sends it again
+            self._bad.note("replica_send", "session pin not sent: %s", exc)
 
     def close(self) -> None:
         if self.sock is not None:

@@ -26,6 +26,7 @@ from typing import Any
 
 from dynamo_zmq.resources import Resources
 
+from ._replica_sessions import parse_pins
 from ._replica_wire import MAX_HASHES
 from .scheduler import Candidate, Route
 
@@ -54,13 +55,16 @@ class SnapshotError(ValueError):
 
 
 class Snapshot:
-    """A peer's in-flight requests (``requests``: id -> ``Entry``) as of its event ``seq``."""
+    """A peer's in-flight requests (``requests``: id -> ``Entry``) as of its event ``seq``, and
+    its session pins (``sessions``: (session, (worker, rank), seconds since last use))."""
 
-    __slots__ = ("requests", "seq")
+    __slots__ = ("requests", "seq", "sessions")
 
-    def __init__(self, seq: int, requests: dict[int, Entry]) -> None:
+    def __init__(self, seq: int, requests: dict[int, Entry],
+                 sessions: list[tuple[str, Candidate, float]] | None = None) -> None:
         self.seq = seq
         self.requests = requests
+        self.sessions = sessions or []
 
     @classmethod
     def parse(cls, answer: Any) -> Snapshot:
@@ -79,7 +83,10 @@ class Snapshot:
                 raise SnapshotError(f"snapshot entry {item!r:.80}")
             rid, worker, rank, hashes, extra, prefill = item
             requests[rid] = (worker, rank, hashes, extra, prefill)
-        return cls(seq, requests)
+        sessions = parse_pins(answer.get("sessions"))
+        if sessions is None:
+            raise SnapshotError(f"snapshot sessions {answer.get('sessions')!r:.80}")
+        return cls(seq, requests, sessions)
 
 
 async def fetch_snapshot(client: Any, iid: int, timeout: float, heard: int | None = None

@@ -12,19 +12,24 @@ from __future__ import annotations
 
 import array
 import sys
+from typing import Any
 
 import msgspec
 import xxhash
+
+from dynamo_zmq.transport import endpoint_via
 
 __all__ = [
     "ADD",
     "FREE",
     "KINDS",
+    "META_KEY",
     "PREFILLED",
     "REPLICA_TOPIC",
     "REPLICA_VERSION",
     "ReplicaDecodeError",
     "ReplicaEvent",
+    "advertised_events",
     "decode_event",
     "encode_event",
     "pack_hashes",
@@ -33,6 +38,8 @@ __all__ = [
 ]
 
 REPLICA_TOPIC = b"kv-replica"
+#: The replica endpoint's metadata key.
+META_KEY = "kv_router_replica"
 REPLICA_VERSION = 1
 ADD, PREFILLED, FREE = 0, 1, 2
 #: Event kind -> metric label.
@@ -117,3 +124,17 @@ def replica_path(client_path: str, model: str) -> str:
     path = client_path.removeprefix("dyn://")
     key = xxhash.xxh3_64_hexdigest(f"{path}|{model}".encode())
     return f"{path.split('.')[0]}.kv-router.replica-{key}"
+
+
+def advertised_events(desc: Any, dialed: str, path: str, model: str, client_path: str
+                      ) -> str | None:
+    """The replica events endpoint of ``model``'s router on ``client_path`` that the instance
+    ``desc`` advertises on ``path`` (its ``META_KEY`` metadata), as dialed via ``dialed``."""
+    for info in getattr(desc, "endpoints", ()):
+        if info.path != path:
+            continue
+        meta = info.metadata.get(META_KEY)
+        if (isinstance(meta, dict) and meta.get("model") == model
+                and meta.get("path") == client_path and isinstance(meta.get("events"), str)):
+            return endpoint_via(str(meta["events"]), dialed, desc.hosts)
+    return None

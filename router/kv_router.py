@@ -16,13 +16,11 @@ job. Without KV events (``use_kv_events=False``, the approximate mode) the index
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
 import weakref
 from collections.abc import Sequence
-from typing import Any
 
 from dynamo_zmq import errors
 from dynamo_zmq.context import Context
@@ -34,12 +32,15 @@ from dynamo_zmq.llm import (
     PrefillRemotely,
     PreprocessedRequest,
     RouteOptions,
+    SessionPins,
+    pin_outcome,
 )
 from dynamo_zmq.resources import Resources
 from dynamo_zmq.runtime import MAX_ATTEMPTS, Client, DistributedRuntime, failover
 from dynamo_zmq.transport import PeerConnection, ResponseStream, item_decoder
 from dynamo_zmq.wire import encode_item
 
+from ._decision import Decision
 from ._inflight import with_inflight
 from .approx import ApproxIndexer
 from .busy import AdmissionQueue, BusyPolicy, PrefillTokens
@@ -61,29 +62,6 @@ _decode_output = item_decoder(LLMEngineOutput)
 log = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass(frozen=True)
-class Decision:
-    """Where a request goes and why."""
-
-    worker_id: int
-    dp_rank: int
-    overlap_blocks: int
-    prompt_blocks: int
-    #: Matched prefix blocks per candidate (only those with a match).
-    matches: dict[Candidate, int]
-    cost: float = 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        """The ``best_worker`` answer: ids as ints, matches keyed ``"<worker hex>/<rank>"``."""
-        return {
-            "worker_id": self.worker_id,
-            "dp_rank": self.dp_rank,
-            "overlap_blocks": self.overlap_blocks,
-            "prompt_blocks": self.prompt_blocks,
-            "matches": {f"{w:x}/{r}": n for (w, r), n in sorted(self.matches.items())},
-        }
-
-
 def _remote_decode(request: PreprocessedRequest) -> bool:
     return isinstance(request.disaggregation, DecodeRemotely)
 
@@ -100,6 +78,7 @@ class KvRouter:
         runtime: the client's runtime: wakes the router on peer changes, and owns its tasks
             and sockets (polled, with resources of its own, when None).
         scheduler: override the scheduler (tests: a seeded one).
+        sessions: the session pins (``RouteOptions.session_id``); None: sessions are not pinned.
     """
 
     def __init__(
@@ -112,6 +91,7 @@ class KvRouter:
         model: str = "",
         runtime: DistributedRuntime | None = None,
         scheduler: Scheduler | None = None,
+        sessions: SessionPins | None = None,
     ) -> None:
         if block_size < 1:
             raise errors.InvalidArgument(f"block size must be >= 1, got {block_size}")
@@ -124,6 +104,7 @@ class KvRouter:
         self.scheduler = scheduler or Scheduler(cfg.overlap_score_weight, cfg.router_temperature)
         self.loads = LoadTracker(report_ttl=cfg.load_report_ttl, report_grace=cfg.load_report_grace)
         self.busy = BusyPolicy(cfg.busy_kv_threshold, cfg.busy_prefill_tokens)
+        self.sessions = sessions if sessions is not None and sessions.enabled else None
         self._prefill_weight = cfg.prefill_load_weight
         self._inflight = cfg.use_kv_events and cfg.inflight_overlap
         #: ``candidates()`` as of the client's generation.
@@ -154,7 +135,7 @@ class KvRouter:
         #: Router replica sync (``--router-replica-sync``): peers' decisions feed ``loads``.
         self.replicas = (
             ReplicaSync(runtime, self._res, client.path, model, self.loads, self.prefill,
-                        self._follows, self.metrics, cfg.replica_ttl)
+                        self._follows, self.metrics, cfg.replica_ttl, self.sessions)
             if cfg.replica_sync and runtime is not None else None
         )
         self._started = False
@@ -175,7 +156,9 @@ class KvRouter:
         Sets ``request.routing.dp_rank`` and ``request.routing.overlap_blocks`` (again on each
         re-route). ``options.instance_id`` is not read: the router chooses.
         ``options.exclude``: workers not to send to, not even on a re-route (a migrated
-        request's lost workers). While every rank is busy it waits in ``queue`` (``busy.py``).
+        request's lost workers). ``options.session_id``: the session's pinned (worker, rank)
+        is taken while it is live, allowed and not busy; the session is pinned where it goes.
+        While every rank is busy the request waits in ``queue`` (``busy.py``).
 
         Raises:
             CannotConnect: no live instance could take the request.
@@ -224,6 +207,8 @@ class KvRouter:
     async def close(self) -> None:
         """Stop following and close every subscriber (idempotent)."""
         await self._res.close()
+        if self.sessions is not None:
+            self.sessions.clear()
 
     # -- deciding --------------------------------------------------------------------------
 
@@ -270,7 +255,7 @@ class KvRouter:
         busy rank)."""
         exclude = set(tried)
         while True:
-            decision, route = self._route(request, hashes, exclude, admit)
+            decision, route = self._route(request, hashes, exclude, admit, options)
             try:
                 stream = await self.client.open(
                     encode_item(request), _decode_output, decision.worker_id, context=context,
@@ -306,6 +291,7 @@ class KvRouter:
         exclude: set[int] | frozenset[int],
         overlap: bool = True,
         admit: bool = False,
+        pinned: Candidate | None = None,
     ) -> tuple[Decision, Selection]:
         candidates = self.candidates(exclude)
         if not candidates:
@@ -324,7 +310,11 @@ class KvRouter:
         matches = self.indexer.find_matches_for_hashes(hashes) if overlap else {}
         if overlap and self._inflight:  # what the events cannot say yet (router/_inflight.py)
             matches = with_inflight(matches, hashes, candidates, self.loads)
-        sel = self.scheduler.select(candidates, len(hashes), matches, values)
+        if pinned is not None and pinned in candidates:  # a session's, live and not busy
+            i = candidates.index(pinned)
+            sel = self.scheduler.select([pinned], len(hashes), matches, [values[i]])
+        else:
+            sel = self.scheduler.select(candidates, len(hashes), matches, values)
         live = set(candidates)
         if overlap and hashes and len(candidates) > 1:
             flat = not any(matches.get(c) for c in candidates)
@@ -337,13 +327,22 @@ class KvRouter:
 
     def _route(
         self, request: PreprocessedRequest, hashes: list[int], exclude: set[int],
-        admit: bool = False,
+        admit: bool = False, options: RouteOptions = DEFAULT_ROUTE,
     ) -> tuple[Decision, Route]:
         started, cpu = time.perf_counter(), time.thread_time()
         # A decode worker that pulls the prompt's KV from a prefill worker (disaggregation)
         # prefills nothing: cached blocks earn it no credit, it is chosen by load.
         remote = isinstance(request.disaggregation, PrefillRemotely)
-        decision, sel = self._decide(hashes, exclude, not remote, admit)
+        pins, session = self.sessions, options.session_id
+        pinned = pins.get(session) if pins is not None else None
+        if pinned is not None and options.only is not None and pinned[0] not in options.only:
+            exclude = exclude | {pinned[0]}  # (not allowed: it is not a candidate)
+        decision, sel = self._decide(hashes, exclude, not remote, admit, pinned)
+        if pins is not None and session is not None:  # pinned where it goes, peers told
+            pins.routed(session, sel.candidate, pin_outcome(
+                pinned, sel.candidate, lambda: pinned in self.candidates(exclude)))
+            if self.replicas is not None:
+                self.replicas.pins.pinned(session, sel.candidate)
         request.routing.dp_rank = decision.dp_rank
         request.routing.overlap_blocks = decision.overlap_blocks
         route = self.loads.add(sel.candidate, hashes, self._expected_output_blocks(request))

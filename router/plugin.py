@@ -7,7 +7,7 @@ import argparse
 
 from prometheus_client import CollectorRegistry
 
-from dynamo_zmq.llm import ModelRouter, RouterPlugin, RoutingTarget
+from dynamo_zmq.llm import ModelRouter, RouterPlugin, RoutingTarget, SessionPins
 
 from .kv_router import KvRouter, KvRouterConfig
 from .metrics import RouterMetrics
@@ -41,11 +41,15 @@ class KvRouting(RouterPlugin):
 
     async def router(self, target: RoutingTarget) -> ModelRouter:
         """A started ``KvRouter`` for the target's model; its block size comes from the model's
-        advert (card, else engine), else ``DEFAULT_BLOCK_SIZE``."""
+        advert (card, else engine), else ``DEFAULT_BLOCK_SIZE``; it pins sessions as
+        ``target.sessions`` says."""
+        name, sessions = target.advert.name, target.sessions
+        pins = (SessionPins(sessions, model=name, registry=target.registry)
+                if sessions.enabled else None)
         router = KvRouter(
             target.client, target.advert.kv_block_size or DEFAULT_BLOCK_SIZE, self.config,
-            metrics=self._metrics_for(target.registry), model=target.advert.name,
-            runtime=target.runtime,
+            metrics=self._metrics_for(target.registry), model=name, runtime=target.runtime,
+            sessions=pins,
         )
         return await router.start()
 

@@ -28,19 +28,23 @@ from typing import Any
 import zmq
 
 from dynamo_zmq import errors
+from dynamo_zmq.llm import SessionPins
 from dynamo_zmq.resources import Resources
 from dynamo_zmq.runtime import Client, DistributedRuntime
-from dynamo_zmq.transport import AsyncSocket, BadInput, Domain, endpoint_via, make_socket, peer_key
+from dynamo_zmq.transport import AsyncSocket, BadInput, Domain, make_socket, peer_key
 
 from . import _replica_snapshot as snapshots
 from ._replica_metrics import ReplicaMetrics
 from ._replica_publisher import ReplicaPublisher
+from ._replica_sessions import SESSION_TOPIC, ReplicaPins
 from ._replica_wire import (
     ADD,
     FREE,
     KINDS,
+    META_KEY,
     REPLICA_TOPIC,
     ReplicaDecodeError,
+    advertised_events,
     decode_event,
     replica_path,
     unpack_hashes,
@@ -58,8 +62,6 @@ log = logging.getLogger(__name__)
 
 #: Seconds a peer's request counts at most without its FREE.
 DEFAULT_REPLICA_TTL = 600.0
-#: The replica endpoint's metadata key.
-META_KEY = "kv_router_replica"
 FOLLOW_INTERVAL = 1.0  # seconds between two looks at the peers when discovery signals nothing
 #: Seconds a replica waits after subscribing to a peer before asking it for a snapshot, and at
 #: most for the answer.
@@ -91,12 +93,14 @@ class ReplicaSync:
         known: whether the router follows a worker instance (others' events are skipped).
         metrics: the router's metrics (the replica series join its registry).
         ttl: seconds a peer's request counts at most.
+        sessions: the router's session pins, shared with the peers (``_replica_sessions``).
     """
 
     def __init__(
         self, runtime: DistributedRuntime, owner: Resources, client_path: str, model: str,
         loads: LoadTracker, prefill: PrefillTokens, known: Callable[[int], bool],
         metrics: RouterMetrics, ttl: float = DEFAULT_REPLICA_TTL,
+        sessions: SessionPins | None = None,
     ) -> None:
         self._runtime = runtime
         self._res = owner.child("replica-sync")
@@ -106,6 +110,7 @@ class ReplicaSync:
         self._m = ReplicaMetrics.for_router(metrics)
         self._ttl, self._resync = ttl, snapshots.resync_interval(ttl)
         self._pub = ReplicaPublisher(model, self._m)
+        self._pub.pins = self.pins = ReplicaPins(sessions, self._m, model)
         self._client: Client | None = None
         self._peers: dict[int, snapshots.Peer] = {}
         self._blocks: dict[Candidate, int] = {}
@@ -119,6 +124,7 @@ class ReplicaSync:
         sock = make_socket(self._res.zctx, zmq.PUB, bind=f"tcp://{rc.bind_host}:0", hwm=PUB_HWM,
                            zap_domain=Domain.REPLICA)
         self._pub.sock, self._pub.replica = sock, self._runtime.instance_id
+        self.pins.send, self.pins.replica = self._pub.send, self._runtime.instance_id
         self._res.on_close(self._pub.close)
         port = sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]
         self.endpoint = f"tcp://{rc.advertised_hosts()[0]}:{port}"
@@ -189,7 +195,8 @@ class ReplicaSync:
         for conn in self._client.instances():
             if conn.instance_id == self._runtime.instance_id:
                 continue
-            endpoint = self._advertised(conn.description, conn.address)
+            endpoint = advertised_events(conn.description, conn.address, self.path,
+                                         self._model, self._client_path)
             if endpoint is not None:
                 live[conn.instance_id] = endpoint
         for iid in [i for i, p in self._peers.items() if live.get(i) != p.endpoint]:
@@ -202,18 +209,6 @@ class ReplicaSync:
         self._m.peers.labels(self._model).set(len(self._peers))
         self._update_gauges()
 
-    def _advertised(self, desc: Any, dialed: str) -> str | None:
-        """The replica events endpoint in ``desc``, as dialed via ``dialed``."""
-        for info in getattr(desc, "endpoints", ()):
-            if info.path != self.path:
-                continue
-            meta = info.metadata.get(META_KEY)
-            if (isinstance(meta, dict) and meta.get("model") == self._model
-                    and meta.get("path") == self._client_path
-                    and isinstance(meta.get("events"), str)):
-                return endpoint_via(str(meta["events"]), dialed, desc.hosts)
-        return None
-
     def _add_peer(self, iid: int, endpoint: str) -> None:
         peer = snapshots.Peer(iid, endpoint)
         try:
@@ -224,6 +219,7 @@ class ReplicaSync:
             return
         try:
             sock.setsockopt(zmq.SUBSCRIBE, REPLICA_TOPIC)
+            sock.setsockopt(zmq.SUBSCRIBE, SESSION_TOPIC)
             sock.connect(endpoint)
         except zmq.ZMQError as exc:
             sock.close(linger=0)
@@ -276,6 +272,8 @@ class ReplicaSync:
         peer = self._peers.get(iid)
         if peer is None:
             return False
+        if frames[:1] == [SESSION_TOPIC]:
+            return self.pins.handle(iid, frames)
         if len(frames) != 2 or frames[0] != REPLICA_TOPIC:
             return self._reject(iid, "malformed replica message (%d frames)", len(frames))
         try:
@@ -367,6 +365,7 @@ class ReplicaSync:
             self._prefilled(req)
         for rid, entry in new.items():
             self._count(peer, rid, entry, snap.seq)
+        self.pins.learn(snap.sessions)
         if released:
             self._m.expired.labels(self._model, "snapshot").inc(len(released))
         self._m.snapshots.labels(self._model, "applied").inc()

@@ -9,6 +9,7 @@
         [--tenant-limits FILE]
         [--disagg-mode conditional|always|never] [--disagg-max-local-prefill-tokens N]
         [--disagg-max-prefill-queue N] [--disagg-prefill-timeout S] [--http-workers N]
+        [--session-ttl 300] [--max-sessions 100000]
         [router plugin flags, e.g. --kv-overlap-score-weight 1.0 --router-temperature 0.0]
 
 Every flag but ``--help`` has a ``DYN_*`` variable (``--http-port`` -> ``DYN_HTTP_PORT``). Prints
@@ -65,6 +66,7 @@ from ._http_security import (
 )
 from ._http_workers import WorkerSlot, reuseport_socket, supervise
 from ._limits import HttpLimits
+from ._sessions import add_session_args, session_config
 from ._sibling_metrics import SiblingMetrics
 from ._tenant_limits import LimitsFile, add_tenant_args, limits_file
 from ._tenants import Tenants
@@ -148,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--model-cache", default=env("DYN_MODEL_CACHE"),
                         help="where fetched tokenizer files are kept [DYN_MODEL_CACHE]")
+    add_session_args(parser)
     add_http_security_args(parser)
     add_tenant_args(parser)
     add_disagg_args(parser)
@@ -205,7 +208,8 @@ async def serve(
         if siblings is not None:
             await siblings.start()
         manager = ModelManager(runtime, args.namespace, args.router_mode, plugin,
-                               args.model_cache, app.metrics.registry, disagg)
+                               args.model_cache, app.metrics.registry, disagg,
+                               session_config(args))
         await manager.start()
         return manager
 
@@ -320,6 +324,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         security = http_security(args)
         disagg = disagg_config(args)
         tenant_limits = limits_file(args)
+        session_config(args)  # the flags can work, or say why now
         check_name(args.namespace, "namespace")
         if not 0 <= args.http_port <= 65535:
             raise errors.InvalidArgument(f"--http-port must be 0-65535, got {args.http_port}")

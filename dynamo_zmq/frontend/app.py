@@ -51,6 +51,7 @@ from ._limits import HttpLimits, Offload, Rejections, prompt_chars, text_chars
 from ._logprobs import asks_logprobs
 from ._priority import header_priority
 from ._scope import InFlight, RequestScope
+from ._sessions import session_id
 from ._subrequests import SubRequest, chat_work, completion_work
 from ._tenants import Tenants, Ticket
 from .errors import HttpError
@@ -193,6 +194,7 @@ class FrontendApp:
             target = self._target(scope)
             timeout = request_timeout(scope, self.timeout)
             priority = header_priority(scope)
+            session = session_id(scope)
             req: ChatCompletionRequest | CompletionRequest
             work: list[SubRequest]
             if endpoint == "chat":
@@ -235,7 +237,8 @@ class FrontendApp:
         streaming = bool(req.stream)
         # The deadline also travels as the runtime's per-request timeout (the worker enforces
         # it too).
-        options = RouteOptions(instance_id=target, idle_timeout=self.idle_timeout, timeout=timeout)
+        options = RouteOptions(instance_id=target, idle_timeout=self.idle_timeout, timeout=timeout,
+                               session_id=session)
         request_scope = RequestScope(self.metrics, entry.name, endpoint, streaming, fmt.id,
                                      receive, options, prompt_tokens, self.in_flight)
         try:
@@ -338,7 +341,7 @@ class FrontendApp:
         return Migration(
             entry.router, pre, limit, self.idle_timeout, deadline,
             on_migrate=lambda kind: counter.labels(model, kind).inc(),
-            stall_timeout=self.stall_timeout,
+            stall_timeout=self.stall_timeout, options=options,
         )
 
     async def _run(

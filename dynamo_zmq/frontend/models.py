@@ -38,6 +38,7 @@ from prometheus_client import CollectorRegistry
 from .. import errors
 from ..llm import (
     BUILTIN_MODES,
+    NO_SESSIONS,
     TOKENIZERS,
     ClientRouter,
     ModelCard,
@@ -45,6 +46,8 @@ from ..llm import (
     RouterPlugin,
     RoutingTarget,
     ServedModel,
+    SessionConfig,
+    SessionPins,
     load_plugin,
     served_models,
     serves,
@@ -102,6 +105,7 @@ class ModelManager:
         cache_dir: where fetched tokenizer files are kept (``DYN_MODEL_CACHE``, else a temp dir).
         registry: where routers put their metrics (the frontend's).
         disagg: when a model with prefill workers is prefilled remotely.
+        sessions: how the routers of the generation pools pin sessions (``--session-ttl``).
     """
 
     def __init__(
@@ -113,6 +117,7 @@ class ModelManager:
         cache_dir: str | Path | None = None,
         registry: CollectorRegistry | None = None,
         disagg: DisaggConfig | None = None,
+        sessions: SessionConfig = NO_SESSIONS,
     ) -> None:
         if plugin is None and mode not in BUILTIN_MODES:
             raise errors.InvalidArgument(f"router mode {mode!r} needs its plugin")
@@ -122,6 +127,7 @@ class ModelManager:
         self._plugin = plugin
         self._registry = registry
         self.disagg = disagg or DisaggConfig()
+        self.sessions = sessions
         self._disagg_metrics: DisaggMetrics | None = None
         #: Models whose prefill pool's router is being built.
         self._adding: set[str] = set()
@@ -268,14 +274,19 @@ class ModelManager:
         endpoint = self.runtime.endpoint(path)
         # Only the card preprocessed for, and only the pool's roles.
         select = serves(name, path, served.advert.checksum, roles)
+        # A prefill pool's requests name no session: only generation pools pin.
+        sessions = NO_SESSIONS if roles == PREFILL_ROLES else self.sessions
         if self._plugin is None:
             mode = BUILTIN_MODES[self.mode]
             if mode == RouterMode.Direct and roles == PREFILL_ROLES:
                 mode = RouterMode.RoundRobin  # a direct request names its decode worker
             client = await endpoint.client(mode, select=select)
-            return ClientRouter(client)
+            pins = None
+            if sessions.enabled and mode != RouterMode.Direct:
+                pins = SessionPins(sessions, model=name, registry=self._registry)
+            return ClientRouter(client, pins)
         client = await endpoint.client(select=select)
-        target = RoutingTarget(self.runtime, client, served.advert, self._registry)
+        target = RoutingTarget(self.runtime, client, served.advert, self._registry, sessions)
         return await self._plugin.router(target)
 
     async def _fetch_files(self, instance_id: int, component: str, card: ModelCard) -> Path:

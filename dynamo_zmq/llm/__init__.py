@@ -90,6 +90,12 @@ from ._routing import OutputStream as OutputStream
 from ._routing import RouteOptions as RouteOptions
 from ._routing import RouterPlugin as RouterPlugin
 from ._routing import RoutingTarget as RoutingTarget
+from ._sessions import DEFAULT_MAX_SESSIONS as DEFAULT_MAX_SESSIONS
+from ._sessions import DEFAULT_SESSION_TTL as DEFAULT_SESSION_TTL
+from ._sessions import NO_SESSIONS as NO_SESSIONS
+from ._sessions import SessionConfig as SessionConfig
+from ._sessions import SessionPins as SessionPins
+from ._sessions import pin_outcome as pin_outcome
 from ._stop_strings import MAX_STOP_LENGTH as MAX_STOP_LENGTH
 from ._stop_strings import MAX_STOP_STRINGS as MAX_STOP_STRINGS
 from ._stop_strings import StopStringMatcher as StopStringMatcher
@@ -108,8 +114,10 @@ __all__ = [
     "BUILTIN_MODES",
     "CARD_FILES",
     "CHUNK",
+    "DEFAULT_MAX_SESSIONS",
     "DEFAULT_MIGRATION_LIMIT",
     "DEFAULT_ROUTE",
+    "DEFAULT_SESSION_TTL",
     "DEFAULT_STALL_TIMEOUT",
     "ENGINES",
     "LOAD_HEARTBEAT",
@@ -120,6 +128,7 @@ __all__ = [
     "MAX_STOP_LENGTH",
     "MAX_STOP_STRINGS",
     "MEDIUM_GPU",
+    "NO_SESSIONS",
     "ROUTERS",
     "TOKENIZERS",
     "AllBlocksCleared",
@@ -175,6 +184,8 @@ __all__ = [
     "RoutingTarget",
     "SamplingOptions",
     "ServedModel",
+    "SessionConfig",
+    "SessionPins",
     "StopConditions",
     "StopStringMatcher",
     "StreamContractError",
@@ -191,6 +202,7 @@ __all__ = [
     "error_output",
     "length_output",
     "load_plugin",
+    "pin_outcome",
     "plugin_names",
     "postprocess",
     "read_card_file",

@@ -22,6 +22,7 @@ from ..runtime import Client, RouterMode
 from ..transport import ItemStream
 from ._advert import ModelAdvert
 from ._messages import LLMEngineOutput, PreprocessedRequest
+from ._sessions import NO_SESSIONS, SessionConfig, SessionPins, pin_outcome
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -110,10 +111,16 @@ class ModelRouter(Protocol):
 
 class ClientRouter:
     """The built-in modes: round-robin, random or direct over the model's ``Client``, with its
-    failover (a request whose worker fails before the first output moves to another)."""
+    failover (a request whose worker fails before the first output moves to another).
 
-    def __init__(self, client: Client) -> None:
+    In round-robin and random modes a request naming a session (``RouteOptions.session_id``)
+    goes first to the instance that served the session last, while it is live and allowed
+    (``sessions``: the pins; no busy rule here); direct mode names its instance and ignores it.
+    """
+
+    def __init__(self, client: Client, sessions: SessionPins | None = None) -> None:
         self.client = client
+        self.sessions = sessions
 
     def instance_ids(self) -> list[int]:
         return self.client.instance_ids()
@@ -126,13 +133,37 @@ class ClientRouter:
             raise errors.InvalidArgument("direct routing needs the instance to send to")
         if self.client.mode != RouterMode.Direct:
             instance_id = None
+            pins, session = self.sessions, options.session_id
+            if pins is not None and session is not None and pins.enabled:
+                return await self._pinned(request, context, options, pins, session)
         return await self.client.stream(
             request, LLMEngineOutput, context=context, instance_id=instance_id,
             timeout=options.timeout, idle_timeout=options.idle_timeout, exclude=options.exclude,
         )
 
+    async def _pinned(self, request: PreprocessedRequest, context: Context,
+                      options: RouteOptions, pins: SessionPins, session: str) -> OutputStream:
+        """Send ``session``'s request to its pinned instance first, then pin it where it went."""
+        pinned = pins.get(session)
+        only = options.only
+
+        def allowed(iid: int) -> bool:
+            return (iid not in options.exclude and (only is None or iid in only)
+                    and iid in self.client.instance_ids())
+
+        prefer = pinned[0] if pinned is not None and allowed(pinned[0]) else None
+        stream = await self.client.stream(
+            request, LLMEngineOutput, context=context, timeout=options.timeout,
+            idle_timeout=options.idle_timeout, exclude=options.exclude, prefer=prefer,
+        )
+        chosen = (stream.instance_id, 0)
+        pins.routed(session, chosen, pin_outcome(pinned, chosen, lambda: False))
+        return stream
+
     async def close(self) -> None:
-        """Nothing to release."""
+        """Forget the session pins."""
+        if self.sessions is not None:
+            self.sessions.clear()
 
 
 @dataclass(frozen=True)
@@ -146,6 +177,9 @@ class RoutingTarget:
     advert: ModelAdvert
     #: Where the router's metrics go (the frontend's registry); None: a private one.
     registry: CollectorRegistry | None = None
+    #: How the router pins sessions (``RouteOptions.session_id``; the frontend's
+    #: ``--session-ttl``); ``NO_SESSIONS``: it does not.
+    sessions: SessionConfig = NO_SESSIONS
 
 
 class RouterPlugin(abc.ABC):

@@ -172,13 +172,16 @@ class Client:
         timeout: float | None = None,
         idle_timeout: float | None = None,
         exclude: frozenset[int] = frozenset(),
+        prefer: int | None = None,
     ) -> ItemStream[T]:
         """Like ``generate``, with items decoded and validated into ``item_type`` (a response
         that does not fit fails the stream with ``errors.Unknown``). ``exclude``: instances
-        not to send to (nor fail over to), e.g. those a migrated request was lost on."""
+        not to send to (nor fail over to), e.g. those a migrated request was lost on.
+        ``prefer``: without ``instance_id``, the instance to try first (a session's), the
+        client's mode choosing among the others after it."""
         return await self._call(
             request, typed_decoder(item_type), context, instance_id, timeout, idle_timeout,
-            exclude,
+            exclude, prefer,
         )
 
     async def open(
@@ -215,6 +218,7 @@ class Client:
         timeout: float | None,
         idle_timeout: float | None,
         exclude: frozenset[int] = frozenset(),
+        prefer: int | None = None,
     ) -> ItemStream[T]:
         if instance_id is not None:
             pick, failover = self._only(instance_id), False
@@ -222,6 +226,8 @@ class Client:
             pick, failover = _shuffled, True
         else:
             pick, failover = self._round_robin, True
+        if prefer is not None and instance_id is None:
+            pick = _preferring(prefer, pick)
         return await self._send(
             request, pick, decode, context, failover=failover, timeout=timeout,
             idle_timeout=idle_timeout, exclude=exclude,
@@ -296,6 +302,19 @@ class Client:
             return chosen
 
         return pick
+
+
+def _preferring(target: int, pick: Picker) -> Picker:
+    """``pick``'s order with ``target`` first, when it is among the candidates."""
+
+    def ordered(conns: list[PeerConnection]) -> list[PeerConnection]:
+        first = [c for c in conns if c.instance_id == target]
+        if not first:
+            return pick(conns)
+        rest = [c for c in conns if c.instance_id != target]
+        return first + (pick(rest) if rest else [])
+
+    return ordered
 
 
 def _shuffled(conns: list[PeerConnection]) -> list[PeerConnection]:
