@@ -45,7 +45,7 @@ from .approx import ApproxIndexer
 from .busy import AdmissionQueue, BusyPolicy, PrefillTokens
 from .config import KvRouterConfig, kv_indexer
 from .following import MAX_DP_SIZE, InstanceFollower
-from .hashing import block_hashes, root_hash
+from .hashing import request_hashes
 from .indexer import KvIndexer
 from .load import LoadSubscriber
 from .metrics import RouterMetrics
@@ -296,7 +296,7 @@ class KvRouter:
             return stream
 
     def _hashes(self, token_ids: Sequence[int], lora: str | None = None) -> list[int]:
-        return block_hashes(token_ids, self.block_size, None if lora is None else root_hash(lora))
+        return request_hashes(token_ids, self.block_size, lora)
 
     def _prefill_tokens(self, request: PreprocessedRequest, decision: Decision) -> int:
         if not self._track_prefill:
