@@ -67,7 +67,8 @@ class MockerEngine(LLMEngine):
         self._state = "new"  # new -> started -> closed
         self._disagg = DisaggStats()
         self._collector = MockerCollector(
-            lambda: sum(r.num_prefill_tokens for r in self._ranks), self._disagg
+            lambda: sum(r.num_prefill_tokens for r in self._ranks), self._disagg,
+            lambda: (sum(r.loads for r in self.resident), sum(r.evictions for r in self.resident)),
         )
         self.adapters = Adapters(self.config.max_lora_rank)
         #: Per rank: the LoRA adapters resident there (``--max-loras``).
