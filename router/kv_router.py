@@ -16,13 +16,11 @@ job. Without KV events (``use_kv_events=False``, the approximate mode) the index
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
 import weakref
 from collections.abc import Sequence
-from typing import Any
 
 from dynamo_zmq import errors
 from dynamo_zmq.context import Context
@@ -40,6 +38,7 @@ from dynamo_zmq.runtime import MAX_ATTEMPTS, Client, DistributedRuntime, failove
 from dynamo_zmq.transport import PeerConnection, ResponseStream, item_decoder
 from dynamo_zmq.wire import encode_item
 
+from ._decision import Decision
 from ._inflight import with_inflight
 from .approx import ApproxIndexer
 from .busy import AdmissionQueue, BusyPolicy, PrefillTokens
@@ -59,29 +58,6 @@ __all__ = ["MAX_DP_SIZE", "Decision", "KvRouter", "KvRouterConfig"]
 _decode_output = item_decoder(LLMEngineOutput)
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class Decision:
-    """Where a request goes and why."""
-
-    worker_id: int
-    dp_rank: int
-    overlap_blocks: int
-    prompt_blocks: int
-    #: Matched prefix blocks per candidate (only those with a match).
-    matches: dict[Candidate, int]
-    cost: float = 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        """The ``best_worker`` answer: ids as ints, matches keyed ``"<worker hex>/<rank>"``."""
-        return {
-            "worker_id": self.worker_id,
-            "dp_rank": self.dp_rank,
-            "overlap_blocks": self.overlap_blocks,
-            "prompt_blocks": self.prompt_blocks,
-            "matches": {f"{w:x}/{r}": n for (w, r), n in sorted(self.matches.items())},
-        }
 
 
 def _remote_decode(request: PreprocessedRequest) -> bool:

@@ -42,10 +42,12 @@ import random
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_disagg as bd  # a worker's metrics port
@@ -125,7 +127,7 @@ def post(url: str, body: dict[str, Any]) -> tuple[int, bytes]:
 async def replay(url: str, trace: list[tuple[float, str, list[int]]],
                  args: argparse.Namespace) -> list[tuple[be.Result, dict[str, Any]]]:
     """Send the trace open loop; each request's result and a box with its cached tokens."""
-    u = be.urlsplit(url)
+    u = urlsplit(url)
     host, port = u.hostname or "127.0.0.1", u.port or 80
     sem = asyncio.Semaphore(args.max_inflight)
     results: list[tuple[be.Result, dict[str, Any]]] = []

@@ -69,8 +69,8 @@ class AdapterTable:
             if name not in seen and not old.holders & live:  # its holders died: still known
                 table[name] = Adapter(name, old.base, old.path, frozenset(), old.created)
         for name, (base, path, holders) in seen.items():
-            old = self._by_name.get(name)
-            created = old.created if old is not None else now
+            known = self._by_name.get(name)
+            created = known.created if known is not None else now
             table[name] = Adapter(name, base, path, frozenset(holders), created)
         self._by_name = table
 

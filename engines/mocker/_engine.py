@@ -7,7 +7,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
@@ -170,26 +170,19 @@ class MockerEngine(LLMEngine):
     async def _run_lora(
         self, request: PreprocessedRequest, ctx: Context, lora: str
     ) -> AsyncIterator[LLMEngineOutput]:
-        problem = self._check(request)
-        if problem is not None:
+        if (problem := self._check(request)) is not None:
             yield error_output(problem, Usage(prompt_tokens=len(request.token_ids)))
             return
         if lora not in self.adapters.loaded:
             raise errors.NotFound(f"the mocker holds no LoRA adapter {lora!r}")
         sched = self._pick_rank(request.routing.dp_rank)
-        slots = self.resident[sched.rank]
-        if not await slots.acquire_unless_stopped(lora, ctx):
-            yield cancelled_output(Usage(len(request.token_ids), 0, 0))
-            return
-        try:
-            async for chunk in self._run(request, ctx, sched):
-                yield chunk
-        finally:
-            slots.release(lora)
+        async for chunk in self.resident[sched.rank].serve(
+                lora, ctx, len(request.token_ids), self._run(request, ctx, sched)):
+            yield chunk
 
     async def _run(
         self, request: PreprocessedRequest, ctx: Context, sched: RankScheduler | None = None
-    ) -> AsyncIterator[LLMEngineOutput]:
+    ) -> AsyncGenerator[LLMEngineOutput, None]:
         """One request on rank ``sched`` (None: the one its routing or the load picks)."""
         prompt_usage = Usage(prompt_tokens=len(request.token_ids))
         problem = self._check(request)

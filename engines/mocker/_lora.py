@@ -15,10 +15,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 
 from dynamo_zmq import errors
 from dynamo_zmq.context import Context
+from dynamo_zmq.llm import LLMEngineOutput, Usage, cancelled_output
 
 __all__ = ["ADAPTER_CONFIG", "Adapters", "ResidentAdapters", "parse_lora_modules", "read_rank"]
 
@@ -167,6 +169,21 @@ class ResidentAdapters:
             if not acquire.done():
                 acquire.cancel()
         return acquire.done() and not acquire.cancelled() and acquire.exception() is None
+
+    async def serve(self, name: str, ctx: Context, prompt_tokens: int,
+                    stream: AsyncGenerator[LLMEngineOutput, None]
+                    ) -> AsyncIterator[LLMEngineOutput]:
+        """``stream`` (a request's) once ``name`` is resident for it (``acquire``), released
+        when it ends; a request stopped while it waits ends ``cancelled``."""
+        if not await self.acquire_unless_stopped(name, ctx):
+            await stream.aclose()
+            yield cancelled_output(Usage(prompt_tokens, 0, 0))
+            return
+        try:
+            async for chunk in stream:
+                yield chunk
+        finally:
+            self.release(name)
 
     def release(self, name: str) -> None:
         """One request using ``name`` ended."""
