@@ -12,6 +12,7 @@ import signal
 import openai
 import pytest
 
+from dynamo_zmq import errors
 from dynamo_zmq.tools.lora_adapter import write_adapter_config
 from tests.support.lora import complete, load_adapter, unload_adapter
 from tests.support.metrics import fetch_sample, index_blocks
@@ -89,11 +90,12 @@ async def test_a_load_is_all_or_nothing(namespace, spawn, tiny_model, tmp_path):
         assert served == {f"{big.instance_id:x}", f"{small.instance_id:x}"}
 
 
+@pytest.mark.parametrize("mode", ["round-robin", "kv"])
 async def test_placement_loads_on_one_worker_and_routes_only_there(
-    namespace, spawn, tiny_model, tmp_path
+    namespace, spawn, tiny_model, tmp_path, mode
 ):
     fleet = await mocker_fleet(spawn, namespace, tiny_model, 2, worker_args=WORKER,
-                               mode="round-robin", frontend_args=("--lora-placement", "1"))
+                               mode=mode, frontend_args=("--lora-placement", "1"))
     url = fleet.url
     for name in ("a", "b"):
         status, body = await load_adapter(url, name, write_adapter_config(tmp_path / name, 8, "t"))
@@ -101,9 +103,9 @@ async def test_placement_loads_on_one_worker_and_routes_only_there(
     async with client(url) as api:
         on_a = {(await complete(api, "a", "hello")).worker for _ in range(4)}
         on_b = {(await complete(api, "b", "hello")).worker for _ in range(4)}
-        base = {(await complete(api, "tiny", "hello")).worker for _ in range(4)}
         assert len(on_a) == len(on_b) == 1 and on_a != on_b  # the one with fewer adapters
-        assert base == fleet.ids
+        if mode == "round-robin":
+            assert {(await complete(api, "tiny", "hello")).worker for _ in range(4)} == fleet.ids
         holder = next(w for w in fleet.workers if f"{w.instance_id:x}" in on_a)
         holder.signal(signal.SIGTERM)
         holder.wait()
@@ -121,7 +123,7 @@ async def test_placement_loads_on_one_worker_and_routes_only_there(
 
 
 async def test_kv_routing_matches_each_adapters_own_blocks(
-    namespace, spawn, tiny_model, tmp_path
+    namespace, spawn, make_runtime, tiny_model, tmp_path
 ):
     fleet = await mocker_fleet(spawn, namespace, tiny_model, 3, worker_args=WORKER)
     url = fleet.url
@@ -161,3 +163,27 @@ async def test_kv_routing_matches_each_adapters_own_blocks(
         # The base prompt still goes to the base blocks.
         worker, cached, credit = await run("tiny", [*prompt, 1])
         assert (worker, cached, credit) == (base_worker, 6 * BLOCK, 6)
+
+        # python -m router answers alike: each adapter's blocks only, with "lora_name".
+        spawn("-m", "router", "--namespace", namespace, "--host", "127.0.0.1")
+        best = await make_runtime().endpoint(f"{namespace}.router.best_worker").client()
+        await best.wait_for_instances(timeout=15)
+
+        async def ask(lora: str | None) -> dict:
+            request = {"model": "tiny", "token_ids": [*prompt, 1]}
+            stream = await best.generate(request if lora is None else {**request,
+                                                                      "lora_name": lora})
+            (answer,) = [r.data() async for r in stream]
+            return answer
+
+        async def follows() -> bool:
+            try:
+                return (await ask("a"))["overlap_blocks"] >= 6
+            except Exception:  # the model or its blocks are not followed yet
+                return False
+
+        await eventually(follows, 20, "python -m router following the adapter's blocks")
+        assert (await ask("a"))["matches"] == {f"{a_worker}/0": 6}
+        assert (await ask(None))["matches"] == {f"{base_worker}/0": 6}
+        with pytest.raises(errors.CannotConnect):  # no worker holds it
+            await ask("nosuch")
