@@ -14,8 +14,9 @@ import pytest
 
 from dynamo_zmq import errors
 from dynamo_zmq.tools.lora_adapter import write_adapter_config
+from tests.support import migration
 from tests.support.lora import complete, load_adapter, unload_adapter
-from tests.support.metrics import fetch_sample, index_blocks
+from tests.support.metrics import fetch_sample, index_blocks, metrics_page, sample
 from tests.support.mocker_fleet import mocker_fleet, serving, start_frontend, start_mocker
 from tests.support.waiting import eventually
 
@@ -187,3 +188,36 @@ async def test_kv_routing_matches_each_adapters_own_blocks(
         assert (await ask(None))["matches"] == {f"{base_worker}/0": 6}
         with pytest.raises(errors.CannotConnect):  # no worker holds it
             await ask("nosuch")
+
+
+async def test_a_migrated_adapter_request_goes_only_to_another_holder(
+    namespace, spawn, tiny_model, tmp_path
+):
+    """Three slow workers, the adapter on two of them (``--lora-placement 2``): a stream whose
+    holder is killed mid-way goes on on the other holder (the third one would refuse it), to
+    its full length."""
+    three = await migration.fleet(spawn, namespace, tiny_model, 3, "--enable-lora",
+                                  frontend_args=("--lora-placement", "2"))
+    status, body = await load_adapter(three.url, "a", write_adapter_config(tmp_path / "a", 8, "t"))
+    assert status == 200, body
+    async with migration.client_for(three.url) as api:
+        holders = {(await complete(api, "a", "hello")).worker for _ in range(6)}
+        assert len(holders) == 2
+        raw = await api.chat.completions.with_raw_response.create(
+            model="a", messages=migration.MESSAGES, stream=True,
+            stream_options={"include_usage": True}, **migration.PARAMS,
+        )
+        victim = migration.serving_worker(three.workers, raw.headers["x-dynamo-worker"])
+        assert f"{victim.instance_id:x}" in holders
+        chunks, seen = [], 0
+        async for chunk in raw.parse():
+            chunks.append(chunk)
+            if chunk.choices and chunk.choices[0].delta.content:
+                seen += 1
+                if seen == 10:
+                    victim.signal(signal.SIGKILL)
+    finish = [c.choices[0].finish_reason for c in chunks
+              if c.choices and c.choices[0].finish_reason]
+    assert finish == ["length"] and chunks[-1].usage.completion_tokens == migration.LONG
+    page = await metrics_page(three.url)
+    assert sample(page, "dynamo_frontend_migrations_total", model="tiny") == 1
