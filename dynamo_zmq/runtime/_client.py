@@ -173,15 +173,17 @@ class Client:
         idle_timeout: float | None = None,
         exclude: frozenset[int] = frozenset(),
         prefer: int | None = None,
+        only: frozenset[int] | None = None,
     ) -> ItemStream[T]:
         """Like ``generate``, with items decoded and validated into ``item_type`` (a response
         that does not fit fails the stream with ``errors.Unknown``). ``exclude``: instances
-        not to send to (nor fail over to), e.g. those a migrated request was lost on.
+        not to send to (nor fail over to), e.g. those a migrated request was lost on;
+        ``only``: the only instances it may go to, failover included (None: any).
         ``prefer``: without ``instance_id``, the instance to try first (a session's), the
         client's mode choosing among the others after it."""
         return await self._call(
             request, typed_decoder(item_type), context, instance_id, timeout, idle_timeout,
-            exclude, prefer,
+            exclude, prefer, only,
         )
 
     async def open(
@@ -219,6 +221,7 @@ class Client:
         idle_timeout: float | None,
         exclude: frozenset[int] = frozenset(),
         prefer: int | None = None,
+        only: frozenset[int] | None = None,
     ) -> ItemStream[T]:
         if instance_id is not None:
             pick, failover = self._only(instance_id), False
@@ -228,6 +231,8 @@ class Client:
             pick, failover = self._round_robin, True
         if prefer is not None and instance_id is None:
             pick = _preferring(prefer, pick)
+        if only is not None:  # (outermost: a preferred instance not allowed is not tried)
+            pick = _among(only, pick, self.path)
         return await self._send(
             request, pick, decode, context, failover=failover, timeout=timeout,
             idle_timeout=idle_timeout, exclude=exclude,
@@ -315,6 +320,18 @@ def _preferring(target: int, pick: Picker) -> Picker:
         return first + (pick(rest) if rest else [])
 
     return ordered
+
+
+def _among(only: frozenset[int], pick: Picker, path: str) -> Picker:
+    """``pick`` narrowed to the instances in ``only`` (CannotConnect when none is live)."""
+
+    def narrowed(conns: list[PeerConnection]) -> list[PeerConnection]:
+        allowed = [c for c in conns if c.instance_id in only]
+        if not allowed:
+            raise errors.CannotConnect(f"no live instance of {path} among those allowed")
+        return pick(allowed)
+
+    return narrowed
 
 
 def _shuffled(conns: list[PeerConnection]) -> list[PeerConnection]:
