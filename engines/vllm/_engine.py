@@ -33,8 +33,16 @@ from dynamo_zmq.llm import (
 )
 from dynamo_zmq.resources import Resources, cancel_and_wait
 
-from ._config import DISAGG_ROLES, KV_TOPIC, build_engine_args, relay_for, reported_config
+from ._config import (
+    DISAGG_ROLES,
+    KV_TOPIC,
+    build_engine_args,
+    engine_arg,
+    relay_for,
+    reported_config,
+)
 from ._embed import embed, pooling_capabilities
+from ._lora import LoraTable
 from ._options import (
     VllmOptions,
     add_vllm_args,
@@ -89,6 +97,12 @@ class VllmEngine(LLMEngine):
         self._caps: frozenset[str] = GENERATE_CAPABILITIES
         #: Relays vLLM's KV events over CURVE when auth is on (``_relay.py``).
         self._relay: KvRelay | None = None
+        #: The LoRA adapters loaded (``_lora.py``); enabled at start with vLLM's enable_lora.
+        self._loras = LoraTable()
+        #: Whether vLLM schedules by priority (``--scheduling-policy priority``).
+        self._priority = False
+        if self.options.lora_modules and not engine_arg(self.engine_args, "enable_lora"):
+            raise errors.InvalidArgument("--lora-modules needs --enable-lora")
 
     # -- construction ----------------------------------------------------------------------
 
@@ -130,7 +144,8 @@ class VllmEngine(LLMEngine):
             # process); vLLM's CPU platform only allows it with this set. Inherited by the child.
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         install_parent_watch()  # engine-core processes end with this one
-        self._relay = relay = relay_for(self.engine_args, self.options, self._res)
+        self._relay = relay = relay_for(self.engine_args, self.options, self._res,
+                                        lora_names=self._loras.name_of)
 
         def build() -> tuple[Any, tuple[int, ...]]:
             args = build_engine_args(self.engine_args, self.options, cpu, relay)
@@ -159,15 +174,62 @@ class VllmEngine(LLMEngine):
         self._state = "started"
         if llm.vllm_config.model_config.runner_type == "pooling":
             self._caps = await pooling_capabilities(llm)
-        self.engine_config = reported_config(llm, self.options, self._relay)
-        return self.engine_config
+        self.engine_config = config = reported_config(llm, self.options, self._relay)
+        await self._start_adapters(llm, config.served_model_name)
+        return config
+
+    async def _start_adapters(self, llm: Any, served: str) -> None:
+        """LoRA and priority from vLLM's config; ``--lora-modules`` loaded (any failure fails
+        the start, and vLLM is shut down)."""
+        vcfg = llm.vllm_config
+        self._loras = LoraTable(vcfg.lora_config is not None, served)
+        self._priority = vcfg.scheduler_config.policy == "priority"
+        if Capability.EMBEDDINGS_ONLY not in self._caps:
+            self._caps = self._caps | frozenset(
+                ([Capability.LORA] if self._loras.enabled else [])
+                + ([Capability.PRIORITY] if self._priority else []))
+        try:
+            for name, path in self.options.lora_modules:
+                await self._loras.load(llm, name, path)
+        except errors.DynamoError as exc:
+            await self.cleanup()
+            raise errors.InvalidArgument(f"--lora-modules: {exc}") from exc
 
     def capabilities(self) -> frozenset[str]:
         """When generating: logprobs (vLLM's own values; the worker adds the token texts) and
         structured outputs (vLLM's ``StructuredOutputsParams``) and ``logit_bias``
-        (``SamplingParams`` takes it); under vLLM's pooling runner,
-        embeddings (and only them)."""
+        (``SamplingParams`` takes it), LoRA adapters with ``--enable-lora`` and priorities with
+        ``--scheduling-policy priority``; under vLLM's pooling runner, embeddings (and only
+        them)."""
         return self._caps
+
+    # -- LoRA adapters ---------------------------------------------------------------------
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Load adapter ``path`` as ``name`` (vLLM's ``add_lora``); all or nothing.
+
+        Raises:
+            Unsupported: vLLM runs without ``--enable-lora`` (or is not running).
+            InvalidArgument: see ``LoraTable.load`` (bad path or rank, name taken).
+        """
+        if self._llm is None:
+            raise errors.Unsupported("the vLLM engine is not running")
+        await self._loras.load(self._llm, name, path)
+
+    async def unload_lora(self, name: str) -> None:
+        """Unload adapter ``name`` (vLLM's ``remove_lora``).
+
+        Raises:
+            NotFound: no adapter of that name is loaded.
+        """
+        if self._llm is None:
+            raise errors.NotFound(f"LoRA adapter {name!r} is not loaded: the vLLM engine is "
+                                  "not running")
+        await self._loras.unload(self._llm, name)
+
+    def lora_adapters(self) -> dict[str, str]:
+        """The adapters loaded now, name -> path."""
+        return self._loras.adapters()
 
     async def drain(self) -> None:
         """Nothing to hand off: in-flight requests finish in vLLM (the worker waits for them)."""
@@ -273,6 +335,7 @@ class VllmEngine(LLMEngine):
         if problem is not None:
             yield error_output(problem, Usage(prompt_tokens))
             return
+        lora = None if request.lora_name is None else self._loras.request(request.lora_name)
         if ctx.is_stopped():
             yield cancelled_output(Usage(prompt_tokens, 0))
             return
@@ -291,7 +354,9 @@ class VllmEngine(LLMEngine):
         self.live_requests.add(key, rid)
         stream = llm.generate(
             TokensPrompt(prompt_token_ids=list(request.token_ids)), params, rid,
-            data_parallel_rank=rank,
+            data_parallel_rank=rank, lora_request=lora,
+            # Under fcfs vLLM refuses a priority other than 0 (routers still order by it).
+            priority=request.priority if self._priority else 0,
         )
         remove = ctx.add_listener(lambda _killed: self._spawn_abort(llm, [rid]))
         completion = 0
