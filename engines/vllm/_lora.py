@@ -42,7 +42,7 @@ def parse_modules(items: Iterable[str]) -> tuple[tuple[str, str], ...]:
         item = item.strip()
         if not item:
             continue
-        if "=" in item and not item.startswith("{"):
+        if "=" in item and not item.startswith(("{", "[")):
             name, path = (part.strip() for part in item.split("=", 1))
         else:
             try:
