@@ -97,10 +97,8 @@ class VllmEngine(LLMEngine):
         self._caps: frozenset[str] = GENERATE_CAPABILITIES
         #: Relays vLLM's KV events over CURVE when auth is on (``_relay.py``).
         self._relay: KvRelay | None = None
-        #: The LoRA adapters loaded (``_lora.py``); enabled at start with vLLM's enable_lora.
-        self._loras = LoraTable()
-        #: Whether vLLM schedules by priority (``--scheduling-policy priority``).
-        self._priority = False
+        self._loras = LoraTable()  # the LoRA adapters loaded (``_lora.py``)
+        self._priority = False  # vLLM schedules by priority (``--scheduling-policy priority``)
         if self.options.lora_modules and not engine_arg(self.engine_args, "enable_lora"):
             raise errors.InvalidArgument("--lora-modules needs --enable-lora")
 
@@ -145,7 +143,7 @@ class VllmEngine(LLMEngine):
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         install_parent_watch()  # engine-core processes end with this one
         self._relay = relay = relay_for(self.engine_args, self.options, self._res,
-                                        lora_names=self._loras.name_of)
+                                        self._loras.name_of)
 
         def build() -> tuple[Any, tuple[int, ...]]:
             args = build_engine_args(self.engine_args, self.options, cpu, relay)
@@ -175,25 +173,16 @@ class VllmEngine(LLMEngine):
         if llm.vllm_config.model_config.runner_type == "pooling":
             self._caps = await pooling_capabilities(llm)
         self.engine_config = config = reported_config(llm, self.options, self._relay)
-        await self._start_adapters(llm, config.served_model_name)
-        return config
-
-    async def _start_adapters(self, llm: Any, served: str) -> None:
-        """LoRA and priority from vLLM's config; ``--lora-modules`` loaded (any failure fails
-        the start, and vLLM is shut down)."""
-        vcfg = llm.vllm_config
-        self._loras = LoraTable(vcfg.lora_config is not None, served)
-        self._priority = vcfg.scheduler_config.policy == "priority"
+        self._priority = llm.vllm_config.scheduler_config.policy == "priority"
         if Capability.EMBEDDINGS_ONLY not in self._caps:
-            self._caps = self._caps | frozenset(
-                ([Capability.LORA] if self._loras.enabled else [])
-                + ([Capability.PRIORITY] if self._priority else []))
-        try:
-            for name, path in self.options.lora_modules:
-                await self._loras.load(llm, name, path)
-        except errors.DynamoError as exc:
+            self._caps |= {Capability.LORA} if llm.vllm_config.lora_config is not None else set()
+            self._caps |= {Capability.PRIORITY} if self._priority else set()
+        try:  # --lora-modules: any failure fails the start
+            await self._loras.attach(llm, config.served_model_name, self.options.lora_modules)
+        except errors.DynamoError:
             await self.cleanup()
-            raise errors.InvalidArgument(f"--lora-modules: {exc}") from exc
+            raise
+        return config
 
     def capabilities(self) -> frozenset[str]:
         """When generating: logprobs (vLLM's own values; the worker adds the token texts) and
@@ -203,32 +192,15 @@ class VllmEngine(LLMEngine):
         them)."""
         return self._caps
 
-    # -- LoRA adapters ---------------------------------------------------------------------
-
     async def load_lora(self, name: str, path: str) -> None:
-        """Load adapter ``path`` as ``name`` (vLLM's ``add_lora``); all or nothing.
-
-        Raises:
-            Unsupported: vLLM runs without ``--enable-lora`` (or is not running).
-            InvalidArgument: see ``LoraTable.load`` (bad path or rank, name taken).
-        """
-        if self._llm is None:
-            raise errors.Unsupported("the vLLM engine is not running")
-        await self._loras.load(self._llm, name, path)
+        """vLLM's ``add_lora``, all or nothing (errors: ``LoraTable.load``)."""
+        await self._loras.load(name, path)
 
     async def unload_lora(self, name: str) -> None:
-        """Unload adapter ``name`` (vLLM's ``remove_lora``).
-
-        Raises:
-            NotFound: no adapter of that name is loaded.
-        """
-        if self._llm is None:
-            raise errors.NotFound(f"LoRA adapter {name!r} is not loaded: the vLLM engine is "
-                                  "not running")
-        await self._loras.unload(self._llm, name)
+        """vLLM's ``remove_lora`` (``NotFound``: no such adapter)."""
+        await self._loras.unload(name)
 
     def lora_adapters(self) -> dict[str, str]:
-        """The adapters loaded now, name -> path."""
         return self._loras.adapters()
 
     async def drain(self) -> None:
@@ -260,6 +232,7 @@ class VllmEngine(LLMEngine):
         """Abort what is left and shut vLLM down. Idempotent; safe before ``start``."""
         self._state = "closed"
         llm, self._llm = self._llm, None
+        self._loras.detach()
         await self._res.close()
         if llm is not None:
             with contextlib.suppress(Exception):
@@ -354,8 +327,7 @@ class VllmEngine(LLMEngine):
         self.live_requests.add(key, rid)
         stream = llm.generate(
             TokensPrompt(prompt_token_ids=list(request.token_ids)), params, rid,
-            data_parallel_rank=rank, lora_request=lora,
-            # Under fcfs vLLM refuses a priority other than 0 (routers still order by it).
+            data_parallel_rank=rank, lora_request=lora,  # fcfs: vLLM refuses priorities but 0
             priority=request.priority if self._priority else 0,
         )
         remove = ctx.add_listener(lambda _killed: self._spawn_abort(llm, [rid]))

@@ -68,20 +68,40 @@ def parse_modules(items: Iterable[str]) -> tuple[tuple[str, str], ...]:
 
 
 class LoraTable:
-    """The adapters one engine has loaded, by name (see the module docstring).
+    """The adapters one engine has loaded, by name (see the module docstring). Empty and
+    refusing loads until ``attach`` gives it the started vLLM."""
 
-    Args:
-        enabled: whether vLLM runs with ``enable_lora`` (otherwise every load is refused).
-        base_name: the served model's name, which no adapter may take.
-    """
-
-    def __init__(self, enabled: bool = False, base_name: str | None = None) -> None:
-        self.enabled = enabled
-        self.base_name = base_name
+    def __init__(self) -> None:
+        self._llm: Any = None
+        #: Whether vLLM runs with ``enable_lora`` (otherwise every load is refused).
+        self.enabled = False
+        #: The served model's name, which no adapter may take.
+        self.base_name: str | None = None
         self._by_name: dict[str, Any] = {}
         self._names: dict[int, str] = {}
         self._ids = itertools.count(1)
         self._lock = asyncio.Lock()
+
+    async def attach(self, llm: Any, base_name: str,
+                     modules: Iterable[tuple[str, str]] = ()) -> None:
+        """Serve adapters on the started ``llm`` (if it runs with ``enable_lora``), loading
+        ``modules`` (``--lora-modules``) in order.
+
+        Raises:
+            InvalidArgument: a module did not load (``load``'s errors, named as the flag's).
+        """
+        self._llm, self.base_name = llm, base_name
+        self.enabled = llm.vllm_config.lora_config is not None
+        for name, path in modules:
+            try:
+                await self.load(name, path)
+            except errors.DynamoError as exc:
+                raise errors.InvalidArgument(f"--lora-modules: {exc}") from exc
+
+    def detach(self) -> None:
+        """vLLM is gone: refuse loads, forget the adapters (their names stay for ``name_of``)."""
+        self._llm = None
+        self._by_name.clear()
 
     def adapters(self) -> dict[str, str]:
         """name -> path of the adapters loaded now."""
@@ -109,15 +129,18 @@ class LoraTable:
                     "(start it with --enable-lora)")
         return f"The lora adapter '{name}' cannot be found."
 
-    async def load(self, llm: Any, name: str, path: str) -> None:
+    async def load(self, name: str, path: str) -> None:
         """Load ``path`` as adapter ``name`` in vLLM; all or nothing.
 
         Raises:
-            Unsupported: vLLM runs without ``enable_lora``.
+            Unsupported: vLLM runs without ``enable_lora`` (or is not running).
             InvalidArgument: an empty name or path, the served model's name, a name already
                 loaded, or what vLLM refused (a bad path, a rank above ``max_lora_rank``,
                 modules the model lacks), with vLLM's message.
         """
+        llm = self._llm
+        if llm is None:
+            raise errors.Unsupported("the vLLM engine is not running")
         if not self.enabled:
             raise errors.Unsupported("this vLLM worker serves no LoRA adapters: start it with "
                                      "--enable-lora")
@@ -145,7 +168,7 @@ class LoraTable:
             self._names[req.lora_int_id] = name
         log.info("loaded LoRA adapter %r (id %d) from %s", name, req.lora_int_id, path)
 
-    async def unload(self, llm: Any, name: str) -> None:
+    async def unload(self, name: str) -> None:
         """Forget adapter ``name`` and drop its weights in vLLM.
 
         Raises:
@@ -156,7 +179,8 @@ class LoraTable:
             if req is None:
                 raise errors.NotFound(self._missing(name))
             try:
-                await llm.remove_lora(req.lora_int_id)
+                if self._llm is not None:
+                    await self._llm.remove_lora(req.lora_int_id)
             except Exception as exc:  # forgotten anyway: vLLM evicts it when it needs the slot
                 log.warning("vLLM did not remove LoRA adapter %r: %s", name, exc)
         log.info("unloaded LoRA adapter %r (id %d)", name, req.lora_int_id)
