@@ -6,15 +6,16 @@
 
 It follows the namespace's workers as a frontend does (one ``KvRouter`` per model, each
 subscribing to its workers' KV events) and serves ``<namespace>.router.best_worker``: request
-``{"model": NAME, "token_ids": [...], "mdcsum": CARD?}``, one response ``{"worker_id",
-"dp_rank", "overlap_blocks", "prompt_blocks", "matches": {"<worker hex>/<rank>": blocks},
-"mdcsum"}``. One card per model name, as the frontend keeps it: workers serving a name with
-different model cards (checksums) are never mixed. The first card seen is routed, and only to
-its workers (each other card is warned about once); once no live worker serves it, the card of
-a live one replaces it. A request naming another card (``mdcsum``: the checksum it was
-preprocessed for) is refused, and each answer names the card it routed. The answer is
-advice: nothing is sent to the worker and no load is counted for it (the caller sends the
-request, and only the caller knows when it ends); with ``--router-replica-sync`` the load
+``{"model": NAME, "token_ids": [...], "mdcsum": CARD?, "lora_name": ADAPTER?}`` (with an
+adapter: matched under its own block hashes, among the workers advertising it), one response
+``{"worker_id", "dp_rank", "overlap_blocks", "prompt_blocks", "matches": {"<worker
+hex>/<rank>": blocks}, "mdcsum"}``. One card per model name, as the frontend keeps it: workers
+serving a name with different model cards (checksums) are never mixed. The first card seen is
+routed, and only to its workers (each other card is warned about once); once no live worker
+serves it, the card of a live one replaces it. A request naming another card (``mdcsum``: the
+checksum it was preprocessed for) is refused, and each answer names the card it routed. The
+answer is advice: nothing is sent to the worker and no load is counted for it (the caller sends
+the request, and only the caller knows when it ends); with ``--router-replica-sync`` the load
 that kv-mode frontends with the flag route is counted, from their replica events. Prints
 ``READY <address> <instance hex>`` once serving; with ``--wait-for-workers N``, only after it
 follows N workers (mDNS shows workers one by one, so a scripted start can hold its first
@@ -36,7 +37,7 @@ from typing import Any
 import msgspec
 
 from dynamo_zmq import errors, tracing
-from dynamo_zmq.llm import ServedModel, served_models, serves
+from dynamo_zmq.llm import ServedModel, advert_of, served_models, serves
 from dynamo_zmq.runtime import (
     DistributedRuntime,
     RuntimeConfig,
@@ -62,6 +63,8 @@ class BestWorkerRequest(msgspec.Struct, forbid_unknown_fields=False):
     #: The model card the caller preprocessed for (a worker request's ``mdcsum``); None: the
     #: card routed here.
     mdcsum: str | None = None
+    #: The LoRA adapter the request would run with (None: the base model).
+    lora_name: str | None = None
 
 
 class RouterService:
@@ -178,7 +181,11 @@ class RouterService:
         if not request.token_ids:
             raise errors.InvalidArgument("token_ids must not be empty")
         try:
-            decision = router.best_worker(request.token_ids)
+            lora = request.lora_name
+            exclude = frozenset() if lora is None else frozenset(
+                c.instance_id for c in router.instances()
+                if lora not in getattr(advert_of(c, router.path), "lora_adapters", {}))
+            decision = router.best_worker(request.token_ids, exclude, lora)
         except ValueError as exc:  # token ids outside uint32 (router.hashing)
             raise errors.InvalidArgument(str(exc)) from exc
         yield {**decision.to_dict(), "mdcsum": card}

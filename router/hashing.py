@@ -31,11 +31,20 @@ __all__ = [
     "block_hashes",
     "event_own_hashes",
     "extra_key_hash",
+    "request_hashes",
     "root_hash",
     "salted_block_hashes",
     "token_bytes",
     "without_lora_name",
 ]
+
+
+def request_hashes(token_ids: TokenIds, block_size: int, lora_name: str | None = None
+                   ) -> list[int]:
+    """A request's block hashes as the KV router matches them: chained from ``ROOT_SEED``, or,
+    for a request with a LoRA adapter, from the adapter's own root (``root_hash``), so the base
+    model's blocks never match it, nor another adapter's."""
+    return block_hashes(token_ids, block_size, None if lora_name is None else root_hash(lora_name))
 
 
 def event_own_hashes(token_ids: Sequence[int], block_size: int, seed: int, n: int,

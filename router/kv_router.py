@@ -45,7 +45,7 @@ from .approx import ApproxIndexer
 from .busy import AdmissionQueue, BusyPolicy, PrefillTokens
 from .config import KvRouterConfig, kv_indexer
 from .following import MAX_DP_SIZE, InstanceFollower
-from .hashing import block_hashes
+from .hashing import request_hashes
 from .indexer import KvIndexer
 from .load import LoadSubscriber
 from .metrics import RouterMetrics
@@ -175,13 +175,16 @@ class KvRouter:
         Sets ``request.routing.dp_rank`` and ``request.routing.overlap_blocks`` (again on each
         re-route). ``options.instance_id`` is not read: the router chooses.
         ``options.exclude``: workers not to send to, not even on a re-route (a migrated
-        request's lost workers).
+        request's lost workers); ``options.only``: the only workers it may go to, re-routes
+        included (those holding its LoRA adapter). A request with ``lora_name`` is matched
+        by block hashes chained from the adapter's root (``root_hash``): never credited by
+        the base model's blocks or another adapter's.
 
         Raises:
             CannotConnect: no live instance could take the request.
             Overloaded: every (worker, rank) stayed busy past the wait queue's bounds.
         """
-        hashes = self._hashes(request.token_ids)
+        hashes = self._hashes(request.token_ids, request.lora_name)
         placement = Placement(self.loads, self.prefill, self.replicas)
         exclude = options.exclude
         admit = self.busy.enabled
@@ -196,7 +199,7 @@ class KvRouter:
                 except AllBusy:
                     if _remote_decode(request):  # a disaggregated prefill: prefilled locally
                         raise errors.Overloaded("every prefill worker is busy") from None
-            await self.queue.admit(lambda: self._any_free(exclude), context)
+            await self.queue.admit(lambda: self._any_free(exclude, options.only), context)
             my_turn = True
         ctx = first.context  # not ``first``: the hook must not keep the stream alive
 
@@ -226,14 +229,16 @@ class KvRouter:
     # -- deciding --------------------------------------------------------------------------
 
     def best_worker(
-        self, token_ids: Sequence[int], exclude: set[int] | frozenset[int] = frozenset()
+        self, token_ids: Sequence[int], exclude: set[int] | frozenset[int] = frozenset(),
+        lora_name: str | None = None,
     ) -> Decision:
-        """Where ``token_ids`` would go now, without sending or counting anything.
+        """Where ``token_ids`` (under LoRA adapter ``lora_name``) would go now, without
+        sending or counting anything.
 
         Raises:
             CannotConnect: no live instance (outside ``exclude``).
         """
-        decision, _ = self._decide(self._hashes(token_ids), exclude)
+        decision, _ = self._decide(self._hashes(token_ids, lora_name), exclude)
         return decision
 
     def report_load(self, worker_id: int, dp_rank: int, active_blocks: float) -> None:
@@ -241,8 +246,11 @@ class KvRouter:
         the requests routed before it, for a few seconds (``LoadTracker.report``)."""
         self.loads.report((worker_id, dp_rank), active_blocks)
 
-    def candidates(self, exclude: set[int] | frozenset[int] = frozenset()) -> list[Candidate]:
-        """Every (instance, rank) of the live instances (made once per change of the pool)."""
+    def candidates(
+        self, exclude: set[int] | frozenset[int] = frozenset(), only: frozenset[int] | None = None
+    ) -> list[Candidate]:
+        """Every (instance, rank) of the live instances (made once per change of the pool),
+        outside ``exclude`` and, given ``only``, among those."""
         gen = self.client.generation
         if self._candidates is None or self._candidates[0] != gen:
             out: list[Candidate] = []
@@ -250,6 +258,8 @@ class KvRouter:
                 out.extend((conn.instance_id, r) for r in range(self._follower.dp_size(conn)))
             self._candidates = (gen, out)
         found = self._candidates[1]
+        if only is not None:
+            return [c for c in found if c[0] in only and c[0] not in exclude]
         return [c for c in found if c[0] not in exclude] if exclude else list(found)
 
     async def _send(
@@ -268,7 +278,7 @@ class KvRouter:
         busy rank)."""
         exclude = set(tried)
         while True:
-            decision, route = self._route(request, hashes, exclude, admit)
+            decision, route = self._route(request, hashes, exclude, admit, options.only)
             try:
                 stream = await self.client.open(
                     encode_item(request), _decode_output, decision.worker_id, context=context,
@@ -285,18 +295,18 @@ class KvRouter:
             placement.hold(route, self._prefill_tokens(request, decision))
             return stream
 
-    def _hashes(self, token_ids: Sequence[int]) -> list[int]:
-        return block_hashes(token_ids, self.block_size)
+    def _hashes(self, token_ids: Sequence[int], lora: str | None = None) -> list[int]:
+        return request_hashes(token_ids, self.block_size, lora)
 
     def _prefill_tokens(self, request: PreprocessedRequest, decision: Decision) -> int:
         if not self._track_prefill:
             return 0
         return max(0, len(request.token_ids) - decision.overlap_blocks * self.block_size)
 
-    def _any_free(self, exclude: frozenset[int]) -> bool:
-        """Whether some live (worker, rank) outside ``exclude`` is not busy."""
+    def _any_free(self, exclude: frozenset[int], only: frozenset[int] | None = None) -> bool:
+        """Whether some live (worker, rank) outside ``exclude`` (among ``only``) is not busy."""
         busy, loads, prefill = self.busy.is_busy, self.loads, self.prefill
-        return any(not busy(c, loads, prefill) for c in self.candidates(exclude))
+        return any(not busy(c, loads, prefill) for c in self.candidates(exclude, only))
 
     def _decide(
         self,
@@ -304,10 +314,12 @@ class KvRouter:
         exclude: set[int] | frozenset[int],
         overlap: bool = True,
         admit: bool = False,
+        only: frozenset[int] | None = None,
     ) -> tuple[Decision, Selection]:
-        candidates = self.candidates(exclude)
+        candidates = self.candidates(exclude, only)
         if not candidates:
-            raise errors.CannotConnect(f"no live instance of {self.path}")
+            among = "" if only is None else " among those holding the request's LoRA adapter"
+            raise errors.CannotConnect(f"no live instance of {self.path}{among}")
         values = self.loads.loads_of(candidates)
         if self.busy.enabled:  # busy ranks take nothing while another can
             busy, loads, prefill = self.busy.is_busy, self.loads, self.prefill
@@ -335,13 +347,13 @@ class KvRouter:
 
     def _route(
         self, request: PreprocessedRequest, hashes: list[int], exclude: set[int],
-        admit: bool = False,
+        admit: bool = False, only: frozenset[int] | None = None,
     ) -> tuple[Decision, Route]:
         started, cpu = time.perf_counter(), time.thread_time()
         # A decode worker that pulls the prompt's KV from a prefill worker (disaggregation)
         # prefills nothing: cached blocks earn it no credit, it is chosen by load.
         remote = isinstance(request.disaggregation, PrefillRemotely)
-        decision, sel = self._decide(hashes, exclude, not remote, admit)
+        decision, sel = self._decide(hashes, exclude, not remote, admit, only)
         request.routing.dp_rank = decision.dp_rank
         request.routing.overlap_blocks = decision.overlap_blocks
         route = self.loads.add(sel.candidate, hashes, self._expected_output_blocks(request))

@@ -8,6 +8,7 @@
         [--api-key KEY | --api-key-file F] [--tls-cert-file C --tls-key-file K]
         [--disagg-mode conditional|always|never] [--disagg-max-local-prefill-tokens N]
         [--disagg-max-prefill-queue N] [--disagg-prefill-timeout S] [--http-workers N]
+        [--lora-placement N]
         [router plugin flags, e.g. --kv-overlap-score-weight 1.0 --router-temperature 0.0]
 
 Every flag but ``--help`` has a ``DYN_*`` variable (``--http-port`` -> ``DYN_HTTP_PORT``). Prints
@@ -143,6 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a request's headers may take to arrive, and then its body; 408 and the "
              "connection closed after [DYN_HTTP_BODY_TIMEOUT]",
     )
+    parser.add_argument(
+        "--lora-placement", type=int, default=env("DYN_LORA_PLACEMENT", "0"), metavar="N",
+        help="POST /v1/load_lora_adapter loads an adapter on N of its model's workers (per "
+             "disaggregation role; those holding the fewest adapters); 0 = all "
+             "[DYN_LORA_PLACEMENT]",
+    )
     parser.add_argument("--model-cache", default=env("DYN_MODEL_CACHE"),
                         help="where fetched tokenizer files are kept [DYN_MODEL_CACHE]")
     add_http_security_args(parser)
@@ -226,6 +233,7 @@ async def serve(
         start, stop, request_timeout=args.request_timeout, idle_timeout=args.idle_timeout,
         migration_limit=args.migration_limit, stall_timeout=args.stream_stall_timeout or None,
         limits=HttpLimits(max_body=args.max_body_bytes, body_timeout=args.body_timeout),
+        lora_placement=args.lora_placement,
     )
     if slot is not None:
         siblings = SiblingMetrics(slot, app.metrics.render)
@@ -327,6 +335,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.migration_limit < 0:
             raise errors.InvalidArgument(
                 f"--migration-limit must be >= 0, got {args.migration_limit}"
+            )
+        if args.lora_placement < 0:
+            raise errors.InvalidArgument(
+                f"--lora-placement must be >= 0, got {args.lora_placement}"
             )
         if args.http_workers < 1:
             raise errors.InvalidArgument(f"--http-workers must be >= 1, got {args.http_workers}")

@@ -223,7 +223,7 @@ class DisaggRouter:
     ) -> OutputStream:
         reason = None
         if request.embedding is None:  # an embedding has no prefill to move
-            reason = self.local_reason(request)
+            reason = self.local_reason(request, options.only)
             if reason is None:
                 handoff, ok, link = await self._prefill(request, context, options)
                 if ok:
@@ -247,14 +247,17 @@ class DisaggRouter:
         finally:
             await self.generation.close()
 
-    def local_reason(self, request: PreprocessedRequest) -> str | None:
-        """Why ``request`` is to be prefilled on its decode worker (None: remotely)."""
+    def local_reason(
+        self, request: PreprocessedRequest, only: frozenset[int] | None = None
+    ) -> str | None:
+        """Why ``request`` is to be prefilled on its decode worker (None: remotely); ``only``:
+        the prefill workers it may go to (those holding its LoRA adapter; None: any)."""
         cfg = self.config
         if cfg.mode == "never":
             return "never"
         if request.resume is not None:  # a migrated request: its decode worker prefills
             return "migrated"
-        workers = len(self.prefill.instance_ids())
+        workers = len([i for i in self.prefill.instance_ids() if only is None or i in only])
         if not workers:
             return "no_pool"
         if cfg.mode == "always":
@@ -275,7 +278,8 @@ class DisaggRouter:
         if best_worker is None or not block_size:
             return total
         try:
-            overlap: int = best_worker(request.token_ids).overlap_blocks
+            lora = {} if request.lora_name is None else {"lora_name": request.lora_name}
+            overlap: int = best_worker(request.token_ids, **lora).overlap_blocks
         except errors.DynamoError:
             return total
         return max(0, total - overlap * block_size)
@@ -309,7 +313,7 @@ class DisaggRouter:
         try:
             stream = await self.prefill.generate(
                 prefill_request(request), child,
-                RouteOptions(idle_timeout=options.idle_timeout, timeout=limit),
+                RouteOptions(idle_timeout=options.idle_timeout, timeout=limit, only=options.only),
             )
             try:
                 async for out in stream:

@@ -10,10 +10,19 @@ __all__ = ["health", "models_body"]
 
 
 def models_body(manager: ModelManager) -> bytes:
-    """``GET /v1/models``: the models a live worker serves, in OpenAI's list shape."""
-    data = [
+    """``GET /v1/models``: the models a live worker serves, in OpenAI's list shape, then the
+    LoRA adapters a live worker holds, in vLLM's (``root``: the adapter's path on the
+    workers, ``parent``: its base model)."""
+    live = manager.live()
+    data: list[dict[str, object]] = [
         {"id": m.name, "object": "model", "created": m.created, "owned_by": "dynamo-zmq"}
-        for m in manager.live()
+        for m in live
+    ]
+    bases = {m.name for m in live}
+    data += [
+        {"id": a.name, "object": "model", "created": a.created, "owned_by": "dynamo-zmq",
+         "root": a.path, "parent": a.base}
+        for a in manager.adapters.live() if a.base in bases
     ]
     return msgspec.json.encode({"object": "list", "data": data})
 

@@ -2,7 +2,9 @@
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming and not),
 ``POST /v1/embeddings`` (``_embeddings.py``), ``GET /v1/models``, ``/health``, ``/live``,
-``/metrics``, and Dynamo's ``POST /clear_kv_blocks`` (``_clear_kv.py``). Each generation
+``/metrics``, Dynamo's ``POST /clear_kv_blocks`` (``_clear_kv.py``), and vLLM's
+``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (``_lora.py``; a request whose
+``model`` is an adapter goes only to the workers holding it). Each generation
 request is parsed and preprocessed here (chat template, tokens, sampling and stop options),
 routed to a worker, and its output deltas are formatted as OpenAI SSE chunks; a request of
 several sequences (``n``, ``best_of``, ``echo``, a batch of prompts) fans out into sub-requests
@@ -47,6 +49,7 @@ from ._fanout import FanOut
 from ._health import health, models_body
 from ._limits import HttpLimits, Offload, Rejections, prompt_chars, text_chars
 from ._logprobs import asks_logprobs
+from ._lora import LoraRoutes, resolve_model
 from ._scope import InFlight, RequestScope
 from ._subrequests import SubRequest, chat_work, completion_work
 from .errors import HttpError
@@ -65,8 +68,9 @@ WORKER_HEADER = b"x-worker-instance-id"
 SERVED_BY_HEADER = b"x-dynamo-worker"
 _ROUTES = (
     "/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/live", "/metrics",
-    "/clear_kv_blocks", "/v1/embeddings",
+    "/clear_kv_blocks", "/v1/embeddings", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
 )
+_TEXT = [(b"content-type", b"text/plain; charset=utf-8")]
 _METRICS_TYPE = [(b"content-type", b"text/plain; version=0.0.4")]
 
 
@@ -83,6 +87,7 @@ class FrontendApp:
         stall_timeout: seconds a stream may bring nothing before it is lost and migrates
             (``Migration.arm``; None: never).
         limits: body size and body-read timeout (``_limits.HttpLimits``).
+        lora_placement: workers a LoRA adapter is loaded on (0: all of its model's).
     """
 
     def __init__(
@@ -94,8 +99,11 @@ class FrontendApp:
         migration_limit: int = DEFAULT_MIGRATION_LIMIT,
         limits: HttpLimits | None = None,
         stall_timeout: float | None = None,
+        lora_placement: int = 0,
     ) -> None:
         self._manager_factory = manager_factory
+        self.lora_placement = lora_placement
+        self.lora: LoraRoutes | None = None
         self._on_shutdown = on_shutdown
         self.timeout = request_timeout
         self.idle_timeout = idle_timeout
@@ -125,6 +133,7 @@ class FrontendApp:
             if message["type"] == "lifespan.startup":
                 try:
                     self.manager = await self._manager_factory()
+                    self.lora = LoraRoutes(self.manager, self.lora_placement)
                 except Exception as exc:
                     log.exception("frontend failed to start")
                     await send({"type": "lifespan.startup.failed", "message": str(exc)})
@@ -158,6 +167,9 @@ class FrontendApp:
                 await reply(send, 200, page, _METRICS_TYPE)
             elif path == "/clear_kv_blocks" and method == "POST":
                 await self._clear_kv_blocks(scope, receive, send)
+            elif path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter") and (
+                    method == "POST"):
+                await self._lora_adapter(scope, receive, send, path.endswith("/load_lora_adapter"))
             elif path in _ROUTES:
                 message = f"{method} is not allowed on {path}"
                 await error(send, HttpError(405, "invalid_request_error", message))
@@ -176,6 +188,16 @@ class FrontendApp:
             return
         await reply(send, 200, msgspec.json.encode(body))
 
+    async def _lora_adapter(self, scope: Scope, receive: Receive, send: Send, load: bool) -> None:
+        assert self.lora is not None
+        try:
+            body = await read_body(receive, scope, self.limits)
+            text = await (self.lora.load(body) if load else self.lora.unload(body))
+        except HttpError as exc:
+            await error(send, exc)
+            return
+        await reply(send, 200, text, _TEXT)
+
     # -- generation ------------------------------------------------------------------------
 
     async def _generate(self, scope: Scope, receive: Receive, send: Send, endpoint: str) -> None:
@@ -188,14 +210,17 @@ class FrontendApp:
             work: list[SubRequest]
             if endpoint == "chat":
                 req = parse_chat(body)
-                entry = self._entry(req.model)
+                entry, only = self._entry(req.model)
                 prompt_chars(entry.preprocessor, req)
                 work, n = await self._offload.run(len(body), chat_work, entry, req)
             else:
                 req = parse_completion(body)
-                entry = self._entry(req.model)
+                entry, only = self._entry(req.model)
                 prompt_chars(entry.preprocessor, req)
                 work, n = await self._offload.run(len(body), completion_work, entry, req)
+            if only is not None:  # a LoRA adapter's request
+                for sub in work:
+                    sub.pre.lora_name = req.model
             if req.logit_bias:
                 entry.require(Capability.LOGIT_BIAS, "logit_bias")
             first = work[0].pre
@@ -212,7 +237,8 @@ class FrontendApp:
             self._rejections.note(endpoint, exc)
             await error(send, exc)
             return
-        fmt = ChatFormatter(entry.name) if endpoint == "chat" else CompletionFormatter(entry.name)
+        served = entry.name if only is None else req.model  # vLLM answers with the adapter's
+        fmt = ChatFormatter(served) if endpoint == "chat" else CompletionFormatter(served)
         include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
         if include_usage and req.stream_options and req.stream_options.continuous_usage_stats:
             fmt.continuous_usage = True
@@ -221,7 +247,8 @@ class FrontendApp:
         prompt_tokens = sum(len(s.pre.token_ids) for s in work if s.number == 0)
         # The deadline also travels as the runtime's per-request timeout (the worker enforces
         # it too).
-        options = RouteOptions(instance_id=target, idle_timeout=self.idle_timeout, timeout=timeout)
+        options = RouteOptions(instance_id=target, idle_timeout=self.idle_timeout, timeout=timeout,
+                               only=only)
         async with RequestScope(self.metrics, entry.name, endpoint, streaming, fmt.id, receive,
                                 options, prompt_tokens, self.in_flight) as request_scope:
             request_scope.status = await self._run(
@@ -237,7 +264,7 @@ class FrontendApp:
             target = self._target(scope)
             timeout = request_timeout(scope, self.timeout)
             req, inputs = parse_embedding(body)
-            entry = self._entry(req.model)
+            entry, only = self._entry(req.model)
             request_id = f"embd-{uuid.uuid4().hex}"
             text_chars(entry.preprocessor, [
                 ("input" if len(inputs) == 1 else f"input[{i}]", t)
@@ -246,6 +273,8 @@ class FrontendApp:
             requests = await self._offload.run(
                 len(body), embedding_requests, entry, req, inputs, request_id
             )
+            for r in requests if only is not None else ():
+                r.lora_name = req.model
             if not entry.router.instance_ids():
                 raise http_errors.no_worker(f"no live worker serves model {req.model!r}")
         except HttpError as exc:
@@ -253,19 +282,19 @@ class FrontendApp:
             self._rejections.note(endpoint, exc)
             await error(send, exc)
             return
-        options = RouteOptions(instance_id=target, idle_timeout=self.idle_timeout, timeout=timeout)
+        options = RouteOptions(instance_id=target, idle_timeout=self.idle_timeout, timeout=timeout,
+                               only=only)
         async with RequestScope(m, entry.name, endpoint, False, request_id, receive, options,
                                 sum(len(r.token_ids) for r in requests),
                                 self.in_flight) as request_scope:
             request_scope.status = await serve_embeddings(request_scope, entry, req, requests,
                                                           send)
 
-    def _entry(self, model: str) -> ModelEntry:
+    def _entry(self, model: str) -> tuple[ModelEntry, frozenset[int] | None]:
+        """The model's entry, and the only instances its request may go to (a LoRA adapter's
+        holders; None: any)."""
         assert self.manager is not None
-        entry = self.manager.get(model)
-        if entry is None:
-            raise http_errors.model_not_found(model)
-        return entry
+        return resolve_model(self.manager, model)
 
     def _target(self, scope: Scope) -> int | None:
         """The instance a ``direct``-mode request names (``x-worker-instance-id``, hex)."""
@@ -302,7 +331,7 @@ class FrontendApp:
         return Migration(
             entry.router, pre, limit, self.idle_timeout, deadline,
             on_migrate=lambda kind: counter.labels(model, kind).inc(),
-            stall_timeout=self.stall_timeout,
+            stall_timeout=self.stall_timeout, only=options.only,
         )
 
     async def _run(

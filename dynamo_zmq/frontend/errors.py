@@ -6,7 +6,8 @@ Every failure a client sees is an ``HttpError``; its body is exactly OpenAI's::
 
     status  type                       when
     400     invalid_request_error      malformed JSON, wrong types, bad values, unsupported options
-    404     invalid_request_error      unknown model (code ``model_not_found``, as OpenAI sends it)
+    404     invalid_request_error      unknown model (code ``model_not_found``, as OpenAI sends it),
+                                       or a LoRA adapter the worker no longer holds
     404     not_found_error            unknown route
     408     invalid_request_error      the body did not arrive in time (``--body-timeout``)
     413     invalid_request_error      prompt too long (code ``context_length_exceeded``), or
@@ -216,7 +217,8 @@ def from_dynamo(exc: errors.DynamoError) -> HttpError:
 
     ``InvalidArgument`` -> 400; ``CannotConnect``, ``EngineShutdown``, ``Disconnected``,
     ``Overloaded`` (with ``retry_after``) -> 503;
-    ``ConnectionTimeout``, ``ResponseTimeout`` -> 504; ``Cancelled`` -> 499; others -> 500.
+    ``ConnectionTimeout``, ``ResponseTimeout`` -> 504; ``Cancelled`` -> 499; ``NotFound`` (a
+    worker does not hold the request's LoRA adapter: unloaded meanwhile) -> 404; others -> 500.
     """
     message = exc.message or str(exc) or exc.kind
     code = _snake(exc.kind)
@@ -231,6 +233,8 @@ def from_dynamo(exc: errors.DynamoError) -> HttpError:
         err = timeout(message)
     elif isinstance(exc, errors.Cancelled):
         err = client_closed(message)
+    elif isinstance(exc, errors.NotFound):
+        err = HttpError(404, INVALID_REQUEST, message, param="model")
     else:
         err = engine_error(message)
     err.code = code

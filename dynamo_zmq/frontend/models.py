@@ -50,6 +50,7 @@ from ..llm import (
     serves,
 )
 from ..runtime import DistributedRuntime, RouterMode
+from ._adapters import AdapterTable
 from ._disagg import GENERATION_ROLES, PREFILL_ROLES, DisaggConfig, DisaggMetrics, DisaggRouter
 from .errors import engine_lacks
 from .preprocess import Preprocessor
@@ -135,6 +136,8 @@ class ModelManager:
         self._warned: set[tuple[str, str]] = set()
         self._res = runtime.resources.child("models")
         self.changed = asyncio.Event()
+        #: The LoRA adapters the workers advertise (``_adapters.py``).
+        self.adapters = AdapterTable()
 
     async def start(self) -> None:
         await self.runtime.peers(self.namespace)  # starts discovery for the namespace
@@ -164,8 +167,10 @@ class ModelManager:
 
     async def _refresh(self) -> None:
         by_name: dict[str, list[ServedModel]] = {}
-        for served in served_models(await self.runtime.peers(self.namespace), self.namespace):
+        found = served_models(await self.runtime.peers(self.namespace), self.namespace)
+        for served in found:
             by_name.setdefault(served.advert.name, []).append(served)
+        self.adapters.update(found)
         for name, instances in by_name.items():
             known = self.models.get(name)
             if known is not None and any(s.advert.checksum == known.card.checksum

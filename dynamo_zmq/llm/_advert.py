@@ -47,7 +47,7 @@ class ModelAdvert(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=Fals
     """A model served on one endpoint of one worker: its card (name, checksum, files, context
     length, block size, disaggregation role), its engine's configuration (data-parallel size,
     KV-event and replay endpoints), where it publishes its load, its migration limit, and the
-    engine's name and capabilities."""
+    engine's name, capabilities and LoRA adapters."""
 
     model_card: ModelCard
     engine: EngineConfig
@@ -64,6 +64,9 @@ class ModelAdvert(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=Fals
     tool_call_parser: str | None = None
     #: The worker's reasoning parser: None, reasoning stays in the text.
     reasoning_parser: str | None = None
+    #: The LoRA adapters the engine holds now, name -> path (a path on the worker's machine);
+    #: re-advertised after each load and unload (``LLMEngine.lora_adapters``).
+    lora_adapters: dict[str, str] = msgspec.field(default_factory=dict)
 
     @property
     def name(self) -> str:

@@ -124,11 +124,13 @@ class Migration:
         on_migrate: called with the error kind of each migration (metrics).
         stall_timeout: seconds a stream may bring nothing before it is lost (``arm``); None:
             streams are never judged stalled.
+        only: the only instances a continuation may go to (``RouteOptions.only``: those
+            holding the request's LoRA adapter); None: any.
     """
 
     __slots__ = (
-        "_deadline", "_idle_timeout", "_limit", "_lost", "_on_migrate", "_request", "_router",
-        "_stall", "generated", "link", "migrations",
+        "_deadline", "_idle_timeout", "_limit", "_lost", "_on_migrate", "_only", "_request",
+        "_router", "_stall", "generated", "link", "migrations",
     )
 
     def __init__(
@@ -140,8 +142,10 @@ class Migration:
         deadline: float | None = None,
         on_migrate: Callable[[str], object] | None = None,
         stall_timeout: float | None = None,
+        only: frozenset[int] | None = None,
     ) -> None:
         self._router = router
+        self._only = only
         self._request = request
         self._limit = limit
         self._idle_timeout = idle_timeout
@@ -223,7 +227,8 @@ class Migration:
                 left = self._deadline - loop.time()
                 if left <= 0:
                     raise exc
-            options = RouteOptions(idle_timeout=self._idle_timeout, timeout=left, exclude=exclude)
+            options = RouteOptions(idle_timeout=self._idle_timeout, timeout=left, exclude=exclude,
+                                   only=self._only)
             try:
                 return await self._router.generate(request, ctx, options)
             except errors.CannotConnect:

@@ -129,6 +129,7 @@ class ClientRouter:
         return await self.client.stream(
             request, LLMEngineOutput, context=context, instance_id=instance_id,
             timeout=options.timeout, idle_timeout=options.idle_timeout, exclude=options.exclude,
+            only=options.only,
         )
 
     async def close(self) -> None:

@@ -172,13 +172,15 @@ class Client:
         timeout: float | None = None,
         idle_timeout: float | None = None,
         exclude: frozenset[int] = frozenset(),
+        only: frozenset[int] | None = None,
     ) -> ItemStream[T]:
         """Like ``generate``, with items decoded and validated into ``item_type`` (a response
         that does not fit fails the stream with ``errors.Unknown``). ``exclude``: instances
-        not to send to (nor fail over to), e.g. those a migrated request was lost on."""
+        not to send to (nor fail over to), e.g. those a migrated request was lost on;
+        ``only``: the only instances it may go to, failover included (None: any)."""
         return await self._call(
             request, typed_decoder(item_type), context, instance_id, timeout, idle_timeout,
-            exclude,
+            exclude, only,
         )
 
     async def open(
@@ -215,6 +217,7 @@ class Client:
         timeout: float | None,
         idle_timeout: float | None,
         exclude: frozenset[int] = frozenset(),
+        only: frozenset[int] | None = None,
     ) -> ItemStream[T]:
         if instance_id is not None:
             pick, failover = self._only(instance_id), False
@@ -222,6 +225,8 @@ class Client:
             pick, failover = _shuffled, True
         else:
             pick, failover = self._round_robin, True
+        if only is not None:
+            pick = _among(only, pick, self.path)
         return await self._send(
             request, pick, decode, context, failover=failover, timeout=timeout,
             idle_timeout=idle_timeout, exclude=exclude,
@@ -296,6 +301,18 @@ class Client:
             return chosen
 
         return pick
+
+
+def _among(only: frozenset[int], pick: Picker, path: str) -> Picker:
+    """``pick`` narrowed to the instances in ``only`` (CannotConnect when none is live)."""
+
+    def narrowed(conns: list[PeerConnection]) -> list[PeerConnection]:
+        allowed = [c for c in conns if c.instance_id in only]
+        if not allowed:
+            raise errors.CannotConnect(f"no live instance of {path} among those allowed")
+        return pick(allowed)
+
+    return narrowed
 
 
 def _shuffled(conns: list[PeerConnection]) -> list[PeerConnection]:

@@ -34,6 +34,8 @@ import socket
 import time
 from typing import Any
 
+import msgspec
+
 from .. import errors
 from ..discovery import Advert, Discovery, make_discovery
 from ..resources import Resources, cancel_and_wait
@@ -236,6 +238,16 @@ class DistributedRuntime:
                 "healthy again: routable" if healthy else "unhealthy: withdrawn from routing")
         if self._server is not None:
             self._server.bump_rev()
+
+    def set_endpoint_metadata(self, path: str, metadata: dict[str, Any]) -> None:
+        """Replace endpoint ``path``'s metadata (a worker's model advert after a LoRA load) and
+        tell connected clients, which fetch the new description. No-op for a path not served."""
+        for table in (self._endpoint_info, self._unhealthy):
+            if path in table:
+                table[path] = msgspec.structs.replace(table[path], metadata=metadata)
+                if self._server is not None:
+                    self._server.bump_rev()
+                return
 
     def watch_health(
         self, path: str, handler: TransportHandler, payload: object

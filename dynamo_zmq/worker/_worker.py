@@ -2,7 +2,8 @@
 
 Start: ``engine.start`` -> model card -> metrics -> KV transfer of a prefill or decode worker
 (``_kv_transfer.py``) -> ``ModelAdvert`` and system status server ->
-load publisher -> ``model_files``, ``clear_kv_blocks`` and generate endpoints -> health canary
+load publisher -> ``model_files``, ``clear_kv_blocks``, ``load_lora``, ``unload_lora`` and
+generate endpoints -> health canary
 -> ``READY``. The generate endpoint also serves embedding requests (``request.embedding`` set:
 ``engine.embed``, see ``_embed.py``). While the canary fails, the generate endpoint is
 withdrawn from routing. An engine that fails to start is reported as ``EngineShutdown`` (one
@@ -27,6 +28,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from tokenizers import Tokenizer
 
 from .. import errors
@@ -90,6 +92,8 @@ class Worker:
         self.load_publisher: LoadPublisher | None = None
         self._model_metrics: ModelMetrics | None = None
         self._force = asyncio.Event()
+        self._advert: ModelAdvert | None = None
+        self._generate_path = ""
         self._handing_over = False  # kills from now on are hand-overs, not cancellations
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -228,19 +232,30 @@ class Worker:
             engine_name=engine.name or type(engine).__name__,
             capabilities=sorted(engine.capabilities()),
             tool_call_parser=self.tool_parser, reasoning_parser=self.reasoning_parser,
+            lora_adapters=dict(engine.lora_adapters()),
         )
-        side = SideEndpoints(engine, args.model_path, self.card)
+        self._advert, self._generate_path = advert, generate.path
+        side = SideEndpoints(engine, args.model_path, self.card, self._readvertise)
         # With auth on, only frontends' and workers' keys may call a worker (docs/security.md).
         await component.endpoint("model_files").start_serving(
             side.model_files, callers=WORKER_CALLERS)
         await component.endpoint("clear_kv_blocks").start_serving(
             side.clear_kv_blocks, callers=WORKER_CALLERS)
+        for name, handler in (("load_lora", side.load_lora), ("unload_lora", side.unload_lora)):
+            await component.endpoint(name).start_serving(handler, callers=WORKER_CALLERS)
         await generate.start_serving(
             self._generate, metadata=advert.to_metadata(), request_type=PreprocessedRequest,
             callers=WORKER_CALLERS,
         )
         await self.health.canary()
         self._res.spawn(self.health.run(), "worker-health")
+
+    def _readvertise(self) -> None:
+        """Advertise the engine's LoRA adapters as they are now (after a load or unload)."""
+        assert self._advert is not None
+        self._advert = msgspec.structs.replace(
+            self._advert, lora_adapters=dict(self.engine.lora_adapters()))
+        self.runtime.set_endpoint_metadata(self._generate_path, self._advert.to_metadata())
 
     async def _start_load_publisher(self) -> str | None:
         """Bind the load PUB socket if the engine reports load; returns the endpoint to
@@ -281,6 +296,9 @@ class Worker:
         (a plain function: the stream the server iterates is ``_embed``'s or ``_run``'s)."""
         assert self.card is not None
         admit(request, self.card)
+        lora = request.lora_name
+        if lora is not None and lora not in self.engine.lora_adapters():
+            raise errors.NotFound(f"this worker holds no LoRA adapter {lora!r}")
         if request.embedding is not None:  # /v1/embeddings, routed as a generation is
             return self._embed(request, ctx)
         return self._run(request, ctx)

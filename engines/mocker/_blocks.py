@@ -137,12 +137,14 @@ class BlockManager:
     # -- prefix cache -----------------------------------------------------------------------
 
     def cache_blocks(self, blocks: Sequence[int], hashes: Sequence[int], parent: int | None,
-                     token_ids: Sequence[int], own_hashes: Sequence[int] | None = None) -> int:
+                     token_ids: Sequence[int], own_hashes: Sequence[int] | None = None,
+                     lora_name: str | None = None) -> int:
         """Give full, computed blocks their hashes; returns how many became cached.
 
         ``hashes[i]`` is the chained hash of ``blocks[i]``, ``parent`` the hash of the block
         before ``blocks[0]`` (None at the start of a sequence), ``token_ids`` all their tokens,
-        ``own_hashes[i]`` (if given) the router's hash of ``blocks[i]``, published with it.
+        ``own_hashes[i]`` (if given) the router's hash of ``blocks[i]``, published with it,
+        ``lora_name`` the LoRA adapter they were computed with (in their ``BlockStored``).
         Each run of newly stored blocks becomes one ``BlockStored`` event.
         """
         if not self.enable_caching:
@@ -158,8 +160,8 @@ class BlockManager:
                 stored += 1
                 tokens = token_ids[i * size : (i + 1) * size]
                 if run is None:
-                    run = BlockStored([], prev, [], size, own_hashes=None if own_hashes is None
-                                      else [])
+                    run = BlockStored([], prev, [], size, lora_name=lora_name,
+                                      own_hashes=None if own_hashes is None else [])
                     self._events.append(run)
                 run.block_hashes.append(h)
                 run.token_ids.extend(tokens)

@@ -14,6 +14,8 @@ from dynamo_zmq.errors import InvalidArgument
 from dynamo_zmq.llm._block_hashing import FORM_DELTAS
 from dynamo_zmq.llm._kv_forms import KV_EVENT_FORMS
 
+from ._lora import parse_lora_modules
+
 __all__ = ["MockerConfig", "add_mocker_args", "config_from_args", "read_model_dir"]
 
 DEFAULT_CONTEXT_LENGTH = 8192
@@ -67,10 +69,18 @@ class MockerConfig:
     #: What the KV-event payloads are (``KvHashScheme.form``): "stores" (vLLM's events with the
     #: router's own hashes) or "deltas" (own-hash deltas, ``OwnBatch``).
     kv_event_form: str = FORM_DELTAS
+    #: LoRA adapters (``_lora.py``): on/off, resident at once per rank, the largest rank, the
+    #: adapters loaded at start (name, path), and the simulated load of a non-resident one.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    lora_load_delay: float = 0.0
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "context_length", "block_size", "num_gpu_blocks", "max_num_seqs",
-                    "max_num_batched_tokens", "data_parallel_size", "replay_buffer_size")
+                    "max_num_batched_tokens", "data_parallel_size", "replay_buffer_size",
+                    "max_loras", "max_lora_rank")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -89,6 +99,10 @@ class MockerConfig:
             raise ValueError(
                 f"kv_transfer_bandwidth must be > 0, got {self.kv_transfer_bandwidth}"
             )
+        if not 0 <= self.lora_load_delay < float("inf"):
+            raise ValueError(f"lora_load_delay must be >= 0, got {self.lora_load_delay}")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
         if self.embedding_dim < 0:
             raise ValueError(f"embedding_dim must be >= 0, got {self.embedding_dim}")
         if self.kv_event_form not in KV_EVENT_FORMS:
@@ -165,6 +179,22 @@ def add_mocker_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -
              "'deltas', the default (only the own hashes that enter or leave each rank; smaller "
              "and cheaper for routers that read them; Dynamo's router cannot read them) "
              "[DYN_KV_EVENT_FORM]")
+    add("--enable-lora", action=argparse.BooleanOptionalAction,
+        default=env("DYN_ENABLE_LORA", "0") not in ("0", ""),
+        help="serve LoRA adapters (simulated: see --lora-load-delay) [DYN_ENABLE_LORA=1]")
+    add("--max-loras", type=int, default=env("DYN_MAX_LORAS", 1),
+        help="LoRA adapters resident at once per rank; a request for another one evicts the "
+             "least recently used idle one [DYN_MAX_LORAS]")
+    add("--max-lora-rank", type=int, default=env("DYN_MAX_LORA_RANK", 16),
+        help="largest LoRA rank (r) an adapter may have [DYN_MAX_LORA_RANK]")
+    add("--lora-modules", nargs="+", metavar="NAME=PATH",
+        default=env("DYN_LORA_MODULES", "").split(),
+        help="LoRA adapters to load at start (peft directories) [DYN_LORA_MODULES, "
+             "space-separated]")
+    add("--lora-load-delay", type=float, default=env("DYN_LORA_LOAD_DELAY", 0.0),
+        metavar="SECONDS",
+        help="simulated load of a non-resident adapter before its request's prefill (divided "
+             "by --speedup-ratio) [DYN_LORA_LOAD_DELAY]")
 
 
 def read_model_dir(path: str | Path) -> dict[str, Any]:
@@ -232,6 +262,11 @@ def _config_from_args(args: argparse.Namespace) -> MockerConfig:
         kv_transfer_bandwidth=get("kv_transfer_bandwidth", 25.0),
         kv_hash_seed=get("kv_hash_seed", None),
         kv_event_form=get("kv_event_form", FORM_DELTAS),
+        enable_lora=get("enable_lora", False),
+        max_loras=get("max_loras", 1),
+        max_lora_rank=get("max_lora_rank", 16),
+        lora_modules=parse_lora_modules(get("lora_modules", ())),
+        lora_load_delay=get("lora_load_delay", 0.0),
         **from_dir,
     )
 

@@ -34,6 +34,7 @@ from ._config import MockerConfig, add_mocker_args, config_from_args
 from ._disagg import DisaggStats, offer_prompt_kv, pull_prompt_kv
 from ._embed import mock_embedding
 from ._kv_events import KvEvent
+from ._lora import Adapters, ResidentAdapters
 from ._metrics import MockerCollector
 from ._publisher import TOPIC, KvEventPublisher
 from ._scheduler import RankScheduler
@@ -68,6 +69,9 @@ class MockerEngine(LLMEngine):
         self._collector = MockerCollector(
             lambda: sum(r.num_prefill_tokens for r in self._ranks), self._disagg
         )
+        self.adapters = Adapters(self.config.max_lora_rank)
+        #: Per rank: the LoRA adapters resident there (``--max-loras``).
+        self.resident: list[ResidentAdapters] = []
 
     @classmethod
     def add_args(cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -111,6 +115,10 @@ class MockerEngine(LLMEngine):
                 sched = RankScheduler(rank, cfg, self._publish if self._publisher else None)
                 sched.start()
                 self._ranks.append(sched)
+                self.resident.append(ResidentAdapters(
+                    cfg.max_loras, cfg.lora_load_delay / cfg.speedup_ratio))
+            for name, path in cfg.lora_modules:
+                self.adapters.load(name, path)
         except BaseException:
             await self.cleanup()
             raise
@@ -149,10 +157,39 @@ class MockerEngine(LLMEngine):
         if self._publisher is not None:
             self._publisher.publish(events, dp_rank)
 
-    async def generate(
+    def generate(
         self, request: PreprocessedRequest, ctx: Context
     ) -> AsyncIterator[LLMEngineOutput]:
-        """Stream one token per step, ending with exactly one terminal chunk."""
+        """Stream one token per step, ending with exactly one terminal chunk (a request with a
+        LoRA adapter first makes it resident on its rank: ``_lora.py``)."""
+        if request.lora_name is None:
+            return self._run(request, ctx)
+        return self._run_lora(request, ctx, request.lora_name)
+
+    async def _run_lora(
+        self, request: PreprocessedRequest, ctx: Context, lora: str
+    ) -> AsyncIterator[LLMEngineOutput]:
+        problem = self._check(request)
+        if problem is not None:
+            yield error_output(problem, Usage(prompt_tokens=len(request.token_ids)))
+            return
+        if lora not in self.adapters.loaded:
+            raise errors.NotFound(f"the mocker holds no LoRA adapter {lora!r}")
+        sched = self._pick_rank(request.routing.dp_rank)
+        slots = self.resident[sched.rank]
+        if not await slots.acquire_unless_stopped(lora, ctx):
+            yield cancelled_output(Usage(len(request.token_ids), 0, 0))
+            return
+        try:
+            async for chunk in self._run(request, ctx, sched):
+                yield chunk
+        finally:
+            slots.release(lora)
+
+    async def _run(
+        self, request: PreprocessedRequest, ctx: Context, sched: RankScheduler | None = None
+    ) -> AsyncIterator[LLMEngineOutput]:
+        """One request on rank ``sched`` (None: the one its routing or the load picks)."""
         prompt_usage = Usage(prompt_tokens=len(request.token_ids))
         problem = self._check(request)
         if problem is not None:
@@ -161,7 +198,8 @@ class MockerEngine(LLMEngine):
         if ctx.is_stopped():
             yield cancelled_output(Usage(len(request.token_ids), 0, 0))
             return
-        sched = self._pick_rank(request.routing.dp_rank)
+        if sched is None:
+            sched = self._pick_rank(request.routing.dp_rank)
         seq = self._sequence(request)
         role, kv = request.disaggregation, self.kv_transfer
         if role is not None and kv is not None:
@@ -257,6 +295,7 @@ class MockerEngine(LLMEngine):
             num_logprobs=request.output.logprobs,
             logit_bias=request.sampling.logit_bias,
             hash_root=cfg.kv_hash_seed,
+            lora_name=request.lora_name,
         )
 
     def capabilities(self) -> frozenset[str]:
@@ -266,7 +305,27 @@ class MockerEngine(LLMEngine):
         caps = {Capability.LOGPROBS, Capability.LOGIT_BIAS, Capability.DISAGGREGATION}
         if self.config.embedding_dim:
             caps.add(Capability.EMBEDDINGS)
+        if self.config.enable_lora:
+            caps.add(Capability.LORA)
         return frozenset(caps)
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Register the peft adapter at ``path`` (``Adapters.load``; ``Unsupported`` without
+        ``--enable-lora``); it becomes resident on a rank when a request needs it there."""
+        self._lora_enabled()
+        self.adapters.load(name, path)
+
+    async def unload_lora(self, name: str) -> None:
+        """Forget adapter ``name`` (``Adapters.unload``); requests running with it finish."""
+        self._lora_enabled()
+        self.adapters.unload(name)
+
+    def _lora_enabled(self) -> None:
+        if not self.config.enable_lora:
+            raise errors.Unsupported("the mocker serves LoRA adapters only with --enable-lora")
+
+    def lora_adapters(self) -> dict[str, str]:
+        return dict(self.adapters.loaded)
 
     async def embed(self, request: PreprocessedRequest, ctx: Context) -> list[float]:
         """A deterministic unit vector of ``--mock-embedding-dim`` floats per token sequence,
@@ -343,9 +402,12 @@ class MockerEngine(LLMEngine):
         """Stop the schedulers (unfinished streams end with an error) and close the sockets.
         Idempotent and safe before ``start``."""
         self._state = "closed"
+        for slots in self.resident:
+            slots.close()
         ranks, self._ranks = self._ranks, []
         for sched in ranks:
             await sched.close()
         publisher, self._publisher = self._publisher, None
         if publisher is not None:
             await publisher.close()
+

@@ -1,4 +1,6 @@
-"""Block hashes of the mocker's prefix cache: xxhash64 chained over full blocks of token ids."""
+"""Block hashes of the mocker's prefix cache: xxhash64 chained over full blocks of token ids.
+A LoRA adapter's blocks chain from a root of their own (``lora_roots``), in the prefix cache's
+hashes and in the router hashes published with them alike: its KV is not the base model's."""
 
 from __future__ import annotations
 
@@ -7,7 +9,9 @@ from collections.abc import Sequence
 
 import xxhash
 
-__all__ = ["block_hash", "chain_hashes"]
+from dynamo_zmq.llm._block_hashing import ROOT_SEED
+
+__all__ = ["block_hash", "chain_hashes", "lora_roots"]
 
 
 def _token_bytes(tokens: Sequence[int]) -> bytes:
@@ -30,3 +34,14 @@ def chain_hashes(tokens: Sequence[int], block_size: int, parent: int | None = No
         parent = block_hash(parent, tokens[start : start + block_size])
         out.append(parent)
     return out
+
+
+def lora_roots(lora_name: str | None, router_seed: int | None) -> tuple[int | None, int | None]:
+    """The parents of a sequence's first block: in the prefix cache (None: the base model) and
+    in the router's hashes (None: ``ROOT_SEED``; for an adapter ``root_hash(lora_name)``, or
+    its equivalent under another ``--kv-hash-seed``)."""
+    if lora_name is None:
+        return None, router_seed
+    salt = b"lora:" + lora_name.encode()
+    return (xxhash.xxh64_intdigest(salt),
+            xxhash.xxh3_64_intdigest(salt, ROOT_SEED if router_seed is None else router_seed))

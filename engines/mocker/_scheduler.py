@@ -335,7 +335,7 @@ class RankScheduler:
         hashes = seq.block_hashes(full)
         self.blocks.cache_blocks(
             seq.block_ids[start:full], hashes[start:], hashes[start - 1] if start else None,
-            seq.tokens[start * size : full * size], seq.own_hashes(full)[start:],
+            seq.tokens[start * size : full * size], seq.own_hashes(full)[start:], seq.lora_name,
         )
         seq.num_hashed_blocks = full
 

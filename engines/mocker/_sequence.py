@@ -20,7 +20,7 @@ import xxhash
 from dynamo_zmq.llm import FinishReason, LLMEngineOutput, Usage
 from dynamo_zmq.llm._block_hashing import block_hashes as router_hashes
 
-from ._hashing import block_hash
+from ._hashing import block_hash, lora_roots
 
 __all__ = ["SeqStatus", "Sequence", "sequence_seed"]
 
@@ -46,8 +46,12 @@ class Sequence:
                  request_id: str = "", resumed: int = 0,
                  num_logprobs: int | None = None,
                  logit_bias: dict[int, float] | None = None,
-                 hash_root: int | None = None) -> None:
+                 hash_root: int | None = None, lora_name: str | None = None) -> None:
         self.request_id = request_id
+        #: The LoRA adapter it runs with (None: the base model); its blocks chain from the
+        #: adapter's roots (``lora_roots``), so they are cached and published apart.
+        self.lora_name = lora_name
+        self._cache_root, hash_root = lora_roots(lora_name, hash_root)
         self.tokens: list[int] = list(prompt)
         self.num_prompt = len(self.tokens)
         self.block_size = block_size
@@ -118,7 +122,8 @@ class Sequence:
         while len(hashes) < num_blocks:
             i = len(hashes)
             hashes.append(
-                block_hash(hashes[-1] if hashes else None, self.tokens[i * size : (i + 1) * size])
+                block_hash(hashes[-1] if hashes else self._cache_root,
+                           self.tokens[i * size : (i + 1) * size])
             )
         return hashes[:num_blocks]
 
