@@ -9,7 +9,11 @@ vLLM worker (``--enable-lora --lora-modules a=... --scheduling-policy priority -
   a request for the adapter: base and adapter blocks never match each other (edge-hashed live
   events and vLLM's own replayed events alike);
 - a request's priority reaches vLLM's scheduler: with one sequence slot, the waiting request of
-  the better (lower) priority runs first although it came second.
+  the better (lower) priority runs first although it came second;
+- end to end through a frontend and the ``openai`` client: an adapter loaded with
+  ``/v1/load_lora_adapter`` is listed and used (``model=<adapter>``), a bad path or a rank above
+  ``--max-lora-rank`` is 400 with vLLM's message and leaves nothing loaded, and once unloaded
+  the adapter is 404.
 
 Runs only where vLLM is installed; skipped otherwise, except in CI (``CI=true``)."""
 
@@ -22,6 +26,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import openai
 import pytest
 
 import tests.support.needs_vllm  # noqa: F401  (skips this module without vLLM; fails it in CI)
@@ -43,10 +48,11 @@ from router.hashing import block_hashes, root_hash
 from router.indexer import KvIndexer
 from tests.conftest import runtime_factory
 from tests.support.http_calls import get_text
+from tests.support.lora import complete, load_adapter, unload_adapter
 from tests.support.metrics import sample
 from tests.support.procs import Proc, run_cli, system_port
 from tests.support.vllm_stack import VLLM_ENV, WORKER_FLAGS, WORKER_START
-from tests.support.waiting import eventually
+from tests.support.waiting import eventually, serving
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(600)]
 
@@ -58,7 +64,9 @@ MAX_MODEL_LEN = 512
 @pytest.fixture(scope="module")
 def adapters(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("lora")
-    return {"a": build_lora_adapter(tiny_model, root / "a", rank=8, seed=0)}
+    return {"a": build_lora_adapter(tiny_model, root / "a", rank=8, seed=0),
+            "b": build_lora_adapter(tiny_model, root / "b", rank=8, seed=1),
+            "r32": build_lora_adapter(tiny_model, root / "r32", rank=32, seed=2)}
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +145,7 @@ async def test_adapter_output_differs_from_the_base_and_is_vllms_offline_output(
 
 
 async def test_an_adapter_the_worker_lacks_is_not_found(client, prompts):
-    with pytest.raises(errors.NotFound, match="'zz' cannot be found"):
+    with pytest.raises(errors.NotFound, match="'zz'"):
         await token_ids(client, request(prompts[0], lora_name="zz"))
     assert await token_ids(client, request(prompts[0], lora_name="a"))  # the worker goes on
 
@@ -254,3 +262,53 @@ async def test_the_better_priority_runs_first_with_vllms_priority_scheduling(cli
         for task in tasks:
             task.cancel()
     assert done == ["late-but-urgent", "early"]
+
+
+# -- end to end: the frontend's routes and the openai client ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def frontend(worker: Proc) -> Iterator[Proc]:
+    proc = Proc(["-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace",
+                 worker.namespace])
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+async def test_load_use_unload_through_the_frontend(frontend, worker, adapters, prompts):
+    url = await serving(frontend, [worker], "tiny", timeout=60)
+    prompt = prompts[2]
+    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as api:
+        async def text(model: str) -> str:
+            done = await api.completions.create(model=model, prompt=prompt, max_tokens=8,
+                                                temperature=0.0)
+            return done.choices[0].text
+
+        status, body = await load_adapter(url, "b", adapters["b"])
+        assert (status, body) == (200, b"Success: LoRA adapter 'b' added successfully.")
+        models = {m.id: m.model_dump() for m in (await api.models.list()).data}
+        assert models["a"]["parent"] == models["b"]["parent"] == "tiny"
+        assert models["b"]["root"] == str(adapters["b"])
+        base, with_b = await text("tiny"), await text("b")
+        assert with_b != base
+        assert (await complete(api, "b", prompt)).model == "b"
+
+        missing = adapters["b"].parent / "missing"
+        status, body = await load_adapter(url, "c", missing)
+        assert status == 400 and str(missing) in json.loads(body)["error"]["message"]
+        status, body = await load_adapter(url, "c", adapters["r32"])
+        message = json.loads(body)["error"]["message"]
+        assert status == 400 and "LoRA rank 32 is greater than max_lora_rank 16" in message
+        status, body = await load_adapter(url, "b", adapters["a"])
+        assert status == 400 and "already been loaded" in body.decode()
+        assert {m.id for m in (await api.models.list()).data} == {"tiny", "a", "b"}
+
+        status, body = await unload_adapter(url, "b")
+        assert (status, body) == (200, b"Success: LoRA adapter 'b' removed successfully.")
+        with pytest.raises(openai.NotFoundError):
+            await text("b")
+        status, _ = await unload_adapter(url, "b")
+        assert status == 404
+        assert await text("a") != base and await text("tiny") == base  # the rest serves on
