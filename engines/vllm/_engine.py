@@ -327,7 +327,7 @@ class VllmEngine(LLMEngine):
         self.live_requests.add(key, rid)
         stream = llm.generate(
             TokensPrompt(prompt_token_ids=list(request.token_ids)), params, rid,
-            data_parallel_rank=rank, lora_request=lora,  # fcfs: vLLM refuses priorities but 0
+            data_parallel_rank=rank, lora_request=lora,  # fcfs: 0 (vLLM: others are errors)
             priority=request.priority if self._priority else 0,
         )
         remove = ctx.add_listener(lambda _killed: self._spawn_abort(llm, [rid]))
