@@ -137,6 +137,7 @@ class LoraTable:
             InvalidArgument: an empty name or path, the served model's name, a name already
                 loaded, or what vLLM refused (a bad path, a rank above ``max_lora_rank``,
                 modules the model lacks), with vLLM's message.
+            EngineShutdown: vLLM's engine core died.
         """
         llm = self._llm
         if llm is None:
@@ -150,6 +151,7 @@ class LoraTable:
             raise errors.InvalidArgument(
                 f"The lora adapter '{name}' conflicts with a served base model.")
         from vllm.lora.request import LoRARequest
+        from vllm.v1.engine.exceptions import EngineDeadError
 
         async with self._lock:
             if name in self._by_name:
@@ -160,6 +162,8 @@ class LoraTable:
                 await llm.add_lora(req)
             except errors.DynamoError:
                 raise
+            except EngineDeadError as exc:  # the engine core process is gone
+                raise errors.EngineShutdown(f"vLLM's engine core died: {exc}") from exc
             except Exception as exc:
                 why = str(exc).removeprefix("Call to add_lora method failed: ")
                 raise errors.InvalidArgument(
