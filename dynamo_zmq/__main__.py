@@ -4,6 +4,8 @@
     python -m dynamo_zmq status          list the live instances discovery finds
     python -m dynamo_zmq demo            a worker and a client in two processes, no HTTP
     python -m dynamo_zmq tiny-model DIR  build the tiny local model the tests and quickstart use
+    python -m dynamo_zmq tiny-lora MODEL_DIR DIR
+                                         build a random LoRA adapter for it (needs peft)
 
 The processes a deployment runs have their own entry points: ``python -m dynamo_zmq.worker``
 and ``python -m dynamo_zmq.frontend``.
@@ -40,11 +42,19 @@ def _tiny_model(argv: Sequence[str]) -> int:
     return 0
 
 
+def _tiny_lora(argv: Sequence[str]) -> int:
+    from .tools.tiny_lora import main
+
+    main(list(argv))
+    return 0
+
+
 TOOLS: dict[str, Callable[[Sequence[str]], int]] = {
     "quickstart": _quickstart,
     "status": _status,
     "demo": _demo,
     "tiny-model": _tiny_model,
+    "tiny-lora": _tiny_lora,
 }
 
 

@@ -20,6 +20,7 @@ from dynamo_zmq.llm._block_hashing import extra_key_hash as extra_key_hash
 from dynamo_zmq.llm._block_hashing import root_hash as root_hash
 from dynamo_zmq.llm._block_hashing import salted_block_hashes as salted_block_hashes
 from dynamo_zmq.llm._block_hashing import token_bytes as token_bytes
+from dynamo_zmq.llm._block_hashing import without_lora_name as without_lora_name
 
 __all__ = [
     "HASH_SCHEME",
@@ -34,6 +35,7 @@ __all__ = [
     "root_hash",
     "salted_block_hashes",
     "token_bytes",
+    "without_lora_name",
 ]
 
 

@@ -46,6 +46,7 @@ from ._keystate import MASK64 as _MASK64
 from ._keystate import KeyState, KeyTable, chain_entries, relink, unlink
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, OwnBatch
 from .hashing import ROOT_SEED, TokenIds, block_hashes, event_own_hashes, root_hash
+from .hashing import without_lora_name as without_lora_name
 from .matching import WorkerKey as WorkerKey
 from .matching import linear_matches, prefix_matches
 
@@ -138,8 +139,9 @@ class KvIndexer:
         for ev in batch.events:
             if isinstance(ev, BlockStored):
                 lora = ev.lora_name if ev.lora_name is not None else ev.lora_id
+                extra = without_lora_name(ev.extra_keys, ev.lora_name)  # vLLM repeats the name
                 self.apply_stored(key, ev.block_hashes, ev.parent_block_hash, ev.token_ids,
-                                  ev.block_size, lora=lora, extra_keys=ev.extra_keys,
+                                  ev.block_size, lora=lora, extra_keys=extra,
                                   own_hashes=ev.own_hashes)
             elif isinstance(ev, BlockRemoved):
                 self.apply_removed(key, ev.block_hashes)

@@ -17,6 +17,7 @@ COMMANDS = [
     ["-m", "dynamo_zmq.demo"],
     ["-m", "dynamo_zmq", "status"],
     ["-m", "dynamo_zmq", "tiny-model"],
+    ["-m", "dynamo_zmq", "tiny-lora"],
     ["-m", "router"],
 ]
 

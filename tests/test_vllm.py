@@ -292,6 +292,26 @@ async def test_what_vllm_rejects_is_invalid_argument(engine):
     assert engine.llm.get_num_unfinished_requests() == 0
 
 
+async def test_without_lora_and_priority_scheduling(engine):
+    """vLLM's defaults (no --enable-lora, fcfs): neither capability; a request's priority is
+    not passed (fcfs ignores it), an adapter is NotFound, loading one Unsupported."""
+    from dynamo_zmq.llm import Capability
+
+    assert not {Capability.LORA, Capability.PRIORITY} & engine.capabilities()
+    chunks = await collect(engine.generate(
+        PreprocessedRequest(token_ids=[1, 5, 9], stop=StopConditions(max_tokens=3), priority=5),
+        Context()))
+    assert chunks[-1].finish_reason == "length"
+    with pytest.raises(errors.NotFound, match="start it with --enable-lora"):
+        await collect(engine.generate(PreprocessedRequest(token_ids=[1], lora_name="a"),
+                                      Context()))
+    with pytest.raises(errors.Unsupported, match="--enable-lora"):
+        await engine.load_lora("a", "/nowhere")
+    with pytest.raises(errors.NotFound):
+        await engine.unload_lora("a")
+    assert engine.lora_adapters() == {}
+
+
 # -- KV events ---------------------------------------------------------------------------------
 
 

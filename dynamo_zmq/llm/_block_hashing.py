@@ -40,6 +40,7 @@ __all__ = [
     "root_hash",
     "salted_block_hashes",
     "token_bytes",
+    "without_lora_name",
 ]
 
 #: Parent of the first block of every sequence without LoRA (an arbitrary fixed constant).
@@ -192,3 +193,18 @@ def salted_block_hashes(
         parent = h if extra is None else extra_key_hash(h, extra)
         owns.append(parent)
     return owns
+
+
+def without_lora_name(extra_keys: list[Any] | None, lora_name: str | None) -> list[Any] | None:
+    """A LoRA store's per-block extra keys without the adapter's name, which vLLM puts first
+    in each block's (the root, ``root_hash(lora_name)``, already carries the adapter, as it does
+    for a request to the adapter): None where a block has nothing left, and None when no block
+    has anything left. Without a ``lora_name``, ``extra_keys`` unchanged."""
+    if extra_keys is None or lora_name is None:
+        return extra_keys
+    out: list[Any] = []
+    for keys in extra_keys:
+        if isinstance(keys, (list, tuple)) and keys and keys[0] == lora_name:
+            keys = list(keys[1:]) or None
+        out.append(keys)
+    return out if any(k is not None for k in out) else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ from ._options import STRUCTURED_OUTPUTS_CONFIG, VllmOptions
 from ._relay import KvRelay
 
 __all__ = ["CPU_BLOCK_SIZE", "KV_TOPIC", "build_engine_args", "disagg_transfer_config",
-           "relay_for", "reported_config"]
+           "engine_arg", "relay_for", "reported_config"]
 
 log = logging.getLogger(__name__)
 
@@ -37,28 +38,31 @@ DISAGG_ROLES = ("prefill", "decode")
 CPU_BLOCK_SIZE = 32
 
 
-def _given(given: Any, name: str) -> Any:
+def engine_arg(given: Any, name: str) -> Any:
     """One of the adapter's engine args (an ``AsyncEngineArgs`` or a dict)."""
     return given.get(name) if isinstance(given, dict) else getattr(given, name, None)
 
 
-def relay_for(given: Any, opts: VllmOptions, resources: Resources) -> KvRelay | None:
+def relay_for(given: Any, opts: VllmOptions, resources: Resources,
+              lora_names: Callable[[int], str | None] | None = None) -> KvRelay | None:
     """With KV events on, the relay that republishes vLLM's KV events hashed at the edge, in the
     configured form, and answers full dumps (``_relay.py``; vLLM's own sockets then stay on
-    loopback; CURVE with auth on, plaintext without). None with KV events off or a
+    loopback; CURVE with auth on, plaintext without; ``lora_names`` maps vLLM's LoRA ids to
+    adapter names, see ``EdgeHasher``). None with KV events off or a
     ``kv_events_config`` of the caller's own (used as given; with auth on, with a warning that
     it is plaintext)."""
     if not opts.kv_events:
         return None
-    own = _given(given, "kv_events_config")
+    own = engine_arg(given, "kv_events_config")
     if own is not None:
         if current_curve() is not None:
             log.warning("auth is on but vLLM's own kv_events_config (%s) publishes in plaintext:"
                         " anyone who can reach it reads the KV events", own.endpoint)
         return None
-    dp_size = _given(given, "data_parallel_size") or 1
+    dp_size = engine_arg(given, "data_parallel_size") or 1
     return KvRelay(resources, dp_size, opts.kv_events_port, opts.kv_replay_port,
-                   form=opts.kv_event_form, buffer_size=opts.kv_buffer_steps)
+                   form=opts.kv_event_form, buffer_size=opts.kv_buffer_steps,
+                   lora_names=lora_names)
 
 
 def build_engine_args(given: Any, opts: VllmOptions, cpu: bool,

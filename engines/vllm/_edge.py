@@ -10,14 +10,29 @@ token ids) goes without ``own_hashes``: the router then hashes that batch's toke
 payload that is not vLLM's map form with int hashes is passed on unchanged; so are replays.
 A rewritten payload is re-encoded from our structs (``dynamo_zmq.llm.BlockStored``), so vLLM's
 fields the router does not read (``group_idx``, ``kv_cache_spec_kind``...) are left out.
+
+LoRA: a store of an adapter's blocks chains from ``root_hash(adapter name)``, as the router
+hashes a request for that adapter, so base-model and adapter blocks never match each other and
+two adapters' blocks are two prefixes. vLLM (0.32) names the adapter (``lora_name``) and also
+puts the name first in each block's ``extra_keys``; the name is taken out of them (the root
+already carries it), so those blocks are not salted a second time, and the event published in
+stores form says the same. An event with only ``lora_id`` gets its name from ``lora_names``
+(the engine's adapter table) when it knows the id.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import msgspec
 
 from dynamo_zmq.llm import BlockRemoved, BlockStored, EventBatch
-from dynamo_zmq.llm._block_hashing import block_hashes, root_hash, salted_block_hashes
+from dynamo_zmq.llm._block_hashing import (
+    block_hashes,
+    root_hash,
+    salted_block_hashes,
+    without_lora_name,
+)
 
 __all__ = ["EdgeHasher"]
 
@@ -29,8 +44,9 @@ _encoder = msgspec.msgpack.Encoder()
 class EdgeHasher:
     """Adds ``own_hashes`` to the events of one data-parallel rank's payloads, in order."""
 
-    def __init__(self) -> None:
+    def __init__(self, lora_names: Callable[[int], str | None] | None = None) -> None:
         self._own: dict[int, int] = {}
+        self._lora_names = lora_names
 
     def __len__(self) -> int:
         return len(self._own)
@@ -49,6 +65,8 @@ class EdgeHasher:
         own_of = self._own
         for ev in batch.events:
             if type(ev) is BlockStored:
+                if ev.lora_id is not None or ev.lora_name is not None:
+                    self._name_adapter(ev)
                 ev.own_hashes = owns = self._hash(ev)
                 if owns is not None:
                     for eh, oh in zip(ev.block_hashes, owns, strict=True):
@@ -59,6 +77,14 @@ class EdgeHasher:
             else:
                 own_of.clear()
         return batch
+
+    def _name_adapter(self, ev: BlockStored) -> None:
+        """The adapter's name on ``ev`` (from its id if need be), and out of its extra keys."""
+        if ev.lora_name is None and ev.lora_id is not None and self._lora_names is not None:
+            ev.lora_name = self._lora_names(ev.lora_id)
+        name = ev.lora_name
+        if name is not None and ev.extra_keys is not None:
+            ev.extra_keys = without_lora_name(ev.extra_keys, name)
 
     def _hash(self, ev: BlockStored) -> list[int] | None:
         n, size = len(ev.block_hashes), ev.block_size
@@ -81,3 +107,4 @@ class EdgeHasher:
             return block_hashes(ev.token_ids, size, seed)
         except ValueError:
             return None
+

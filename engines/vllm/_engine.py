@@ -33,8 +33,16 @@ from dynamo_zmq.llm import (
 )
 from dynamo_zmq.resources import Resources, cancel_and_wait
 
-from ._config import DISAGG_ROLES, KV_TOPIC, build_engine_args, relay_for, reported_config
+from ._config import (
+    DISAGG_ROLES,
+    KV_TOPIC,
+    build_engine_args,
+    engine_arg,
+    relay_for,
+    reported_config,
+)
 from ._embed import embed, pooling_capabilities
+from ._lora import LoraTable
 from ._options import (
     VllmOptions,
     add_vllm_args,
@@ -89,6 +97,10 @@ class VllmEngine(LLMEngine):
         self._caps: frozenset[str] = GENERATE_CAPABILITIES
         #: Relays vLLM's KV events over CURVE when auth is on (``_relay.py``).
         self._relay: KvRelay | None = None
+        self._loras = LoraTable()  # the LoRA adapters loaded (``_lora.py``)
+        self._priority = False  # vLLM schedules by priority (``--scheduling-policy priority``)
+        if self.options.lora_modules and not engine_arg(self.engine_args, "enable_lora"):
+            raise errors.InvalidArgument("--lora-modules needs --enable-lora")
 
     # -- construction ----------------------------------------------------------------------
 
@@ -130,7 +142,8 @@ class VllmEngine(LLMEngine):
             # process); vLLM's CPU platform only allows it with this set. Inherited by the child.
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         install_parent_watch()  # engine-core processes end with this one
-        self._relay = relay = relay_for(self.engine_args, self.options, self._res)
+        self._relay = relay = relay_for(self.engine_args, self.options, self._res,
+                                        self._loras.name_of)
 
         def build() -> tuple[Any, tuple[int, ...]]:
             args = build_engine_args(self.engine_args, self.options, cpu, relay)
@@ -159,15 +172,36 @@ class VllmEngine(LLMEngine):
         self._state = "started"
         if llm.vllm_config.model_config.runner_type == "pooling":
             self._caps = await pooling_capabilities(llm)
-        self.engine_config = reported_config(llm, self.options, self._relay)
-        return self.engine_config
+        self.engine_config = config = reported_config(llm, self.options, self._relay)
+        self._priority = llm.vllm_config.scheduler_config.policy == "priority"
+        if Capability.EMBEDDINGS_ONLY not in self._caps:
+            self._caps |= {Capability.LORA} if llm.vllm_config.lora_config is not None else set()
+            self._caps |= {Capability.PRIORITY} if self._priority else set()
+        try:  # --lora-modules: any failure fails the start
+            await self._loras.attach(llm, config.served_model_name, self.options.lora_modules)
+        except errors.DynamoError:
+            await self.cleanup()
+            raise
+        return config
 
     def capabilities(self) -> frozenset[str]:
         """When generating: logprobs (vLLM's own values; the worker adds the token texts) and
         structured outputs (vLLM's ``StructuredOutputsParams``) and ``logit_bias``
-        (``SamplingParams`` takes it); under vLLM's pooling runner,
-        embeddings (and only them)."""
+        (``SamplingParams`` takes it), LoRA adapters with ``--enable-lora`` and priorities with
+        ``--scheduling-policy priority``; under vLLM's pooling runner, embeddings (and only
+        them)."""
         return self._caps
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """vLLM's ``add_lora``, all or nothing (errors: ``LoraTable.load``)."""
+        await self._loras.load(name, path)
+
+    async def unload_lora(self, name: str) -> None:
+        """vLLM's ``remove_lora`` (``NotFound``: no such adapter)."""
+        await self._loras.unload(name)
+
+    def lora_adapters(self) -> dict[str, str]:
+        return self._loras.adapters()
 
     async def drain(self) -> None:
         """Nothing to hand off: in-flight requests finish in vLLM (the worker waits for them)."""
@@ -198,6 +232,7 @@ class VllmEngine(LLMEngine):
         """Abort what is left and shut vLLM down. Idempotent; safe before ``start``."""
         self._state = "closed"
         llm, self._llm = self._llm, None
+        self._loras.detach()
         await self._res.close()
         if llm is not None:
             with contextlib.suppress(Exception):
@@ -273,6 +308,7 @@ class VllmEngine(LLMEngine):
         if problem is not None:
             yield error_output(problem, Usage(prompt_tokens))
             return
+        lora = None if request.lora_name is None else self._loras.request(request.lora_name)
         if ctx.is_stopped():
             yield cancelled_output(Usage(prompt_tokens, 0))
             return
@@ -291,7 +327,8 @@ class VllmEngine(LLMEngine):
         self.live_requests.add(key, rid)
         stream = llm.generate(
             TokensPrompt(prompt_token_ids=list(request.token_ids)), params, rid,
-            data_parallel_rank=rank,
+            data_parallel_rank=rank, lora_request=lora,  # fcfs: 0 (vLLM: others are errors)
+            priority=request.priority if self._priority else 0,
         )
         remove = ctx.add_listener(lambda _killed: self._spawn_abort(llm, [rid]))
         completion = 0

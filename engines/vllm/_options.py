@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ from typing import Any
 from dynamo_zmq import errors
 from dynamo_zmq.llm._block_hashing import FORM_DELTAS
 from dynamo_zmq.llm._kv_forms import KV_EVENT_FORMS
+
+from ._lora import parse_modules
 
 __all__ = [
     "INSTALL_HINT",
@@ -73,6 +76,8 @@ class VllmOptions:
     kv_transfer_port: int = 0
     #: Seconds a finished prefill's blocks wait for their pull before they are freed.
     kv_transfer_ttl: float = 60.0
+    #: LoRA adapters loaded at start, (name, path) in order (``--lora-modules``).
+    lora_modules: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.kv_transfer_ttl <= 0:
@@ -142,8 +147,31 @@ def add_adapter_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) 
     add("--kv-advertise-host", default=env("DYN_KV_ADVERTISE_HOST") or None,
         help="address routers use for the KV-event sockets (and decode workers for KV pulls) "
              "[DYN_KV_ADVERTISE_HOST]")
+    add("--lora-modules", nargs="+", metavar="NAME=PATH",
+        default=_env_lora_modules(env("DYN_LORA_MODULES", "")),
+        help="LoRA adapters to load at start, as vLLM's server takes them: NAME=PATH or "
+             "vLLM's JSON form '{\"name\": NAME, \"path\": PATH}' (needs --enable-lora) "
+             "[DYN_LORA_MODULES: the same, separated by spaces, or a JSON list]")
     # --kv-transfer-port and --kv-transfer-ttl are worker flags (dynamo_zmq.kv_transfer); the
     # KV connector of a prefill worker binds that port and frees unpulled blocks after the TTL.
+
+
+def _env_lora_modules(value: str) -> list[str] | None:
+    """``DYN_LORA_MODULES`` as ``--lora-modules`` items: a JSON list (of ``NAME=PATH`` strings
+    or JSON-form objects) or items separated by whitespace; None when unset or empty. What is
+    not well-formed is passed on as one item, for ``parse_modules`` to refuse."""
+    value = value.strip()
+    if not value:
+        return None
+    if value.startswith("["):
+        try:
+            items = json.loads(value)
+        except ValueError:
+            return [value]
+        if not isinstance(items, list):
+            return [value]
+        return [item if isinstance(item, str) else json.dumps(item) for item in items]
+    return value.split()
 
 
 def _add_engine_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -206,4 +234,5 @@ def options_from_args(args: argparse.Namespace) -> VllmOptions:
         disaggregation_mode=str(getattr(args, "disaggregation_mode", None) or "agg"),
         kv_transfer_port=int(getattr(args, "kv_transfer_port", 0) or 0),
         kv_transfer_ttl=float(getattr(args, "kv_transfer_ttl", 60.0) or 60.0),
+        lora_modules=parse_modules(getattr(args, "lora_modules", None) or ()),
     )

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+from collections.abc import Callable
 
 import zmq
 
@@ -50,8 +51,10 @@ class _Rank:
     """One rank's relay state: the edge hasher, what was published (in the form), the last seq
     and, in deltas form, the published batches kept for replay."""
 
-    def __init__(self, form: str, buffer_size: int) -> None:
-        self.hasher = EdgeHasher()  # one per rank: each rank's stores chain in its own cache
+    def __init__(self, form: str, buffer_size: int,
+                 lora_names: Callable[[int], str | None] | None = None) -> None:
+        # One per rank: each rank's stores chain in its own cache.
+        self.hasher = EdgeHasher(lora_names)
         self.state = EdgeKvState(form)
         self.last_seq: bytes | None = None
         self.buffer: collections.deque[tuple[int, bytes]] = collections.deque(
@@ -86,17 +89,19 @@ class KvRelay:
         events_port, replay_port: where our PUB / ROUTER of rank 0 bind (0: any).
         form: ``KvHashScheme.form`` of what it publishes ("stores" or "deltas").
         buffer_size: published batches kept per rank for replay (deltas form).
+        lora_names: vLLM's LoRA adapter id -> the adapter's name (``EdgeHasher``).
     """
 
     def __init__(self, resources: Resources, dp_size: int, events_port: int = 0,
-                 replay_port: int = 0, form: str = FORM_STORES, buffer_size: int = 10_000) -> None:
+                 replay_port: int = 0, form: str = FORM_STORES, buffer_size: int = 10_000,
+                 lora_names: Callable[[int], str | None] | None = None) -> None:
         self._res = resources.child("kv-relay")
         self._dp_size = max(1, dp_size)
         self._ports = (events_port, replay_port)
         self.form = form
         #: Topic frame of replies the relay makes itself (the live frames' topic).
         self.topic = b"kv-events"
-        self._ranks = [_Rank(form, buffer_size) for _ in range(self._dp_size)]
+        self._ranks = [_Rank(form, buffer_size, lora_names) for _ in range(self._dp_size)]
         #: Loopback endpoints of rank 0 to give vLLM (``KVEventsConfig``).
         self.vllm_events = f"tcp://{_LOOPBACK}:{free_port()}"
         self.vllm_replay = f"tcp://{_LOOPBACK}:{free_port()}"
