@@ -154,8 +154,8 @@ class Tenants:
     def _tenant(self, name: str, table: LimitTable, now: float) -> _Tenant:
         if self.limits.version != self._version:  # the file changed: new limits for all
             self._version = self.limits.version
-            for tenant in self._tenants.values():
-                tenant.configure(table.limit(tenant.name), self.share, now)
+            for known in self._tenants.values():
+                known.configure(table.limit(known.name), self.share, now)
         tenant = self._tenants.get(name)
         if tenant is None:
             if len(self._tenants) >= MAX_TENANTS and now - self._pruned >= 1.0:
