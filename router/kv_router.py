@@ -107,8 +107,6 @@ class KvRouter:
         self.sessions = sessions if sessions is not None and sessions.enabled else None
         self._prefill_weight = cfg.prefill_load_weight
         self._inflight = cfg.use_kv_events and cfg.inflight_overlap
-        #: ``candidates()`` as of the client's generation.
-        self._candidates: tuple[int, list[Candidate]] | None = None
         #: Track each request's prompt tokens until its first output (busy rule, prefill load).
         self._track_prefill = cfg.busy_prefill_tokens > 0 or cfg.prefill_load_weight > 0
         self.prefill = PrefillTokens()
@@ -236,17 +234,8 @@ class KvRouter:
         self, exclude: set[int] | frozenset[int] = frozenset(), only: frozenset[int] | None = None
     ) -> list[Candidate]:
         """Every (instance, rank) of the live instances (made once per change of the pool),
-        outside ``exclude`` and, given ``only``, among those."""
-        gen = self.client.generation
-        if self._candidates is None or self._candidates[0] != gen:
-            out: list[Candidate] = []
-            for conn in self.client.instances():
-                out.extend((conn.instance_id, r) for r in range(self._follower.dp_size(conn)))
-            self._candidates = (gen, out)
-        found = self._candidates[1]
-        if only is not None:
-            return [c for c in found if c[0] in only and c[0] not in exclude]
-        return [c for c in found if c[0] not in exclude] if exclude else list(found)
+        outside ``exclude`` and, given ``only``, among those (``InstanceFollower``)."""
+        return self._follower.candidates(exclude, only)
 
     async def _send(
         self,
