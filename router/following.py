@@ -28,7 +28,7 @@ from .diagnostics import Diagnostics
 from .indexer import KvIndexer
 from .load import LoadSubscriber
 from .metrics import RouterMetrics
-from .scheduler import LoadTracker
+from .scheduler import Candidate, LoadTracker
 from .subscriber import KvEventSubscriber
 
 __all__ = ["FOLLOW_INTERVAL", "MAX_DP_SIZE", "InstanceFollower"]
@@ -99,6 +99,8 @@ class InstanceFollower:
         #: The router's self-checks (block size, silent workers, flat scores).
         self.diagnostics = Diagnostics(metrics, model, block_size, events)
         self._evicted = 0  # the index's evictions already counted in the metric
+        #: ``candidates()`` as of the client's generation.
+        self._candidates: tuple[int, list[Candidate]] | None = None
 
     def start(self) -> None:
         self._res.spawn(self._follow(), f"kv-router-{self._model or self.client.path}")
@@ -117,6 +119,22 @@ class InstanceFollower:
         if known is not None:
             return known.dp_size
         return _dp_size(advert_of(conn, self.client.path), conn.instance_id)
+
+    def candidates(
+        self, exclude: set[int] | frozenset[int] = frozenset(), only: frozenset[int] | None = None
+    ) -> list[Candidate]:
+        """Every (instance, rank) of the live instances (made once per change of the pool),
+        outside ``exclude`` and, given ``only``, among those."""
+        gen = self.client.generation
+        if self._candidates is None or self._candidates[0] != gen:
+            out: list[Candidate] = []
+            for conn in self.client.instances():
+                out.extend((conn.instance_id, r) for r in range(self.dp_size(conn)))
+            self._candidates = (gen, out)
+        found = self._candidates[1]
+        if only is not None:
+            return [c for c in found if c[0] in only and c[0] not in exclude]
+        return [c for c in found if c[0] not in exclude] if exclude else list(found)
 
     def subscriber(self, worker_id: int) -> KvEventSubscriber | None:
         known = self._instances.get(worker_id)

@@ -17,7 +17,6 @@ job. Without KV events (``use_kv_events=False``, the approximate mode) the index
 from __future__ import annotations
 
 import logging
-import math
 import time
 import weakref
 from collections.abc import Sequence
@@ -33,7 +32,6 @@ from dynamo_zmq.llm import (
     PreprocessedRequest,
     RouteOptions,
     SessionPins,
-    pin_outcome,
 )
 from dynamo_zmq.resources import Resources
 from dynamo_zmq.runtime import MAX_ATTEMPTS, Client, DistributedRuntime, failover
@@ -42,6 +40,8 @@ from dynamo_zmq.wire import encode_item
 
 from ._decision import Decision
 from ._inflight import with_inflight
+from ._session_route import record_pin, select_pinned
+from ._sizes import expected_output_blocks, prefill_tokens
 from .approx import ApproxIndexer
 from .busy import AdmissionQueue, BusyPolicy, PrefillTokens
 from .config import KvRouterConfig, kv_indexer
@@ -107,8 +107,6 @@ class KvRouter:
         self.sessions = sessions if sessions is not None and sessions.enabled else None
         self._prefill_weight = cfg.prefill_load_weight
         self._inflight = cfg.use_kv_events and cfg.inflight_overlap
-        #: ``candidates()`` as of the client's generation.
-        self._candidates: tuple[int, list[Candidate]] | None = None
         #: Track each request's prompt tokens until its first output (busy rule, prefill load).
         self._track_prefill = cfg.busy_prefill_tokens > 0 or cfg.prefill_load_weight > 0
         self.prefill = PrefillTokens()
@@ -236,17 +234,8 @@ class KvRouter:
         self, exclude: set[int] | frozenset[int] = frozenset(), only: frozenset[int] | None = None
     ) -> list[Candidate]:
         """Every (instance, rank) of the live instances (made once per change of the pool),
-        outside ``exclude`` and, given ``only``, among those."""
-        gen = self.client.generation
-        if self._candidates is None or self._candidates[0] != gen:
-            out: list[Candidate] = []
-            for conn in self.client.instances():
-                out.extend((conn.instance_id, r) for r in range(self._follower.dp_size(conn)))
-            self._candidates = (gen, out)
-        found = self._candidates[1]
-        if only is not None:
-            return [c for c in found if c[0] in only and c[0] not in exclude]
-        return [c for c in found if c[0] not in exclude] if exclude else list(found)
+        outside ``exclude`` and, given ``only``, among those (``InstanceFollower``)."""
+        return self._follower.candidates(exclude, only)
 
     async def _send(
         self,
@@ -287,7 +276,7 @@ class KvRouter:
     def _prefill_tokens(self, request: PreprocessedRequest, decision: Decision) -> int:
         if not self._track_prefill:
             return 0
-        return max(0, len(request.token_ids) - decision.overlap_blocks * self.block_size)
+        return prefill_tokens(request, decision.overlap_blocks, self.block_size)
 
     def _any_free(self, exclude: frozenset[int], only: frozenset[int] | None = None) -> bool:
         """Whether some live (worker, rank) outside ``exclude`` (among ``only``) is not busy."""
@@ -321,11 +310,7 @@ class KvRouter:
         matches = self.indexer.find_matches_for_hashes(hashes) if overlap else {}
         if overlap and self._inflight:  # what the events cannot say yet (router/_inflight.py)
             matches = with_inflight(matches, hashes, candidates, self.loads)
-        if pinned is not None and pinned in candidates:  # a session's, live and not busy
-            i = candidates.index(pinned)
-            sel = self.scheduler.select([pinned], len(hashes), matches, [values[i]])
-        else:
-            sel = self.scheduler.select(candidates, len(hashes), matches, values)
+        sel = select_pinned(self.scheduler, candidates, len(hashes), matches, values, pinned)
         live = set(candidates)
         if overlap and hashes and len(candidates) > 1:
             flat = not any(matches.get(c) for c in candidates)
@@ -347,14 +332,14 @@ class KvRouter:
         pins, session, only = self.sessions, options.session_id, options.only
         pinned = pins.get(session) if pins is not None else None
         decision, sel = self._decide(hashes, exclude, not remote, admit, pinned, only)
-        if pins is not None and session is not None:  # pinned where it goes, peers told
-            pins.routed(session, sel.candidate, pin_outcome(
-                pinned, sel.candidate, lambda: pinned in self.candidates(exclude, only)))
-            if self.replicas is not None:
-                self.replicas.pins.pinned(session, sel.candidate)
+        record_pin(pins, self.replicas, session, pinned, sel.candidate,
+                   lambda: pinned in self.candidates(exclude, only))
         request.routing.dp_rank = decision.dp_rank
         request.routing.overlap_blocks = decision.overlap_blocks
-        route = self.loads.add(sel.candidate, hashes, self._expected_output_blocks(request))
+        expected = expected_output_blocks(
+            request, self.block_size, self.config.max_expected_output_tokens
+        )
+        route = self.loads.add(sel.candidate, hashes, expected)
         if hashes:
             self._follower.diagnostics.note_routed(sel.worker_id)
         if isinstance(self.indexer, ApproxIndexer):
@@ -362,14 +347,6 @@ class KvRouter:
         self.metrics.decided(self.model, time.perf_counter() - started, time.thread_time() - cpu,
                              len(hashes), decision.overlap_blocks)
         return decision, route
-
-    def _expected_output_blocks(self, request: PreprocessedRequest) -> int:
-        cap = self.config.max_expected_output_tokens
-        max_tokens = request.stop.max_tokens
-        tokens = cap if max_tokens is None else min(max_tokens, cap)
-        # The prompt's partial last block fills up first.
-        partial = len(request.token_ids) % self.block_size
-        return max(0, math.ceil((partial + tokens) / self.block_size))
 
     # -- following the instances -----------------------------------------------------------
 

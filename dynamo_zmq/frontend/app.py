@@ -39,12 +39,12 @@ from ._asgi import (
     Scope,
     Send,
     error,
-    header,
     read_body,
     reply,
 )
 from ._clear_kv import clear_kv_blocks, parse_clear_request
 from ._deadline import request_timeout
+from ._direct import WORKER_HEADER, direct_target
 from ._embed_protocol import parse_embedding
 from ._embeddings import embedding_requests, serve_embeddings
 from ._fanout import FanOut
@@ -67,8 +67,6 @@ __all__ = ["WORKER_HEADER", "FrontendApp"]
 
 log = logging.getLogger(__name__)
 
-#: Request header naming the instance (hex id) to send to in ``direct`` routing mode.
-WORKER_HEADER = b"x-worker-instance-id"
 #: Response header: the instance (and data-parallel rank, when chosen) that served the request.
 SERVED_BY_HEADER = b"x-dynamo-worker"
 _ROUTES = (
@@ -335,22 +333,9 @@ class FrontendApp:
         return resolve_model(self.manager, model)
 
     def _target(self, scope: Scope) -> int | None:
-        """The instance a ``direct``-mode request names (``x-worker-instance-id``, hex)."""
+        """The instance a ``direct``-mode request names (``_direct.py``)."""
         assert self.manager is not None
-        if self.manager.mode != "direct":
-            return None
-        value = header(scope, WORKER_HEADER)
-        if value is None:
-            raise http_errors.bad_request(
-                f"direct routing: the {WORKER_HEADER.decode()} header must name the instance "
-                "(hex id, as python -m dynamo_zmq status lists it)"
-            )
-        try:
-            return int(value.decode("ascii"), 16)
-        except (UnicodeDecodeError, ValueError):
-            raise http_errors.bad_request(
-                f"{WORKER_HEADER.decode()}: {value[:40]!r} is not a hex instance id"
-            ) from None
+        return direct_target(scope, self.manager.mode)
 
     def _migration(
         self, entry: ModelEntry, pre: PreprocessedRequest, options: RouteOptions

@@ -34,8 +34,6 @@ import socket
 import time
 from typing import Any
 
-import msgspec
-
 from .. import errors
 from ..discovery import Advert, Discovery, make_discovery
 from ..resources import Resources, cancel_and_wait
@@ -44,6 +42,7 @@ from ..transport import Handler as TransportHandler
 from ..wire import PROTOCOL_VERSION, Description, EndpointInfo
 from ._canary import EndpointCanary
 from ._config import RuntimeConfig
+from ._endpoints import ServedEndpoints
 from ._lease import Lease
 from ._naming import Endpoint, Namespace, check_name
 from ._peers import PeerPool
@@ -103,13 +102,8 @@ class DistributedRuntime:
         self._discovery: Discovery = make_discovery(config.discovery)
         self._discovery_started = False
         self._server: Server | None = None
-        self._handlers: dict[str, TransportHandler] = {}
-        #: The key roles that may call each endpoint (auth on; default DEFAULT_CALLERS).
-        self._callers: dict[str, frozenset[str]] = {}
-        self._endpoint_info: dict[str, EndpointInfo] = {}
-        #: Endpoints whose health check failed: still served, but not listed in the description
-        #: (so no caller routes new work to them) until the check passes again.
-        self._unhealthy: dict[str, EndpointInfo] = {}
+        #: The served endpoints: handlers, callers, health verdicts, metadata.
+        self._endpoints = ServedEndpoints()
         self._canaries: dict[str, asyncio.Task[None]] = {}
         self._peers: PeerPool | None = None
         self._shutdown = asyncio.Event()
@@ -147,8 +141,8 @@ class DistributedRuntime:
             if self._server is None:
                 bind = f"tcp://{self.config.bind_host}:{self.config.port}"
                 server = Server(
-                    self.resources, bind, self.instance_id, self._handlers.get, self.describe,
-                    lambda path: self._callers.get(path, DEFAULT_CALLERS),
+                    self.resources, bind, self.instance_id, self._endpoints.handlers.get,
+                    self.describe, self._endpoints.callers,
                 )
                 server.kill_grace = self.config.kill_grace
                 await server.start()
@@ -172,7 +166,7 @@ class DistributedRuntime:
             started_at=self.started_at,
             hostname=socket.gethostname(),
             pid=os.getpid(),
-            endpoints=list(self._endpoint_info.values()),
+            endpoints=self._endpoints.listed(),
             draining=self._server.draining if self._server else False,
             metadata=self.metadata,
             hosts=list(self._hosts),
@@ -198,24 +192,20 @@ class DistributedRuntime:
                 f"({self._lease.reason})"
             )
         server = await self._ensure_server()
-        self._handlers[info.path] = handler
-        self._callers[info.path] = callers
-        self._unhealthy.pop(info.path, None)
-        self._endpoint_info[info.path] = info
+        self._endpoints.add(info, handler, callers)
         server.bump_rev()
         await self._advertise(info.namespace)
 
     async def remove_endpoint(self, path: str) -> None:
         """Stop serving ``path``; withdraw the advert when it was the last of its namespace."""
-        info = self._endpoint_info.pop(path, None) or self._unhealthy.pop(path, None)
-        self._handlers.pop(path, None)
+        info = self._endpoints.remove(path)
         canary = self._canaries.pop(path, None)
         if canary is not None:
             await cancel_and_wait((canary,))
         if info is None or self._server is None:
             return
         self._server.bump_rev()
-        if any(e.namespace == info.namespace for e in self._served()):
+        if self._endpoints.serves_namespace(info.namespace):
             await self._advertise(info.namespace)
         else:
             await self._registrations.withdraw(info.namespace)
@@ -228,11 +218,7 @@ class DistributedRuntime:
         discovery alike, stops choosing this instance for it at the next NOTICE or PONG; a
         healthy verdict lists it again. No-op for a path not served here.
         """
-        if healthy and path in self._unhealthy:
-            self._endpoint_info[path] = self._unhealthy.pop(path)
-        elif not healthy and path in self._endpoint_info:
-            self._unhealthy[path] = self._endpoint_info.pop(path)
-        else:
+        if not self._endpoints.set_health(path, healthy):
             return
         log.log(logging.INFO if healthy else logging.WARNING, "endpoint %s is %s", path,
                 "healthy again: routable" if healthy else "unhealthy: withdrawn from routing")
@@ -242,12 +228,8 @@ class DistributedRuntime:
     def set_endpoint_metadata(self, path: str, metadata: dict[str, Any]) -> None:
         """Replace endpoint ``path``'s metadata (a worker's model advert after a LoRA load) and
         tell connected clients, which fetch the new description. No-op for a path not served."""
-        for table in (self._endpoint_info, self._unhealthy):
-            if path in table:
-                table[path] = msgspec.structs.replace(table[path], metadata=metadata)
-                if self._server is not None:
-                    self._server.bump_rev()
-                return
+        if self._endpoints.set_metadata(path, metadata) and self._server is not None:
+            self._server.bump_rev()
 
     def watch_health(
         self, path: str, handler: TransportHandler, payload: object
@@ -264,17 +246,12 @@ class DistributedRuntime:
         self._canaries[path] = self.resources.spawn(canary.run(), f"canary-{path}")
         return canary.watch()
 
-    def _served(self) -> list[EndpointInfo]:
-        return [*self._endpoint_info.values(), *self._unhealthy.values()]
-
     async def _advertise(self, namespace: str) -> None:
         assert self._server is not None
         if not self._lease.is_valid():
             return  # registrations die with the lease
         port = self._server.address.rsplit(":", 1)[1]
-        components = tuple(
-            sorted({e.component for e in self._served() if e.namespace == namespace})
-        )
+        components = self._endpoints.components(namespace)
         advert = Advert(
             namespace=namespace,
             instance_id=self.instance_id,

@@ -37,8 +37,9 @@ from ._kv_events import KvEvent
 from ._lora import Adapters, ResidentAdapters
 from ._metrics import MockerCollector
 from ._publisher import TOPIC, KvEventPublisher
+from ._request import new_sequence, request_problem
 from ._scheduler import RankScheduler
-from ._sequence import SeqStatus, Sequence
+from ._sequence import SeqStatus
 from ._timing import step_seconds
 
 if TYPE_CHECKING:
@@ -194,7 +195,7 @@ class MockerEngine(LLMEngine):
             return
         if sched is None:
             sched = self._pick_rank(request.routing.dp_rank)
-        seq = self._sequence(request)
+        seq = new_sequence(self.config, request)
         role, kv = request.disaggregation, self.kv_transfer
         if role is not None and kv is not None:
             if (isinstance(role, PrefillRemotely) and isinstance(role.handoff, Ticket)
@@ -241,56 +242,15 @@ class MockerEngine(LLMEngine):
                 sched.release_held(seq)
 
     def _check(self, request: PreprocessedRequest) -> str | None:
-        """Why ``request`` cannot run, or None."""
-        cfg = self.config
+        """Why ``request`` cannot run, or None (``_request.py``)."""
         if self._state != "started":
             return "the mocker engine is not running"
-        prompt = request.token_ids
-        if not prompt:
-            return "the prompt is empty"
-        if len(prompt) >= cfg.context_length:
-            return (f"the prompt has {len(prompt)} tokens but the context length is "
-                    f"{cfg.context_length} (at most {cfg.context_length - 1} prompt tokens)")
-        if min(prompt) < 0 or max(prompt) >= cfg.vocab_size:
-            return f"prompt token ids must be in [0, {cfg.vocab_size})"
-        if -(-len(prompt) // cfg.block_size) > cfg.num_gpu_blocks:
-            return (f"the prompt needs {-(-len(prompt) // cfg.block_size)} KV blocks; "
-                    f"a rank has {cfg.num_gpu_blocks}")
-        max_tokens = request.stop.max_tokens
-        if max_tokens is not None and max_tokens < 1:
-            return f"max_tokens must be at least 1, got {max_tokens}"
-        rank = request.routing.dp_rank
-        if rank is not None and not 0 <= rank < len(self._ranks):
-            return (f"dp_rank {rank} out of range: this engine serves ranks "
-                    f"0..{len(self._ranks) - 1}")
-        return None
+        return request_problem(self.config, request, len(self._ranks))
 
     def _pick_rank(self, rank: int | None) -> RankScheduler:
         if rank is not None:
             return self._ranks[rank]
         return min(self._ranks, key=lambda r: (r.load, r.blocks.num_active, r.rank))
-
-    def _sequence(self, request: PreprocessedRequest) -> Sequence:
-        cfg = self.config
-        room = cfg.context_length - len(request.token_ids)
-        stop = request.stop
-        return Sequence(
-            request.token_ids,
-            block_size=cfg.block_size,
-            vocab_size=cfg.vocab_size,
-            seed=cfg.seed if request.sampling.seed is None else request.sampling.seed,
-            max_tokens=room if stop.max_tokens is None else min(stop.max_tokens, room),
-            min_tokens=stop.min_tokens,
-            stop_token_ids=stop.stop_token_ids,
-            eos_token_ids=(*request.eos_token_ids, *cfg.eos_token_ids),
-            ignore_eos=stop.ignore_eos,
-            request_id=request.request_id,
-            resumed=request.resume.generated if request.resume is not None else 0,
-            num_logprobs=request.output.logprobs,
-            logit_bias=request.sampling.logit_bias,
-            hash_root=cfg.kv_hash_seed,
-            lora_name=request.lora_name,
-        )
 
     def capabilities(self) -> frozenset[str]:
         """Logprobs (well-formed made-up values: see ``Sequence.with_logprobs``),
