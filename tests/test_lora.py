@@ -178,12 +178,13 @@ async def test_kv_routing_matches_each_adapters_own_blocks(
             return answer
 
         async def follows() -> bool:
-            try:
-                return (await ask("a"))["overlap_blocks"] >= 6
+            try:  # each worker's blocks come by its own replay: wait for both workers'
+                return all([(await ask(lora))["overlap_blocks"] >= 6 for lora in ("a", None)])
             except Exception:  # the model or its blocks are not followed yet
                 return False
 
-        await eventually(follows, 20, "python -m router following the adapter's blocks")
+        await eventually(follows, 20, "python -m router following the adapter's and the base's "
+                                      "blocks")
         assert (await ask("a"))["matches"] == {f"{a_worker}/0": 6}
         assert (await ask(None))["matches"] == {f"{base_worker}/0": 6}
         with pytest.raises(errors.CannotConnect):  # no worker holds it
