@@ -271,7 +271,7 @@ class KvRouter:
                 if len(exclude - options.exclude) >= MAX_ATTEMPTS:
                     raise
                 continue
-            placement.hold(route, self._prefill_tokens(request, decision))
+            placement.hold(route, self._prefill_tokens(request, decision), request.lora_name)
             return stream
 
     def _hashes(self, token_ids: Sequence[int], lora: str | None = None) -> list[int]:
@@ -366,6 +366,7 @@ class KvRouter:
             await self._follower.sync()
             self._follower.start()
             if self.replicas is not None:
+                self.replicas.on_lora = self.residency.routed  # peers' adapter requests
                 self.replicas = await start_replicas(self.replicas)
         return self
 
