@@ -5,11 +5,17 @@ router's choice (a resident rank wins while its extra load stays under the penal
 
 from __future__ import annotations
 
+import argparse
+import subprocess
+import sys
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router._lora_residency import EVICT_FACTOR, LoraResidency, max_loras_of
+from router.config import DEFAULT_LORA_MISS_BLOCKS, KvRouterConfig
+from router.options import add_kv_router_args, kv_router_options
 from router.scheduler import Scheduler
 
 ADAPTERS = (None, "a", "b", "c", "d")
@@ -84,3 +90,17 @@ def test_the_penalty_is_a_cost_term_load_still_counts() -> None:
 
     assert choose([20.0, 0.0]) == 1  # resident, 20 blocks busier: still cheaper
     assert choose([40.0, 0.0]) == 2  # 40 blocks busier than an idle worker: load wins
+
+
+def test_the_flag_has_a_default_an_env_equivalent_and_refuses_nonsense(monkeypatch) -> None:
+    parser = argparse.ArgumentParser()
+    add_kv_router_args(parser)
+    opts = kv_router_options(parser.parse_args([]))
+    assert opts["lora_miss_blocks"] == DEFAULT_LORA_MISS_BLOCKS == KvRouterConfig().lora_miss_blocks
+    monkeypatch.setenv("DYN_KV_LORA_MISS_BLOCKS", "0")
+    parser = argparse.ArgumentParser()
+    add_kv_router_args(parser)
+    assert kv_router_options(parser.parse_args([]))["lora_miss_blocks"] == 0
+    res = subprocess.run([sys.executable, "-m", "router", "--kv-lora-miss-blocks", "-1"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "--kv-lora-miss-blocks" in res.stderr
