@@ -50,13 +50,14 @@ class ReplicaPublisher:
         #: The router's session pins, in its snapshots (None: it pins none).
         self.pins: ReplicaPins | None = None
 
-    def added(self, route: Route, prefill_tokens: int) -> int:
-        """This router routed a request (``route``): tell the peers; returns its id."""
+    def added(self, route: Route, prefill_tokens: int, lora: str | None = None) -> int:
+        """This router routed a request (``route``, under adapter ``lora``): tell the peers;
+        returns its id."""
         rid = next(self._ids)
         worker, rank = route.candidate
         entry = (worker, rank, pack_hashes(route.hashes), route.extra, prefill_tokens)
         self._own.add(rid, entry)
-        self._publish(ADD, rid, *entry)
+        self._publish(ADD, rid, *entry, lora=lora or "")
         return rid
 
     def prefilled(self, rid: int) -> None:
@@ -89,11 +90,11 @@ class ReplicaPublisher:
             self.sock = None
 
     def _publish(self, kind: int, rid: int, worker: int = 0, rank: int = 0, hashes: bytes = b"",
-                 extra: int = 0, prefill: int = 0) -> None:
+                 extra: int = 0, prefill: int = 0, lora: str = "") -> None:
         if self.sock is None:
             return
         ev = ReplicaEvent(REPLICA_VERSION, kind, self.replica, self.seq, rid, worker, rank,
-                          hashes, extra, prefill)
+                          hashes, extra, prefill, lora)
         try:
             self.sock.send_multipart([REPLICA_TOPIC, encode_event(ev)], zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # a full queue: peers see a gap and ask for a snapshot

@@ -3,7 +3,8 @@
 Dynamo's router replica sync, over a PUB socket: each message is ``[REPLICA_TOPIC, payload]``,
 the payload a MessagePack array (``ReplicaEvent``). A router publishes one event when it routes
 a request (``ADD``: the (worker, rank), the prompt's block hashes packed as little-endian u64,
-the expected output blocks and the prompt tokens left to prefill), one when the request's
+the expected output blocks, the prompt tokens left to prefill and its LoRA adapter, which
+peers' residency predictions take), one when the request's
 prompt is prefilled (``PREFILLED``) and one when it ends (``FREE``). ``seq`` counts a sender's
 events from 0, so a receiver sees what it missed.
 """
@@ -46,6 +47,8 @@ ADD, PREFILLED, FREE = 0, 1, 2
 KINDS = {ADD: "add", PREFILLED: "prefilled", FREE: "free"}
 #: Most block hashes one event may carry (a 1M-token prompt in 16-token blocks is 62,500).
 MAX_HASHES = 1 << 18
+#: Longest LoRA adapter name an event may carry.
+MAX_LORA_NAME = 1024
 _LITTLE = sys.byteorder == "little"
 assert array.array("Q").itemsize == 8
 
@@ -68,6 +71,8 @@ class ReplicaEvent(msgspec.Struct, array_like=True, frozen=True):
     extra: int = 0
     #: Prompt tokens left to prefill (``ADD`` only; 0 without a prefill bound).
     prefill: int = 0
+    #: The request's LoRA adapter (``ADD`` only; "": the base model).
+    lora: str = ""
 
 
 class ReplicaDecodeError(ValueError):
@@ -87,7 +92,8 @@ def decode_event(payload: bytes) -> ReplicaEvent:
 
     Raises:
         ReplicaDecodeError: undecodable, another version, an unknown kind, negative or
-            out-of-range fields, or hashes not a whole number of u64s (or too many).
+            out-of-range fields, hashes not a whole number of u64s (or too many), or a LoRA
+            name longer than ``MAX_LORA_NAME``.
     """
     try:
         ev = _decoder.decode(payload)
@@ -101,6 +107,8 @@ def decode_event(payload: bytes) -> ReplicaEvent:
         raise ReplicaDecodeError("negative field in a replica event")
     if len(ev.hashes) % 8 or len(ev.hashes) > 8 * MAX_HASHES:
         raise ReplicaDecodeError(f"replica event hashes of {len(ev.hashes)} bytes")
+    if len(ev.lora) > MAX_LORA_NAME:
+        raise ReplicaDecodeError(f"replica event LoRA name of {len(ev.lora)} characters")
     return ev
 
 

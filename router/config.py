@@ -10,7 +10,10 @@ from .approx import DEFAULT_TTL
 from .indexer import KvIndexer
 from .scheduler import REPORT_TTL
 
-__all__ = ["KvRouterConfig", "kv_indexer"]
+__all__ = ["DEFAULT_LORA_MISS_BLOCKS", "KvRouterConfig", "kv_indexer"]
+
+#: ``--kv-lora-miss-blocks``'s default.
+DEFAULT_LORA_MISS_BLOCKS = 32.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +28,9 @@ class KvRouterConfig:
     #: Weight of a candidate's queued prefill (uncached prompt blocks routed to it and not yet
     #: prefilled) added to its load; 0: off, Dynamo's cost [--kv-prefill-load-weight].
     prefill_load_weight: float = 0.0
+    #: Cost, in blocks, of a candidate where the request's LoRA adapter is not predicted
+    #: resident (router/_lora_residency.py); 0: off [--kv-lora-miss-blocks].
+    lora_miss_blocks: float = DEFAULT_LORA_MISS_BLOCKS
     #: 0: cheapest candidate; > 0: softmax sampling [--router-temperature].
     router_temperature: float = 0.0
     #: Index from the engines' KV events; False: from routing decisions [--no-kv-events].

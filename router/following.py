@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -23,6 +24,7 @@ from dynamo_zmq.resources import Resources
 from dynamo_zmq.runtime import Client, DistributedRuntime
 from dynamo_zmq.transport import PeerConnection
 
+from ._lora_residency import max_loras_of
 from .approx import ApproxIndexer
 from .diagnostics import Diagnostics
 from .indexer import KvIndexer
@@ -101,6 +103,8 @@ class InstanceFollower:
         self._evicted = 0  # the index's evictions already counted in the metric
         #: ``candidates()`` as of the client's generation.
         self._candidates: tuple[int, list[Candidate]] | None = None
+        #: Called with an instance's id once it is dropped (the router's other per-worker state).
+        self.on_remove: Callable[[int], None] | None = None
 
     def start(self) -> None:
         self._res.spawn(self._follow(), f"kv-router-{self._model or self.client.path}")
@@ -119,6 +123,12 @@ class InstanceFollower:
         if known is not None:
             return known.dp_size
         return _dp_size(advert_of(conn, self.client.path), conn.instance_id)
+
+    def max_loras(self, worker_id: int) -> int:
+        """LoRA adapters ``worker_id`` keeps resident per rank (its advert's; unknown: 1)."""
+        known = self._instances.get(worker_id)
+        advert = known.advert if known is not None else None
+        return max_loras_of(advert.engine.extra) if advert is not None else 1
 
     def candidates(
         self, exclude: set[int] | frozenset[int] = frozenset(), only: frozenset[int] | None = None
@@ -227,6 +237,8 @@ class InstanceFollower:
         # and reports no load.
         self._indexer.remove_worker(iid)
         self._loads.remove_worker(iid)
+        if self.on_remove is not None:
+            self.on_remove(iid)
         if known.load_subscriber is not None:
             await known.load_subscriber.close()
         if known.subscriber is not None:

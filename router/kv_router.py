@@ -40,6 +40,7 @@ from dynamo_zmq.wire import encode_item
 
 from ._decision import Decision
 from ._inflight import with_inflight
+from ._lora_residency import LoraResidency
 from ._session_route import record_pin, select_pinned
 from ._sizes import expected_output_blocks, prefill_tokens
 from .approx import ApproxIndexer
@@ -130,6 +131,9 @@ class KvRouter:
             block_size, cfg.replay_timeout, runtime,
         )
         self._res.on_close(self._follower.close)  # after the follow task is cancelled
+        #: The LoRA adapters predicted resident per (worker, rank) (``--kv-lora-miss-blocks``).
+        self.residency = LoraResidency(cfg.lora_miss_blocks, self._follower.max_loras)
+        self._follower.on_remove = self.residency.remove_worker
         #: Router replica sync (``--router-replica-sync``): peers' decisions feed ``loads``.
         self.replicas = (
             ReplicaSync(runtime, self._res, client.path, model, self.loads, self.prefill,
@@ -222,7 +226,7 @@ class KvRouter:
         Raises:
             CannotConnect: no live instance (outside ``exclude``).
         """
-        decision, _ = self._decide(self._hashes(token_ids, lora_name), exclude)
+        decision, _ = self._decide(self._hashes(token_ids, lora_name), exclude, lora=lora_name)
         return decision
 
     def report_load(self, worker_id: int, dp_rank: int, active_blocks: float) -> None:
@@ -267,7 +271,7 @@ class KvRouter:
                 if len(exclude - options.exclude) >= MAX_ATTEMPTS:
                     raise
                 continue
-            placement.hold(route, self._prefill_tokens(request, decision))
+            placement.hold(route, self._prefill_tokens(request, decision), request.lora_name)
             return stream
 
     def _hashes(self, token_ids: Sequence[int], lora: str | None = None) -> list[int]:
@@ -291,6 +295,7 @@ class KvRouter:
         admit: bool = False,
         pinned: Candidate | None = None,
         only: frozenset[int] | None = None,
+        lora: str | None = None,
     ) -> tuple[Decision, Selection]:
         candidates = self.candidates(exclude, only)
         if not candidates:
@@ -307,6 +312,8 @@ class KvRouter:
         if (w := self._prefill_weight) > 0:  # plus the weighted blocks still to prefill there
             values = [v + w * self.prefill.get(c) / self.block_size
                       for c, v in zip(candidates, values, strict=True)]
+        if (misses := self.residency.penalties(candidates, lora)) is not None:
+            values = [v + m for v, m in zip(values, misses, strict=True)]  # adapter loads
         matches = self.indexer.find_matches_for_hashes(hashes) if overlap else {}
         if overlap and self._inflight:  # what the events cannot say yet (router/_inflight.py)
             matches = with_inflight(matches, hashes, candidates, self.loads)
@@ -331,7 +338,9 @@ class KvRouter:
         remote = isinstance(request.disaggregation, PrefillRemotely)
         pins, session, only = self.sessions, options.session_id, options.only
         pinned = pins.get(session) if pins is not None else None
-        decision, sel = self._decide(hashes, exclude, not remote, admit, pinned, only)
+        decision, sel = self._decide(hashes, exclude, not remote, admit, pinned, only,
+                                     request.lora_name)
+        self.residency.routed(sel.candidate, request.lora_name)
         record_pin(pins, self.replicas, session, pinned, sel.candidate,
                    lambda: pinned in self.candidates(exclude, only))
         request.routing.dp_rank = decision.dp_rank
@@ -357,6 +366,7 @@ class KvRouter:
             await self._follower.sync()
             self._follower.start()
             if self.replicas is not None:
+                self.replicas.on_lora = self.residency.routed  # peers' adapter requests
                 self.replicas = await start_replicas(self.replicas)
         return self
 

@@ -10,11 +10,14 @@ from dynamo_zmq.errors import InvalidArgument
 from dynamo_zmq.llm import MAX_LOAD_INTERVAL  # a load report must outlive the slowest interval
 from dynamo_zmq.runtime import check_number
 
+from .config import DEFAULT_LORA_MISS_BLOCKS
+
 __all__ = ["add_kv_router_args", "check_kv_router_args", "kv_router_options"]
 
 
 def add_kv_router_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """``--kv-overlap-score-weight``, ``--kv-prefill-load-weight``, ``--router-temperature``,
+    """``--kv-overlap-score-weight``, ``--kv-prefill-load-weight``, ``--kv-lora-miss-blocks``,
+    ``--router-temperature``,
     ``--no-kv-events``, ``--no-kv-inflight-overlap``, ``--router-ttl``, ``--load-report-ttl``,
     ``--load-report-grace``, ``--kv-index-max-blocks`` and the busy-worker bounds
     ``--busy-kv-threshold``, ``--busy-prefill-tokens``, ``--busy-queue-size`` and
@@ -30,6 +33,13 @@ def add_kv_router_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup
         default=env("DYN_KV_PREFILL_LOAD_WEIGHT", "0.0"),
         help="kv routing: weight of a worker's queued prefill (uncached prompt blocks not yet "
              "prefilled) added to its load; 0 = Dynamo's cost [DYN_KV_PREFILL_LOAD_WEIGHT]",
+    )
+    parser.add_argument(
+        "--kv-lora-miss-blocks", type=float,
+        default=env("DYN_KV_LORA_MISS_BLOCKS", str(DEFAULT_LORA_MISS_BLOCKS)), metavar="N",
+        help="kv routing: cost, in blocks, of a worker where a request's LoRA adapter is not "
+             "predicted resident (the last --max-loras adapters routed there): it would load "
+             "it and evict another; 0 = off [DYN_KV_LORA_MISS_BLOCKS]",
     )
     parser.add_argument(
         "--router-temperature", type=float, default=env("DYN_ROUTER_TEMPERATURE", "0.0"),
@@ -132,6 +142,7 @@ def check_kv_router_args(args: argparse.Namespace) -> None:
     check_number("--kv-overlap-score-weight", args.kv_overlap_score_weight)
     check_number("--router-temperature", args.router_temperature)
     check_number("--kv-prefill-load-weight", args.kv_prefill_load_weight)
+    check_number("--kv-lora-miss-blocks", args.kv_lora_miss_blocks)
     check_number("--router-ttl", args.router_ttl, positive=True)
     check_number("--busy-kv-threshold", args.busy_kv_threshold)
     check_number("--busy-queue-timeout", args.busy_queue_timeout, positive=True)
@@ -162,6 +173,7 @@ def kv_router_options(args: argparse.Namespace) -> dict[str, Any]:
         "overlap_score_weight": args.kv_overlap_score_weight,
         "router_temperature": args.router_temperature,
         "prefill_load_weight": args.kv_prefill_load_weight,
+        "lora_miss_blocks": args.kv_lora_miss_blocks,
         "use_kv_events": not args.no_kv_events,
         "inflight_overlap": args.kv_inflight_overlap,
         "approx_ttl": args.router_ttl,

@@ -36,11 +36,11 @@ class Placement:
         self._prefilling: tuple[Candidate, int] | None = None
         self.stream: weakref.ref[ResponseStream[LLMEngineOutput]] | None = None
 
-    def hold(self, route: Route, prefill_tokens: int = 0) -> None:
+    def hold(self, route: Route, prefill_tokens: int = 0, lora: str | None = None) -> None:
         self.release()
         self._route = route
         if self._sync is not None:
-            self._rid = self._sync.added(route, max(0, prefill_tokens))
+            self._rid = self._sync.added(route, max(0, prefill_tokens), lora)
         if prefill_tokens > 0:
             self._prefilling = (route.candidate, prefill_tokens)
             self._prefill.add(route.candidate, prefill_tokens)

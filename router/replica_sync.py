@@ -53,10 +53,8 @@ from .busy import PrefillTokens
 from .metrics import RouterMetrics
 from .scheduler import Candidate, LoadTracker, Route
 
-__all__ = [
-    "DEFAULT_REPLICA_TTL", "META_KEY", "ReplicaMetrics", "ReplicaSync", "replica_path",
-    "start_replicas",
-]
+__all__ = ["DEFAULT_REPLICA_TTL", "META_KEY", "ReplicaMetrics", "ReplicaSync", "replica_path",
+           "start_replicas"]
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +113,7 @@ class ReplicaSync:
         self._peers: dict[int, snapshots.Peer] = {}
         self._blocks: dict[Candidate, int] = {}
         self._bad, self.endpoint = BadInput(log), ""
+        self.on_lora: Callable[[Candidate, str], None] | None = None  # peers' adapter requests
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -166,9 +165,9 @@ class ReplicaSync:
 
     # -- publishing this router's decisions (``router/_replica_publisher.py``) ---------------
 
-    def added(self, route: Route, prefill_tokens: int) -> int:
-        """This router routed a request (``route``): tell the peers; returns its id."""
-        return self._pub.added(route, prefill_tokens)
+    def added(self, route: Route, prefill_tokens: int, lora: str | None = None) -> int:
+        """This router routed a request (``route``, adapter ``lora``): tell the peers; its id."""
+        return self._pub.added(route, prefill_tokens, lora)
 
     def prefilled(self, rid: int) -> None:
         self._pub.prefilled(rid)
@@ -292,6 +291,8 @@ class ReplicaSync:
         if ev.kind == ADD:
             entry = (ev.worker, ev.dp_rank, ev.hashes, ev.extra, ev.prefill)
             self._count(peer, ev.request, entry, ev.seq)
+            if ev.lora and self.on_lora is not None and self._known(ev.worker):
+                self.on_lora((ev.worker, ev.dp_rank), ev.lora)
         elif ev.kind == FREE:
             peer.heard("free", ev.request, ev.seq)  # (a pending snapshot may still hold it)
             peer.ended(ev.request)

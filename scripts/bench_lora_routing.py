@@ -5,7 +5,7 @@
         [--tokens-per-block 64] [--num-gpu-blocks 160] [--max-output 16] [--rate 20]
         [--max-requests 240] [--max-seconds 60] [--prefill-ms-per-token 0.05]
         [--mocker-speedup 1] [--modes kv,round-robin]
-        [--router-args "--kv-overlap-score-weight 4"] [--seed 0] [--json OUT] [--plot OUT.png]
+        [--router-args "--kv-lora-miss-blocks 0"] [--seed 0] [--json OUT] [--plot OUT.png]
 
 The trace: ``--adapters`` LoRA adapters, each with ``--system-prompts`` system prompts of
 ``--system-blocks`` full blocks shared by its requests, each request a system prompt of its
@@ -18,11 +18,11 @@ adapter is loaded on every worker through ``POST /v1/load_lora_adapter``. Round-
 each adapter over every worker (its system prompts cached everywhere, its adapter swapped in
 and out of ``--max-loras`` slots); kv routing sends a request where its adapter's blocks are.
 
-The kv frontend gets ``--router-args`` (default ``--kv-overlap-score-weight 4``): with
-Dynamo's default weight 1, one more request in flight on the worker holding an adapter's
-blocks (each request counts its ~18 blocks of load) outweighs its 16-block prefix hit, so kv
-routing sends the adapter's next request to an idle worker, which must first load the adapter
-(the load the router's cost does not see) and evicts another; ``--router-args ""`` shows it.
+The kv frontend gets ``--router-args`` (default none: Dynamo's overlap weight 1 and the
+router's default ``--kv-lora-miss-blocks``). The miss term is what makes kv routing win here:
+with ``--router-args "--kv-lora-miss-blocks 0"`` the cost sees only blocks and load, so load
+balancing sends an adapter's next request to an idle worker, which must first load the adapter
+(and evict another), and the workers thrash their ``--max-loras`` slots.
 
 Reported per mode: requests ok / failed, prefix hit rate (the mocker's cached prompt tokens /
 prompt tokens), TTFT p50 / p99, adapter loads (the workers' ``mocker_lora_loads``); then kv's
@@ -83,8 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--vocab-size", type=int, default=3000)
     add("--context-length", type=int, default=8192)
     add("--modes", default="kv,round-robin")
-    add("--router-args", default="--kv-overlap-score-weight 4",
-        help="more frontend flags in kv mode ('': Dynamo's defaults)")
+    add("--router-args", default="",
+        help="more frontend flags in kv mode (default none: the router's defaults)")
     add("--seed", type=int, default=0)
     add("--settle", type=float, default=2.0, help="seconds for the frontend to find every worker")
     add("--workdir", default=os.path.join(tempfile.gettempdir(), "bench_lora_routing"))

@@ -93,6 +93,7 @@ async def test_without_enable_lora_there_are_no_adapters(
 ) -> None:
     engine = await make_engine(enable_lora=False)
     assert Capability.LORA not in engine.capabilities()
+    assert "max_loras" not in engine.engine_config.extra
     with pytest.raises(errors.Unsupported, match="--enable-lora"):
         await engine.load_lora("a", str(write_adapter_config(tmp_path / "a", 8, "tiny")))
 
@@ -131,6 +132,8 @@ async def test_max_loras_evicts_the_least_recently_used_idle_adapter(
     make_engine: MakeEngine, tmp_path: Path
 ) -> None:
     engine = await make_engine(max_loras=1, lora_load_delay=5.0)
+    # Advertised, for the KV router's residency prediction (router/_lora_residency.py).
+    assert engine.engine_config.extra["max_loras"] == 1
     for name in ("a", "b"):
         await engine.load_lora(name, str(write_adapter_config(tmp_path / name, 8, "tiny")))
     (slots,) = engine.resident

@@ -144,6 +144,8 @@ async def test_adapter_output_differs_from_the_base_and_is_vllms_offline_output(
     (info,) = [e for e in peer.description.endpoints if e.name == "generate"]
     advert = ModelAdvert.from_metadata(info.metadata)
     assert {Capability.LORA, Capability.PRIORITY} <= set(advert.capabilities)
+    # ... and its adapter slots, for the KV router's residency prediction (vLLM's default 1).
+    assert advert.engine.extra["max_loras"] == 1
 
 
 async def test_an_adapter_the_worker_lacks_is_not_found(client, prompts):

@@ -144,7 +144,9 @@ class MockerEngine(LLMEngine):
             kv_hash_scheme=self._hash_scheme() if self._publisher else None,
             extra={"engine": "mocker", "speedup_ratio": cfg.speedup_ratio,
                    "enable_prefix_caching": cfg.enable_prefix_caching,
-                   "kv_events_topic": TOPIC.decode(), "kv_events_format": "vllm"},
+                   "kv_events_topic": TOPIC.decode(), "kv_events_format": "vllm",
+                   # The adapters resident per rank (the KV router's residency prediction).
+                   **({"max_loras": cfg.max_loras} if cfg.enable_lora else {})},
         )
         return self.engine_config
 

@@ -169,6 +169,7 @@ def reported_config(llm: Any, options: VllmOptions, relay: KvRelay | None = None
     events = replay = None
     endpoints: list[str] = []
     kv = cfg.kv_events_config
+    lora = getattr(cfg, "lora_config", None)  # None without --enable-lora
     if relay is not None:
         host = options.advertised_host()
         endpoints = [f"tcp://{host}:{port}" for port in relay.events_ports]
@@ -208,5 +209,7 @@ def reported_config(llm: Any, options: VllmOptions, relay: KvRelay | None = None
             "kv_events_format": "vllm",
             "kv_events_endpoints": endpoints,
             "model_path": str(model.model),
+            # The adapters resident per engine core (the KV router's residency prediction).
+            **({"max_loras": int(lora.max_loras)} if lora is not None else {}),
         },
     )
