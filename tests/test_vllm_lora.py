@@ -14,8 +14,8 @@ vLLM worker (``--enable-lora --lora-modules a=... --scheduling-policy priority -
   ``/v1/load_lora_adapter`` is listed and used (``model=<adapter>``), a bad path or a rank above
   ``--max-lora-rank`` is 400 with vLLM's message and leaves nothing loaded, and once unloaded
   the adapter is 404;
-- an adapter of ``--lora-modules`` that does not load fails the start with vLLM's message and
-  leaves nothing loaded (the table over a stand-in vLLM that refuses it).
+- a worker whose ``--lora-modules`` adapter vLLM refuses does not start: it exits with vLLM's
+  message naming the adapter.
 
 Runs only where vLLM is installed; skipped otherwise, except in CI (``CI=true``)."""
 
@@ -154,38 +154,22 @@ async def test_an_adapter_the_worker_lacks_is_not_found(client, prompts):
     assert await token_ids(client, request(prompts[0], lora_name="a"))  # the worker goes on
 
 
-class _RefusingLLM:
-    """Stands in for a started ``AsyncLLM`` that refuses every adapter, as vLLM does a bad one."""
-
-    class vllm_config:  # vLLM's attribute
-        lora_config = object()
-
-    removed: list[int] = []
-
-    async def add_lora(self, req) -> bool:
-        raise ValueError(f"Call to add_lora method failed: LoRA rank 32 is greater than "
-                         f"max_lora_rank 16 ({req.lora_name})")
-
-    async def remove_lora(self, lora_id: int) -> bool:
-        self.removed.append(lora_id)
-        return True
-
-
-async def test_a_module_that_does_not_load_fails_the_start_and_leaves_nothing():
-    from engines.vllm._lora import LoraTable
-
-    table = LoraTable()
-    with pytest.raises(errors.InvalidArgument) as exc:
-        await table.attach(_RefusingLLM(), "tiny", [("big", "/adapters/big")])
-    assert str(exc.value) == ("--lora-modules: LoRA adapter 'big' could not be loaded from "
-                              "'/adapters/big': LoRA rank 32 is greater than max_lora_rank 16 "
-                              "(big)")
-    assert table.adapters() == {}
-    with pytest.raises(errors.NotFound):
-        table.request("big")
-    with pytest.raises(errors.NotFound):
-        await table.unload("big")
-    assert _RefusingLLM.removed == []
+async def test_a_module_that_does_not_load_fails_the_start_with_vllms_message(
+    tiny_model: Path, adapters: dict[str, Path]
+):
+    """A real vLLM worker whose ``--lora-modules`` adapter vLLM refuses (rank 32 above
+    ``--max-lora-rank 16``) does not start: it exits non-zero, saying which adapter and why."""
+    done = await asyncio.to_thread(
+        run_cli, "-m", "dynamo_zmq.worker", "--engine", "vllm", "--model-path", str(tiny_model),
+        "--model-name", "tiny", "--namespace", f"t{uuid.uuid4().hex[:12]}", "--host",
+        "127.0.0.1", "--metrics-port", "0", *WORKER_FLAGS, "--enable-lora", "--max-lora-rank",
+        "16", "--lora-modules", f"big={adapters['r32']}", timeout=WORKER_START, env=VLLM_ENV,
+    )
+    assert done.returncode not in (0, None), done.stderr[-3000:]
+    assert "--lora-modules: LoRA adapter 'big' could not be loaded from" in done.stderr, (
+        done.stderr[-3000:])
+    assert "rank 32" in done.stderr and "16" in done.stderr, done.stderr[-3000:]
+    assert "READY" not in done.stdout
 
 
 # -- KV events ---------------------------------------------------------------------------------

@@ -50,9 +50,12 @@ def system_port(proc: ChildProcess) -> int:
                     if "metrics and health on port" in line))
 
 
-def run_cli(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
-    """Run ``python ARGS...`` to completion; the child is stopped by pid whatever happens."""
-    env = {**os.environ, "DYN_MDNS_INTERFACES": "127.0.0.1"}
+def run_cli(
+    *args: str, timeout: float = 60.0, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``python ARGS...`` to completion (``env``: variables added to the test's); the child
+    is stopped by pid whatever happens."""
+    env = {**os.environ, "DYN_MDNS_INTERFACES": "127.0.0.1", **(env or {})}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.Popen(
         [sys.executable, *args],
