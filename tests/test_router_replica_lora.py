@@ -9,6 +9,7 @@ from typing import Any
 
 import msgspec
 import pytest
+import zmq
 
 from dynamo_zmq.resources import Resources
 from router._lora_residency import LoraResidency
@@ -34,16 +35,6 @@ PEER = 0xABC
 KNOWN, UNKNOWN = 11, 12
 
 
-class _Sent:
-    """A PUB socket stand-in that keeps what is sent."""
-
-    def __init__(self) -> None:
-        self.frames: list[list[bytes]] = []
-
-    def send_multipart(self, frames: list[bytes], flags: int = 0) -> None:
-        self.frames.append(frames)
-
-
 def _add(seq: int, worker: int, lora: str) -> list[bytes]:
     ev = ReplicaEvent(REPLICA_VERSION, ADD, PEER, seq, 100 + seq, worker, 0, b"", 1, 0, lora)
     return [REPLICA_TOPIC, encode_event(ev)]
@@ -51,12 +42,25 @@ def _add(seq: int, worker: int, lora: str) -> list[bytes]:
 
 def test_the_publisher_sends_the_adapter_and_a_replica_predicts_it_resident() -> None:
     pub = ReplicaPublisher("tiny", ReplicaMetrics.for_router(RouterMetrics()))
-    sock = _Sent()
-    pub.sock = sock  # type: ignore[assignment]
-    route = LoadTracker().add((KNOWN, 0), [1, 2], 1)
-    pub.added(route, 0, "sql")
-    pub.added(route, 0, None)
-    assert [decode_event(f[1]).lora for f in sock.frames] == ["sql", ""]
+    zctx = zmq.Context()
+    # A real socket pair on loopback; XPUB hears the subscription, so nothing is sent early.
+    sock, sub = zctx.socket(zmq.XPUB), zctx.socket(zmq.SUB)
+    try:
+        sock.rcvtimeo = sub.rcvtimeo = 10_000
+        port = sock.bind_to_random_port("tcp://127.0.0.1")
+        sub.connect(f"tcp://127.0.0.1:{port}")
+        sub.subscribe(REPLICA_TOPIC)
+        sock.recv()  # the subscription
+        pub.sock = sock  # type: ignore[assignment]
+        route = LoadTracker().add((KNOWN, 0), [1, 2], 1)
+        pub.added(route, 0, "sql")
+        pub.added(route, 0, None)
+        frames = [sub.recv_multipart() for _ in range(2)]
+    finally:
+        sock.close(0)
+        sub.close(0)
+        zctx.term()
+    assert [decode_event(f[-1]).lora for f in frames] == ["sql", ""]
 
     sync = ReplicaSync(None, Resources("test"), "dyn://ns.backend.generate",  # type: ignore[arg-type]
                        "tiny", LoadTracker(), PrefillTokens(), {KNOWN}.__contains__,
