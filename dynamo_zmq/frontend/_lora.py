@@ -131,11 +131,14 @@ class LoraRoutes:
             results = await asyncio.gather(*(self._call(s, "load_lora", args) for s in targets))
             failed = [exc for exc in results if exc is not None]
             loaded = [s for s, exc in zip(targets, results, strict=True) if exc is None]
+            ids = {s.instance_id for s in loaded}
             if failed:
                 await asyncio.gather(*(self._call(s, "unload_lora", {"lora_name": name})
                                        for s in loaded))
+                # Answer once this table no longer shows the rolled-back loads, so a retry
+                # right after is not refused as "already loaded".
+                await self._wait(lambda: not ids & _holders(self.manager, name))
                 raise _http(failed[0], name)
-            ids = {s.instance_id for s in loaded}
             await self._wait(lambda: ids <= _holders(self.manager, name))
         return f"Success: LoRA adapter '{name}' added successfully.".encode()
 
