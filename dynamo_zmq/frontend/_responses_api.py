@@ -25,12 +25,12 @@ from ._fanout import FanOut
 from ._limits import prompt_chars
 from ._priority import header_priority
 from ._responses_output import ResponseBuilder
-from ._responses_request import input_messages, parse_responses, to_chat
+from ._responses_request import input_messages, parse_responses, renamed, to_chat
 from ._responses_store import ResponsesStore
 from ._scope import RequestScope
 from ._sessions import session_id
 from ._sse_chunks import Failed
-from ._subrequests import SubRequest, chat_work
+from ._subrequests import chat_work
 from ._tenants import Ticket
 from .errors import HttpError
 from .models import ModelEntry
@@ -97,6 +97,7 @@ async def create_response(app: FrontendApp, scope: Scope, receive: Receive, send
         if ticket is not None:
             ticket.reserve(prompt_tokens, work[0].pre.stop.max_tokens or 0)
     except HttpError as exc:
+        exc = renamed(exc)
         app._refuse(_ENDPOINT, exc, ticket)
         await error(send, exc)
         return
@@ -114,8 +115,7 @@ async def create_response(app: FrontendApp, scope: Scope, receive: Receive, send
                          request_scope.started, request_scope.ending,
                          lambda pre: app._migration(entry, pre, options))
             try:
-                request_scope.status = await _answer(request_scope, send, entry, fan, work,
-                                                     builder)
+                request_scope.status = await _answer(request_scope, send, entry, fan, builder)
             finally:
                 request_scope.completion_tokens, request_scope.ttft = (fan.completion_tokens,
                                                                        fan.ttft)
@@ -127,7 +127,7 @@ async def create_response(app: FrontendApp, scope: Scope, receive: Receive, send
 
 
 async def _answer(scope: RequestScope, send: Send, entry: ModelEntry, fan: FanOut,
-                  work: list[SubRequest], builder: ResponseBuilder) -> str:
+                  builder: ResponseBuilder) -> str:
     """Send the request and answer it (streamed events, or the Response object); how it
     ended (the status label)."""
     failure = await fan.open(entry.router, scope.ctx, scope.options)

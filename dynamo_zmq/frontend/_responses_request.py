@@ -16,10 +16,10 @@ from typing import Any
 
 import msgspec
 
-from .errors import bad_request, unsupported
-from .protocol import ChatCompletionRequest, parse_chat
+from .errors import HttpError, bad_request, unsupported
+from .protocol import ChatCompletionRequest, _decode, parse_chat
 
-__all__ = ["ResponsesRequest", "input_messages", "parse_responses", "to_chat"]
+__all__ = ["ResponsesRequest", "input_messages", "parse_responses", "renamed", "to_chat"]
 
 _I64_MAX = 2**63 - 1
 
@@ -85,13 +85,7 @@ def parse_responses(body: bytes) -> ResponsesRequest:
     Raises:
         HttpError: 400 for malformed JSON, wrong types, bad values or unsupported options.
     """
-    try:
-        req = _decoder.decode(body)
-    except msgspec.ValidationError as exc:
-        raise bad_request(f"Invalid request: {exc}", code="invalid_value") from exc
-    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
-        raise bad_request(f"The request body is not valid JSON: {exc}",
-                          code="invalid_json") from exc
+    req: ResponsesRequest = _decode(_decoder, body)  # chat's decoding errors
     _refuse_unimplemented(req)
     _range(req.max_output_tokens, "max_output_tokens", 1, _I64_MAX)
     _range(req.temperature, "temperature", 0.0, 2.0)
@@ -133,8 +127,9 @@ def _function_call(item: dict[str, Any], param: str) -> dict[str, Any]:
 
 
 def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``input`` as chat messages (consecutive ``function_call`` items: one assistant message
-    with several tool calls; a ``reasoning`` item: the next assistant message's reasoning).
+    """``input`` as chat messages (``function_call`` items after an assistant message, or
+    after each other: that message's tool calls; a ``reasoning`` item: the next assistant
+    message's reasoning).
 
     Raises:
         HttpError: 400 naming the item that is malformed or of a type not supported.
@@ -160,8 +155,8 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
         elif kind == "function_call":
             call = _function_call(item, param)
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
-                last["tool_calls"].append(call)
+            if last is not None and last["role"] == "assistant":  # its text, then its calls
+                last.setdefault("tool_calls", []).append(call)
             else:
                 message = {"role": "assistant", "content": None, "tool_calls": [call]}
                 if reasoning is not None:
@@ -253,3 +248,19 @@ def to_chat(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> ChatCo
     if (fmt := _response_format(req.text)) is not None:
         body["response_format"] = fmt
     return parse_chat(msgspec.json.encode(body))
+
+
+#: Chat's parameter names -> the Responses API's, for the errors of the chat checks.
+_PARAMS = {"response_format": "text.format", "max_completion_tokens": "max_output_tokens",
+           "messages": "input"}
+
+
+def renamed(exc: HttpError) -> HttpError:
+    """``exc`` naming the Responses parameter where the chat checks named chat's
+    (``response_format`` -> ``text.format``, ...), in ``param`` and in the message."""
+    for chat, ours in _PARAMS.items():
+        if exc.param is not None and (exc.param == chat or exc.param.startswith(chat + ".")
+                                      or exc.param.startswith(chat + "[")):
+            exc.param = ours + exc.param[len(chat):]
+        exc.message = exc.message.replace(f"'{chat}", f"'{ours}")
+    return exc
