@@ -115,21 +115,22 @@ async def create_response(app: FrontendApp, scope: Scope, receive: Receive, send
                          request_scope.started, request_scope.ending,
                          lambda pre: app._migration(entry, pre, options))
             try:
-                request_scope.status = await _answer(request_scope, send, entry, fan, builder)
+                request_scope.status = await _answer(request_scope, send, entry, fan, builder,
+                                                     store, conversation)
             finally:
                 request_scope.completion_tokens, request_scope.ttft = (fan.completion_tokens,
                                                                        fan.ttft)
                 await fan.close()
-            if request_scope.status == "success" and builder.stored:
-                store.put(builder.body(), [*conversation, builder.assistant_message()])
     finally:
         request_scope.settle(ticket)
 
 
 async def _answer(scope: RequestScope, send: Send, entry: ModelEntry, fan: FanOut,
-                  builder: ResponseBuilder) -> str:
-    """Send the request and answer it (streamed events, or the Response object); how it
-    ended (the status label)."""
+                  builder: ResponseBuilder, store: ResponsesStore,
+                  conversation: list[dict[str, Any]]) -> str:
+    """Send the request and answer it (streamed events, or the Response object), storing a
+    completed response (with ``conversation`` and its output) before its last bytes go, so a
+    client may continue it at once; how it ended (the status label)."""
     failure = await fan.open(entry.router, scope.ctx, scope.options)
     if failure is not None:
         await error(send, failure)
@@ -147,8 +148,8 @@ async def _answer(scope: RequestScope, send: Send, entry: ModelEntry, fan: FanOu
                     raise Failed(http_errors.engine_error(out.error or "engine error"))
                 builder.add(out)
                 finish = out.finish_reason or finish
-            if scope.streaming and finish is None:
-                await _more(send, builder.take())
+            if scope.streaming and finish is None and (events := builder.take()):
+                await _more(send, events)
     except Failed as failed:
         if not scope.streaming:
             await error(send, failed.error)
@@ -157,6 +158,8 @@ async def _answer(scope: RequestScope, send: Send, entry: ModelEntry, fan: FanOu
         await _last(send, builder.take())
         return "error"
     builder.finish(finish, *fan.usage())
+    if builder.stored:
+        store.put(builder.body(), [*conversation, builder.assistant_message()])
     if scope.streaming:
         await _last(send, builder.take())
     else:
