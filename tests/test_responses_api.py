@@ -179,6 +179,20 @@ async def test_streamed_events_come_in_openais_order_with_sequence_numbers(clien
     assert whole.usage.input_tokens == final.usage.input_tokens
 
 
+async def test_a_mocker_worker_streams_a_response(client):
+    events = await events_of(client, model="mocker", input="Tell me a story.",
+                             max_output_tokens=8)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    final = events[-1].response
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == final.output_text
+    assert 0 < final.usage.output_tokens <= 8
+    whole = await client.responses.create(model="mocker", input="Tell me a story.",
+                                          max_output_tokens=8)
+    assert whole.usage.input_tokens == final.usage.input_tokens
+
+
 async def test_the_clients_stream_helper_assembles_the_response(client):
     async with client.responses.stream(model="qwen", input="Hi script=default") as stream:
         texts = [e.delta async for e in stream if e.type == "response.output_text.delta"]
