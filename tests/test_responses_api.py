@@ -46,13 +46,24 @@ TOOLS = [
 CHAT_TOOLS = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}}
               for t in TOOLS]
 STORE_SIZE = 3
+#: The tiny model's template, taking tool calls and results (its <tool_call> and </think>
+#: imply the hermes and qwen3 parsers).
+TOOLS_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ '<|' + message['role'] + '|>\\n' }}"
+    "{% if message['content'] %}{{ message['content'] }}{% endif %}"
+    "{% for call in message['tool_calls'] or [] %}<tool_call>{{ call['function']['name'] }} "
+    "{{ call['function']['arguments'] }}</tool_call>{% endfor %}{{ eos_token + '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+    "{# <think></think> #}"
+)
 SCHEMA = {"type": "json_schema", "name": "tz",
           "schema": {"type": "object", "properties": {"tz": {"type": "string"}}}}
 
 
 @pytest.fixture(scope="module")
 def stack(tiny_model, tmp_path_factory):
-    """A scripted worker ('qwen': hermes and qwen3 from its chat template, structured outputs),
+    """A scripted worker ('qwen': hermes and qwen3 from its chat template, which takes tool
+    calls and results, and structured outputs),
     a mocker ('mocker') and a frontend keeping at most ``STORE_SIZE`` responses: its URL."""
     tmp = tmp_path_factory.mktemp("responses")
     scripts = tmp / "scripts.json"
@@ -61,7 +72,7 @@ def stack(tiny_model, tmp_path_factory):
     shutil.copytree(tiny_model, qwen_model)
     config_file = qwen_model / "tokenizer_config.json"
     config = json.loads(config_file.read_text())
-    config["chat_template"] += "{# tool calls: <tool_call>...</tool_call>; <think></think> #}"
+    config["chat_template"] = TOOLS_TEMPLATE
     config_file.write_text(json.dumps(config))
     namespace = f"t{uuid.uuid4().hex[:12]}"
     base = ["-m", "dynamo_zmq.worker", "--namespace", namespace, "--host", "127.0.0.1",
@@ -140,14 +151,17 @@ async def test_text_input_with_instructions_is_the_chat_with_a_system_message(cl
         {"role": "user", "content": "Say hello. script=default"}])
     assert usage.output_tokens > 0
     assert usage.total_tokens == usage.input_tokens + usage.output_tokens
-    # message items with input_text parts, and developer as system: the same prompt
+    # message items with input_text parts (as chat's text parts), developer as system
     same = await client.responses.create(model="qwen", input=[
         {"role": "developer", "content": "Be brief."},
         {"type": "message", "role": "user",
-         "content": [{"type": "input_text", "text": "Say hello. "},
+         "content": [{"type": "input_text", "text": "Say hello."},
                      {"type": "input_text", "text": "script=default"}]}])
     assert same.output_text == "Hello there."
-    assert same.usage.input_tokens == usage.input_tokens
+    assert same.usage.input_tokens == await chat_prompt_tokens(client, [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Say hello."},
+                                     {"type": "text", "text": "script=default"}]}])
 
 
 async def test_streamed_events_come_in_openais_order_with_sequence_numbers(client):

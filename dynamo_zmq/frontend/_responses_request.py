@@ -96,14 +96,15 @@ def parse_responses(body: bytes) -> ResponsesRequest:
     return req
 
 
-def _text(content: Any, param: str) -> str:
-    """A message's content as text: a string, or its ``input_text`` / ``output_text`` parts."""
+def _text(content: Any, param: str) -> str | list[dict[str, str]]:
+    """A message's content for chat: a string, or its ``input_text`` / ``output_text`` parts
+    as chat's text parts."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise bad_request(f"'{param}' must be a string or a list of content parts", param=param,
                           code="invalid_type")
-    texts = []
+    texts: list[dict[str, str]] = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in ("input_text", "output_text", "text"):
@@ -113,8 +114,8 @@ def _text(content: Any, param: str) -> str:
         if not isinstance(text, str):
             raise bad_request(f"'{param}[{j}].text' must be a string", param=f"{param}[{j}]",
                               code="invalid_type")
-        texts.append(text)
-    return "".join(texts)
+        texts.append({"type": "text", "text": text})
+    return texts
 
 
 def _function_call(item: dict[str, Any], param: str) -> dict[str, Any]:
