@@ -63,8 +63,9 @@ SCHEMA = {"type": "json_schema", "name": "tz",
 @pytest.fixture(scope="module")
 def stack(tiny_model, tmp_path_factory):
     """A scripted worker ('qwen': hermes and qwen3 from its chat template, which takes tool
-    calls and results, and structured outputs),
-    a mocker ('mocker') and a frontend keeping at most ``STORE_SIZE`` responses: its URL."""
+    calls and results, and structured outputs), a mocker ('mocker'), an engine that crashes
+    after 3 tokens ('crash') and a frontend keeping at most ``STORE_SIZE`` responses, without
+    migration: its URL."""
     tmp = tmp_path_factory.mktemp("responses")
     scripts = tmp / "scripts.json"
     scripts.write_text(json.dumps(SCRIPTS))
@@ -84,15 +85,18 @@ def stack(tiny_model, tmp_path_factory):
                            "--scripted-structured", "--script-file", str(scripts)]))
         procs.append(Proc([*base, "--engine", "mocker", "--model-path", str(tiny_model),
                            "--model-name", "mocker", "--speedup-ratio", "1000"]))
+        procs.append(Proc([*base, "--engine", "tests.support.engines:CrashingTestEngine",
+                           "--model-path", str(tiny_model), "--model-name", "crash",
+                           "--crash-after", "3"]))
         front = Proc(["-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
-                      "--responses-store-size", str(STORE_SIZE)])
+                      "--responses-store-size", str(STORE_SIZE), "--migration-limit", "0"])
         procs.append(front)
         for proc in procs:
             proc.wait_ready(60)
         deadline = time.monotonic() + 60
         while True:
             status, body = get(f"{front.address}/v1/models")
-            if status == 200 and {"qwen", "mocker"} <= {m["id"] for m in
+            if status == 200 and {"qwen", "mocker", "crash"} <= {m["id"] for m in
                                                         json.loads(body)["data"]}:
                 break
             assert time.monotonic() < deadline, f"models not listed: {body!r}"
@@ -205,6 +209,17 @@ async def test_a_mocker_worker_streams_a_response(client):
     whole = await client.responses.create(model="mocker", input="Tell me a story.",
                                           max_output_tokens=8)
     assert whole.usage.input_tokens == final.usage.input_tokens
+
+
+async def test_a_stream_that_fails_ends_with_response_failed(client):
+    events = await events_of(client, model="crash", input="one two three four five six")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[-1].type == "response.failed"
+    assert any(e.type == "response.output_text.delta" for e in events)
+    failed = events[-1].response
+    assert failed.status == "failed" and failed.error.message and failed.error.code
+    with pytest.raises(openai.NotFoundError):  # a failed response is not stored
+        await client.responses.retrieve(failed.id)
 
 
 async def test_the_clients_stream_helper_assembles_the_response(client):
