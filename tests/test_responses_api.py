@@ -8,8 +8,8 @@ outputs. Shown: text and message input, ``instructions`` as chat's system messag
 prompt tokens as the equivalent chat request), the streamed events in OpenAI's order with their
 sequence numbers (and the client's stream helper assembling the same response), reasoning and
 function-call items, a tool round trip, ``text.format``, ``max_output_tokens`` cutting a
-response short, the store (``previous_response_id``, retrieve, delete, eviction) and errors in
-OpenAI's shape.
+response short, a stream whose engine crashes ending with ``response.failed``, the store
+(``previous_response_id``, retrieve, delete, eviction) and errors in OpenAI's shape.
 """
 
 from __future__ import annotations
@@ -383,25 +383,3 @@ def test_store_flags_are_checked():
                    env={"DYN_RESPONSES_STORE_SIZE": "-2"})
     assert done.returncode == 2 and "got -2" in done.stderr
 
-
-def test_the_store_forgets_a_response_after_its_ttl(monkeypatch):
-    from dynamo_zmq.frontend import _responses_store
-    from dynamo_zmq.frontend.errors import HttpError
-
-    now = [1000.0]
-    monkeypatch.setattr(_responses_store.time, "monotonic", lambda: now[0])
-    store = _responses_store.ResponsesStore(size=10, ttl=60)
-    store.put({"id": "resp_a"}, [{"role": "user", "content": "a"}])
-    now[0] += 59
-    assert store.get("resp_a") == {"id": "resp_a"}
-    assert store.conversation("resp_a") == [{"role": "user", "content": "a"}]
-    now[0] += 2
-    for look in (store.get, store.conversation):
-        with pytest.raises(HttpError) as info:
-            look("resp_a")
-        assert info.value.status == 404
-    off = _responses_store.ResponsesStore(size=0)
-    off.put({"id": "resp_b"}, [])
-    with pytest.raises(HttpError) as info:
-        off.conversation("resp_b")
-    assert info.value.status == 400 and info.value.param == "previous_response_id"
