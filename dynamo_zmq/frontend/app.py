@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API as a raw ASGI application (no framework on the hot path).
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming and not),
-``POST /v1/embeddings`` (``_embeddings.py``), ``GET /v1/models``, ``/health``, ``/live``,
+``POST /v1/embeddings`` (``_embeddings.py``), ``/v1/responses`` (``_responses_api.py``),
+``GET /v1/models``, ``/health``, ``/live``,
 ``/metrics``, Dynamo's ``POST /clear_kv_blocks`` (``_clear_kv.py``), and vLLM's
 ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (``_lora.py``; a request whose
 ``model`` is an adapter goes only to the workers holding it). Each generation
@@ -53,6 +54,8 @@ from ._limits import HttpLimits, Offload, Rejections, prompt_chars, text_chars
 from ._logprobs import asks_logprobs
 from ._lora import LoraRoutes, resolve_model
 from ._priority import header_priority
+from ._responses_api import PREFIX, create_response, stored_response
+from ._responses_store import ResponsesStore
 from ._scope import InFlight, RequestScope
 from ._sessions import session_id
 from ._subrequests import SubRequest, chat_work, completion_work
@@ -72,6 +75,7 @@ SERVED_BY_HEADER = b"x-dynamo-worker"
 _ROUTES = (
     "/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/live", "/metrics",
     "/clear_kv_blocks", "/v1/embeddings", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
+    "/v1/responses",
 )
 _TEXT = [(b"content-type", b"text/plain; charset=utf-8")]
 _METRICS_TYPE = [(b"content-type", b"text/plain; version=0.0.4")]
@@ -124,6 +128,8 @@ class FrontendApp:
         self.metrics_page: Callable[[], Awaitable[bytes]] | None = None
         #: Per-tenant limits (``--tenant-limits``; None: none).
         self.tenants: Tenants | None = None
+        #: The Responses API's stored responses (``--responses-store-size`` / ``-ttl``).
+        self.responses = ResponsesStore()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -161,6 +167,10 @@ class FrontendApp:
                 await self._generate(scope, receive, send, "completions")
             elif path == "/v1/embeddings" and method == "POST":
                 await self._embeddings(scope, receive, send)
+            elif path == "/v1/responses" and method == "POST":
+                await create_response(self, scope, receive, send)
+            elif path.startswith(PREFIX):
+                await stored_response(self.responses, method, path, send)
             elif path == "/v1/models" and method == "GET":
                 assert self.manager is not None
                 await reply(send, 200, models_body(self.manager))
