@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API as a raw ASGI application (no framework on the hot path).
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming and not),
-``POST /v1/embeddings`` (``_embeddings.py``), ``GET /v1/models``, ``/health``, ``/live``,
+``POST /v1/embeddings`` (``_embeddings.py``), Anthropic's ``POST /v1/messages`` and
+``/v1/messages/count_tokens`` (``_messages.py``), ``GET /v1/models``, ``/health``, ``/live``,
 ``/metrics``, Dynamo's ``POST /clear_kv_blocks`` (``_clear_kv.py``), and vLLM's
 ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (``_lora.py``; a request whose
 ``model`` is an adapter goes only to the workers holding it). Each generation
@@ -33,6 +34,7 @@ from ..llm import (
     RouteOptions,
 )
 from . import errors as http_errors
+from ._anthropic_errors import MESSAGES_ROUTES
 from ._asgi import (
     ClientGone,
     Receive,
@@ -52,6 +54,7 @@ from ._health import health, models_body
 from ._limits import HttpLimits, Offload, Rejections, prompt_chars, text_chars
 from ._logprobs import asks_logprobs
 from ._lora import LoraRoutes, resolve_model
+from ._messages import serve_messages
 from ._priority import header_priority
 from ._scope import InFlight, RequestScope
 from ._sessions import session_id
@@ -161,6 +164,8 @@ class FrontendApp:
                 await self._generate(scope, receive, send, "completions")
             elif path == "/v1/embeddings" and method == "POST":
                 await self._embeddings(scope, receive, send)
+            elif path in MESSAGES_ROUTES:  # Anthropic's Messages API (_messages.py)
+                await serve_messages(self, scope, receive, send)
             elif path == "/v1/models" and method == "GET":
                 assert self.manager is not None
                 await reply(send, 200, models_body(self.manager))
