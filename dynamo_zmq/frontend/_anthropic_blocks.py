@@ -25,7 +25,8 @@ _json = msgspec.json.encode
 
 def sse_event(body: dict[str, Any]) -> bytes:
     """One server-sent event named after its body's ``type``."""
-    return b"event: " + body["type"].encode() + b"\ndata: " + _json(body) + b"\n\n"
+    kind: str = body["type"]
+    return b"event: " + kind.encode() + b"\ndata: " + _json(body) + b"\n\n"
 
 
 def stop_reason(finish: str | None, matched: int | str | None,
