@@ -42,6 +42,7 @@ TOOLS = [
                                           "properties": {"tz": {"type": "string"}}}},
 ]
 KEY, OTHER_KEY = "sekret-1", "sekret-2"
+ECHO = "tests.support.engines:EchoEngine"
 LIMITS = """
 [default]
 requests_per_second = 0.01
@@ -51,8 +52,9 @@ burst = 2
 
 @pytest.fixture(scope="module")
 def stack(tiny_model, tmp_path_factory):
-    """A scripted worker ('scripted'), a mocker ('mocker'), an open frontend and one with API
-    keys and tenant limits; yields the two frontends' URLs."""
+    """A scripted worker ('scripted'), a mocker ('mocker'), echo workers that fail ('broken')
+    and are slow ('slow'), an open frontend and one with API keys and tenant limits; yields the
+    two frontends' URLs."""
     tmp = tmp_path_factory.mktemp("messages")
     scripts = tmp / "scripts.json"
     scripts.write_text(json.dumps(SCRIPTS))
@@ -76,6 +78,11 @@ def stack(tiny_model, tmp_path_factory):
               "--reasoning-parser", "qwen3"]),
         Proc([*base, "--model-path", str(tiny_model), "--engine", "mocker", "--model-name",
               "mocker", "--speedup-ratio", "1000"]),
+        # streams the prompt back, then fails (an engine error); and a slow one (the deadline)
+        Proc([*base, "--model-path", str(tiny_model), "--engine", ECHO, "--model-name",
+              "broken", "--echo-finish", "error"]),
+        Proc([*base, "--model-path", str(tiny_model), "--engine", ECHO, "--model-name",
+              "slow", "--echo-delay", "0.5"]),
         Proc(["-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace]),
         Proc(["-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
               "--api-key", KEY, "--api-key", OTHER_KEY, "--tenant-limits", str(limits),
@@ -84,7 +91,7 @@ def stack(tiny_model, tmp_path_factory):
     try:
         for proc in procs:
             proc.wait_ready(60)
-        yield procs[2].address, procs[3].address
+        yield procs[-2].address, procs[-1].address
     finally:
         for proc in procs:
             proc.stop()
@@ -272,6 +279,25 @@ async def test_errors_in_anthropics_shape(client, stack):
         assert resp.json()["error"]["type"] == "invalid_request_error"
         resp = await http.get(f"{stack[0]}/v1/messages")
         assert resp.status_code == 405 and resp.json()["type"] == "error"
+
+
+async def test_engine_errors_and_the_deadline_in_anthropics_shape(client, stack):
+    await wait_models(stack[0], {"broken", "slow"})
+    with pytest.raises(anthropic.InternalServerError) as info:
+        await client.messages.create(model="broken", max_tokens=50, messages=ask("x"))
+    assert info.value.status_code == 500 and error_body(info.value)["type"] == "api_error"
+    events = []
+    with pytest.raises(anthropic.APIStatusError) as streamed:  # the SDK raises the error event
+        async for event in await client.messages.create(model="broken", max_tokens=50,
+                                                        messages=ask("x"), stream=True):
+            events.append(event.type)
+    assert events[0] == "message_start" and "message_stop" not in events
+    assert streamed.value.body["error"]["type"] == "api_error"
+    with pytest.raises(anthropic.APIStatusError) as late:
+        await client.messages.create(model="slow", max_tokens=50, messages=ask("x"),
+                                     extra_headers={"x-dynamo-request-timeout": "0.3"})
+    assert late.value.status_code == 504
+    assert error_body(late.value)["type"] == "timeout_error"
 
 
 async def test_x_api_key_and_bearer_are_one_key_and_one_tenant(stack):
