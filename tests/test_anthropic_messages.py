@@ -3,7 +3,8 @@ through a real frontend and real workers, with the ``anthropic`` client.
 
 A scripted worker (``tests.support.engines:ScriptedEngine``, hermes tool-call and qwen3
 reasoning parsers) writes known text, so stop sequences, thinking and tool-use blocks and
-their stream events are checked exactly; a mocker serves the rest. A second frontend has API
+their stream events are checked exactly; a mocker serves the rest, and echo workers fail or
+are slow (an engine error, the deadline: errors in Anthropic's shape). A second frontend has API
 keys and tenant limits (a request bucket of 2 refilled at 0.01/s, so the outcome does not
 depend on timing): ``x-api-key`` and ``Authorization: Bearer`` are the same key and the same
 tenant."""
