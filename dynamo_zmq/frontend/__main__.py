@@ -66,6 +66,7 @@ from ._http_security import (
 )
 from ._http_workers import WorkerSlot, reuseport_socket, supervise
 from ._limits import HttpLimits
+from ._responses_store import add_responses_args, store_from_args
 from ._sessions import add_session_args, session_config
 from ._sibling_metrics import SiblingMetrics
 from ._tenant_limits import LimitsFile, add_tenant_args, limits_file
@@ -157,6 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model-cache", default=env("DYN_MODEL_CACHE"),
                         help="where fetched tokenizer files are kept [DYN_MODEL_CACHE]")
     add_session_args(parser)
+    add_responses_args(parser)
     add_http_security_args(parser)
     add_tenant_args(parser)
     add_disagg_args(parser)
@@ -243,6 +245,7 @@ async def serve(
         limits=HttpLimits(max_body=args.max_body_bytes, body_timeout=args.body_timeout),
         lora_placement=args.lora_placement,
     )
+    app.responses = store_from_args(args)  # per process (each of --http-workers N its own)
     if slot is not None:
         siblings = SiblingMetrics(slot, app.metrics.render)
         app.metrics_page = siblings.page
@@ -332,6 +335,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         disagg = disagg_config(args)
         tenant_limits = limits_file(args)
         session_config(args)  # the flags can work, or say why now
+        store_from_args(args)
         check_name(args.namespace, "namespace")
         if not 0 <= args.http_port <= 65535:
             raise errors.InvalidArgument(f"--http-port must be 0-65535, got {args.http_port}")

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 from .. import errors
 from ..context import Context
@@ -244,6 +244,28 @@ class FanOut:
         cached = [s.cached for s in self.subs if s.number == 0 and s.cached is not None]
         self.metrics.osl.labels(self.model).observe(completion)
         return self.prompt_tokens, completion, sum(cached) if cached else None
+
+    async def batches(self) -> AsyncIterator[list[LLMEngineOutput]]:
+        """A single sub-request's outputs, a batch at a time, counted (metrics, usage), up to
+        the batch with its finish (``/v1/responses`` writes them its own way).
+
+        Raises:
+            Failed: the error that ended it.
+        """
+        (sub,) = self.subs
+        while True:
+            ((_, item),) = await self._next()
+            if not isinstance(item, list):
+                raise Failed(self._failure(item))
+            self._account(sub, item)
+            yield item
+            if item[-1].finish_reason is not None:
+                sub.finish = item[-1].finish_reason
+                return
+
+    def usage(self) -> tuple[int, int, int | None]:
+        """Prompt, completion and cached tokens (observes the output length)."""
+        return self._usage()
 
     async def stream_sse(self, send: Send, headers: list[tuple[bytes, bytes]],
                          include_usage: bool) -> str:

@@ -1,11 +1,14 @@
-"""The frontend's HTTP security: API keys (``Authorization: Bearer``) and TLS.
+"""The frontend's HTTP security: API keys (``Authorization: Bearer`` or ``x-api-key``) and TLS.
 
 API keys come from ``--api-key`` (repeatable), ``DYN_API_KEYS`` (comma-separated) and
 ``--api-key-file`` / ``DYN_API_KEY_FILE`` (one key per line, ``#`` comments), which is re-read
 when it changes, so keys can be added or revoked without a restart. With no key configured the
-frontend is open, as before. ``ApiKeyGuard`` answers 401 in OpenAI's error shape to any request
-without a configured key, except on the exempt routes (``--api-key-exempt``, by default the
-health, liveness and metrics routes, which probes and scrapers call).
+frontend is open, as before. A key is sent as ``Authorization: Bearer KEY`` (OpenAI's clients) or
+``x-api-key: KEY`` (Anthropic's); the two are equivalent (``request_api_key``: Authorization
+first), here and for the tenant a key names. ``ApiKeyGuard`` answers 401 in OpenAI's error
+shape (Anthropic's on the Messages API's routes) to any request without a configured key, except
+on the exempt routes (``--api-key-exempt``, by default the health, liveness and metrics routes,
+which probes and scrapers call).
 
 TLS: ``--tls-cert-file`` and ``--tls-key-file`` (PEM) make the frontend serve HTTPS; both are
 loaded up front, so a missing or mismatched file is one clear error at start.
@@ -25,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from .. import errors
-from ._asgi import Receive, Scope, Send, error
+from ._anthropic_errors import MESSAGES_ROUTES, anthropic_send
+from ._asgi import Receive, Scope, Send, error, header
 from .errors import HttpError
 
 __all__ = [
@@ -36,6 +40,7 @@ __all__ = [
     "add_http_security_args",
     "http_security",
     "is_loopback",
+    "request_api_key",
 ]
 
 log = logging.getLogger(__name__)
@@ -51,7 +56,8 @@ def add_http_security_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("HTTP security")
     group.add_argument(
         "--api-key", action="append", default=[],
-        help="a key clients must send as 'Authorization: Bearer KEY' (repeat for several). No "
+        help="a key clients must send as 'Authorization: Bearer KEY' or 'x-api-key: KEY' "
+             "(repeat for several). No "
              "key configured: no check [DYN_API_KEYS: a comma-separated list, added to these]",
     )
     group.add_argument(
@@ -131,6 +137,16 @@ class ApiKeys:
         return found
 
 
+def request_api_key(scope: Scope) -> bytes:
+    """The key a request presents: ``Authorization: Bearer KEY``, else ``x-api-key: KEY``
+    (Anthropic's header); empty when neither."""
+    value = header(scope, b"authorization")
+    if value is not None:
+        scheme, _, key = value.partition(b" ")
+        return key.strip() if scheme.lower() == b"bearer" else b""
+    return (header(scope, b"x-api-key") or b"").strip()
+
+
 def _unauthorized(message: str) -> HttpError:
     return HttpError(401, "invalid_request_error", message, code="invalid_api_key")
 
@@ -155,18 +171,21 @@ class ApiKeyGuard:
             return
         if self.on_reject is not None:
             self.on_reject()
+        if scope["path"] in MESSAGES_ROUTES:  # Anthropic's clients read Anthropic's shape
+            send = anthropic_send(send)
         await error(send, _unauthorized(problem))
 
     def _problem(self, scope: Scope) -> str | None:
         """Why the request is refused (None: its key is accepted)."""
-        value = next((v for k, v in scope["headers"] if k == b"authorization"), None)
-        if value is None:
+        value = header(scope, b"authorization")
+        if value is None and header(scope, b"x-api-key") is None:
             return ("You didn't provide an API key. Send it in the Authorization header as "
-                    "'Authorization: Bearer YOUR_KEY'.")
-        scheme, _, key = value.partition(b" ")
-        if scheme.lower() != b"bearer" or not key.strip():
-            return "The Authorization header must be 'Bearer YOUR_KEY'."
-        if not self.keys.accepts(key.strip()):
+                    "'Authorization: Bearer YOUR_KEY' (or as 'x-api-key: YOUR_KEY').")
+        key = request_api_key(scope)
+        if not key:
+            return ("The Authorization header must be 'Bearer YOUR_KEY'." if value is not None
+                    else "The x-api-key header must not be empty.")
+        if not self.keys.accepts(key):
             return "Incorrect API key provided."
         return None
 

@@ -65,7 +65,7 @@ class RequestScope:
     Args:
         metrics: the frontend's metrics.
         model: the model's name (label).
-        endpoint: ``chat``, ``completions`` or ``embeddings`` (label).
+        endpoint: ``chat``, ``completions``, ``embeddings`` or ``responses`` (label).
         streaming: an SSE response (label ``stream``; else ``unary``).
         request_id: the request's id (its ``Context`` id).
         receive: the ASGI receive channel (watched for the disconnect).

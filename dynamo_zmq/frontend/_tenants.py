@@ -1,11 +1,11 @@
 """Per-tenant limits on the frontend (``--tenant-limits FILE``): who a request's tenant is,
 its buckets, admission, settlement and metrics.
 
-A request's tenant is its API key when keys are configured (named by the limits file, else
-``key_label``: never the key itself), otherwise its ``x-dynamo-tenant`` header (``anonymous``
-without one). Each tenant has a request bucket (``requests_per_second``, ``burst``) and a
-token bucket (``tokens_per_minute``), built from its limits on first sight
-(``_token_bucket.py``). A request is admitted in two steps:
+A request's tenant is its API key (Bearer or ``x-api-key``, the same tenant) when keys are
+configured (named by the limits file, else ``key_label``: never the key itself), otherwise its
+``x-dynamo-tenant`` header (``anonymous`` without one). Each tenant has a request bucket
+(``requests_per_second``, ``burst``) and a token bucket (``tokens_per_minute``), built from
+its limits on first sight (``_token_bucket.py``). A request is admitted in two steps:
 
 1. ``Tenants.admit``, as soon as its body is read: one request from the request bucket (429,
    type ``requests``, when empty). Every request that arrives counts, also one refused later.
@@ -28,6 +28,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from ._asgi import Scope, header
+from ._http_security import request_api_key
 from ._tenant_limits import ANONYMOUS, NAME, LimitsFile, LimitTable, TenantLimit
 from ._token_bucket import TokenBucket
 from .errors import HttpError, bad_request, rate_limited
@@ -137,8 +138,7 @@ class Tenants:
             HttpError: 400 for an ``x-dynamo-tenant`` that is not a tenant name.
         """
         if self.keys_enabled:
-            value = header(scope, b"authorization")
-            key = b"" if value is None else value.partition(b" ")[2].strip()
+            key = request_api_key(scope)  # Bearer or x-api-key: the same tenant
             return table.key_name(key) if key else ANONYMOUS
         value = header(scope, TENANT_HEADER)
         if value is None:

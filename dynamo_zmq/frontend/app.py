@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP API as a raw ASGI application (no framework on the hot path).
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming and not),
-``POST /v1/embeddings`` (``_embeddings.py``), ``GET /v1/models``, ``/health``, ``/live``,
+``POST /v1/embeddings`` (``_embeddings.py``), ``/v1/responses`` (``_responses_api.py``),
+Anthropic's ``POST /v1/messages`` and ``/v1/messages/count_tokens`` (``_messages.py``),
+``GET /v1/models``, ``/health``, ``/live``,
 ``/metrics``, Dynamo's ``POST /clear_kv_blocks`` (``_clear_kv.py``), and vLLM's
 ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (``_lora.py``; a request whose
 ``model`` is an adapter goes only to the workers holding it). Each generation
@@ -23,8 +25,6 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable
 
-import msgspec
-
 from ..llm import (
     DEFAULT_MIGRATION_LIMIT,
     Capability,
@@ -33,6 +33,8 @@ from ..llm import (
     RouteOptions,
 )
 from . import errors as http_errors
+from ._admin_routes import serve_clear_kv_blocks, serve_lora_adapter
+from ._anthropic_errors import MESSAGES_ROUTES
 from ._asgi import (
     ClientGone,
     Receive,
@@ -42,7 +44,6 @@ from ._asgi import (
     read_body,
     reply,
 )
-from ._clear_kv import clear_kv_blocks, parse_clear_request
 from ._deadline import request_timeout
 from ._direct import WORKER_HEADER, direct_target
 from ._embed_protocol import parse_embedding
@@ -52,7 +53,10 @@ from ._health import health, models_body
 from ._limits import HttpLimits, Offload, Rejections, prompt_chars, text_chars
 from ._logprobs import asks_logprobs
 from ._lora import LoraRoutes, resolve_model
+from ._messages import serve_messages
 from ._priority import header_priority
+from ._responses_api import PREFIX, create_response, stored_response
+from ._responses_store import ResponsesStore
 from ._scope import InFlight, RequestScope
 from ._sessions import session_id
 from ._subrequests import SubRequest, chat_work, completion_work
@@ -72,8 +76,8 @@ SERVED_BY_HEADER = b"x-dynamo-worker"
 _ROUTES = (
     "/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/live", "/metrics",
     "/clear_kv_blocks", "/v1/embeddings", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
+    "/v1/responses",
 )
-_TEXT = [(b"content-type", b"text/plain; charset=utf-8")]
 _METRICS_TYPE = [(b"content-type", b"text/plain; version=0.0.4")]
 
 
@@ -124,6 +128,8 @@ class FrontendApp:
         self.metrics_page: Callable[[], Awaitable[bytes]] | None = None
         #: Per-tenant limits (``--tenant-limits``; None: none).
         self.tenants: Tenants | None = None
+        #: The Responses API's stored responses (``--responses-store-size`` / ``-ttl``).
+        self.responses = ResponsesStore()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -161,6 +167,12 @@ class FrontendApp:
                 await self._generate(scope, receive, send, "completions")
             elif path == "/v1/embeddings" and method == "POST":
                 await self._embeddings(scope, receive, send)
+            elif path == "/v1/responses" and method == "POST":
+                await create_response(self, scope, receive, send)
+            elif path.startswith(PREFIX):
+                await stored_response(self.responses, method, path, send)
+            elif path in MESSAGES_ROUTES:  # Anthropic's Messages API (_messages.py)
+                await serve_messages(self, scope, receive, send)
             elif path == "/v1/models" and method == "GET":
                 assert self.manager is not None
                 await reply(send, 200, models_body(self.manager))
@@ -171,10 +183,13 @@ class FrontendApp:
                     await self.metrics_page())
                 await reply(send, 200, page, _METRICS_TYPE)
             elif path == "/clear_kv_blocks" and method == "POST":
-                await self._clear_kv_blocks(scope, receive, send)
+                assert self.manager is not None
+                await serve_clear_kv_blocks(self.manager, self.limits, scope, receive, send)
             elif path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter") and (
                     method == "POST"):
-                await self._lora_adapter(scope, receive, send, path.endswith("/load_lora_adapter"))
+                assert self.lora is not None
+                await serve_lora_adapter(self.lora, self.limits, scope, receive, send,
+                                         path.endswith("/load_lora_adapter"))
             elif path in _ROUTES:
                 message = f"{method} is not allowed on {path}"
                 await error(send, HttpError(405, "invalid_request_error", message))
@@ -182,26 +197,6 @@ class FrontendApp:
                 await error(send, http_errors.not_found(f"no route {path}"))
         except ClientGone:
             pass
-
-    async def _clear_kv_blocks(self, scope: Scope, receive: Receive, send: Send) -> None:
-        assert self.manager is not None
-        try:
-            model = parse_clear_request(await read_body(receive, scope, self.limits))
-            body = await clear_kv_blocks(self.manager, model)
-        except HttpError as exc:
-            await error(send, exc)
-            return
-        await reply(send, 200, msgspec.json.encode(body))
-
-    async def _lora_adapter(self, scope: Scope, receive: Receive, send: Send, load: bool) -> None:
-        assert self.lora is not None
-        try:
-            body = await read_body(receive, scope, self.limits)
-            text = await (self.lora.load(body) if load else self.lora.unload(body))
-        except HttpError as exc:
-            await error(send, exc)
-            return
-        await reply(send, 200, text, _TEXT)
 
     # -- generation ------------------------------------------------------------------------
 
