@@ -48,6 +48,7 @@ from ._messages import EngineLoad as EngineLoad
 from ._messages import FinishReason as FinishReason
 from ._messages import GuidedDecoding as GuidedDecoding
 from ._messages import LLMEngineOutput as LLMEngineOutput
+from ._messages import MediaItem as MediaItem
 from ._messages import OutputOptions as OutputOptions
 from ._messages import PreprocessedRequest as PreprocessedRequest
 from ._messages import Resume as Resume
@@ -159,6 +160,7 @@ __all__ = [
     "LiveRequests",
     "LoadDecodeError",
     "LoadReport",
+    "MediaItem",
     "Migration",
     "ModelAdvert",
     "ModelCard",

@@ -47,3 +47,6 @@ class Capability:
     #: Priority scheduling (``PreprocessedRequest.priority``; vLLM's ``--scheduling-policy
     #: priority``).
     PRIORITY = "priority"
+    #: Images (``PreprocessedRequest.media``): the engine takes ``image_url`` content parts; it
+    #: advertises ``EngineConfig.image_token_id`` and ``tokens_per_image``.
+    VISION = "vision"

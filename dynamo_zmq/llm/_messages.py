@@ -24,6 +24,7 @@ __all__ = [
     "FinishReason",
     "GuidedDecoding",
     "LLMEngineOutput",
+    "MediaItem",
     "OutputOptions",
     "PreprocessedRequest",
     "Resume",
@@ -159,6 +160,26 @@ class ToolOptions(msgspec.Struct, **_WIRE):
     function: str | None = None
 
 
+class MediaItem(msgspec.Struct, **_WIRE):
+    """One image of a request (``PreprocessedRequest.media``), in the order of its placeholder
+    run in ``token_ids``.
+
+    ``token_ids`` holds the image as ``length`` copies of the model's image placeholder token
+    starting at ``offset``: the frontend expands each image to the count the engine advertises
+    (``EngineConfig.tokens_per_image``), so block hashes, routing and the engine all see the same
+    positions. ``mm_hash`` (xxh3-64 of ``data``, hex) salts the hash of every KV block the run
+    overlaps, so the same image reuses a worker's cache and a different one does not.
+    """
+
+    #: The encoded image as the client sent it (PNG, JPEG, ...), decoded from its data URL or
+    #: fetched from an allowed domain.
+    data: bytes
+    mm_hash: str
+    offset: int
+    length: int
+    kind: str = "image"
+
+
 class PreprocessedRequest(msgspec.Struct, **_WIRE):
     """A tokenized request, as the frontend sends it to a worker."""
 
@@ -202,6 +223,8 @@ class PreprocessedRequest(msgspec.Struct, **_WIRE):
     #: Scheduling priority (vLLM's convention: lower runs first; 0 is the default). Engines
     #: with ``Capability.PRIORITY`` schedule by it; routers order their waiting queue by it.
     priority: int = 0
+    #: Images of the request (``Capability.VISION`` engines only), in prompt order.
+    media: list[MediaItem] | None = None
 
 
 class Usage(msgspec.Struct, **_WIRE):
@@ -277,6 +300,10 @@ class EngineConfig(msgspec.Struct, **_WIRE):
     extra: dict[str, Any] = msgspec.field(default_factory=dict)
     #: The scheme of the ``own_hashes`` its KV events carry (``KvHashScheme.ours``), if any.
     kv_hash_scheme: KvHashScheme | None = None
+    #: With ``Capability.VISION``: the token id the frontend writes for each position of an
+    #: image (``MediaItem``), and how many positions one image takes.
+    image_token_id: int | None = None
+    tokens_per_image: int = 0
 
 
 _Count = Annotated[int, msgspec.Meta(ge=0)]
