@@ -64,7 +64,9 @@ async def _count_tokens(app: FrontendApp, scope: Scope, receive: Receive, send: 
         chat = to_chat(req)
         entry, _ = app._entry(req.model)
         prompt_chars(entry.preprocessor, chat)
-        pre = await app._offload.run(len(body), entry.preprocessor.chat, chat, entry.require)
+        images = await load_images(entry, chat, app.media)
+        pre = await app._offload.run(len(body), entry.preprocessor.chat, chat, entry.require,
+                                     images, entry.vision)
     except HttpError as exc:
         app._refuse("count_tokens", exc, None)
         await error(send, exc)
