@@ -17,7 +17,6 @@ import base64
 import binascii
 import os
 import re
-from collections.abc import Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -187,7 +186,7 @@ def add_media_args(parser: argparse.ArgumentParser) -> None:
     env = os.environ.get
     parser.add_argument(
         "--allowed-media-domains", nargs="*", metavar="HOST",
-        default=env("DYN_ALLOWED_MEDIA_DOMAINS", ""),
+        default=_hosts(env("DYN_ALLOWED_MEDIA_DOMAINS", "")),
         help="hosts whose http(s) image URLs the frontend fetches (space- or comma-separated; "
              "default: none, remote image URLs are refused) [DYN_ALLOWED_MEDIA_DOMAINS]",
     )
@@ -198,15 +197,18 @@ def add_media_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _hosts(text: str) -> list[str]:
+    """Host names in a space- or comma-separated list."""
+    return [h for h in re.split(r"[\s,]+", text) if h]
+
+
 def media_from_args(args: argparse.Namespace) -> MediaPolicy:
     """The policy the flags ask for.
 
     Raises:
         InvalidArgument: ``--max-image-bytes`` below 1.
     """
-    given = args.allowed_media_domains
-    items: Sequence[str] = given if isinstance(given, list) else [given]
-    hosts = frozenset(h.lower() for item in items for h in re.split(r"[\s,]+", item) if h)
+    hosts = frozenset(h.lower() for item in args.allowed_media_domains for h in _hosts(item))
     if args.max_image_bytes < 1:
         raise InvalidArgument(f"--max-image-bytes must be >= 1, got {args.max_image_bytes}")
     return MediaPolicy(hosts, args.max_image_bytes,
