@@ -18,7 +18,6 @@ import binascii
 import os
 import re
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
 import httpx
 
@@ -147,7 +146,11 @@ def _checked(data: bytes, param: str, cap: int) -> bytes:
 
 
 async def _fetch(url: str, param: str, policy: MediaPolicy) -> bytes:
-    host = (urlsplit(url).hostname or "").lower()
+    try:  # the host as the client that fetches reads it
+        host = httpx.URL(url).host.lower()
+    except (httpx.InvalidURL, ValueError):
+        raise bad_request(f"'{param}' is not a valid URL", param=param,
+                          code="invalid_value") from None
     if host not in policy.allowed_domains:
         raise bad_request(f"'{param}': remote image URLs are refused unless their host is in "
                           f"--allowed-media-domains (host {host!r} is not); send the image as "
