@@ -108,7 +108,7 @@ async def prompt_tokens(client, messages: list[dict], model: str = "vis") -> int
 
 
 async def test_an_image_counts_tokens_per_image_at_its_place_in_the_prompt(
-    client, tokenizer
+    client, tokenizer, tiny_model: Path
 ) -> None:
     # The tiny template renders content as text: each image goes where its part is, and
     # the text around it is tokenized as rendered.
@@ -120,6 +120,14 @@ async def test_an_image_counts_tokens_per_image_at_its_place_in_the_prompt(
     two = await prompt_tokens(client, user("What is in", image_part(data_url(RED)),
                                            image_part(data_url(BLUE)), "this picture?"))
     assert two == expected + PER_IMAGE + tokens(tokenizer, "\n")
+    context = json.loads((tiny_model / "config.json").read_text())["max_position_embeddings"]
+    room = context - one  # the context left: an image's tokens count in the length checks
+    await client.chat.completions.create(model="vis", max_tokens=room, messages=user(
+        "What is in", image_part(data_url(RED)), "this picture?"))
+    with pytest.raises(openai.APIStatusError) as caught:
+        await client.chat.completions.create(model="vis", max_tokens=room + 1, messages=user(
+            "What is in", image_part(data_url(RED)), "this picture?"))
+    assert caught.value.status_code == 413
     resp = await client.chat.completions.create(
         model="vis", messages=user(image_part(data_url(BLUE))), max_tokens=3, stream=True,
         stream_options={"include_usage": True})
