@@ -1,7 +1,8 @@
 """Images through real processes: ``image_url`` content parts sent with the ``openai`` client to
 a frontend over mocker workers that take images (``--tokens-per-image``) and one that does not.
 
-Shown: an image costs ``tokens_per_image`` prompt tokens, at its place in the prompt; data URLs
+Shown: an image costs ``tokens_per_image`` prompt tokens, at its place in the prompt, also in
+the context-length check; data URLs
 that are malformed, not base64, not an image type, not an image, or too large are refused with
 400 naming the part; a remote URL is refused unless its host is in ``--allowed-media-domains``,
 and an allowed one is fetched (a local HTTP server), a non-image or missing one refused; a model
