@@ -2,11 +2,11 @@
 a frontend over mocker workers that take images (``--tokens-per-image``) and one that does not.
 
 Shown: an image costs ``tokens_per_image`` prompt tokens, at its place in the prompt, also in
-the context-length check; data URLs
-that are malformed, not base64, not an image type, not an image, or too large are refused with
-400 naming the part; a remote URL is refused unless its host is in ``--allowed-media-domains``,
-and an allowed one is fetched (a local HTTP server), a non-image or missing one refused; a model
-whose engine lacks vision refuses images naming the engine; the Responses API's
+the context-length check; data URLs that are malformed, not base64, not an image type, not an
+image, or too large are refused with 400 naming the part; a remote URL is refused unless its
+host is in ``--allowed-media-domains``, and an allowed one is fetched (a local HTTP server), a
+non-image or missing one refused; a model whose engine lacks vision refuses images naming the
+engine; the Responses API's
 ``input_image`` parts and the Messages API's ``image`` blocks (``anthropic`` client) count as
 chat's; and the KV router matches images by content: the same image and prompt land on the
 worker that cached them, with its blocks' credit, while another image after the same text
