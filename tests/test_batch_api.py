@@ -124,8 +124,19 @@ async def test_chat_and_embedding_batches_answer_every_line(stack):
         assert [o["custom_id"] for o in eout] == ["e0", "e1", "e2"]
         assert all(o["response"]["body"]["data"][0]["embedding"] for o in eout)
 
+        responses = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/responses",
+                      "body": {"model": "tiny", "input": f"hi {i}", "max_output_tokens": 3}}
+                     for i in range(2)]
+        rbatch = await client.batches.create(input_file_id=await upload(client, responses),
+                                             endpoint="/v1/responses", completion_window="24h")
+        rdone = await finished(client, rbatch.id)
+        rout = await lines_of(client, rdone.output_file_id)
+        assert [(o["custom_id"], o["response"]["body"]["object"]) for o in rout] == [
+            ("r0", "response"), ("r1", "response")]
+        assert rout[0]["response"]["request_id"] == rout[0]["response"]["body"]["id"]
+
         listed = [b.id async for b in client.batches.list(limit=1)]
-        assert listed[:2] == [ebatch.id, batch.id]
+        assert listed[:3] == [rbatch.id, ebatch.id, batch.id]
         assert done.output_file_id in {f.id async for f in client.files.list()}
         deleted = await client.files.delete(done.output_file_id)
         assert deleted.deleted

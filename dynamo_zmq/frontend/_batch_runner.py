@@ -244,6 +244,8 @@ class BatchRunner:
                     break
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(batch.halt.wait(), pause)
+                if batch.halt.is_set():
+                    return
                 pause = min(pause * 2, 10.0)
             self._record(batch, line, (status, answer), None)
         finally:
