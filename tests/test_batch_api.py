@@ -4,7 +4,9 @@ workers, with the ``openai`` client's ``files`` and ``batches`` calls.
 Shown: batches of chat and embedding requests end ``completed`` with one output line per input
 (by ``custom_id``) and a failed line in the error file; bad JSONL and bad batches are 400s
 naming what is wrong; a cancelled batch ends ``cancelled`` with the lines answered before kept;
-the frontend never has more than ``--batch-concurrency`` lines in flight; a frontend SIGKILLed
+the frontend never has more than ``--batch-concurrency`` lines in flight; an interactive request
+is served before a batch line that was waiting first (the lines' lowest priority); a frontend
+SIGKILLed
 mid-batch and started again on the same ``--batch-dir`` finishes the batch without sending a
 line answered before again; uploads over ``--batch-max-bytes`` are 413s, and files go after
 ``--batch-retention``.
@@ -42,8 +44,9 @@ def chat_line(custom_id: str, model: str = "tiny", max_tokens: int = 4) -> dict:
 
 @pytest.fixture(scope="module")
 def stack(tiny_model, tmp_path_factory):
-    """A fast mocker ('tiny'), a slow one ('slow', real time) and a frontend with
-    ``--batch-concurrency 2``: (its URL, the namespace, a scratch directory)."""
+    """A fast mocker ('tiny', with embeddings), a slow one ('slow': real time, one sequence
+    at a time, its queue in priority order) and a frontend with ``--batch-concurrency 2``:
+    (its URL, the namespace, a scratch directory)."""
     tmp = tmp_path_factory.mktemp("batch")
     namespace = f"t{uuid.uuid4().hex[:12]}"
     procs: list[Proc] = []
@@ -55,7 +58,8 @@ def stack(tiny_model, tmp_path_factory):
 
     try:
         fast = start_mocker(spawn, namespace, tiny_model, "--mock-embedding-dim", "8")
-        slow = start_mocker(spawn, namespace, tiny_model, model="slow", speedup="1")
+        slow = start_mocker(spawn, namespace, tiny_model, "--scheduling-policy", "priority",
+                            "--max-num-seqs", "1", model="slow", speedup="1")
         front = start_frontend(spawn, namespace, "--batch-dir", str(tmp / "a"),
                                "--batch-concurrency", str(CONCURRENCY))
         asyncio.run(serving(front, [fast], "tiny"))
@@ -215,6 +219,28 @@ async def test_cancel_keeps_the_answered_lines_and_concurrency_is_bounded(stack)
     assert peak == CONCURRENCY
 
 
+async def test_interactive_requests_go_before_batch_lines(stack):
+    """Two batch lines reach the one-at-a-time slow mocker (one runs, one waits); a chat
+    request sent while the first runs is served before the second (the batch's lowest
+    priority), so it is answered while the batch has one line answered."""
+    url = stack[0]
+    async with client_for(url) as client:
+        lines = [chat_line(f"p{i}", model="slow", max_tokens=300) for i in range(2)]
+        batch = await client.batches.create(input_file_id=await upload(client, lines),
+                                            endpoint=CHAT, completion_window="24h")
+
+        async def both_sent():
+            page = await metrics_page(url)
+            return sample(page, "dynamo_frontend_batch_requests_in_flight") == 2
+        await eventually(both_sent, 30, "both lines in flight")
+        chat = await client.chat.completions.create(
+            model="slow", max_tokens=5, messages=[{"role": "user", "content": "now"}])
+        assert chat.usage.completion_tokens == 5
+        counts = (await client.batches.retrieve(batch.id)).request_counts
+        assert counts.completed == 1
+        assert (await finished(client, batch.id)).request_counts.completed == 2
+
+
 def progress_ids(batch_dir: Path, batch_id: str) -> dict[str, str]:
     """custom_id: output line id, of the lines the progress file holds (complete lines)."""
     raw = (batch_dir / "batches" / f"{batch_id}.progress.jsonl").read_bytes()
@@ -231,7 +257,7 @@ async def test_a_batch_survives_its_frontend_killed_mid_way(stack, spawn):
     flags = ("--batch-dir", str(batch_dir), "--batch-concurrency", str(CONCURRENCY))
     front = start_frontend(spawn, namespace, *flags, ready=True)
     await wait_models(front.address, {"slow"})
-    lines = [chat_line(f"k{i}", model="slow", max_tokens=100) for i in range(10)]
+    lines = [chat_line(f"k{i}", model="slow", max_tokens=60) for i in range(10)]
     async with client_for(front.address) as client:
         batch = await client.batches.create(input_file_id=await upload(client, lines),
                                             endpoint=CHAT, completion_window="24h")
