@@ -1,15 +1,14 @@
 """OpenAI's Batch API (``/v1/files``, ``/v1/batches``) through real frontends and mocker
 workers, with the ``openai`` client's ``files`` and ``batches`` calls.
 
-Shown: batches of chat and embedding requests end ``completed`` with one output line per input
-(by ``custom_id``) and a failed line in the error file; bad JSONL and bad batches are 400s
-naming what is wrong; a cancelled batch ends ``cancelled`` with the lines answered before kept;
-the frontend never has more than ``--batch-concurrency`` lines in flight; an interactive request
-is served before a batch line that was waiting first (the lines' lowest priority); a frontend
-SIGKILLed
-mid-batch and started again on the same ``--batch-dir`` finishes the batch without sending a
-line answered before again; uploads over ``--batch-max-bytes`` are 413s, and files go after
-``--batch-retention``.
+Shown: batches of chat, embedding and responses requests end ``completed`` with one output line
+per input (by ``custom_id``) and a failed line in the error file; bad JSONL and bad batches are
+400s naming what is wrong; a cancelled batch ends ``cancelled`` with the lines answered before
+kept; the frontend never has more than ``--batch-concurrency`` lines in flight; an interactive
+request is served before a batch line that was waiting first (the lines' lowest priority); a
+frontend SIGKILLed mid-batch and started again on the same ``--batch-dir`` finishes the batch
+without sending a line answered before again; uploads over ``--batch-max-bytes`` are 413s, and
+files go after ``--batch-retention``.
 """
 
 from __future__ import annotations
