@@ -103,6 +103,8 @@ class BatchRunner:
             self.batches[batch.id] = batch
             if batch.obj["status"] in ACTIVE:
                 batch.resumed = True
+                if batch.obj["status"] == "cancelling":  # it ends cancelled, sending no more
+                    batch.halt.set()
                 log.info("Batch API: resuming batch %s (%d lines answered before)", batch.id,
                          len(batch.done))
                 self._launch(batch)
