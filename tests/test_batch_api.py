@@ -281,24 +281,40 @@ async def test_a_batch_survives_its_frontend_killed_mid_way(stack, spawn):
     assert {k: kept[k] for k in before} == before  # answered before the kill: not sent again
 
 
-async def test_size_bound_and_retention(stack, spawn):
+async def test_size_bound_retention_and_tenant(stack, spawn):
+    """Uploads over ``--batch-max-bytes`` are 413s; a batch's lines count for the tenant that
+    created it; files and finished batches are deleted after ``--batch-retention``."""
     _, namespace, tmp = stack
+    limits = tmp / "tenants.toml"
+    limits.write_text("[tenants.batchy]\nrequests_per_second = 1000\n")
     front = start_frontend(spawn, namespace, "--batch-dir", str(tmp / "small"),
-                           "--batch-max-bytes", "2000", "--batch-retention", "1s",
-                           ready=True)
+                           "--batch-max-bytes", "6000", "--batch-retention", "2s",
+                           "--tenant-limits", str(limits), ready=True)
+    await wait_models(front.address, {"tiny"})
     async with client_for(front.address) as client:
-        big = [chat_line(f"b{i}") for i in range(30)]
+        big = [chat_line(f"b{i}") for i in range(60)]
         with pytest.raises(openai.APIStatusError) as info:
             await upload(client, big)
         assert info.value.status_code == 413
         assert info.value.body["code"] == "storage_limit_exceeded"
-        file_id = await upload(client, [chat_line("r")])
+        file_id = await upload(client, [chat_line("r1"), chat_line("r2")])
         assert (await client.files.retrieve(file_id)).expires_at is not None
+        batch = await client.batches.create(input_file_id=file_id, endpoint=CHAT,
+                                            completion_window="24h",
+                                            extra_headers={"x-dynamo-tenant": "batchy"})
+        done = await finished(client, batch.id)
+        assert done.request_counts.completed == 2
+        page = await metrics_page(front.address)
+        assert sample(page, "dynamo_frontend_tenant_requests_total", tenant="batchy",
+                      outcome="success") == 2
 
         async def gone():
-            try:
-                await client.files.retrieve(file_id)
-            except openai.NotFoundError:
-                return True
-            return False
-        await eventually(gone, 15, "the file deleted after its retention")
+            for look, what in ((client.files.retrieve, file_id),
+                               (client.batches.retrieve, batch.id)):
+                try:
+                    await look(what)
+                except openai.NotFoundError:
+                    continue
+                return False
+            return True
+        await eventually(gone, 15, "the file and the batch deleted after their retention")
