@@ -16,10 +16,10 @@ from typing import Any
 
 import msgspec
 
-from .errors import HttpError, bad_request, unsupported
+from .errors import bad_request, unsupported
 from .protocol import ChatCompletionRequest, _decode, parse_chat
 
-__all__ = ["ResponsesRequest", "input_messages", "parse_responses", "renamed", "to_chat"]
+__all__ = ["ResponsesRequest", "input_messages", "parse_responses", "to_chat"]
 
 _I64_MAX = 2**63 - 1
 
@@ -250,18 +250,3 @@ def to_chat(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> ChatCo
         body["response_format"] = fmt
     return parse_chat(msgspec.json.encode(body))
 
-
-#: Chat's parameter names -> the Responses API's, for the errors of the chat checks.
-_PARAMS = {"response_format": "text.format", "max_completion_tokens": "max_output_tokens",
-           "messages": "input"}
-
-
-def renamed(exc: HttpError) -> HttpError:
-    """``exc`` naming the Responses parameter where the chat checks named chat's
-    (``response_format`` -> ``text.format``, ...), in ``param`` and in the message."""
-    for chat, ours in _PARAMS.items():
-        if exc.param is not None and (exc.param == chat or exc.param.startswith(chat + ".")
-                                      or exc.param.startswith(chat + "[")):
-            exc.param = ours + exc.param[len(chat):]
-        exc.message = exc.message.replace(f"'{chat}", f"'{ours}")
-    return exc
