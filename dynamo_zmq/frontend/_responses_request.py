@@ -127,6 +127,17 @@ def _function_call(item: dict[str, Any], param: str) -> dict[str, Any]:
             "function": {"name": item["name"], "arguments": item["arguments"]}}
 
 
+def _reasoning(item: dict[str, Any], param: str) -> str:
+    """A ``reasoning`` item's text: its ``content`` parts', else its ``summary`` parts'."""
+    key = "content" if item.get("content") else "summary"
+    parts = item.get(key) or []
+    if not isinstance(parts, list) or not all(
+            isinstance(p, dict) and isinstance(p.get("text", ""), str) for p in parts):
+        raise bad_request(f"'{param}.{key}' must be a list of parts with a 'text' string",
+                          param=f"{param}.{key}", code="invalid_type")
+    return "".join(p.get("text", "") for p in parts)
+
+
 def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``input`` as chat messages (``function_call`` items after an assistant message, or
     after each other: that message's tool calls; a ``reasoning`` item: the next assistant
@@ -170,8 +181,7 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             messages.append({"role": "tool", "tool_call_id": item["call_id"],
                              "content": _text(item.get("output"), f"{param}.output")})
         elif kind == "reasoning":
-            parts = item.get("content") or item.get("summary") or []
-            reasoning = "".join(p.get("text", "") for p in parts if isinstance(p, dict))
+            reasoning = _reasoning(item, param)
         else:
             raise unsupported(f"{param}.type", f"input item type {kind!r} (only 'message', "
                                                "'function_call', 'function_call_output' and "
