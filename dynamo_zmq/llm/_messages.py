@@ -158,6 +158,9 @@ class ToolOptions(msgspec.Struct, **_WIRE):
     choice: str = "auto"
     #: The function's name, with ``choice == "function"``.
     function: str | None = None
+    #: False (``parallel_tool_calls: false``) with ``auto``: only the first call goes out, the
+    #: deltas of later ones are dropped (``required`` limits the array to one instead).
+    parallel: bool = True
 
 
 class MediaItem(msgspec.Struct, **_WIRE):
