@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 from tokenizers.decoders import DecodeStream
 
-from ._logprobs import TokenTexts, with_logprob_texts
+from ._logprobs import TokenTexts, prompt_logprob_texts, with_logprob_texts
 from ._messages import FinishReason, LLMEngineOutput, PreprocessedRequest, Usage
 from ._stop_strings import StopStringMatcher
 from .parsers import output_parser
@@ -181,6 +181,12 @@ class PostProcessor:
                 else TokenTexts(tokenizer, ids[len(prompt) :])
             )
             self.process = self._process_logprobs  # type: ignore[method-assign]
+        if request.output.prompt_logprobs is not None:
+            # Per request: the prompt's logprobs pass through, with their texts.
+            self._prompt_ids = ids
+            self._prompt_tokenizer = None if request.output.detokenize else tokenizer
+            self._inner = self.process
+            self.process = self._process_prompt  # type: ignore[method-assign]
 
     def _replay(self, ids: list[int]) -> None:
         """Bring the detokenizer, the stop-string matcher and the tool-call and reasoning
@@ -199,6 +205,19 @@ class PostProcessor:
         """``process`` for a request that asked for logprobs: the chunk's logprobs stay aligned
         with the token ids that reach the client, and gain their texts."""
         return with_logprob_texts(PostProcessor.process(self, out), out, self._texts)
+
+    def _process_prompt(self, out: LLMEngineOutput) -> LLMEngineOutput:
+        """``process`` for a request that asked for prompt logprobs: the chunk that carries
+        them keeps them, with their texts (``prompt_logprob_texts``)."""
+        chunk = self._inner(out)
+        if out.prompt_logprobs is not None:
+            chunk.prompt_logprobs = out.prompt_logprobs
+            tokenizer = self._prompt_tokenizer
+            chunk.prompt_logprob_texts = (
+                out.prompt_logprob_texts if tokenizer is None
+                else prompt_logprob_texts(tokenizer, self._prompt_ids, out.prompt_logprobs)
+            )
+        return chunk
 
     def process(self, out: LLMEngineOutput) -> LLMEngineOutput:
         """One engine chunk in, one chunk out; the result is terminal when the stream ends here
