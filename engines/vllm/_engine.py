@@ -66,8 +66,7 @@ log = logging.getLogger("engines.vllm")
 #: What the engine can do when it generates (the pooling runner's are asked of vLLM).
 GENERATE_CAPABILITIES = frozenset(
     {Capability.LOGPROBS, Capability.PROMPT_LOGPROBS, Capability.STRUCTURED_OUTPUTS,
-     Capability.LOGIT_BIAS,
-     Capability.DISAGGREGATION, Capability.OWN_KV_TRANSFER}
+     Capability.LOGIT_BIAS, Capability.DISAGGREGATION, Capability.OWN_KV_TRANSFER}
 )
 
 
