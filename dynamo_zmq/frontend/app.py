@@ -3,6 +3,7 @@
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming and not),
 ``POST /v1/embeddings`` (``_embeddings.py``), ``/v1/responses`` (``_responses_api.py``),
 Anthropic's ``POST /v1/messages`` and ``/v1/messages/count_tokens`` (``_messages.py``),
+the Batch API's ``/v1/files`` and ``/v1/batches`` (``_batch_routes.py``),
 ``GET /v1/models``, ``/health``, ``/live``,
 ``/metrics``, Dynamo's ``POST /clear_kv_blocks`` (``_clear_kv.py``), and vLLM's
 ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (``_lora.py``; a request whose
@@ -44,12 +45,16 @@ from ._asgi import (
     read_body,
     reply,
 )
+from ._batch_routes import PREFIXES as BATCH_PREFIXES
+from ._batch_routes import serve_batch_api
+from ._batch_runner import BatchRunner
 from ._deadline import request_timeout
 from ._direct import WORKER_HEADER, direct_target
 from ._embed_protocol import parse_embedding
 from ._embeddings import embedding_requests, serve_embeddings
 from ._fanout import FanOut
 from ._health import health, models_body
+from ._images import MediaPolicy, load_images
 from ._limits import HttpLimits, Offload, Rejections, prompt_chars, text_chars
 from ._logprobs import asks_logprobs
 from ._lora import LoraRoutes, resolve_model
@@ -130,6 +135,10 @@ class FrontendApp:
         self.tenants: Tenants | None = None
         #: The Responses API's stored responses (``--responses-store-size`` / ``-ttl``).
         self.responses = ResponsesStore()
+        #: Where images may come from, and their sizes (``--allowed-media-domains``, ...).
+        self.media = MediaPolicy()
+        #: The Batch API's files and batches (None: off, as with ``--http-workers N``).
+        self.batches: BatchRunner | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -145,6 +154,8 @@ class FrontendApp:
                 try:
                     self.manager = await self._manager_factory()
                     self.lora = LoraRoutes(self.manager, self.lora_placement)
+                    if self.batches is not None:
+                        self.batches.start()  # resumes the batches its directory holds
                 except Exception as exc:
                     log.exception("frontend failed to start")
                     await send({"type": "lifespan.startup.failed", "message": str(exc)})
@@ -152,6 +163,8 @@ class FrontendApp:
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 self._offload.close()
+                if self.batches is not None:
+                    await self.batches.stop()
                 await self._on_shutdown()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
@@ -171,6 +184,8 @@ class FrontendApp:
                 await create_response(self, scope, receive, send)
             elif path.startswith(PREFIX):
                 await stored_response(self.responses, method, path, send)
+            elif path.startswith(BATCH_PREFIXES):
+                await serve_batch_api(self, scope, receive, send)
             elif path in MESSAGES_ROUTES:  # Anthropic's Messages API (_messages.py)
                 await serve_messages(self, scope, receive, send)
             elif path == "/v1/models" and method == "GET":
@@ -218,7 +233,8 @@ class FrontendApp:
                     req.priority = priority
                 entry, only = self._entry(req.model)
                 prompt_chars(entry.preprocessor, req)
-                work, n = await self._offload.run(len(body), chat_work, entry, req)
+                images = await load_images(entry, req, self.media)
+                work, n = await self._offload.run(len(body), chat_work, entry, req, images)
             else:
                 req = parse_completion(body)
                 if priority is not None:
