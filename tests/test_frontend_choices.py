@@ -195,6 +195,27 @@ async def test_what_an_engine_lacks_is_refused_naming_it(client):
         assert f"the {engine} engine" in exc.value.body["message"], exc.value.body
 
 
+async def test_prompt_logprobs_are_refused_naming_an_engine_without_them(client):
+    """``prompt_logprobs`` and completions' ``echo`` with ``logprobs`` need an engine with
+    ``Capability.PROMPT_LOGPROBS`` (vLLM: tests/test_vllm_logprobs.py); the mocker has none.
+    As on vLLM's server, ``prompt_logprobs`` above 0 cannot be streamed, and at most 20."""
+    for extra, param in (({"echo": True, "logprobs": 1}, "echo"),
+                         ({"extra_body": {"prompt_logprobs": 2}}, "prompt_logprobs")):
+        with pytest.raises(openai.BadRequestError) as exc:
+            await client.completions.create(model="tiny", prompt="x", max_tokens=2, **extra)
+        assert exc.value.body["param"] == param, exc.value.body
+        assert "the mocker engine" in exc.value.body["message"], exc.value.body
+    with pytest.raises(openai.BadRequestError) as exc:
+        await client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2,
+                                             extra_body={"prompt_logprobs": 0})
+    assert "the mocker engine" in exc.value.body["message"], exc.value.body
+    for extra in ({"prompt_logprobs": 1, "stream": True}, {"prompt_logprobs": 21}):
+        with pytest.raises(openai.BadRequestError) as exc:
+            await client.completions.create(model="tiny", prompt="x", max_tokens=2,
+                                            extra_body=extra)
+        assert exc.value.body["param"] == "prompt_logprobs", exc.value.body
+
+
 async def test_the_mocker_honours_logit_bias(client, tiny_model):
     """A bias of 100 forces a token; -100 on the mocker's own first token moves it off."""
     tokenizer = Tokenizer.from_file(str(tiny_model / "tokenizer.json"))

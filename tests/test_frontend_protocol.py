@@ -340,7 +340,7 @@ CHAT_UNSUPPORTED = [
     ("functions", [{"name": "f"}]),
     ("function_call", "auto"),
     ("use_beam_search", True),
-    ("prompt_logprobs", 1),
+    ("prompt_logprobs", -1),
     ("spaces_between_special_tokens", False),
 ]
 COMPLETION_UNSUPPORTED = [

@@ -193,3 +193,48 @@ def test_token_texts_equal_vllms_on_split_characters(tiny_model):
         ))
         want = [lp.decoded_token for lp in vllm_proc.logprobs[-1].values()]
         assert texts.step(token, [(t, 0.0) for t in alts]) == want, (i, token)
+
+
+# -- prompt logprobs (issue 36 item 5) -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("k", [0, 2])
+def test_echo_with_logprobs_equals_vllm(clients, stream, k):
+    """``echo`` with ``logprobs``: the prompt's text, then its tokens' logprobs (the first
+    token's None) before the completion's, as vLLM's server gives them, streamed and not; not
+    streamed, each choice also carries ``prompt_logprobs`` as vLLM's does."""
+    ours, theirs = clients
+    text, lp = _completion_logprobs(ours, stream, logprobs=k, echo=True)
+    want_text, want = _completion_logprobs(theirs, stream, logprobs=k, echo=True)
+    assert text == want_text and text.startswith(PROMPT)
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert len(lp["tokens"]) > 16
+    same(lp, want)
+    if not stream:
+        kwargs = dict(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0, echo=True,
+                      logprobs=k)
+        got = ours.completions.create(**kwargs).choices[0].model_extra["prompt_logprobs"]
+        same(got, theirs.completions.create(**kwargs).choices[0].model_extra["prompt_logprobs"])
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_prompt_logprobs_equal_vllm(clients, k):
+    """vLLM's ``prompt_logprobs``: per prompt token (None for the first) its logprob, rank and
+    text and its ``k`` best alternatives', on the completions choice and at the top of a chat
+    response, as vLLM's server gives them; the completion itself is unchanged."""
+    ours, theirs = clients
+    kwargs = dict(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0,
+                  extra_body={"prompt_logprobs": k})
+    got, want = ours.completions.create(**kwargs), theirs.completions.create(**kwargs)
+    assert got.choices[0].text == want.choices[0].text
+    field = got.choices[0].model_extra["prompt_logprobs"]
+    assert field[0] is None and len(field) == got.usage.prompt_tokens
+    assert all(k <= len(pos) <= k + 1 for pos in field[1:])
+    same(field, want.choices[0].model_extra["prompt_logprobs"])
+    chat = dict(model="tiny", messages=MESSAGES, max_tokens=4, temperature=0,
+                extra_body={"prompt_logprobs": k})
+    got_chat = ours.chat.completions.create(**chat)
+    want_chat = theirs.chat.completions.create(**chat)
+    assert got_chat.choices[0].message.content == want_chat.choices[0].message.content
+    same(got_chat.model_extra["prompt_logprobs"], want_chat.model_extra["prompt_logprobs"])

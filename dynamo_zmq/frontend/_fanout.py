@@ -39,7 +39,13 @@ from ..resources import Resources
 from . import errors as http_errors
 from ._asgi import JSON, SSE, ClientGone, Send, error, reply, send_message
 from ._logprobs import ChoiceLogprobs
-from ._sse_chunks import Failed, SseChunks, gathered_logprobs, take_logprobs
+from ._sse_chunks import (
+    Failed,
+    SseChunks,
+    gathered_logprobs,
+    take_logprobs,
+    take_prompt_logprobs,
+)
 from ._sub_stream import SubStream
 from ._subrequests import SubRequest, best_choices
 from .errors import HttpError
@@ -280,8 +286,9 @@ class FanOut:
         parts: list[bytes] = []
         for sub in self.subs:
             head = fmt.role_chunk(sub.index)
-            if sub.echo:
+            if sub.echo and sub.logprobs is None:  # with logprobs: with the first output
                 head += fmt.content_chunk_at(sub.index, sub.echo)
+                sub.echo_sent = True
             if head and continuous:
                 head = fmt.with_usage(head, self.prompt_tokens, 0)
             if head:
@@ -325,6 +332,8 @@ class FanOut:
                     self._account(sub, item)
                     for out in item:
                         sub.texts.append(out.text or "")
+                        if out.prompt_logprobs is not None:
+                            take_prompt_logprobs(sub, out)
                         if sub.logprobs is not None:
                             take_logprobs(self.fmt, sub, out)
                         if out.reasoning:
@@ -341,6 +350,7 @@ class FanOut:
             await error(send, failed.error)
             return "error"
         fmt = self.fmt
+        chosen = sorted(best_choices(self.subs, self.n, self.best_of), key=lambda s: s.index)
         choices = [
             fmt.choice(
                 s.index, s.echo + "".join(s.texts),
@@ -349,9 +359,16 @@ class FanOut:
                 reasoning="".join(s.thoughts) if s.thoughts else None,
                 tool_calls=[s.calls[i] for i in sorted(s.calls)] or None,
             )
-            for s in sorted(best_choices(self.subs, self.n, self.best_of), key=lambda s: s.index)
+            for s in chosen
         ]
+        extra = None
+        if self.subs[0].pre.output.prompt_logprobs is not None:  # vLLM's places for them
+            if isinstance(fmt, ChatFormatter):
+                extra = {"prompt_logprobs": self.subs[0].prompt_logprobs}
+            else:
+                for choice, s in zip(choices, chosen, strict=True):
+                    choice["prompt_logprobs"] = s.prompt_logprobs
         prompt, completion, cached = self._usage()
-        await reply(send, 200, fmt.full_choices(choices, prompt, completion, cached),
+        await reply(send, 200, fmt.full_choices(choices, prompt, completion, cached, extra),
                     JSON + headers)
         return "success"

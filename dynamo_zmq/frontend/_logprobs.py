@@ -62,8 +62,8 @@ class ChoiceLogprobs:
         self._offset = 0
         self._content: list[dict[str, Any]] = []
         self._tokens: list[str] = []
-        self._values: list[float] = []
-        self._tops: list[dict[str, float]] = []
+        self._values: list[float | None] = []  # None: an echoed prompt's first token
+        self._tops: list[dict[str, float] | None] = []
         self._offsets: list[int] = []
 
     def chat(self, out: LLMEngineOutput) -> dict[str, Any]:
@@ -98,6 +98,35 @@ class ChoiceLogprobs:
             tokens.append(text)
             values.append(value)
             tops.append(dict(entries))
+            offsets.append(self._offset)
+            self._offset += len(text)
+        self._tokens += tokens
+        self._values += values
+        self._tops += tops
+        self._offsets += offsets
+        return {"text_offset": offsets, "token_logprobs": values, "tokens": tokens,
+                "top_logprobs": tops}
+
+    def completion_prompt(self, out: LLMEngineOutput) -> dict[str, Any]:
+        """Completions' ``logprobs`` of the prompt tokens (``echo``), from the output that
+        carries ``prompt_logprobs``: the first token's logprob and alternatives are None, the
+        others show their ``logprobs`` best plus the prompt token, as vLLM's server does."""
+        tokens: list[str] = []
+        values: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        offsets: list[int] = []
+        texts = out.prompt_logprob_texts or []
+        for i, entries in enumerate(out.prompt_logprobs or ()):
+            names = texts[i] if i < len(texts) else []
+            text = names[0] if names else ""
+            if not entries:
+                values.append(None)
+                tops.append(None)
+            else:
+                values.append(max(entries[0][1], _FLOOR))
+                tops.append({names[j] if j < len(names) else "": max(lp, _FLOOR)
+                             for j, (_, lp, _) in enumerate(entries[: self._top + 1])})
+            tokens.append(text)
             offsets.append(self._offset)
             self._offset += len(text)
         self._tokens += tokens

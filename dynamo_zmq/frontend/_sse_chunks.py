@@ -8,11 +8,12 @@ from typing import Any
 
 from ..llm import FinishReason, LLMEngineOutput
 from . import errors as http_errors
+from ._prompt_logprobs import prompt_logprobs_field
 from ._subrequests import SubRequest
 from .errors import HttpError
 from .responses import ChatFormatter, CompletionFormatter, openai_finish_reason
 
-__all__ = ["Failed", "SseChunks", "gathered_logprobs", "take_logprobs"]
+__all__ = ["Failed", "SseChunks", "gathered_logprobs", "take_logprobs", "take_prompt_logprobs"]
 
 
 class Failed(Exception):
@@ -29,6 +30,18 @@ def take_logprobs(fmt: ChatFormatter | CompletionFormatter, sub: SubRequest,
     lp = sub.logprobs
     assert lp is not None
     return lp.chat(out) if isinstance(fmt, ChatFormatter) else lp.completion(out)
+
+
+def take_prompt_logprobs(sub: SubRequest, out: LLMEngineOutput) -> dict[str, Any] | None:
+    """Keep the prompt's logprobs (``sub.prompt_logprobs``) from the output that carries them
+    (a migration's continuation's are not asked for); returns completions' ``logprobs`` of the
+    echoed prompt, when the choice echoes it with logprobs."""
+    if out.prompt_logprobs is None or sub.prompt_logprobs is not None:
+        return None
+    sub.prompt_logprobs = prompt_logprobs_field(out)
+    if sub.echo and sub.logprobs is not None:
+        return sub.logprobs.completion_prompt(out)
+    return None
 
 
 def gathered_logprobs(fmt: ChatFormatter | CompletionFormatter,
@@ -75,6 +88,10 @@ class SseChunks:
         finish: LLMEngineOutput | None = None
         with_logprobs = sub.logprobs is not None
         for out in outs:
+            if sub.echo and not sub.echo_sent:  # echo with logprobs: the prompt's go with it
+                sub.echo_sent = True
+                texts.append(sub.echo)
+                logprobs = take_prompt_logprobs(sub, out)
             if out.text:
                 texts.append(out.text)
             if with_logprobs and out.log_probs:

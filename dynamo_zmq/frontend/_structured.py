@@ -4,7 +4,9 @@ and vLLM's extensions (``guided_json`` / ``guided_regex`` / ``guided_choice`` /
 
 ``constraint`` validates the shape (400 naming the parameter) and allows at most one constraint
 per request; ``response_format: text`` is free text. The engine applies the constraint
-(``Capability.STRUCTURED_OUTPUTS``); the frontend refuses it for an engine without that.
+(``Capability.STRUCTURED_OUTPUTS``); the frontend refuses it for an engine without that. A
+``json_schema`` is enforced whether or not it says ``strict``; ``strict: true`` also refuses a
+schema OpenAI's strict mode would not accept (``_strict_schema``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 from typing import Any, NamedTuple
 
 from ..llm import GuidedDecoding
+from ._strict_schema import check_strict
 from .errors import bad_request
 
 __all__ = ["Constraint", "constraint"]
@@ -83,7 +86,14 @@ def _response_format(kind: str, json_schema: dict[str, Any] | None) -> GuidedDec
     if "schema" not in json_schema:
         raise bad_request(f"'{param}' is required", param=param,
                           code="missing_required_parameter")
-    return GuidedDecoding(json_schema=_schema(json_schema["schema"], param))
+    schema = _schema(json_schema["schema"], param)
+    strict = json_schema.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise bad_request("'response_format.json_schema.strict' must be a boolean",
+                          param="response_format.json_schema.strict", code="invalid_type")
+    if strict:
+        check_strict(schema, param)
+    return GuidedDecoding(json_schema=schema)
 
 
 def _structured_outputs(value: Any) -> GuidedDecoding:

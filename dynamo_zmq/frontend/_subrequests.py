@@ -54,6 +54,10 @@ class SubRequest:
     last: float = 0.0
     #: The choice's logprobs, when the request asked for them.
     logprobs: ChoiceLogprobs | None = None
+    #: The ``prompt_logprobs`` field (``_prompt_logprobs``), once they came.
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
+    #: The ``echo`` text went out (streaming).
+    echo_sent: bool = False
     #: Reasoning text and tool calls parsed by the worker (chat with tools or a reasoning
     #: parser), gathered for an aggregated response.
     thoughts: list[str] = dataclasses.field(default_factory=list)

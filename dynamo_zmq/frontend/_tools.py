@@ -1,6 +1,7 @@
 """What a chat request's tools and the model's parsers ask of the worker: ``ToolOptions`` (tool
-calls parsed for ``auto``; ``required`` and a named function enforced with structured outputs,
-as vLLM's server does), and reasoning parsing."""
+calls parsed for ``auto``, only the first of them with ``parallel_tool_calls: false``;
+``required`` and a named function enforced with structured outputs, as vLLM's server does), and
+reasoning parsing."""
 
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ def apply_tools(req: ChatCompletionRequest, entry: ModelEntry, pre: Preprocessed
     if not req.tools or choice == "none":
         return
     if choice is None or choice == "auto":
-        pre.tools = ToolOptions("auto")
+        pre.tools = ToolOptions("auto", parallel=req.parallel_tool_calls is not False)
         if entry.tool_call_parser == "mistral":
             # [TOOL_CALLS] is a control token in Mistral's tokenizers: keep it in the text
             # for the parser (as vLLM's Mistral parser does)

@@ -33,6 +33,7 @@ from ._limits import text_chars
 from ._logprobs import requested_logprobs
 from ._model_files import SPECIAL_TOKENS, id_list, longest_token, read_json, token_text, unique
 from ._model_files import NativeTokenizerLike as NativeTokenizerLike
+from ._prompt_logprobs import asked_prompt_logprobs
 from ._structured import constraint
 from .errors import bad_request, prompt_too_long
 from .protocol import ChatCompletionRequest, CompletionRequest
@@ -388,6 +389,7 @@ class Preprocessor:
             ),
             output=OutputOptions(
                 logprobs=requested_logprobs(req),
+                prompt_logprobs=asked_prompt_logprobs(req, require),
                 skip_special_tokens=req.skip_special_tokens is not False,
                 detokenize=self.native is not None,
             ),

@@ -3,7 +3,7 @@
 ``parse_chat`` / ``parse_completion`` turn a request body into a ``ChatCompletionRequest`` /
 ``CompletionRequest`` or raise ``HttpError`` 400 with a message naming the field. Unknown fields
 are ignored, as OpenAI does. Valid OpenAI options this server does not implement
-(``suffix``, ``use_beam_search``, ``prompt_logprobs``, ...) are rejected with 400, never
+(``suffix``, ``use_beam_search``, chat's ``echo``, ...) are rejected with 400, never
 silently ignored. Structured-output constraints are checked by ``_structured.constraint``.
 
 After ``parse_completion`` the ``prompt`` is either a ``str`` or a ``list[int]`` (one prompt), or
@@ -19,6 +19,7 @@ import msgspec
 
 from ..llm import stop_bounds_error
 from ._content_parts import ImageUrl, check_content
+from ._prompt_logprobs import check_prompt_logprobs
 from ._prompts import MAX_PROMPTS, parse_prompt, prompt_list
 from ._structured import constraint
 from ._tool_choice import validate_tool_choice
@@ -263,8 +264,7 @@ def _validate_common(req: _BaseRequest) -> None:
     # Valid options that are not implemented yet: refuse, never ignore.
     if req.use_beam_search:
         raise unsupported("use_beam_search")
-    if req.prompt_logprobs is not None:
-        raise unsupported("prompt_logprobs")
+    check_prompt_logprobs(req.prompt_logprobs, bool(req.stream))
     if req.spaces_between_special_tokens is False:
         raise unsupported("spaces_between_special_tokens", "only true")
     constraint(req)  # a malformed constraint is refused here, before any worker is asked

@@ -136,18 +136,21 @@ class _Formatter:
         prompt: int,
         completion: int,
         cached: int | None = None,
+        extra: dict[str, Any] | None = None,
     ) -> bytes:
-        """The aggregated response with ``choices`` (from ``choice``, in index order)."""
-        return _json(
-            {
-                "id": self.id,
-                "object": self.object_full,
-                "created": self.created,
-                "model": self.model,
-                "choices": choices,
-                "usage": _usage(prompt, completion, cached),
-            }
-        )
+        """The aggregated response with ``choices`` (from ``choice``, in index order), and
+        ``extra`` fields (chat's ``prompt_logprobs``)."""
+        body: dict[str, Any] = {
+            "id": self.id,
+            "object": self.object_full,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": _usage(prompt, completion, cached),
+        }
+        if extra:
+            body.update(extra)
+        return _json(body)
 
     def full(
         self,

@@ -18,7 +18,7 @@ from ._messages import LLMEngineOutput
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
-__all__ = ["TokenTexts", "with_logprob_texts"]
+__all__ = ["TokenTexts", "prompt_logprob_texts", "with_logprob_texts"]
 
 _REPLACEMENT = "\ufffd"
 #: Preceding sampled tokens vLLM uses to complete a partial UTF-8 character.
@@ -122,3 +122,22 @@ def with_logprob_texts(
         for i, token in enumerate(chunk.token_ids)
     ]
     return chunk
+
+
+def prompt_logprob_texts(
+    tokenizer: Tokenizer, prompt: Sequence[int],
+    positions: Sequence[Sequence[tuple[int, float, int]]],
+) -> list[list[str]]:
+    """The texts of a prompt's logprobs entries (``LLMEngineOutput.prompt_logprobs``), as
+    vLLM's server shows them; a position without entries (the first) gets its prompt token's
+    own text."""
+    texts = TokenTexts(tokenizer)
+    out: list[list[str]] = []
+    for i, entries in enumerate(positions):
+        if not entries:
+            token = prompt[i] if i < len(prompt) else None
+            out.append([] if token is None else [tokenizer.decode([token],
+                                                                  skip_special_tokens=False)])
+            continue
+        out.append(texts.step(entries[0][0], [(tid, lp) for tid, lp, _ in entries[1:]]))
+    return out

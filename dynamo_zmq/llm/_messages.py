@@ -99,6 +99,9 @@ class StopConditions(msgspec.Struct, **_WIRE):
 
 class OutputOptions(msgspec.Struct, **_WIRE):
     logprobs: int | None = None
+    #: Log-probabilities of the prompt tokens with this many top alternatives each
+    #: (``Capability.PROMPT_LOGPROBS``; ``LLMEngineOutput.prompt_logprobs``); None: none.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     #: Ask the engine for text itself (native processing); otherwise the worker detokenizes.
     detokenize: bool = False
@@ -158,6 +161,9 @@ class ToolOptions(msgspec.Struct, **_WIRE):
     choice: str = "auto"
     #: The function's name, with ``choice == "function"``.
     function: str | None = None
+    #: False (``parallel_tool_calls: false``) with ``auto``: only the first call goes out, the
+    #: deltas of later ones are dropped (``required`` limits the array to one instead).
+    parallel: bool = True
 
 
 class MediaItem(msgspec.Struct, **_WIRE):
@@ -263,6 +269,14 @@ class LLMEngineOutput(msgspec.Struct, **_WIRE):
     #: Set by the worker's post-processing with ``log_probs``: per token of the chunk, its
     #: text (as vLLM's server shows it) followed by the text of each ``top_logprobs`` entry.
     logprob_texts: list[list[str]] | None = None
+    #: With ``request.output.prompt_logprobs``, on one chunk (the first): per prompt token,
+    #: ``(token id, logprob, rank)`` of the prompt token itself, then of the engine's top
+    #: alternatives by rank (the prompt token not repeated); the first token's list is empty
+    #: (nothing precedes it).
+    prompt_logprobs: list[list[tuple[int, float, int]]] | None = None
+    #: Set by the worker's post-processing with ``prompt_logprobs``: per prompt token, the
+    #: texts of its entries (the first token's: its own text), as vLLM's server shows them.
+    prompt_logprob_texts: list[list[str]] | None = None
     #: The embedding, on the terminal of an embedding request (``PreprocessedRequest.embedding``).
     embedding: list[float] | None = None
     #: Tool-call pieces the worker's tool-call parsing found in this chunk's text.

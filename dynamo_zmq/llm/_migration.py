@@ -104,6 +104,8 @@ def continuation(
             stop, max_tokens=max_tokens, min_tokens=max(0, stop.min_tokens - g)
         ),
         routing=RoutingHints(),
+        # the prompt's logprobs went out with the first output already
+        output=msgspec.structs.replace(request.output, prompt_logprobs=None),
         resume=Resume(generated=g, min_tokens=stop.min_tokens),
     )
 

@@ -16,9 +16,11 @@ alone:
   one ending on an end-of-sequence token becomes ``eos`` (the request-flow document's EoS).
 
 A migrated request (``request.resume``) ends in prompt tokens that are output a lost worker
-already streamed: ``PostProcessor`` replays them through the detokenizer and the stop-string
-matcher without emitting their text, so the stream continues exactly where the client's text
-stops, and its usage counts them as output.
+already streamed: ``PostProcessor`` replays them through the detokenizer, the stop-string
+matcher and the tool-call and reasoning parsers without emitting their text, so the stream
+continues exactly where the client's text stops (inside a tool call's arguments or the
+reasoning, if that is where it was; call ids derive from the request's id, so the call keeps
+its id), and its usage counts them as output.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import TYPE_CHECKING
 
 from tokenizers.decoders import DecodeStream
 
-from ._logprobs import TokenTexts, with_logprob_texts
+from ._logprobs import TokenTexts, prompt_logprob_texts, with_logprob_texts
 from ._messages import FinishReason, LLMEngineOutput, PreprocessedRequest, Usage
 from ._stop_strings import StopStringMatcher
 from .parsers import output_parser
@@ -129,6 +131,7 @@ class PostProcessor:
     def __init__(
         self, request: PreprocessedRequest, tokenizer: Tokenizer | None,
         tool_parser: str | None = None, reasoning_parser: str | None = None,
+        id_seed: str = "",
     ) -> None:
         if tokenizer is None and not request.output.detokenize:
             raise ValueError("a tokenizer is needed unless the engine detokenizes")
@@ -157,7 +160,9 @@ class PostProcessor:
         #: True once a stop string ended the stream.
         self.stopped_by_string = False
         # Tool-call and reasoning parsing, after stop strings (None: the request needs none).
-        self._parser = output_parser(request, tool_parser, reasoning_parser)
+        # Tool call ids derive from ``id_seed`` (the request's id), so a continuation names them
+        # as the lost worker did.
+        self._parser = output_parser(request, tool_parser, reasoning_parser, id_seed)
         # Most chunks are one token of a request without stop strings or parsers: ``process``
         # then only calls the detokenizer's step (None: every chunk takes the full path).
         self._plain_step: Callable[[int], str] | None = (
@@ -176,20 +181,43 @@ class PostProcessor:
                 else TokenTexts(tokenizer, ids[len(prompt) :])
             )
             self.process = self._process_logprobs  # type: ignore[method-assign]
+        if request.output.prompt_logprobs is not None:
+            # Per request: the prompt's logprobs pass through, with their texts.
+            self._prompt_ids = ids
+            self._prompt_tokenizer = None if request.output.detokenize else tokenizer
+            self._inner = self.process
+            self.process = self._process_prompt  # type: ignore[method-assign]
 
     def _replay(self, ids: list[int]) -> None:
-        """Bring the detokenizer and the stop-string matcher to where the lost worker left them
-        after ``ids`` (output the client already has): their text is not emitted again, and
-        what the lost worker still held back stays held."""
+        """Bring the detokenizer, the stop-string matcher and the tool-call and reasoning
+        parsers to where the lost worker left them after ``ids`` (output the client already
+        has): their text is not emitted again, what the lost worker still held back stays held,
+        and a tool call or reasoning it was in the middle of goes on as such."""
+        parser = self._parser
         for token in ids:
             self.completion_tokens += 1
             if self._detok is not None:
-                self._match(self._detok.step(token))
+                text = self._match(self._detok.step(token))[0]
+                if parser is not None:
+                    parser.replay(text)
 
     def _process_logprobs(self, out: LLMEngineOutput) -> LLMEngineOutput:
         """``process`` for a request that asked for logprobs: the chunk's logprobs stay aligned
         with the token ids that reach the client, and gain their texts."""
         return with_logprob_texts(PostProcessor.process(self, out), out, self._texts)
+
+    def _process_prompt(self, out: LLMEngineOutput) -> LLMEngineOutput:
+        """``process`` for a request that asked for prompt logprobs: the chunk that carries
+        them keeps them, with their texts (``prompt_logprob_texts``)."""
+        chunk = self._inner(out)
+        if out.prompt_logprobs is not None:
+            chunk.prompt_logprobs = out.prompt_logprobs
+            tokenizer = self._prompt_tokenizer
+            chunk.prompt_logprob_texts = (
+                out.prompt_logprob_texts if tokenizer is None
+                else prompt_logprob_texts(tokenizer, self._prompt_ids, out.prompt_logprobs)
+            )
+        return chunk
 
     def process(self, out: LLMEngineOutput) -> LLMEngineOutput:
         """One engine chunk in, one chunk out; the result is terminal when the stream ends here
@@ -322,6 +350,7 @@ async def postprocess(
     stop_engine: Callable[[], Awaitable[None]] | None = None,
     tool_parser: str | None = None,
     reasoning_parser: str | None = None,
+    id_seed: str = "",
 ) -> AsyncIterator[LLMEngineOutput]:
     """Wrap an engine stream with detokenization and stop strings (see ``PostProcessor``).
 
@@ -337,8 +366,9 @@ async def postprocess(
             engine's context and calls ``engine.abort``).
         tool_parser / reasoning_parser: the worker's parser names (``llm.parsers``), applied
             as the request asks (its ``tools`` and ``reasoning``).
+        id_seed: what tool call ids derive from (the request's id; "": random ids).
     """
-    proc = PostProcessor(request, tokenizer, tool_parser, reasoning_parser)
+    proc = PostProcessor(request, tokenizer, tool_parser, reasoning_parser, id_seed)
     try:
         async for out in stream:
             chunk = proc.process(out)

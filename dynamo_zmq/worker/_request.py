@@ -105,7 +105,8 @@ def engine_stream(
     # Post-processing runs in the worker's loop, chunk by chunk, rather than as one more
     # generator layer around the engine's (``llm.postprocess`` is the same loop, on its own).
     proc = (
-        PostProcessor(request, tokenizer, tool_parser, reasoning_parser)
+        PostProcessor(request, tokenizer, tool_parser, reasoning_parser,
+                      request.request_id or ctx.id())
         if tokenizer is not None or request.output.detokenize
         else None
     )

@@ -65,8 +65,8 @@ log = logging.getLogger("engines.vllm")
 
 #: What the engine can do when it generates (the pooling runner's are asked of vLLM).
 GENERATE_CAPABILITIES = frozenset(
-    {Capability.LOGPROBS, Capability.STRUCTURED_OUTPUTS, Capability.LOGIT_BIAS,
-     Capability.DISAGGREGATION, Capability.OWN_KV_TRANSFER}
+    {Capability.LOGPROBS, Capability.PROMPT_LOGPROBS, Capability.STRUCTURED_OUTPUTS,
+     Capability.LOGIT_BIAS, Capability.DISAGGREGATION, Capability.OWN_KV_TRANSFER}
 )
 
 
@@ -185,7 +185,8 @@ class VllmEngine(LLMEngine):
         return config
 
     def capabilities(self) -> frozenset[str]:
-        """When generating: logprobs (vLLM's own values; the worker adds the token texts) and
+        """When generating: logprobs, of the output and the prompt (vLLM's own values; the
+        worker adds the token texts) and
         structured outputs (vLLM's ``StructuredOutputsParams``) and ``logit_bias``
         (``SamplingParams`` takes it), LoRA adapters with ``--enable-lora`` and priorities with
         ``--scheduling-policy priority``; under vLLM's pooling runner, embeddings (and only

@@ -72,6 +72,8 @@ def sampling_params(request: PreprocessedRequest, native: bool, kv_transfer: boo
         raise errors.InvalidArgument(f"n={s.n} is not supported (one sequence per request)")
     if out.logprobs is not None:
         kwargs["logprobs"] = out.logprobs
+    if out.prompt_logprobs is not None:
+        kwargs["prompt_logprobs"] = out.prompt_logprobs
     if s.logit_bias:
         kwargs["logit_bias"] = dict(s.logit_bias)
     if kv_transfer and request.disaggregation is not None:
@@ -119,12 +121,16 @@ def to_output(
     log_probs = top = texts = None
     if comp is not None and comp.logprobs:
         log_probs, top, texts = _logprobs(comp.logprobs, ids, num_logprobs or 0, detokenize)
+    prompt = prompt_texts = None
+    if getattr(out, "prompt_logprobs", None):
+        prompt, prompt_texts = _prompt_logprobs(out.prompt_logprobs, detokenize)
     if not out.finished:
-        if not ids and not text:
+        if not ids and not text and prompt is None:
             return None, completion_tokens
         return (
             LLMEngineOutput(
-                ids, text=text, log_probs=log_probs, top_logprobs=top, logprob_texts=texts
+                ids, text=text, log_probs=log_probs, top_logprobs=top, logprob_texts=texts,
+                prompt_logprobs=prompt, prompt_logprob_texts=prompt_texts,
             ),
             completion_tokens,
         )
@@ -140,6 +146,7 @@ def to_output(
         LLMEngineOutput(
             ids, text=text, finish_reason=reason, usage=usage, error=error, log_probs=log_probs,
             stop_reason=stop_reason, top_logprobs=top, logprob_texts=texts,
+            prompt_logprobs=prompt, prompt_logprob_texts=prompt_texts,
             kv_handoff=handoff_of(getattr(out, "kv_transfer_params", None)),
         ),
         completion_tokens,
@@ -171,3 +178,21 @@ def _logprobs(
             texts.append([sampled.decoded_token or "",
                           *(lp.decoded_token or "" for _, _, lp in ranked)])
     return log_probs, top if k else None, texts if detokenize else None
+
+
+def _prompt_logprobs(
+    positions: Any, detokenize: bool
+) -> tuple[list[list[tuple[int, float, int]]], list[list[str]] | None]:
+    """Our ``prompt_logprobs`` (and, when vLLM detokenizes, ``prompt_logprob_texts``) from
+    vLLM's ``RequestOutput.prompt_logprobs``: per prompt token None (the first) or a dict
+    token id -> ``Logprob`` with the prompt token first, then the top alternatives by rank."""
+    out: list[list[tuple[int, float, int]]] = []
+    texts: list[list[str]] = []
+    for step in positions:
+        if step is None:
+            out.append([])
+            texts.append([""])
+            continue
+        out.append([(int(tid), float(lp.logprob), int(lp.rank or 0)) for tid, lp in step.items()])
+        texts.append([lp.decoded_token or "" for lp in step.values()])
+    return out, texts if detokenize else None

@@ -392,11 +392,14 @@ class ScriptedEngine(LLMEngine):
     JSON object of named scripts; a request gets the one its prompt names last as
     ``script=NAME`` (else ``default``). The script ends with the model's end-of-sequence token
     (``stop``), or ``length`` where ``max_tokens`` cuts it short. ``--scripted-structured``
-    declares structured outputs (the scripts are what a constrained model would write)."""
+    declares structured outputs (the scripts are what a constrained model would write);
+    ``--script-delay`` sleeps that many seconds after each token. A migrated request
+    (``resume``) goes on with the script after the tokens already generated."""
 
     name = "scripted"
 
-    def __init__(self, model_path: str, scripts: dict[str, str], structured: bool = False) -> None:
+    def __init__(self, model_path: str, scripts: dict[str, str], structured: bool = False,
+                 delay: float = 0.0) -> None:
         tokenizer = Tokenizer.from_file(str(Path(model_path) / "tokenizer.json"))
         self.tokenizer = tokenizer
         self.scripts = {
@@ -404,16 +407,18 @@ class ScriptedEngine(LLMEngine):
             for key, text in scripts.items()
         }
         self.structured = structured
+        self.delay = delay
 
     @classmethod
     def add_args(cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
         parser.add_argument("--script-file", required=True)
         parser.add_argument("--scripted-structured", action="store_true")
+        parser.add_argument("--script-delay", type=float, default=0.0)
 
     @classmethod
     def from_namespace(cls, args: argparse.Namespace) -> ScriptedEngine:
         scripts = json.loads(Path(args.script_file).read_text(encoding="utf-8"))
-        return cls(args.model_path, scripts, args.scripted_structured)
+        return cls(args.model_path, scripts, args.scripted_structured, args.script_delay)
 
     async def start(self, worker_id: int) -> EngineConfig:
         return EngineConfig(model_name="scripted", context_length=4096, kv_block_size=16)
@@ -422,13 +427,14 @@ class ScriptedEngine(LLMEngine):
         return frozenset({Capability.STRUCTURED_OUTPUTS} if self.structured else ())
 
     async def generate(self, request: PreprocessedRequest, ctx: Context):
-        prompt = self.tokenizer.decode(request.token_ids)
+        done = request.resume.generated if request.resume is not None else 0
+        prompt = self.tokenizer.decode(request.token_ids[: len(request.token_ids) - done])
         names = re.findall(r"script=(\w+)", prompt)
-        ids = self.scripts[names[-1] if names else "default"]
+        ids = self.scripts[names[-1] if names else "default"][done:]
         limit = request.stop.max_tokens or len(ids)
         for tok in ids[:limit - 1] if limit < len(ids) else ids:
             yield LLMEngineOutput([tok])
-            await asyncio.sleep(0)
+            await asyncio.sleep(self.delay)
         usage = Usage(len(request.token_ids), min(limit, len(ids) + 1))
         if limit < len(ids):
             yield LLMEngineOutput([ids[limit - 1]], finish_reason="length", usage=usage)

@@ -70,13 +70,26 @@ def detect_parsers(model_dir: str | Path) -> tuple[str | None, str | None]:
 class OutputParser:
     """Reasoning first, then tool calls on the content: ``apply`` rewrites each chunk's text
     into ``reasoning``, content ``text`` and ``tool_calls``; a terminal flushes both parsers,
-    and an ``eos``/``stop`` terminal after a tool call becomes ``tool_calls``."""
+    and an ``eos``/``stop`` terminal after a tool call becomes ``tool_calls``. With ``single``
+    (``parallel_tool_calls: false``) only the first call goes out: later calls' deltas are
+    dropped. ``replay`` brings both parsers to where a lost worker's were (a migrated request's
+    output already streamed), emitting nothing."""
 
-    __slots__ = ("reasoning", "tools")
+    __slots__ = ("reasoning", "single", "tools")
 
-    def __init__(self, tools: ToolParser | None, reasoning: ReasoningParser | None) -> None:
+    def __init__(
+        self, tools: ToolParser | None, reasoning: ReasoningParser | None, single: bool = False
+    ) -> None:
         self.tools = tools
         self.reasoning = reasoning
+        self.single = single
+
+    def replay(self, text: str) -> None:
+        """Feed ``text`` (output the client already has) and drop what comes out."""
+        if self.reasoning is not None:
+            text = self.reasoning.feed(text)[1]
+        if self.tools is not None:
+            self.tools.feed(text)
 
     def apply(self, out: LLMEngineOutput) -> LLMEngineOutput:
         text = out.text or ""
@@ -94,16 +107,20 @@ class OutputParser:
                 text, calls = text + rest, calls + more_calls
                 if self.tools.calls and out.finish_reason in _ENDS:
                     out.finish_reason = FinishReason.TOOL_CALLS
+            if self.single:
+                calls = [c for c in calls if c.index == 0]
             out.tool_calls = calls or None
         out.text = text
         return out
 
 
 def output_parser(
-    request: PreprocessedRequest, tool_parser: str | None, reasoning_parser: str | None
+    request: PreprocessedRequest, tool_parser: str | None, reasoning_parser: str | None,
+    id_seed: str = "",
 ) -> OutputParser | None:
     """The parsing ``request`` needs on a worker configured with these parser names; None
-    when it needs none (no tools or ``tool_choice: none``, and no reasoning parser)."""
+    when it needs none (no tools or ``tool_choice: none``, and no reasoning parser). Tool call
+    ids derive from ``id_seed`` (the request's id; "": random, see ``new_call_id``)."""
     tools: ToolParser | None = None
     options = request.tools
     constrained = False  # the output is the constrained JSON from its first token: no reasoning
@@ -119,4 +136,7 @@ def output_parser(
         reasoning = REASONING_PARSERS[reasoning_parser]()
     if tools is None and reasoning is None:
         return None
-    return OutputParser(tools, reasoning)
+    if tools is not None:
+        tools.id_seed = id_seed
+    single = options is not None and options.choice == "auto" and not options.parallel
+    return OutputParser(tools, reasoning, single)

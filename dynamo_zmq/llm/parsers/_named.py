@@ -25,7 +25,7 @@ class NamedToolParser(ToolParser):
         if self.calls:
             return "", [ToolCallDelta(0, arguments=delta)]
         self.calls = 1
-        return "", [ToolCallDelta(0, id=new_call_id(), name=self.function),
+        return "", [ToolCallDelta(0, id=new_call_id(self.id_seed), name=self.function),
                     ToolCallDelta(0, arguments=delta)]
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:

@@ -16,6 +16,7 @@ as the whole text.
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 from typing import ClassVar, NamedTuple
 
@@ -26,9 +27,13 @@ __all__ = ["Region", "ToolParser", "new_call_id"]
 _WS = " \t\r\n"
 
 
-def new_call_id() -> str:
-    """A tool call's id, as OpenAI's look (``call_`` and 24 hex digits)."""
-    return f"call_{uuid.uuid4().hex[:24]}"
+def new_call_id(seed: str = "", index: int = 0) -> str:
+    """A tool call's id, as OpenAI's look (``call_`` and 24 hex digits): derived from ``seed``
+    (the request's id) and the call's index when a seed is given, so a migrated request's new
+    worker names a call as the lost one did; random otherwise."""
+    if not seed:
+        return f"call_{uuid.uuid4().hex[:24]}"
+    return f"call_{hashlib.sha256(f'{seed}/{index}'.encode()).hexdigest()[:24]}"
 
 
 class Region(NamedTuple):
@@ -71,6 +76,8 @@ class ToolParser:
         self._hold = max((len(m) for m in self.markers), default=1) - 1
         #: Tool calls emitted so far.
         self.calls = 0
+        #: What call ids derive from (``new_call_id``); "": random ids.
+        self.id_seed = ""
 
     def parse_region(self, text: str, final: bool) -> Region:
         """The calls in a region's ``text`` (everything after its marker, so far)."""
@@ -157,7 +164,7 @@ class ToolParser:
         if index < 0:
             index = self.calls
             self.calls += 1
-            deltas.append(ToolCallDelta(index, id=new_call_id(), name=name))
+            deltas.append(ToolCallDelta(index, id=new_call_id(self.id_seed, index), name=name))
             self._sent = 0
         if len(args) > self._sent:
             deltas.append(ToolCallDelta(index, arguments=args[self._sent :]))
