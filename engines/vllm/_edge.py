@@ -23,6 +23,7 @@ stores form says the same. An event with only ``lora_id`` gets its name from ``l
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
@@ -34,7 +35,7 @@ from dynamo_zmq.llm._block_hashing import (
     without_lora_name,
 )
 
-__all__ = ["EdgeHasher"]
+__all__ = ["EdgeHasher", "mm_identifiers"]
 
 _MASK64 = (1 << 64) - 1
 _decoder = msgspec.msgpack.Decoder(EventBatch)
@@ -98,7 +99,7 @@ class EdgeHasher:
             if parent is None:
                 return None
             seed = parent
-        extra = ev.extra_keys
+        extra = ev.extra_keys = mm_identifiers(ev.extra_keys)
         try:
             if extra is not None and any(k is not None for k in extra):
                 if len(extra) != n:
@@ -108,3 +109,19 @@ class EdgeHasher:
         except ValueError:
             return None
 
+
+
+def mm_identifiers(extra_keys: list[Any] | None) -> list[Any] | None:
+    """vLLM's per-block extra keys with each image's ``(mm_identifier, offset)`` pair replaced
+    by the identifier (the other keys, LoRA names and cache salts, as they are)."""
+    if extra_keys is None:
+        return None
+
+    def key(k: Any) -> Any:
+        if (isinstance(k, (list, tuple)) and len(k) == 2 and isinstance(k[0], str)
+                and isinstance(k[1], int)):
+            return k[0]
+        return k
+
+    return [[key(k) for k in keys] if isinstance(keys, (list, tuple)) else keys
+            for keys in extra_keys]
