@@ -23,19 +23,19 @@ stores form says the same. An event with only ``lora_id`` gets its name from ``l
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import msgspec
 
 from dynamo_zmq.llm import BlockRemoved, BlockStored, EventBatch
 from dynamo_zmq.llm._block_hashing import (
     block_hashes,
+    mm_identifiers,
     root_hash,
     salted_block_hashes,
     without_lora_name,
 )
 
-__all__ = ["EdgeHasher", "mm_identifiers"]
+__all__ = ["EdgeHasher"]
 
 _MASK64 = (1 << 64) - 1
 _decoder = msgspec.msgpack.Decoder(EventBatch)
@@ -110,18 +110,3 @@ class EdgeHasher:
             return None
 
 
-
-def mm_identifiers(extra_keys: list[Any] | None) -> list[Any] | None:
-    """vLLM's per-block extra keys with each image's ``(mm_identifier, offset)`` pair replaced
-    by the identifier (the other keys, LoRA names and cache salts, as they are)."""
-    if extra_keys is None:
-        return None
-
-    def key(k: Any) -> Any:
-        if (isinstance(k, (list, tuple)) and len(k) == 2 and isinstance(k[0], str)
-                and isinstance(k[1], int)):
-            return k[0]
-        return k
-
-    return [[key(k) for k in keys] if isinstance(keys, (list, tuple)) else keys
-            for keys in extra_keys]
