@@ -22,6 +22,9 @@ from dynamo_zmq.llm._block_hashing import root_hash as root_hash
 from dynamo_zmq.llm._block_hashing import salted_block_hashes as salted_block_hashes
 from dynamo_zmq.llm._block_hashing import token_bytes as token_bytes
 from dynamo_zmq.llm._block_hashing import without_lora_name as without_lora_name
+from dynamo_zmq.llm._media_keys import block_extra_keys as block_extra_keys
+from dynamo_zmq.llm._media_keys import media_block_hashes as media_block_hashes
+from dynamo_zmq.llm._messages import MediaItem
 
 __all__ = [
     "HASH_SCHEME",
@@ -29,9 +32,11 @@ __all__ = [
     "ROOT_SEED",
     "KvHashScheme",
     "TokenIds",
+    "block_extra_keys",
     "block_hashes",
     "event_own_hashes",
     "extra_key_hash",
+    "media_block_hashes",
     "mm_identifiers",
     "request_hashes",
     "root_hash",
@@ -41,12 +46,14 @@ __all__ = [
 ]
 
 
-def request_hashes(token_ids: TokenIds, block_size: int, lora_name: str | None = None
-                   ) -> list[int]:
+def request_hashes(token_ids: TokenIds, block_size: int, lora_name: str | None = None,
+                   media: Sequence[MediaItem] | None = None) -> list[int]:
     """A request's block hashes as the KV router matches them: chained from ``ROOT_SEED``, or,
     for a request with a LoRA adapter, from the adapter's own root (``root_hash``), so the base
-    model's blocks never match it, nor another adapter's."""
-    return block_hashes(token_ids, block_size, None if lora_name is None else root_hash(lora_name))
+    model's blocks never match it, nor another adapter's; each block an image of ``media``
+    overlaps salted with the images' ``mm_hash`` (``media_block_hashes``)."""
+    root = None if lora_name is None else root_hash(lora_name)
+    return media_block_hashes(token_ids, block_size, root, media)
 
 
 def event_own_hashes(token_ids: Sequence[int], block_size: int, seed: int, n: int,

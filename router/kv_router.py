@@ -27,6 +27,7 @@ from dynamo_zmq.llm import (
     DEFAULT_ROUTE,
     DecodeRemotely,
     LLMEngineOutput,
+    MediaItem,
     OutputStream,
     PrefillRemotely,
     PreprocessedRequest,
@@ -168,7 +169,7 @@ class KvRouter:
             CannotConnect: no live instance could take the request.
             Overloaded: every (worker, rank) stayed busy past the wait queue's bounds.
         """
-        hashes = self._hashes(request.token_ids, request.lora_name)
+        hashes = self._hashes(request.token_ids, request.lora_name, request.media)
         placement = Placement(self.loads, self.prefill, self.replicas)
         exclude = options.exclude
         admit = self.busy.enabled
@@ -274,8 +275,9 @@ class KvRouter:
             placement.hold(route, self._prefill_tokens(request, decision), request.lora_name)
             return stream
 
-    def _hashes(self, token_ids: Sequence[int], lora: str | None = None) -> list[int]:
-        return request_hashes(token_ids, self.block_size, lora)
+    def _hashes(self, token_ids: Sequence[int], lora: str | None = None,
+                media: list[MediaItem] | None = None) -> list[int]:
+        return request_hashes(token_ids, self.block_size, lora, media)
 
     def _prefill_tokens(self, request: PreprocessedRequest, decision: Decision) -> int:
         if not self._track_prefill:

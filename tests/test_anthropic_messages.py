@@ -258,7 +258,7 @@ async def test_errors_in_anthropics_shape(client, stack):
          "role"),
         ({"model": "mocker", "max_tokens": 5, "messages": [{"role": "user", "content": [
             {"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                         "data": "AAAA"}}]}]}, "image"),
+                                         "data": "AAAA"}}]}]}, "vision"),
         ({"model": "mocker", "max_tokens": 5, "messages": ask("x"),
           "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "web_search"),
         ({"model": "mocker", "max_tokens": 5, "messages": ask("x"),

@@ -401,10 +401,18 @@ def test_choices_echo_and_logit_bias_are_accepted() -> None:
 
 
 def test_unsupported_content_and_tools() -> None:
-    image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
-    err = bad(parse_chat, chat_body(messages=[{"role": "user", "content": [image]}]))
-    assert err.code == "unsupported_parameter" and "image_url" in err.message
+    audio = {"type": "input_audio", "input_audio": {"data": "AA==", "format": "wav"}}
+    err = bad(parse_chat, chat_body(messages=[{"role": "user", "content": [audio]}]))
+    assert err.code == "unsupported_parameter" and "input_audio" in err.message
     assert err.param == "messages[0].content[0]"
+    image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
+    parse_chat(chat_body(messages=[{"role": "user", "content": [image]}]))  # images: in user's
+    err = bad(parse_chat, chat_body(messages=[{"role": "assistant", "content": [image]}]))
+    assert "only allowed in user messages" in err.message
+    assert err.param == "messages[0].content[0]"
+    err = bad(parse_chat, chat_body(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}]))
+    assert err.param == "messages[0].content[0].image_url.url"
     err = bad(parse_chat, chat_body(messages=[{"role": "user", "content": [{"type": "text"}]}]))
     assert "text" in err.message
     err = bad(parse_chat, chat_body(tools=[{"type": "web", "function": {"name": "f"}}]))

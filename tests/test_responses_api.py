@@ -341,8 +341,10 @@ async def test_unknown_unstored_and_evicted_responses_are_404(client):
     ({"reasoning": {"effort": "high"}}, "reasoning"),
     ({"include": ["reasoning.encrypted_content"]}, "include"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
-    ({"input": [{"role": "user", "content": [
+    ({"input": [{"role": "user", "content": [  # an image, to an engine without vision
         {"type": "input_image", "image_url": "data:image/png;base64,AA=="}]}]},
+     "input[0].content[0]"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
      "input[0].content[0]"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
     ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),

@@ -65,6 +65,7 @@ from ._http_security import (
     is_loopback,
 )
 from ._http_workers import WorkerSlot, reuseport_socket, supervise
+from ._images import add_media_args, media_from_args
 from ._limits import HttpLimits
 from ._responses_store import add_responses_args, store_from_args
 from ._sessions import add_session_args, session_config
@@ -159,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="where fetched tokenizer files are kept [DYN_MODEL_CACHE]")
     add_session_args(parser)
     add_responses_args(parser)
+    add_media_args(parser)
     add_http_security_args(parser)
     add_tenant_args(parser)
     add_disagg_args(parser)
@@ -246,6 +248,7 @@ async def serve(
         lora_placement=args.lora_placement,
     )
     app.responses = store_from_args(args)  # per process (each of --http-workers N its own)
+    app.media = media_from_args(args)
     if slot is not None:
         siblings = SiblingMetrics(slot, app.metrics.render)
         app.metrics_page = siblings.page
@@ -336,6 +339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         tenant_limits = limits_file(args)
         session_config(args)  # the flags can work, or say why now
         store_from_args(args)
+        media_from_args(args)
         check_name(args.namespace, "namespace")
         if not 0 <= args.http_port <= 65535:
             raise errors.InvalidArgument(f"--http-port must be 0-65535, got {args.http_port}")

@@ -54,6 +54,7 @@ class Block(msgspec.Struct, kw_only=True):
     thinking: str | None = None
     signature: str | None = None
     data: str | None = None
+    source: Any = None
     cache_control: Any = None
     citations: Any = None
 
@@ -148,6 +149,18 @@ def _tool_call(block: Block, where: str) -> dict[str, Any]:
             "function": {"name": block.name, "arguments": block.input}}
 
 
+def _image(block: Block, where: str) -> dict[str, Any]:
+    """An ``image`` block as chat's ``image_url`` part (a base64 source as a data URL)."""
+    source = block.source if isinstance(block.source, dict) else {}
+    kind, data, media_type = source.get("type"), source.get("data"), source.get("media_type")
+    if kind == "base64" and isinstance(data, str) and isinstance(media_type, str):
+        return {"type": "image_url", "image_url": {"url": f"data:{media_type};base64,{data}"}}
+    if kind == "url" and isinstance(source.get("url"), str):
+        return {"type": "image_url", "image_url": {"url": source["url"]}}
+    raise bad_request(f"'{where}.source' must be a 'base64' source with 'media_type' and "
+                      "'data', or a 'url' source with 'url'")
+
+
 def _message(i: int, message: MessageParam) -> list[dict[str, Any]]:
     """The chat messages of one Anthropic message (a user's tool results first)."""
     role = message.role
@@ -157,7 +170,7 @@ def _message(i: int, message: MessageParam) -> list[dict[str, Any]]:
     if isinstance(message.content, str):
         return [{"role": role, "content": message.content}]
     out: list[dict[str, Any]] = []
-    texts: list[dict[str, str]] = []
+    texts: list[dict[str, Any]] = []
     calls: list[dict[str, Any]] = []
     thoughts: list[str] = []
     for j, block in enumerate(message.content):
@@ -166,6 +179,8 @@ def _message(i: int, message: MessageParam) -> list[dict[str, Any]]:
             if block.text is None:
                 raise bad_request(f"'{where}' of type 'text' needs a 'text' string")
             texts.append({"type": "text", "text": block.text})
+        elif kind == "image" and role == "user":
+            texts.append(_image(block, where))
         elif kind == "tool_result" and role == "user":
             out.append(_tool_result(block, where))
         elif kind == "tool_use" and role == "assistant":

@@ -79,15 +79,25 @@ def template_environment() -> ImmutableSandboxedEnvironment:
     return env
 
 
-def message_dict(message: ChatMessage) -> dict[str, Any]:
-    """One chat message as templates read it: text content, tool calls with mapping arguments."""
+def message_dict(message: ChatMessage, image: str = "", parts: bool = False) -> dict[str, Any]:
+    """One chat message as templates read it: text content, tool calls with mapping arguments.
+
+    Content parts become one text, joined by newlines, each image part ``image``; or, with
+    ``parts`` and an image among them, the list of ``{"type": "text", "text": ...}`` and
+    ``{"type": "image"}`` parts that Hugging Face's vision templates take.
+    """
     content = message.content
+    text: str | list[dict[str, str]]
     if content is None:
         text = ""
     elif isinstance(content, str):
         text = content
+    elif parts and any(part.type == "image_url" for part in content):
+        text = [{"type": "image"} if part.type == "image_url"
+                else {"type": "text", "text": part.text or ""} for part in content]
     else:
-        text = "\n".join(part.text or "" for part in content)
+        text = "\n".join(image if part.type == "image_url" else part.text or ""
+                         for part in content)
     out: dict[str, Any] = {"role": message.role, "content": text}
     if message.name is not None:
         out["name"] = message.name

@@ -23,6 +23,7 @@ from ._anthropic_protocol import MessagesRequest, parse_count_tokens, parse_mess
 from ._anthropic_run import MessagesRun
 from ._asgi import Receive, Scope, Send, error, read_body, reply
 from ._deadline import request_timeout
+from ._images import load_images
 from ._limits import prompt_chars
 from ._priority import header_priority
 from ._scope import RequestScope
@@ -63,7 +64,9 @@ async def _count_tokens(app: FrontendApp, scope: Scope, receive: Receive, send: 
         chat = to_chat(req)
         entry, _ = app._entry(req.model)
         prompt_chars(entry.preprocessor, chat)
-        pre = await app._offload.run(len(body), entry.preprocessor.chat, chat, entry.require)
+        images = await load_images(entry, chat, app.media)
+        pre = await app._offload.run(len(body), entry.preprocessor.chat, chat, entry.require,
+                                     images, entry.vision)
     except HttpError as exc:
         app._refuse("count_tokens", exc, None)
         await error(send, exc)
@@ -85,7 +88,8 @@ async def _messages(app: FrontendApp, scope: Scope, receive: Receive, send: Send
             chat.priority = priority
         entry, only = app._entry(req.model)
         prompt_chars(entry.preprocessor, chat)
-        work, _ = await app._offload.run(len(body), chat_work, entry, chat)
+        images = await load_images(entry, chat, app.media)
+        work, _ = await app._offload.run(len(body), chat_work, entry, chat, images)
         pre = work[0].pre
         if only is not None:  # a LoRA adapter's request
             pre.lora_name = req.model

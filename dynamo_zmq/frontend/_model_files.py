@@ -5,13 +5,14 @@ longest vocabulary entry (which bounds how much text one token can stand for).""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from tokenizers import Tokenizer
 
-__all__ = ["SPECIAL_TOKENS", "id_list", "longest_token", "read_json", "token_text", "unique"]
+__all__ = ["SPECIAL_TOKENS", "NativeTokenizerLike", "id_list", "longest_token", "read_json",
+           "token_text", "unique"]
 
 SPECIAL_TOKENS = (
     "bos_token",
@@ -23,6 +24,18 @@ SPECIAL_TOKENS = (
     "mask_token",
     "additional_special_tokens",
 )
+
+
+class NativeTokenizerLike(Protocol):
+    """The tokenizer-adapter interface of native processing: an engine's own tokenizer and chat
+    template (e.g. ``engines.vllm.native.NativeTokenizer``)."""
+
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True, **kwargs: Any,
+    ) -> list[int]: ...
+
+    def encode(self, text: str) -> list[int]: ...
 
 
 def read_json(path: Path) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from . import errors as http_errors
 from ._asgi import JSON, SSE, Receive, Scope, Send, error, read_body, reply, send_message
 from ._deadline import request_timeout
 from ._fanout import FanOut
+from ._images import load_images
 from ._limits import prompt_chars
 from ._priority import header_priority
 from ._responses_output import ResponseBuilder
@@ -86,7 +87,8 @@ async def create_response(app: FrontendApp, scope: Scope, receive: Receive, send
             req.priority = priority
         entry, only = app._entry(req.model)
         prompt_chars(entry.preprocessor, req)
-        work, _ = await app._offload.run(len(body), chat_work, entry, req)
+        images = await load_images(entry, req, app.media)
+        work, _ = await app._offload.run(len(body), chat_work, entry, req, images)
         if only is not None:  # a LoRA adapter's request
             work[0].pre.lora_name = req.model
         if Capability.EMBEDDINGS_ONLY in entry.capabilities:

@@ -96,26 +96,40 @@ def parse_responses(body: bytes) -> ResponsesRequest:
     return req
 
 
-def _text(content: Any, param: str) -> str | list[dict[str, str]]:
+def _text(content: Any, param: str) -> str | list[dict[str, Any]]:
     """A message's content for chat: a string, or its ``input_text`` / ``output_text`` parts
-    as chat's text parts."""
+    as chat's text parts and its ``input_image`` parts as chat's ``image_url`` parts."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise bad_request(f"'{param}' must be a string or a list of content parts", param=param,
                           code="invalid_type")
-    texts: list[dict[str, str]] = []
+    texts: list[dict[str, Any]] = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_image":
+            texts.append(_image(part, f"{param}[{j}]"))
+            continue
         if kind not in ("input_text", "output_text", "text"):
-            raise unsupported(f"{param}[{j}]", f"content part type {kind!r} (only 'input_text' "
-                                               "and 'output_text')")
+            raise unsupported(f"{param}[{j}]", f"content part type {kind!r} (only "
+                                               "'input_text', 'output_text' and 'input_image')")
         text = part.get("text")
         if not isinstance(text, str):
             raise bad_request(f"'{param}[{j}].text' must be a string", param=f"{param}[{j}]",
                               code="invalid_type")
         texts.append({"type": "text", "text": text})
     return texts
+
+
+def _image(part: dict[str, Any], param: str) -> dict[str, Any]:
+    """An ``input_image`` part as chat's ``image_url`` part (its URL: a data URL or http(s))."""
+    url, detail = part.get("image_url"), part.get("detail")
+    if not isinstance(url, str):
+        raise bad_request(f"'{param}.image_url' must be a string (a data URL or an http(s) "
+                          "URL; 'file_id' is not supported)", param=f"{param}.image_url",
+                          code="invalid_type")
+    image = {"url": url} if detail is None else {"url": url, "detail": detail}
+    return {"type": "image_url", "image_url": image}
 
 
 def _function_call(item: dict[str, Any], param: str) -> dict[str, Any]:

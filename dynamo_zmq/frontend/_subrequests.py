@@ -128,13 +128,15 @@ def completion_work(entry: ModelEntry, req: CompletionRequest) -> tuple[list[Sub
     return fan_out(completion_prompts(entry.preprocessor, req, entry.require), n, best_of), n
 
 
-def chat_work(entry: ModelEntry, req: ChatCompletionRequest) -> tuple[list[SubRequest], int]:
-    """A chat request's sub-requests (its tools applied): one, or ``n``; and its choices.
+def chat_work(entry: ModelEntry, req: ChatCompletionRequest,
+              images: Sequence[bytes] = ()) -> tuple[list[SubRequest], int]:
+    """A chat request's sub-requests (its tools applied, its ``images`` expanded as the engine
+    takes them): one, or ``n``; and its choices.
 
     Raises:
         HttpError: what preprocessing refuses.
     """
-    work = entry.preprocessor.chat(req, entry.require)
+    work = entry.preprocessor.chat(req, entry.require, images, entry.vision)
     apply_tools(req, entry, work)
     if req.n is not None and req.n > 1:
         return fan_out([(work, "")], req.n, req.n), req.n

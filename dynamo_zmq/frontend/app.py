@@ -50,6 +50,7 @@ from ._embed_protocol import parse_embedding
 from ._embeddings import embedding_requests, serve_embeddings
 from ._fanout import FanOut
 from ._health import health, models_body
+from ._images import MediaPolicy, load_images
 from ._limits import HttpLimits, Offload, Rejections, prompt_chars, text_chars
 from ._logprobs import asks_logprobs
 from ._lora import LoraRoutes, resolve_model
@@ -130,6 +131,8 @@ class FrontendApp:
         self.tenants: Tenants | None = None
         #: The Responses API's stored responses (``--responses-store-size`` / ``-ttl``).
         self.responses = ResponsesStore()
+        #: Where images may come from, and their sizes (``--allowed-media-domains``, ...).
+        self.media = MediaPolicy()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -218,7 +221,8 @@ class FrontendApp:
                     req.priority = priority
                 entry, only = self._entry(req.model)
                 prompt_chars(entry.preprocessor, req)
-                work, n = await self._offload.run(len(body), chat_work, entry, req)
+                images = await load_images(entry, req, self.media)
+                work, n = await self._offload.run(len(body), chat_work, entry, req, images)
             else:
                 req = parse_completion(body)
                 if priority is not None:

@@ -41,6 +41,7 @@ from ..llm import (
     NO_SESSIONS,
     TOKENIZERS,
     ClientRouter,
+    EngineConfig,
     ModelCard,
     ModelRouter,
     RouterPlugin,
@@ -55,6 +56,7 @@ from ..llm import (
 from ..runtime import DistributedRuntime, RouterMode
 from ._adapters import AdapterTable
 from ._disagg import GENERATION_ROLES, PREFILL_ROLES, DisaggConfig, DisaggMetrics, DisaggRouter
+from ._image_prompt import Vision
 from .errors import engine_lacks
 from .preprocess import Preprocessor
 
@@ -84,6 +86,9 @@ class ModelEntry:
     #: The workers' tool-call and reasoning parsers (None: that text is not parsed).
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    #: How the engine takes images (``Capability.VISION``: its ``EngineConfig``'s image token
+    #: and count; None: it advertises none).
+    vision: Vision | None = None
 
     def require(self, capability: str, param: str) -> None:
         """Refuse a request whose ``param`` needs ``capability`` the engine lacks.
@@ -253,7 +258,7 @@ class ModelManager:
                 migration_limit=advert.migration_limit, engine_name=advert.engine_name,
                 capabilities=frozenset(advert.capabilities),
                 tool_call_parser=advert.tool_call_parser,
-                reasoning_parser=advert.reasoning_parser,
+                reasoning_parser=advert.reasoning_parser, vision=_vision(advert.engine),
             )
             if old is not None:
                 await _close_router(old.router)
@@ -315,6 +320,13 @@ class ModelManager:
             fetched[f.name] = data
         await asyncio.to_thread(_install, self.cache_dir, target, fetched)
         return target
+
+
+def _vision(engine: EngineConfig) -> Vision | None:
+    """The engine's image token and count, when it advertises both."""
+    if engine.image_token_id is None or engine.tokens_per_image < 1:
+        return None
+    return Vision(engine.image_token_id, engine.tokens_per_image)
 
 
 async def _close_router(router: ModelRouter) -> None:

@@ -4,17 +4,16 @@ A ``Preprocessor`` is built once per model from its tokenizer files (``tokenizer
 ``tokenizer_config.json``, ``chat_template.jinja``, ``generation_config.json``, ``config.json``)
 and compiles the chat template once, in the environment ``_chat_template.py`` builds as Hugging
 Face ``transformers`` does. Chat prompts are tokenized without special tokens (the template
-carries them); text completion prompts with them (the tokenizer's post-processor). It owns the
-translation of the request's sampling, stop and length options, and the context-length checks.
-Each request carries the checksum of the card it was built from (``mdcsum``), so a worker
-serving another card refuses it.
+carries them; images: ``_image_prompt.py``); text completion prompts with them. It owns the
+translation of sampling, stop and length options, and the context-length checks. Each request
+carries its card's checksum (``mdcsum``), so a worker serving another card refuses it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import jinja2
 from tokenizers import Tokenizer
@@ -29,9 +28,11 @@ from ..llm import (
 )
 from ._chat_template import RESERVED, continue_final, function_dict, message_dict
 from ._chat_template import template_environment as template_environment
+from ._image_prompt import Vision, image_chat
 from ._limits import text_chars
 from ._logprobs import requested_logprobs
 from ._model_files import SPECIAL_TOKENS, id_list, longest_token, read_json, token_text, unique
+from ._model_files import NativeTokenizerLike as NativeTokenizerLike
 from ._structured import constraint
 from .errors import bad_request, prompt_too_long
 from .protocol import ChatCompletionRequest, CompletionRequest
@@ -40,17 +41,6 @@ __all__ = ["Preprocessor", "Require", "template_environment"]
 
 #: ``ModelEntry.require``: refuses a parameter whose capability the serving engine lacks.
 Require = Callable[[str, str], None]
-
-class NativeTokenizerLike(Protocol):
-    """The tokenizer-adapter interface of native processing: an engine's own tokenizer and chat
-    template (e.g. ``engines.vllm.native.NativeTokenizer``)."""
-
-    def apply_chat_template(
-        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None,
-        add_generation_prompt: bool = True, **kwargs: Any,
-    ) -> list[int]: ...
-
-    def encode(self, text: str) -> list[int]: ...
 
 
 class Preprocessor:
@@ -141,8 +131,10 @@ class Preprocessor:
             param="messages",
         )
 
-    def render(self, req: ChatCompletionRequest) -> str:
-        """The chat prompt text of ``req``, rendered with the model's template.
+    def render(self, req: ChatCompletionRequest, messages: list[dict[str, Any]] | None = None
+               ) -> str:
+        """The chat prompt text of ``req`` (its ``messages`` as given, else as templates read
+        them), rendered with the model's template.
 
         Raises:
             HttpError: 400 when the model has no template or the template rejects the request.
@@ -151,7 +143,7 @@ class Preprocessor:
         if req.tools:
             tools = [{"type": t.type, "function": function_dict(t.function)} for t in req.tools]
         template = self._template(tools is not None)
-        messages = [message_dict(m) for m in req.messages]
+        messages = messages or [message_dict(m) for m in req.messages]
         variables: dict[str, Any] = dict(self.special_tokens)
         if req.chat_template_kwargs:
             variables.update(
@@ -177,7 +169,8 @@ class Preprocessor:
         return text
 
     def chat(
-        self, req: ChatCompletionRequest, require: Require | None = None
+        self, req: ChatCompletionRequest, require: Require | None = None,
+        images: Sequence[bytes] = (), vision: Vision | None = None,
     ) -> PreprocessedRequest:
         """Render, tokenize and translate a parsed chat request.
 
@@ -185,13 +178,18 @@ class Preprocessor:
             req: the parsed request.
             require: checks a parameter's capability against the serving engine
                 (``ModelEntry.require``); None: no check.
+            images: the request's images in prompt order (``_images.load_images``), each
+                expanded as ``vision`` says (``_image_prompt.py``); they go in ``media``.
 
         Raises:
             HttpError: 400 (template or tokenization errors, a capability the engine lacks),
                 413 (context length exceeded).
         """
-        if self.native is not None:
-            token_ids = self._native_chat(req)
+        media = None
+        if images and vision is not None:
+            token_ids, media = image_chat(self, req, images, vision)
+        elif self.native is not None:
+            token_ids = self.native_chat(req)
         else:
             text = self.render(req)
             text_chars(self, [("messages", text)])  # tools and template add text: 413 here
@@ -200,7 +198,9 @@ class Preprocessor:
         name = "max_completion_tokens"
         if max_tokens is None:
             max_tokens, name = req.max_tokens, "max_tokens"
-        return self._build(req, token_ids, max_tokens, name, "messages", require)
+        pre = self._build(req, token_ids, max_tokens, name, "messages", require)
+        pre.media = media
+        return pre
 
     # -- completions ----------------------------------------------------------------------------
 
@@ -272,12 +272,14 @@ class Preprocessor:
         extraction (sampling, stop, limits) stays ours."""
         self.native = tokenizer
 
-    def _native_chat(self, req: ChatCompletionRequest) -> list[int]:
+    def native_chat(self, req: ChatCompletionRequest,
+                    messages: list[dict[str, Any]] | None = None) -> list[int]:
+        """``req``'s prompt by the engine's own template (its ``messages`` as given)."""
         assert self.native is not None
         tools = None
         if req.tools:
             tools = [{"type": t.type, "function": function_dict(t.function)} for t in req.tools]
-        messages = [message_dict(m) for m in req.messages]
+        messages = messages or [message_dict(m) for m in req.messages]
         kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in RESERVED}
         return self._native_call(
             self.native.apply_chat_template, messages, "messages",

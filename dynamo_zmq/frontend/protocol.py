@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 
 from ..llm import stop_bounds_error
+from ._content_parts import ImageUrl, check_content
 from ._prompts import MAX_PROMPTS, parse_prompt, prompt_list
 from ._structured import constraint
 from ._tool_choice import validate_tool_choice
@@ -50,10 +51,11 @@ MAX_SUBREQUESTS = 512
 
 
 class ContentPart(msgspec.Struct):
-    """One part of a message's content; only ``{"type": "text", "text": ...}`` is supported."""
+    """One part of a message's content: ``text``, or ``image_url`` (``_content_parts.py``)."""
 
     type: str
     text: str | None = None
+    image_url: ImageUrl | None = None
 
 
 class FunctionCall(msgspec.Struct):
@@ -304,16 +306,7 @@ def _validate_chat(req: ChatCompletionRequest) -> None:
         _check_min_tokens(req, req.max_tokens, "max_tokens")
     if not req.messages:
         raise bad_request("'messages' must contain at least one message", param="messages")
-    for i, message in enumerate(req.messages):
-        if isinstance(message.content, list):
-            for j, part in enumerate(message.content):
-                param = f"messages[{i}].content[{j}]"
-                if part.type != "text":
-                    raise unsupported(param, f"content part type {part.type!r} (only 'text')")
-                if part.text is None:
-                    raise bad_request(
-                        f"'{param}' of type 'text' needs a 'text' string", param=param
-                    )
+    check_content(req.messages)
     _range(req.top_logprobs, "top_logprobs", 0, 20)
     if req.top_logprobs and not req.logprobs:
         raise bad_request(

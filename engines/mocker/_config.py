@@ -80,6 +80,10 @@ class MockerConfig:
     max_lora_rank: int = 16
     lora_modules: tuple[tuple[str, str], ...] = ()
     lora_load_delay: float = 0.0
+    #: Images (``Capability.VISION``): > 0, the placeholder tokens one image takes; its token
+    #: id (None: the vocabulary's last, ``image_token``).
+    tokens_per_image: int = 0
+    image_token_id: int | None = None
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "context_length", "block_size", "num_gpu_blocks", "max_num_seqs",
@@ -107,6 +111,11 @@ class MockerConfig:
             raise ValueError(f"lora_load_delay must be >= 0, got {self.lora_load_delay}")
         if self.lora_modules and not self.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora")
+        if self.tokens_per_image < 0:
+            raise ValueError(f"tokens_per_image must be >= 0, got {self.tokens_per_image}")
+        if not 0 <= self.image_token < self.vocab_size:
+            raise ValueError(f"image_token_id must be in [0, {self.vocab_size}), "
+                             f"got {self.image_token_id}")
         if self.embedding_dim < 0:
             raise ValueError(f"embedding_dim must be >= 0, got {self.embedding_dim}")
         if self.scheduling_policy not in POLICIES:
@@ -115,6 +124,12 @@ class MockerConfig:
         if self.kv_event_form not in KV_EVENT_FORMS:
             raise ValueError(f"kv_event_form must be one of {KV_EVENT_FORMS}, "
                              f"got {self.kv_event_form!r}")
+
+    @property
+    def image_token(self) -> int:
+        """The token id of an image's placeholder positions (``--image-token-id``, else the
+        vocabulary's last id)."""
+        return self.vocab_size - 1 if self.image_token_id is None else self.image_token_id
 
     @property
     def bind_host(self) -> str:
@@ -202,8 +217,12 @@ def add_mocker_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -
         metavar="SECONDS",
         help="simulated load of a non-resident adapter before its request's prefill (divided "
              "by --speedup-ratio) [DYN_LORA_LOAD_DELAY]")
-
-
+    add("--tokens-per-image", type=int, default=env("DYN_TOKENS_PER_IMAGE", 0), metavar="N",
+        help="take images (the vision capability), each N placeholder tokens long; 0 = no "
+             "images [DYN_TOKENS_PER_IMAGE]")
+    add("--image-token-id", type=int, default=env("DYN_IMAGE_TOKEN_ID"), metavar="ID",
+        help="with --tokens-per-image: the image placeholder token id (default: the "
+             "vocabulary's last id) [DYN_IMAGE_TOKEN_ID]")
     add("--scheduling-policy", choices=POLICIES, default=env("DYN_SCHEDULING_POLICY", "fcfs"),
         help="order of the waiting queue: 'fcfs' (arrival) or 'priority' (the request's "
              "priority, lower first, then arrival; vLLM's flag) [DYN_SCHEDULING_POLICY]")
@@ -280,6 +299,8 @@ def _config_from_args(args: argparse.Namespace) -> MockerConfig:
         max_lora_rank=get("max_lora_rank", 16),
         lora_modules=parse_lora_modules(get("lora_modules", ())),
         lora_load_delay=get("lora_load_delay", 0.0),
+        tokens_per_image=get("tokens_per_image", 0),
+        image_token_id=get("image_token_id", None),
         **from_dir,
     )
 

@@ -37,7 +37,7 @@ from ._kv_events import KvEvent
 from ._lora import Adapters, ResidentAdapters
 from ._metrics import MockerCollector
 from ._publisher import TOPIC, KvEventPublisher
-from ._request import new_sequence, request_problem
+from ._request import media_problem, new_sequence, request_problem
 from ._scheduler import RankScheduler
 from ._sequence import SeqStatus
 from ._timing import step_seconds
@@ -142,6 +142,8 @@ class MockerEngine(LLMEngine):
             kv_events_endpoint=events,
             kv_replay_endpoint=replay,
             kv_hash_scheme=self._hash_scheme() if self._publisher else None,
+            image_token_id=cfg.image_token if cfg.tokens_per_image else None,
+            tokens_per_image=cfg.tokens_per_image,
             extra={"engine": "mocker", "speedup_ratio": cfg.speedup_ratio,
                    "enable_prefix_caching": cfg.enable_prefix_caching,
                    "kv_events_topic": TOPIC.decode(), "kv_events_format": "vllm",
@@ -192,6 +194,8 @@ class MockerEngine(LLMEngine):
         if problem is not None:
             yield error_output(problem, prompt_usage)
             return
+        if request.media is not None and (bad := media_problem(self.config, request)):
+            raise errors.InvalidArgument(bad)
         if ctx.is_stopped():
             yield cancelled_output(Usage(len(request.token_ids), 0, 0))
             return
@@ -257,8 +261,9 @@ class MockerEngine(LLMEngine):
     def capabilities(self) -> frozenset[str]:
         """Logprobs (well-formed made-up values: see ``Sequence.with_logprobs``),
         ``logit_bias`` (its sampling weighs each token by ``exp(bias)`` against 1),
-        disaggregation (``_disagg``), embeddings when ``--mock-embedding-dim`` is set, and
-        priority scheduling under ``--scheduling-policy priority``."""
+        disaggregation (``_disagg``), embeddings when ``--mock-embedding-dim`` is set,
+        priority scheduling under ``--scheduling-policy priority``, images (vision) with
+        ``--tokens-per-image``."""
         caps = {Capability.LOGPROBS, Capability.LOGIT_BIAS, Capability.DISAGGREGATION}
         if self.config.embedding_dim:
             caps.add(Capability.EMBEDDINGS)
@@ -266,6 +271,8 @@ class MockerEngine(LLMEngine):
             caps.add(Capability.PRIORITY)
         if self.config.enable_lora:
             caps.add(Capability.LORA)
+        if self.config.tokens_per_image:
+            caps.add(Capability.VISION)
         return frozenset(caps)
 
     async def load_lora(self, name: str, path: str) -> None:

@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 from dynamo_zmq.llm import PreprocessedRequest
+from dynamo_zmq.llm._media_keys import check_media
 
 from ._config import MockerConfig
 from ._sequence import Sequence
 
-__all__ = ["new_sequence", "request_problem"]
+__all__ = ["media_problem", "new_sequence", "request_problem"]
 
 
 def request_problem(cfg: MockerConfig, request: PreprocessedRequest, num_ranks: int) -> str | None:
@@ -34,6 +35,22 @@ def request_problem(cfg: MockerConfig, request: PreprocessedRequest, num_ranks: 
     return None
 
 
+def media_problem(cfg: MockerConfig, request: PreprocessedRequest) -> str | None:
+    """Why ``request.media`` cannot run here (None: it can): a mocker without
+    ``--tokens-per-image`` takes no images; each image's run must be ``tokens_per_image``
+    copies of its image token, inside the prompt, in order (``check_media``)."""
+    media = request.media
+    if not media:
+        return None
+    if not cfg.tokens_per_image:
+        return "this mocker takes no images (start it with --tokens-per-image N)"
+    for i, item in enumerate(media):
+        if item.length != cfg.tokens_per_image:
+            return (f"media[{i}] takes {item.length} tokens; this mocker's images take "
+                    f"{cfg.tokens_per_image}")
+    return check_media(media, request.token_ids, cfg.image_token)
+
+
 def new_sequence(cfg: MockerConfig, request: PreprocessedRequest) -> Sequence:
     """The sequence that generates ``request``'s output (a checked request)."""
     room = cfg.context_length - len(request.token_ids)
@@ -54,4 +71,5 @@ def new_sequence(cfg: MockerConfig, request: PreprocessedRequest) -> Sequence:
         logit_bias=request.sampling.logit_bias,
         hash_root=cfg.kv_hash_seed,
         lora_name=request.lora_name,
+        media=request.media,
     )

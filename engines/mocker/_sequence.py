@@ -17,8 +17,10 @@ from collections.abc import Sequence as Seq
 
 import xxhash
 
-from dynamo_zmq.llm import FinishReason, LLMEngineOutput, Usage
+from dynamo_zmq.llm import FinishReason, LLMEngineOutput, MediaItem, Usage
+from dynamo_zmq.llm._block_hashing import ROOT_SEED, extra_key_hash, salted_block_hashes
 from dynamo_zmq.llm._block_hashing import block_hashes as router_hashes
+from dynamo_zmq.llm._media_keys import block_extra_keys
 
 from ._hashing import block_hash, lora_roots
 
@@ -46,8 +48,13 @@ class Sequence:
                  request_id: str = "", resumed: int = 0,
                  num_logprobs: int | None = None,
                  logit_bias: dict[int, float] | None = None,
-                 hash_root: int | None = None, lora_name: str | None = None) -> None:
+                 hash_root: int | None = None, lora_name: str | None = None,
+                 media: Seq[MediaItem] | None = None) -> None:
         self.request_id = request_id
+        #: Per prompt block, the ``mm_hash`` of the images it holds (None: no image there, or
+        #: no images at all): they salt its hashes, in the prefix cache and the router's alike.
+        self._extra = (block_extra_keys(media, len(prompt) // block_size, block_size)
+                       if media else None)
         #: The LoRA adapter it runs with (None: the base model); its blocks chain from the
         #: adapter's roots (``lora_roots``), so they are cached and published apart.
         self.lora_name = lora_name
@@ -125,19 +132,30 @@ class Sequence:
         hashes = self._hashes
         while len(hashes) < num_blocks:
             i = len(hashes)
-            hashes.append(
-                block_hash(hashes[-1] if hashes else self._cache_root,
+            h = block_hash(hashes[-1] if hashes else self._cache_root,
                            self.tokens[i * size : (i + 1) * size])
-            )
+            extra = self._extra_key(i)
+            hashes.append(h if extra is None else extra_key_hash(h, extra))
         return hashes[:num_blocks]
+
+    def _extra_key(self, block: int) -> list[str] | None:
+        extra = self._extra
+        return extra[block] if extra is not None and block < len(extra) else None
 
     def own_hashes(self, num_blocks: int) -> list[int]:
         """The router's hashes (``KvHashScheme``) of the first ``num_blocks`` full blocks, which
         the mocker publishes with its ``BlockStored`` events (computed once, kept)."""
         own, size = self._own, self.block_size
-        if len(own) < num_blocks:
-            own += router_hashes(self.tokens[len(own) * size : num_blocks * size], size,
-                                 own[-1] if own else self._hash_root)
+        start = len(own)
+        if start < num_blocks:
+            tokens = self.tokens[start * size : num_blocks * size]
+            parent = own[-1] if own else self._hash_root
+            if self._extra is None:
+                own += router_hashes(tokens, size, parent)
+            else:  # as ``media_block_hashes`` salts them (the router's request hashes)
+                keys = [self._extra_key(i) for i in range(start, num_blocks)]
+                own += salted_block_hashes(tokens, size, ROOT_SEED if parent is None else parent,
+                                           keys)
         return own[:num_blocks]
 
     def sample(self) -> int:
