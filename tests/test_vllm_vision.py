@@ -9,7 +9,9 @@ offline ``LLM`` in a child process:
 - the worker's KV events of image blocks carry the router's own hashes for (token_ids, media):
   each block salted by the ``mm_hash`` of the images overlapping it;
 - a run of the wrong length and data that is not an image are InvalidArgument; images for an
-  engine without vision are Unsupported.
+  engine without vision are Unsupported;
+- end to end through a frontend and the ``openai`` client, an ``image_url`` data URL: the image
+  counts its 16 tokens, the same image gives the same answer, another image another.
 
 Runs only where vLLM is installed; skipped otherwise, except in CI (``CI=true``)."""
 
@@ -30,6 +32,7 @@ import tests.support.needs_vllm  # noqa: F401  (skips this module without vLLM; 
 
 import msgspec
 import numpy as np
+import openai
 import pytest_asyncio
 import xxhash
 import zmq
@@ -43,9 +46,10 @@ from dynamo_zmq.llm._block_hashing import ROOT_SEED, salted_block_hashes
 from dynamo_zmq.tools.tiny_vlm import build_tiny_vlm
 from engines.vllm._vision import prompt_inputs
 from tests.conftest import runtime_factory
+from tests.support.images import data_url
 from tests.support.procs import Proc, run_cli
 from tests.support.vllm_kv import kv_ports
-from tests.support.vllm_stack import VLLM_ENV, WORKER_FLAGS, WORKER_START
+from tests.support.vllm_stack import VLLM_ENV, WORKER_FLAGS, WORKER_START, wait_models
 from tests.support.waiting import eventually
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(600)]
@@ -121,6 +125,16 @@ def worker(tiny_vlm: Path) -> Iterator[Proc]:
     proc.namespace = namespace  # type: ignore[attr-defined]
     try:
         yield proc.wait_ready(WORKER_START)
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def frontend(worker: Proc) -> Iterator[str]:
+    proc = Proc(["-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace",
+                 worker.namespace])  # type: ignore[attr-defined]
+    try:
+        yield proc.wait_ready(60).address
     finally:
         proc.stop()
 
@@ -232,3 +246,29 @@ async def test_kv_events_of_image_blocks_hash_like_the_routers_image_requests(
     finally:
         sub.close(0)
         zctx.term()
+
+
+# -- end to end --------------------------------------------------------------------------------
+
+
+async def test_an_image_data_url_through_a_frontend_and_the_openai_client(
+    frontend: str, images
+):
+    await wait_models(frontend, names=("vlm",))
+
+    async def ask(client: openai.AsyncOpenAI, *parts: dict) -> tuple[str, int]:
+        done = await client.chat.completions.create(
+            model="vlm", max_tokens=MAX_TOKENS, temperature=0.0,
+            messages=[{"role": "user", "content": list(parts)}])  # type: ignore[misc, list-item]
+        assert done.usage is not None
+        return done.choices[0].message.content or "", done.usage.prompt_tokens
+
+    text = {"type": "text", "text": "What is in this picture?"}
+    async with openai.AsyncOpenAI(base_url=f"{frontend}/v1", api_key="none",
+                                  max_retries=0) as client:
+        _, plain_tokens = await ask(client, text)
+        outs = [await ask(client, text, {"type": "image_url",
+                                         "image_url": {"url": data_url(d)}})
+                for d in (images[0], images[1], images[0])]
+    assert [n for _, n in outs] == [plain_tokens + PER_IMAGE] * 3  # the image's run
+    assert outs[0] == outs[2] and outs[0][0] != outs[1][0]
