@@ -6,7 +6,7 @@ offline ``LLM`` in a child process:
 - greedy output for a prompt with an image (the run already expanded, as the frontend sends
   it) is vLLM's own offline output for the prompt with one ``<image>`` and that image, and
   another image gives another output;
-- the worker's KV events of image blocks carry the router's own hashes for (token_ids, media):
+- the worker's KV events of image blocks carry the router's hashes of (token_ids, media):
   each block salted by the ``mm_hash`` of the images overlapping it;
 - a run of the wrong length and data that is not an image are InvalidArgument; images for an
   engine without vision are Unsupported;
@@ -45,6 +45,7 @@ from dynamo_zmq.llm import BlockStored, Capability, EngineConfig, EventBatch, Me
 from dynamo_zmq.llm._block_hashing import ROOT_SEED, salted_block_hashes
 from dynamo_zmq.tools.tiny_vlm import build_tiny_vlm
 from engines.vllm._vision import prompt_inputs
+from router.hashing import request_hashes
 from tests.conftest import runtime_factory
 from tests.support.images import data_url
 from tests.support.procs import Proc, run_cli
@@ -238,7 +239,8 @@ async def test_kv_events_of_image_blocks_hash_like_the_routers_image_requests(
         await drain()
         h = xxhash.xxh3_64_hexdigest(data)
         keys = [[h], [h], None]  # the run [24, 40) overlaps blocks 0 and 1
-        router = salted_block_hashes(prompt[:3 * BLOCK], BLOCK, ROOT_SEED, keys)
+        router = request_hashes(prompt, BLOCK, media=[MediaItem(**media(data))])
+        assert router == salted_block_hashes(prompt[:3 * BLOCK], BLOCK, ROOT_SEED, keys)
         assert [x for ev in stores for x in ev.own_hashes or []] == router
         # The published extra keys are the router's: vLLM's (uuid, offset) pairs normalised.
         assert [k for ev in stores for k in ev.extra_keys or [None] * len(ev.block_hashes)
