@@ -39,24 +39,43 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         report.longrepr = _utf8(report.longrepr)
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Group the tests for pytest-xdist's ``--dist loadgroup``: a module's tests run on one
     worker (module-scoped fixtures, such as a vLLM worker, start once), the modules that share
     the session's vLLM stack (``tiny_vllm_stack``) on one worker together, and the heavy
-    modules go first. Without xdist the groups are inert and only the order changes."""
+    modules go first. Without xdist the groups are inert and only the order changes.
+
+    The group is written into the node id as xdist's own ``xdist_group`` mark would (``id@group``,
+    which its scheduler splits on), since xdist 3.8 writes it where pytest 9.2 no longer reads
+    it: there each test was scheduled alone, and a module's fixtures started again on every
+    worker that got one of its tests."""
     def module(item: pytest.Item) -> str:
         return item.nodeid.split("::")[0]
 
     shared = {module(item) for item in items
               if "tiny_vllm_stack" in getattr(item, "fixturenames", ())}
+    grouping = bool(getattr(config.option, "loadgroup", False))  # xdist workers, loadgroup
     for item in items:
         group = "tiny_vllm_stack" if module(item) in shared else module(item)
-        item.add_marker(pytest.mark.xdist_group(group))
+        if grouping:
+            _join_group(item, group)
 
     def heavy_first(item: pytest.Item) -> int:
         return 0 if module(item).rsplit("/", 1)[-1].startswith(_FIRST) else 1
 
     items.sort(key=heavy_first)  # stable: the order within each class is kept
+
+
+def _join_group(item: pytest.Item, group: str) -> None:
+    """Put ``item`` in xdist ``loadgroup`` group ``group`` (its node id gains ``@group``)."""
+    nodeid = f"{item.nodeid}@{group}"
+    if hasattr(item, "_id"):  # pytest >= 9.2: the node id is structured
+        from _pytest.nodeid import coerce_node_id
+
+        item._id = coerce_node_id(nodeid)
+    else:
+        item._nodeid = nodeid
 
 
 @pytest.fixture

@@ -1,7 +1,9 @@
-"""Hostile HTTP input against a real frontend and mocker worker, over raw sockets (a client
-library would refuse to send most of it): invalid UTF-8, body limits, bodies that never finish,
-and a hypothesis fuzz over every JSON route (``dynamo_zmq.tools.http_fuzz``). Nothing may get a
-5xx or go unanswered, and the frontend keeps serving the real ``openai`` client afterwards."""
+"""Hostile HTTP input against a real frontend (with an API key) and mocker worker, over raw
+sockets (a client library would refuse to send most of it): invalid UTF-8, body limits, bodies
+that never finish, and a hypothesis fuzz over every JSON route, the Responses and Messages APIs'
+included, and bad API-key headers (``dynamo_zmq.tools.http_fuzz``). Nothing may get a 5xx, go
+unanswered or answer an error in another shape than its route's (Anthropic's on the Messages
+API), and the frontend keeps serving the real ``openai`` and ``anthropic`` clients afterwards."""
 
 from __future__ import annotations
 
@@ -14,12 +16,13 @@ import sys
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import anthropic
 import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dynamo_zmq.tools.http_fuzz import Case, make_case, send
+from dynamo_zmq.tools.http_fuzz import Case, error_problem, make_case, send
 from tests.support.http_calls import get
 from tests.support.metrics import sample
 from tests.support.mocker_fleet import start_worker
@@ -29,15 +32,20 @@ from tests.support.waiting import wait_models
 BODY_TIMEOUT = "0.5"
 JSON_ROUTES = ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
 BAD_UTF8 = [b"\xff", b"\xc0\x80", b"\xed\xa0\x80", b"\xf5\x80\x80\x80"]
+#: The frontend's API key.
+KEY = "fuzz-key"
+AUTH = (("Authorization", f"Bearer {KEY}"),)
 
 
 @pytest.fixture
 async def served(namespace, spawn, tiny_model):
-    """A mocker worker serving 'tiny' (embeddings too) and a frontend with a short body timeout
-    and a 2 MiB body cap; yields (host, port, url, frontend process)."""
+    """A mocker worker serving 'tiny' (embeddings too) and a frontend with a short body timeout,
+    a 2 MiB body cap and an API key; yields (host, port, url, frontend process)."""
     start_worker(spawn, namespace, tiny_model, "--mock-embedding-dim", "8", ready=True)
     proc = spawn("-m", "dynamo_zmq.frontend", "--http-port", "0", "--namespace", namespace,
-                 "--body-timeout", BODY_TIMEOUT, "--max-body-bytes", str(2 * 2**20), ready=False)
+                 "--body-timeout", BODY_TIMEOUT, "--max-body-bytes", str(2 * 2**20),
+                 "--api-key", KEY, "--api-key-exempt", "/health,/live,/metrics,/v1/models",
+                 ready=False)
     url = proc.wait_ready().address
     await wait_models(url, {"tiny"})
     parts = urlsplit(url)
@@ -46,12 +54,24 @@ async def served(namespace, spawn, tiny_model):
 
 
 async def still_serves(url: str) -> None:
-    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0,
+    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0,
                                   timeout=30) as client:
         resp = await client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=3
         )
     assert resp.choices[0].finish_reason == "length" and resp.usage.completion_tokens == 3
+
+
+async def still_serves_the_new_apis(url: str) -> None:
+    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0,
+                                  timeout=30) as client:
+        resp = await client.responses.create(model="tiny", input="Hello", max_output_tokens=3)
+    assert resp.status == "incomplete" and resp.usage.output_tokens == 3
+    async with anthropic.AsyncAnthropic(base_url=url, api_key=KEY, max_retries=0,
+                                        timeout=30) as claude:
+        message = await claude.messages.create(
+            model="tiny", max_tokens=3, messages=[{"role": "user", "content": "Hello"}])
+    assert message.stop_reason == "max_tokens" and message.usage.output_tokens == 3
 
 
 def openai_error(body: bytes) -> dict:
@@ -69,7 +89,7 @@ async def test_invalid_utf8_in_a_string_is_a_400(served, path, bad):
              "/v1/completions": b'"prompt": "a', "/v1/embeddings": b'"input": "a'}[path]
     closing = b'"}]}' if path.endswith("chat/completions") else b'"}'
     body = b'{"model": "tiny", ' + field + bad + b'b' + closing
-    answer = await send(host, port, Case("utf8", path, body))
+    answer = await send(host, port, Case("utf8", path, body, headers=AUTH))
     assert answer.status == 400, answer
     err = openai_error(answer.body)
     assert err["type"] == "invalid_request_error" and err["code"] == "invalid_json"
@@ -84,7 +104,7 @@ async def test_a_body_left_short_of_its_length_gets_408_and_the_connection_close
     body = b'{"model": "tiny", "prompt": "hello", "max_tokens": 2}'
     reader, writer = await asyncio.open_connection(host, port)
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json"
-            f"\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+            f"\r\nAuthorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n").encode()
     writer.write(head + body[: len(body) // 2])
     await writer.drain()
     raw = await asyncio.wait_for(reader.read(), 30)  # returns at EOF: the frontend closed
@@ -118,7 +138,8 @@ async def test_headers_that_never_end_get_408_and_the_connection_closes(served, 
 async def test_a_body_over_the_cap_is_refused_from_its_content_length(served):
     """A Content-Length over --max-body-bytes gets 413 before any of the body is read."""
     host, port, url, _ = served
-    answer = await send(host, port, Case("huge", "/v1/completions", b"{", declared=3 * 2**20))
+    answer = await send(host, port, Case("huge", "/v1/completions", b"{", declared=3 * 2**20,
+                                         headers=AUTH))
     assert answer.status == 413, answer
     assert openai_error(answer.body)["code"] == "request_too_large"
     await still_serves(url)
@@ -135,7 +156,7 @@ async def test_a_huge_prompt_is_refused_before_tokenizing(served, path):
             "/v1/completions": {"prompt": ["short", text]},
             "/v1/embeddings": {"input": text}}[path]
     answer = await send(host, port, Case("huge", path, json.dumps({"model": "tiny", **body})
-                                         .encode()))
+                                         .encode(), headers=AUTH))
     assert answer.status == 413, answer
     err = openai_error(answer.body)
     assert err["code"] == "context_length_exceeded" and "characters" in err["message"], err
@@ -149,26 +170,39 @@ async def test_a_huge_prompt_is_refused_before_tokenizing(served, path):
 
 
 async def test_fuzzed_bodies_get_no_5xx_and_no_hang(served):
-    """Hypothesis draws bodies of every family (``http_fuzz.FAMILIES``) for every JSON route:
-    each is answered, none with a 5xx; then the frontend still serves a chat completion. The
-    refusals are counted, and logged as a line now and then, never a traceback."""
+    """Hypothesis draws bodies of every family (``http_fuzz.FAMILIES``) for every route of
+    ``http_fuzz.ROUTES`` (the Responses and Messages APIs' included): each is answered, none
+    with a 5xx, every error in its route's shape (``error_problem``), and every request without
+    an accepted key with 401; then the frontend still serves a chat completion, a response and
+    a message. The refusals are counted, and logged as a line now and then, never a
+    traceback."""
     host, port, url, proc = served
     loop = asyncio.get_running_loop()
     seen: dict[str, set[int]] = {}
+    routes: set[str] = set()
 
-    @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck),
+    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck),
               derandomize=False)
     @given(rng=st.randoms(use_true_random=False))
     def check(rng: random.Random) -> None:
-        case = make_case(rng, huge_cap=300_000)
+        case = make_case(rng, huge_cap=300_000, api_key=KEY)
         answer = asyncio.run_coroutine_threadsafe(send(host, port, case, wait=30), loop).result()
         assert not answer.hung and answer.status is not None, (case, answer)
         assert answer.status < 500, (case, answer)
+        path = case.path.split("?")[0]
+        shape = "/v1/responses/x" if path.startswith("/v1/responses/") else path
+        assert error_problem(shape, answer.status, answer.body) is None, (case, answer)
+        if case.family == "auth":
+            assert answer.status == 401, (case, answer)
         seen.setdefault(case.family, set()).add(answer.status)
+        routes.add(shape)
 
     await asyncio.to_thread(check)
-    assert {"utf8", "depth", "short", "valid"} <= set(seen), seen
+    assert {"utf8", "depth", "short", "valid", "blocks", "auth", "ids"} <= set(seen), seen
+    assert {"/v1/responses", "/v1/responses/x", "/v1/messages",
+            "/v1/messages/count_tokens"} <= routes, routes
     await still_serves(url)
+    await still_serves_the_new_apis(url)
     _, metrics = await asyncio.to_thread(get, f"{url}/metrics")
     refused = sample(metrics.decode(), "dynamo_frontend_rejected_requests_total", status="400")
     assert refused is not None and refused >= 20

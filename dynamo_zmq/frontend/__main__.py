@@ -55,6 +55,8 @@ from ..runtime import (
     setup_logging,
 )
 from ..transport import warn_unless_own_role
+from ._batch_args import add_batch_args, batch_config
+from ._batch_runner import BatchRunner
 from ._disagg import DisaggConfig, add_disagg_args, disagg_config
 from ._http_protocol import header_timeout_protocol
 from ._http_security import (
@@ -161,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_session_args(parser)
     add_responses_args(parser)
     add_media_args(parser)
+    add_batch_args(parser)
     add_http_security_args(parser)
     add_tenant_args(parser)
     add_disagg_args(parser)
@@ -249,6 +252,8 @@ async def serve(
     )
     app.responses = store_from_args(args)  # per process (each of --http-workers N its own)
     app.media = media_from_args(args)
+    if slot is None:  # one process per --batch-dir: not with --http-workers N
+        app.batches = BatchRunner(app, batch_config(args))
     if slot is not None:
         siblings = SiblingMetrics(slot, app.metrics.render)
         app.metrics_page = siblings.page
@@ -340,6 +345,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         session_config(args)  # the flags can work, or say why now
         store_from_args(args)
         media_from_args(args)
+        batch_config(args)
         check_name(args.namespace, "namespace")
         if not 0 <= args.http_port <= 65535:
             raise errors.InvalidArgument(f"--http-port must be 0-65535, got {args.http_port}")

@@ -25,7 +25,8 @@ from typing import Any
 
 import msgspec
 
-from .errors import bad_request, unsupported
+from ._api_params import messages_names
+from .errors import HttpError, bad_request, unsupported
 from .protocol import ChatCompletionRequest, _decode, parse_chat
 
 __all__ = [
@@ -303,7 +304,7 @@ def to_chat(req: CountTokensRequest) -> ChatCompletionRequest:
 
     Raises:
         HttpError: 400 for a block, role or option that has no chat equivalent here, or a value
-            the chat route refuses.
+            the chat route refuses (naming Anthropic's field: ``_api_params``).
     """
     messages: list[dict[str, Any]] = []
     if req.system:
@@ -320,4 +321,7 @@ def to_chat(req: CountTokensRequest) -> ChatCompletionRequest:
                     top_k=req.top_k, stream=req.stream)
         if req.stop_sequences:
             chat["stop"] = req.stop_sequences
-    return parse_chat(msgspec.json.encode(chat))
+    try:
+        return parse_chat(msgspec.json.encode(chat))
+    except HttpError as exc:  # chat's check: named as Anthropic names it
+        raise messages_names(bool(req.system), req.messages).rename(exc) from None

@@ -21,6 +21,7 @@ from . import errors as http_errors
 from ._anthropic_errors import anthropic_send
 from ._anthropic_protocol import MessagesRequest, parse_count_tokens, parse_messages, to_chat
 from ._anthropic_run import MessagesRun
+from ._api_params import ParamNames, messages_names
 from ._asgi import Receive, Scope, Send, error, read_body, reply
 from ._deadline import request_timeout
 from ._images import load_images
@@ -58,16 +59,20 @@ async def serve_messages(app: FrontendApp, scope: Scope, receive: Receive, send:
 
 
 async def _count_tokens(app: FrontendApp, scope: Scope, receive: Receive, send: Send) -> None:
+    names: ParamNames | None = None  # Anthropic's names of chat's parameters
     try:
         body = await read_body(receive, scope, app.limits)
         req = parse_count_tokens(body)
         chat = to_chat(req)
+        names = messages_names(bool(req.system), req.messages)
         entry, _ = app._entry(req.model)
         prompt_chars(entry.preprocessor, chat)
         images = await load_images(entry, chat, app.media)
         pre = await app._offload.run(len(body), entry.preprocessor.chat, chat, entry.require,
                                      images, entry.vision)
     except HttpError as exc:
+        if names is not None:
+            exc = names.rename(exc)
         app._refuse("count_tokens", exc, None)
         await error(send, exc)
         return
@@ -76,6 +81,7 @@ async def _count_tokens(app: FrontendApp, scope: Scope, receive: Receive, send: 
 
 async def _messages(app: FrontendApp, scope: Scope, receive: Receive, send: Send) -> None:
     ticket: Ticket | None = None
+    names: ParamNames | None = None
     try:
         body = await read_body(receive, scope, app.limits)
         ticket = app._admit(scope)
@@ -83,6 +89,7 @@ async def _messages(app: FrontendApp, scope: Scope, receive: Receive, send: Send
         timeout = request_timeout(scope, app.timeout)
         req = parse_messages(body)
         chat = to_chat(req)
+        names = messages_names(bool(req.system), req.messages)
         priority = header_priority(scope)
         if priority is not None:
             chat.priority = priority
@@ -103,6 +110,8 @@ async def _messages(app: FrontendApp, scope: Scope, receive: Receive, send: Send
         if ticket is not None:
             ticket.reserve(prompt_tokens, pre.stop.max_tokens or 0)
     except HttpError as exc:
+        if names is not None:
+            exc = names.rename(exc)
         app._refuse(_ENDPOINT, exc, ticket)
         await error(send, exc)
         return

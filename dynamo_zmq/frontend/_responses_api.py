@@ -19,6 +19,7 @@ import msgspec
 
 from ..llm import Capability, FinishReason, RouteOptions
 from . import errors as http_errors
+from ._api_params import ParamNames, responses_names
 from ._asgi import JSON, SSE, Receive, Scope, Send, error, read_body, reply, send_message
 from ._deadline import request_timeout
 from ._fanout import FanOut
@@ -26,7 +27,7 @@ from ._images import load_images
 from ._limits import prompt_chars
 from ._priority import header_priority
 from ._responses_output import ResponseBuilder
-from ._responses_request import input_messages, parse_responses, renamed, to_chat
+from ._responses_request import input_messages, parse_responses, to_chat
 from ._responses_store import ResponsesStore
 from ._scope import RequestScope
 from ._sessions import session_id
@@ -70,6 +71,7 @@ async def create_response(app: FrontendApp, scope: Scope, receive: Receive, send
     assert app.manager is not None
     store = app.responses
     ticket: Ticket | None = None
+    names: ParamNames | None = None  # the Responses names of chat's parameters
     try:
         body = await read_body(receive, scope, app.limits)
         ticket = app._admit(scope)
@@ -81,6 +83,7 @@ async def create_response(app: FrontendApp, scope: Scope, receive: Receive, send
         conversation: list[dict[str, Any]] = []
         if rreq.previous_response_id is not None:
             conversation = store.conversation(rreq.previous_response_id)
+        names = responses_names(rreq.input, bool(rreq.instructions), len(conversation))
         conversation += input_messages(rreq.input)
         req = to_chat(rreq, conversation)
         if priority is not None:  # the header wins over the body (_priority.py)
@@ -99,7 +102,8 @@ async def create_response(app: FrontendApp, scope: Scope, receive: Receive, send
         if ticket is not None:
             ticket.reserve(prompt_tokens, work[0].pre.stop.max_tokens or 0)
     except HttpError as exc:
-        exc = renamed(exc)
+        if names is not None:
+            exc = names.rename(exc)
         app._refuse(_ENDPOINT, exc, ticket)
         await error(send, exc)
         return

@@ -16,10 +16,10 @@ from typing import Any
 
 import msgspec
 
-from .errors import HttpError, bad_request, unsupported
+from .errors import bad_request, unsupported
 from .protocol import ChatCompletionRequest, _decode, parse_chat
 
-__all__ = ["ResponsesRequest", "input_messages", "parse_responses", "renamed", "to_chat"]
+__all__ = ["ResponsesRequest", "input_messages", "parse_responses", "to_chat"]
 
 _I64_MAX = 2**63 - 1
 
@@ -141,6 +141,17 @@ def _function_call(item: dict[str, Any], param: str) -> dict[str, Any]:
             "function": {"name": item["name"], "arguments": item["arguments"]}}
 
 
+def _reasoning(item: dict[str, Any], param: str) -> str:
+    """A ``reasoning`` item's text: its ``content`` parts', else its ``summary`` parts'."""
+    key = "content" if item.get("content") else "summary"
+    parts = item.get(key) or []
+    if not isinstance(parts, list) or not all(
+            isinstance(p, dict) and isinstance(p.get("text", ""), str) for p in parts):
+        raise bad_request(f"'{param}.{key}' must be a list of parts with a 'text' string",
+                          param=f"{param}.{key}", code="invalid_type")
+    return "".join(p.get("text", "") for p in parts)
+
+
 def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``input`` as chat messages (``function_call`` items after an assistant message, or
     after each other: that message's tool calls; a ``reasoning`` item: the next assistant
@@ -184,8 +195,7 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             messages.append({"role": "tool", "tool_call_id": item["call_id"],
                              "content": _text(item.get("output"), f"{param}.output")})
         elif kind == "reasoning":
-            parts = item.get("content") or item.get("summary") or []
-            reasoning = "".join(p.get("text", "") for p in parts if isinstance(p, dict))
+            reasoning = _reasoning(item, param)
         else:
             raise unsupported(f"{param}.type", f"input item type {kind!r} (only 'message', "
                                                "'function_call', 'function_call_output' and "
@@ -264,18 +274,3 @@ def to_chat(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> ChatCo
         body["response_format"] = fmt
     return parse_chat(msgspec.json.encode(body))
 
-
-#: Chat's parameter names -> the Responses API's, for the errors of the chat checks.
-_PARAMS = {"response_format": "text.format", "max_completion_tokens": "max_output_tokens",
-           "messages": "input"}
-
-
-def renamed(exc: HttpError) -> HttpError:
-    """``exc`` naming the Responses parameter where the chat checks named chat's
-    (``response_format`` -> ``text.format``, ...), in ``param`` and in the message."""
-    for chat, ours in _PARAMS.items():
-        if exc.param is not None and (exc.param == chat or exc.param.startswith(chat + ".")
-                                      or exc.param.startswith(chat + "[")):
-            exc.param = ours + exc.param[len(chat):]
-        exc.message = exc.message.replace(f"'{chat}", f"'{ours}")
-    return exc

@@ -137,6 +137,9 @@ class Tenants:
         Raises:
             HttpError: 400 for an ``x-dynamo-tenant`` that is not a tenant name.
         """
+        batch_tenant = scope.get("dynamo.batch_tenant")  # a batch line (_batch_call.py)
+        if isinstance(batch_tenant, str):
+            return batch_tenant
         if self.keys_enabled:
             key = request_api_key(scope)  # Bearer or x-api-key: the same tenant
             return table.key_name(key) if key else ANONYMOUS

@@ -1,10 +1,11 @@
 """The OpenAI-compatible HTTP API as a raw ASGI application (no framework on the hot path).
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming and not),
-``POST /v1/embeddings`` (``_embeddings.py``), ``/v1/responses`` (``_responses_api.py``),
-Anthropic's ``POST /v1/messages`` and ``/v1/messages/count_tokens`` (``_messages.py``),
-``GET /v1/models``, ``/health``, ``/live``,
-``/metrics``, Dynamo's ``POST /clear_kv_blocks`` (``_clear_kv.py``), and vLLM's
+Routes (the table of ``_routes.py``): ``POST /v1/chat/completions``, ``POST /v1/completions``
+(streaming and not), ``POST /v1/embeddings`` (``_embeddings.py``), ``/v1/responses``
+(``_responses_api.py``), Anthropic's ``POST /v1/messages`` and ``/v1/messages/count_tokens``
+(``_messages.py``), the Batch API's ``/v1/files`` and ``/v1/batches``
+(``_batch_routes.py``), ``GET /v1/models``, ``/health``, ``/live``, ``/metrics``, Dynamo's
+``POST /clear_kv_blocks`` (``_clear_kv.py``), and vLLM's
 ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (``_lora.py``; a request whose
 ``model`` is an adapter goes only to the workers holding it). Each generation
 request is parsed and preprocessed here (chat template, tokens, sampling and stop options),
@@ -44,6 +45,9 @@ from ._asgi import (
     read_body,
     reply,
 )
+from ._batch_routes import PREFIXES as BATCH_PREFIXES
+from ._batch_routes import serve_batch_api
+from ._batch_runner import BatchRunner
 from ._deadline import request_timeout
 from ._direct import WORKER_HEADER, direct_target
 from ._embed_protocol import parse_embedding
@@ -58,6 +62,7 @@ from ._messages import serve_messages
 from ._priority import header_priority
 from ._responses_api import PREFIX, create_response, stored_response
 from ._responses_store import ResponsesStore
+from ._routes import refuse, route_of
 from ._scope import InFlight, RequestScope
 from ._sessions import session_id
 from ._subrequests import SubRequest, chat_work, completion_work
@@ -74,11 +79,6 @@ log = logging.getLogger(__name__)
 
 #: Response header: the instance (and data-parallel rank, when chosen) that served the request.
 SERVED_BY_HEADER = b"x-dynamo-worker"
-_ROUTES = (
-    "/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/live", "/metrics",
-    "/clear_kv_blocks", "/v1/embeddings", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
-    "/v1/responses",
-)
 _METRICS_TYPE = [(b"content-type", b"text/plain; version=0.0.4")]
 
 
@@ -133,6 +133,8 @@ class FrontendApp:
         self.responses = ResponsesStore()
         #: Where images may come from, and their sizes (``--allowed-media-domains``, ...).
         self.media = MediaPolicy()
+        #: The Batch API's files and batches (None: off, as with ``--http-workers N``).
+        self.batches: BatchRunner | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -148,6 +150,8 @@ class FrontendApp:
                 try:
                     self.manager = await self._manager_factory()
                     self.lora = LoraRoutes(self.manager, self.lora_placement)
+                    if self.batches is not None:
+                        self.batches.start()  # resumes the batches its directory holds
                 except Exception as exc:
                     log.exception("frontend failed to start")
                     await send({"type": "lifespan.startup.failed", "message": str(exc)})
@@ -155,6 +159,8 @@ class FrontendApp:
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 self._offload.close()
+                if self.batches is not None:
+                    await self.batches.stop()
                 await self._on_shutdown()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
@@ -163,7 +169,9 @@ class FrontendApp:
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         method, path = scope["method"], scope["path"]
-        try:
+        try:  # a path or method not in the route table (_routes.py): 404 or 405
+            if await refuse(route_of(path), method, path, send):
+                return
             if path == "/v1/chat/completions" and method == "POST":
                 await self._generate(scope, receive, send, "chat")
             elif path == "/v1/completions" and method == "POST":
@@ -174,6 +182,8 @@ class FrontendApp:
                 await create_response(self, scope, receive, send)
             elif path.startswith(PREFIX):
                 await stored_response(self.responses, method, path, send)
+            elif path.startswith(BATCH_PREFIXES):
+                await serve_batch_api(self, scope, receive, send)
             elif path in MESSAGES_ROUTES:  # Anthropic's Messages API (_messages.py)
                 await serve_messages(self, scope, receive, send)
             elif path == "/v1/models" and method == "GET":
@@ -193,10 +203,7 @@ class FrontendApp:
                 assert self.lora is not None
                 await serve_lora_adapter(self.lora, self.limits, scope, receive, send,
                                          path.endswith("/load_lora_adapter"))
-            elif path in _ROUTES:
-                message = f"{method} is not allowed on {path}"
-                await error(send, HttpError(405, "invalid_request_error", message))
-            else:
+            else:  # listed in the route table, not dispatched above
                 await error(send, http_errors.not_found(f"no route {path}"))
         except ClientGone:
             pass

@@ -11,7 +11,12 @@ Families: invalid UTF-8 inside strings (0xFF, overlong C0 80, surrogate ED A0 80
 continuation and cut sequences), wrong types, huge and non-finite numbers (NaN, Infinity,
 1e999, 400-digit integers), depth bombs (arrays and objects nested thousands deep), huge
 strings, truncated JSON, random bytes, bodies left short of their ``Content-Length``, and a few
-valid requests.
+valid requests. For the Responses and Messages APIs (``http_fuzz_apis.py``) also messages,
+input items and content blocks of random types and shapes (``blocks``), odd stored-response ids
+on ``GET`` / ``DELETE /v1/responses/{id}`` (``ids``), and, against a frontend with an API key,
+requests without an accepted key (``auth``: none, wrong, malformed, huge).
+``error_problem`` says when an error is not in its route's shape (Anthropic's on
+``/v1/messages``, OpenAI's elsewhere).
 """
 
 from __future__ import annotations
@@ -22,10 +27,15 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["FAMILIES", "ROUTES", "Answer", "Case", "make_case", "send"]
+from .http_fuzz_apis import STORED, auth_headers, blocks, error_problem, stored_id, valid_body
 
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/clear_kv_blocks")
-FAMILIES = ("utf8", "types", "numbers", "depth", "huge", "truncated", "bytes", "short", "valid")
+__all__ = ["FAMILIES", "ROUTES", "Answer", "Case", "error_problem", "make_case", "send"]
+
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/clear_kv_blocks",
+          "/v1/responses", STORED, "/v1/messages", "/v1/messages/count_tokens")
+FAMILIES = ("utf8", "types", "numbers", "depth", "huge", "truncated", "bytes", "short", "valid",
+            "blocks", "auth", "ids")
+_NEW_APIS = ("/v1/responses", "/v1/messages", "/v1/messages/count_tokens")
 _BAD_UTF8 = (b"\xff", b"\xc0\x80", b"\xed\xa0\x80", b"\xf5\x80\x80\x80", b"\x80", b"\xe2\x82",
              b"\xf0\x9f\x98", b"\xfe\xfe", b"\xc1\xbf", b"\xf4\x90\x80\x80")
 _NUMBERS = ("NaN", "-NaN", "Infinity", "-Infinity", "1e999", "-1e999", "1e-999", "-0",
@@ -33,30 +43,38 @@ _NUMBERS = ("NaN", "-NaN", "Infinity", "-Infinity", "1e999", "-1e999", "1e-999",
             "0.1e", "1.5", "01", "1e5", "2147483648", "-1")
 _NUMERIC_FIELDS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "seed",
                    "min_tokens", "top_k", "min_p", "logprobs", "top_logprobs", "best_of",
-                   "frequency_penalty", "presence_penalty", "repetition_penalty", "dimensions")
+                   "frequency_penalty", "presence_penalty", "repetition_penalty", "dimensions",
+                   "max_output_tokens")
 _FIELDS = ("model", "messages", "prompt", "input", "max_tokens", "temperature", "stream", "stop",
            "n", "top_p", "stream_options", "seed", "logit_bias", "tools", "tool_choice",
            "response_format", "guided_json", "chat_template_kwargs", "encoding_format", "echo",
-           "best_of", "logprobs", "stop_token_ids", "min_tokens")
+           "best_of", "logprobs", "stop_token_ids", "min_tokens", "instructions", "text",
+           "max_output_tokens", "previous_response_id", "store", "include", "reasoning",
+           "system", "stop_sequences", "thinking", "metadata", "top_k")
 #: Fields a huge string goes into. Not ``stop``: a long stop string is the stop-string item of
 #: issue 20 (bounded by the frontend there), not this fuzzer's.
-_STRING_FIELDS = ("model", "user", "content", "prompt", "input", "name", "encoding_format")
+_STRING_FIELDS = ("model", "user", "content", "prompt", "input", "name", "encoding_format",
+                  "instructions", "system")
 
 
 @dataclass(frozen=True)
 class Case:
-    """One request: ``body`` POSTed to ``path``; ``declared`` overrides its Content-Length
-    (more than ``len(body)``: the rest never comes and the connection stays open)."""
+    """One request: ``body`` sent to ``path`` with ``method`` and ``headers``; ``declared``
+    overrides its Content-Length (more than ``len(body)``: the rest never comes and the
+    connection stays open)."""
 
     family: str
     path: str
     body: bytes
     declared: int | None = None
+    method: str = "POST"
+    headers: tuple[tuple[str, str], ...] = ()
 
     def __repr__(self) -> str:
         head = self.body[:120]
         more = f"... ({len(self.body)} bytes)" if len(self.body) > 120 else ""
-        return f"Case({self.family}, {self.path}, {head!r}{more}, declared={self.declared})"
+        return (f"Case({self.family}, {self.method} {self.path[:120]}, {head!r}{more}, "
+                f"declared={self.declared}, headers={[(k, v[:40]) for k, v in self.headers]})")
 
 
 @dataclass(frozen=True)
@@ -69,6 +87,8 @@ class Answer:
 
 
 def _valid(rng: random.Random, path: str, model: str) -> dict[str, Any]:
+    if path in _NEW_APIS:
+        return valid_body(rng, path, model)
     if path.endswith("chat/completions"):
         return {"model": model, "messages": [{"role": "user", "content": "hi there"}],
                 "max_tokens": rng.randint(1, 4), "stream": rng.random() < 0.3}
@@ -126,7 +146,8 @@ def _depth(rng: random.Random, base: dict[str, Any]) -> bytes:
     if rng.random() < 0.2:
         bomb = opener * depth  # never closed
     field = rng.choice(["messages", "prompt", "input", "guided_json", "chat_template_kwargs",
-                        "tools", "model", "stop", "logit_bias", "response_format"])
+                        "tools", "model", "stop", "logit_bias", "response_format", "text",
+                        "system", "metadata"])
     raw = _dumps({k: v for k, v in base.items() if k != field})[:-1]
     return raw + b', "' + field.encode() + b'": ' + bomb + b"}"
 
@@ -145,38 +166,57 @@ def _huge(rng: random.Random, base: dict[str, Any], cap: int) -> bytes:
     return raw + b', "' + field.encode() + b'": "' + huge.encode() + b'"}'
 
 
-def make_case(rng: random.Random, model: str = "tiny", huge_cap: int = 1_000_000) -> Case:
+def make_case(rng: random.Random, model: str = "tiny", huge_cap: int = 1_000_000,
+              api_key: str | None = None) -> Case:
     """One hostile (or, rarely, valid) request for the routes in ``ROUTES``.
 
     Args:
         rng: the source of every choice (seeded, or hypothesis's).
         model: the served model's name (half the bodies name it, so they get past the lookup).
         huge_cap: the largest "huge string", in characters.
+        api_key: the frontend's key: every case but the ``auth`` family's sends it (None:
+            the frontend has none).
     """
     path = rng.choice(ROUTES)
-    family = rng.choice(FAMILIES)
+    if path == STORED:
+        family = rng.choice(("ids", "auth"))
+        method = rng.choice(("GET", "GET", "DELETE", "DELETE", "POST", "PUT", "PATCH"))
+        return Case(family, f"/v1/responses/{stored_id(rng)}", b"", method=method,
+                    headers=auth_headers(rng, path, api_key, family == "auth"))
+    family = rng.choice([f for f in FAMILIES if f != "ids"])
+    headers = auth_headers(rng, path, api_key, family == "auth")
+    return _body_case(rng, family, path, model, huge_cap, headers)
+
+
+def _body_case(rng: random.Random, family: str, path: str, model: str, huge_cap: int,
+               headers: tuple[tuple[str, str], ...]) -> Case:
     base = _valid(rng, path, model if rng.random() < 0.8 else "nope")
+
+    def case(body: bytes, declared: int | None = None) -> Case:
+        return Case(family, path, body, declared, headers=headers)
+
     if family == "utf8":
-        return Case(family, path, _utf8(rng, base))
+        return case(_utf8(rng, base))
     if family == "types":
         fields = rng.sample(_FIELDS, rng.randint(1, 4))
-        body = {**base, **{k: _json_value(rng) for k in fields}}
-        return Case(family, path, _dumps(body))
+        return case(_dumps({**base, **{k: _json_value(rng) for k in fields}}))
     if family == "numbers":
-        return Case(family, path, _numbers(rng, base))
+        return case(_numbers(rng, base))
     if family == "depth":
-        return Case(family, path, _depth(rng, base))
+        return case(_depth(rng, base))
     if family == "huge":
-        return Case(family, path, _huge(rng, base, huge_cap))
+        return case(_huge(rng, base, huge_cap))
     if family == "truncated":
         raw = _dumps(base)
-        return Case(family, path, raw[: rng.randrange(len(raw))])
+        return case(raw[: rng.randrange(len(raw))])
     if family == "bytes":
-        return Case(family, path, rng.randbytes(rng.randrange(300)))
+        return case(rng.randbytes(rng.randrange(300)))
     if family == "short":
         raw = _dumps(base)
-        return Case(family, path, raw[: rng.randrange(len(raw))], declared=len(raw))
-    return Case(family, path, _dumps(base))
+        return case(raw[: rng.randrange(len(raw))], declared=len(raw))
+    if family == "blocks":
+        return case(_dumps(blocks(rng, path, base)))
+    return case(_dumps(base))
 
 
 async def _read_answer(reader: asyncio.StreamReader) -> Answer:
@@ -209,7 +249,7 @@ async def _read_answer(reader: asyncio.StreamReader) -> Answer:
 
 
 async def send(host: str, port: int, case: Case, wait: float = 30.0) -> Answer:
-    """POST ``case`` over a fresh connection and read the answer (a whole SSE stream included).
+    """Send ``case`` over a fresh connection and read the answer (a whole SSE stream included).
 
     Args:
         wait: seconds to wait for the whole answer; past it the answer is ``hung``.
@@ -217,9 +257,10 @@ async def send(host: str, port: int, case: Case, wait: float = 30.0) -> Answer:
     reader, writer = await asyncio.open_connection(host, port)
     try:
         declared = len(case.body) if case.declared is None else case.declared
-        head = (f"POST {case.path} HTTP/1.1\r\nHost: {host}:{port}\r\n"
-                f"Content-Type: application/json\r\nContent-Length: {declared}\r\n"
-                "Connection: close\r\n\r\n").encode()
+        extra = "".join(f"{name}: {value}\r\n" for name, value in case.headers)
+        head = (f"{case.method} {case.path} HTTP/1.1\r\nHost: {host}:{port}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {declared}\r\n{extra}"
+                "Connection: close\r\n\r\n").encode("latin-1")
         writer.write(head + case.body)
         await writer.drain()
         try:
