@@ -2,15 +2,19 @@
 ``(mm_identifier, offset in the block)`` pair there (vLLM 0.32, given ``multi_modal_uuids``);
 the edge hasher (``engines/vllm/_edge.py``) and the router's indexer, hashing vLLM's raw events,
 both salt the block with the list of identifiers, as the router hashes a request's blocks from
-(token_ids, media): same image, same hashes; another image or none, other hashes."""
+(token_ids, media): same image, same hashes; another image or none, other hashes. Also which
+configs advertise images (``image_placeholders``)."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import msgspec
 
 from dynamo_zmq.llm import BlockStored, EventBatch
 from dynamo_zmq.llm._block_hashing import ROOT_SEED, mm_identifiers, salted_block_hashes
 from engines.vllm._edge import EdgeHasher
+from engines.vllm._vision import image_placeholders
 from router.indexer import KvIndexer
 
 BLOCK = 4
@@ -50,3 +54,18 @@ def test_router_indexes_vllms_raw_image_events_like_edge_hashed_ones() -> None:
     raw.apply_batch(1, EventBatch(0.0, [vllm_store("ab" * 8)], None))
     assert raw.find_matches_for_hashes(routers("ab" * 8)) == {(1, 0): 3}
     assert raw.find_matches_for_hashes(routers("cd" * 8)) == {}
+
+
+def test_llava_configs_advertise_their_image_token_and_run_length() -> None:
+    def model(kind: str = "llava", multimodal: bool = True, strategy: str = "default",
+              size: int = 32) -> SimpleNamespace:
+        vision = SimpleNamespace(image_size=size, patch_size=8)
+        hf = SimpleNamespace(model_type=kind, image_token_index=512, vision_config=vision,
+                             vision_feature_select_strategy=strategy)
+        return SimpleNamespace(is_multimodal_model=multimodal, hf_config=hf, model="m")
+
+    assert image_placeholders(model()) == (512, 16)
+    assert image_placeholders(model(size=64)) == (512, 64)
+    assert image_placeholders(model(strategy="full")) == (512, 17)  # the class token stays
+    assert image_placeholders(model(multimodal=False)) is None
+    assert image_placeholders(model(kind="llava_next")) is None  # variable tiles: text only

@@ -10,9 +10,10 @@ expects, and vLLM expands it again, to the same positions: its token ids, KV blo
 match the frontend's and the router's. Each image goes with its ``mm_hash`` as vLLM's
 multimodal UUID, which vLLM uses as its cache key and in its KV events' ``extra_keys``.
 
-The model types handled are LLaVA-style configs (``image_token_index``/``image_token_id`` and a
-fixed-size vision tower: one token a patch, the class token dropped unless the feature strategy
-is ``full``); another multimodal model is served text-only (no ``vision`` capability).
+The model type handled is LLaVA (``model_type`` ``llava``: ``image_token_index`` and a
+fixed-size vision tower, one token a patch, the class token dropped unless the feature strategy
+is ``full``); another multimodal model (LLaVA-NeXT's variable tiles included) is served
+text-only (no ``vision`` capability, a warning).
 """
 
 from __future__ import annotations
@@ -42,10 +43,12 @@ def image_placeholders(model_config: Any) -> tuple[int, int] | None:
     vision = getattr(hf, "vision_config", None)
     size = getattr(vision, "image_size", None)
     patch = getattr(vision, "patch_size", None)
-    if not isinstance(token, int) or not isinstance(size, int) or not isinstance(patch, int):
-        log.warning("vLLM model %s is multimodal but not LLaVA-style (image token %r, image "
-                    "size %r, patch %r): served without images", model_config.model, token,
-                    size, patch)
+    kind = getattr(hf, "model_type", None)
+    if (kind != "llava" or not isinstance(token, int) or not isinstance(size, int)
+            or not isinstance(patch, int)):
+        log.warning("vLLM model %s is multimodal but not LLaVA (model type %r, image token %r, "
+                    "image size %r, patch %r): served without images", model_config.model, kind,
+                    token, size, patch)
         return None
     count = (size // patch) ** 2
     if getattr(hf, "vision_feature_select_strategy", "default") == "full":
