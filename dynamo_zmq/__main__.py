@@ -6,6 +6,7 @@
     python -m dynamo_zmq tiny-model DIR  build the tiny local model the tests and quickstart use
     python -m dynamo_zmq tiny-lora MODEL_DIR DIR
                                          build a random LoRA adapter for it (needs peft)
+    python -m dynamo_zmq tiny-vlm DIR    build a tiny random LLaVA vision-language model
 
 The processes a deployment runs have their own entry points: ``python -m dynamo_zmq.worker``
 and ``python -m dynamo_zmq.frontend``.
@@ -49,12 +50,20 @@ def _tiny_lora(argv: Sequence[str]) -> int:
     return 0
 
 
+def _tiny_vlm(argv: Sequence[str]) -> int:
+    from .tools.tiny_vlm import main
+
+    main(list(argv))
+    return 0
+
+
 TOOLS: dict[str, Callable[[Sequence[str]], int]] = {
     "quickstart": _quickstart,
     "status": _status,
     "demo": _demo,
     "tiny-model": _tiny_model,
     "tiny-lora": _tiny_lora,
+    "tiny-vlm": _tiny_vlm,
 }
 
 

@@ -17,6 +17,7 @@ from dynamo_zmq.llm._block_hashing import KvHashScheme as KvHashScheme
 from dynamo_zmq.llm._block_hashing import TokenIds as TokenIds
 from dynamo_zmq.llm._block_hashing import block_hashes as block_hashes
 from dynamo_zmq.llm._block_hashing import extra_key_hash as extra_key_hash
+from dynamo_zmq.llm._block_hashing import mm_identifiers as mm_identifiers
 from dynamo_zmq.llm._block_hashing import root_hash as root_hash
 from dynamo_zmq.llm._block_hashing import salted_block_hashes as salted_block_hashes
 from dynamo_zmq.llm._block_hashing import token_bytes as token_bytes
@@ -36,6 +37,7 @@ __all__ = [
     "event_own_hashes",
     "extra_key_hash",
     "media_block_hashes",
+    "mm_identifiers",
     "request_hashes",
     "root_hash",
     "salted_block_hashes",

@@ -45,7 +45,7 @@ from ._keystate import HAS_PARENT as _HAS_PARENT
 from ._keystate import MASK64 as _MASK64
 from ._keystate import KeyState, KeyTable, chain_entries, relink, unlink
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, OwnBatch
-from .hashing import ROOT_SEED, TokenIds, block_hashes, event_own_hashes, root_hash
+from .hashing import ROOT_SEED, TokenIds, block_hashes, event_own_hashes, mm_identifiers, root_hash
 from .hashing import without_lora_name as without_lora_name
 from .matching import WorkerKey as WorkerKey
 from .matching import linear_matches, prefix_matches
@@ -139,7 +139,8 @@ class KvIndexer:
         for ev in batch.events:
             if isinstance(ev, BlockStored):
                 lora = ev.lora_name if ev.lora_name is not None else ev.lora_id
-                extra = without_lora_name(ev.extra_keys, ev.lora_name)  # vLLM repeats the name
+                # vLLM repeats the adapter's name, and pairs each image's hash with an offset.
+                extra = mm_identifiers(without_lora_name(ev.extra_keys, ev.lora_name))
                 self.apply_stored(key, ev.block_hashes, ev.parent_block_hash, ev.token_ids,
                                   ev.block_size, lora=lora, extra_keys=extra,
                                   own_hashes=ev.own_hashes)

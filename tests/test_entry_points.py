@@ -18,6 +18,7 @@ COMMANDS = [
     ["-m", "dynamo_zmq", "status"],
     ["-m", "dynamo_zmq", "tiny-model"],
     ["-m", "dynamo_zmq", "tiny-lora"],
+    ["-m", "dynamo_zmq", "tiny-vlm"],
     ["-m", "router"],
 ]
 

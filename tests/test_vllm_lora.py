@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -53,6 +52,7 @@ from tests.support.http_calls import get_text
 from tests.support.lora import complete, load_adapter, unload_adapter
 from tests.support.metrics import sample
 from tests.support.procs import Proc, run_cli, system_port
+from tests.support.vllm_kv import kv_ports
 from tests.support.vllm_stack import VLLM_ENV, WORKER_FLAGS, WORKER_START
 from tests.support.waiting import eventually, serving
 
@@ -173,14 +173,6 @@ async def test_a_module_that_does_not_load_fails_the_start_with_vllms_message(
 
 
 # -- KV events ---------------------------------------------------------------------------------
-
-
-def kv_ports(worker: Proc) -> tuple[int, int]:
-    """The relay's PUB and replay ports, from the worker's log."""
-    log = Path(worker.log.name).read_text(errors="replace")
-    found = re.search(r"PUB ports \[(\d+)\], replay ports \[(\d+)\]", log)
-    assert found, log[-3000:]
-    return int(found.group(1)), int(found.group(2))
 
 
 async def replayed(endpoint: str, zctx: zmq.asyncio.Context) -> list[bytes]:

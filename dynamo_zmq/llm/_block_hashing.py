@@ -37,6 +37,7 @@ __all__ = [
     "KvHashScheme",
     "block_hashes",
     "extra_key_hash",
+    "mm_identifiers",
     "root_hash",
     "salted_block_hashes",
     "token_bytes",
@@ -208,3 +209,21 @@ def without_lora_name(extra_keys: list[Any] | None, lora_name: str | None) -> li
             keys = list(keys[1:]) or None
         out.append(keys)
     return out if any(k is not None for k in out) else None
+
+
+def mm_identifiers(extra_keys: list[Any] | None) -> list[Any] | None:
+    """vLLM's per-block extra keys with each image's ``(mm_identifier, offset in the block)``
+    pair replaced by the identifier, which is the image's ``mm_hash`` (the engine passes it as
+    vLLM's multimodal UUID): the router's extra key for an image block is the list of the
+    ``mm_hash`` of the images overlapping it. Other keys (LoRA names, cache salts) stay."""
+    if extra_keys is None:
+        return None
+
+    def key(k: Any) -> Any:
+        if (isinstance(k, (list, tuple)) and len(k) == 2 and isinstance(k[0], str)
+                and isinstance(k[1], int)):
+            return k[0]
+        return k
+
+    return [[key(k) for k in keys] if isinstance(keys, (list, tuple)) else keys
+            for keys in extra_keys]

@@ -24,6 +24,7 @@ from ._endpoints import (
 )
 from ._options import STRUCTURED_OUTPUTS_CONFIG, VllmOptions
 from ._relay import KvRelay
+from ._vision import image_placeholders
 
 __all__ = ["CPU_BLOCK_SIZE", "KV_TOPIC", "build_engine_args", "disagg_transfer_config",
            "engine_arg", "relay_for", "reported_config"]
@@ -183,6 +184,7 @@ def reported_config(llm: Any, options: VllmOptions, relay: KvRelay | None = None
         endpoints = (
             [offset(events, r) for r in range(par.data_parallel_size)] if events else []
         )
+    image_token_id, tokens_per_image = image_placeholders(model) or (None, 0)
     return EngineConfig(
         model_name=model_id,
         served_model_name=served,
@@ -212,4 +214,6 @@ def reported_config(llm: Any, options: VllmOptions, relay: KvRelay | None = None
             # The adapters resident per engine core (the KV router's residency prediction).
             **({"max_loras": int(lora.max_loras)} if lora is not None else {}),
         },
+        image_token_id=image_token_id,
+        tokens_per_image=tokens_per_image,
     )

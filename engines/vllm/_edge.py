@@ -29,6 +29,7 @@ import msgspec
 from dynamo_zmq.llm import BlockRemoved, BlockStored, EventBatch
 from dynamo_zmq.llm._block_hashing import (
     block_hashes,
+    mm_identifiers,
     root_hash,
     salted_block_hashes,
     without_lora_name,
@@ -98,7 +99,7 @@ class EdgeHasher:
             if parent is None:
                 return None
             seed = parent
-        extra = ev.extra_keys
+        extra = ev.extra_keys = mm_identifiers(ev.extra_keys)
         try:
             if extra is not None and any(k is not None for k in extra):
                 if len(extra) != n:
@@ -107,4 +108,5 @@ class EdgeHasher:
             return block_hashes(ev.token_ids, size, seed)
         except ValueError:
             return None
+
 

@@ -55,6 +55,7 @@ from ._relay import KvRelay
 from ._sampling import sampling_params, to_output
 from ._start import kv_ports, start_llm
 from ._stats import RankStats, make_stat_logger, vllm_metrics
+from ._vision import prompt_inputs
 
 if TYPE_CHECKING:
     from dynamo_zmq.worker import WorkerConfig
@@ -177,6 +178,7 @@ class VllmEngine(LLMEngine):
         if Capability.EMBEDDINGS_ONLY not in self._caps:
             self._caps |= {Capability.LORA} if llm.vllm_config.lora_config is not None else set()
             self._caps |= {Capability.PRIORITY} if self._priority else set()
+            self._caps |= {Capability.VISION} if config.image_token_id is not None else set()
         try:  # --lora-modules: any failure fails the start
             await self._loras.attach(llm, config.served_model_name, self.options.lora_modules)
         except errors.DynamoError:
@@ -310,11 +312,11 @@ class VllmEngine(LLMEngine):
             yield error_output(problem, Usage(prompt_tokens))
             return
         lora = None if request.lora_name is None else self._loras.request(request.lora_name)
+        prompt = prompt_inputs(request.token_ids, request.media, self.engine_config)
         if ctx.is_stopped():
             yield cancelled_output(Usage(prompt_tokens, 0))
             return
         from vllm.exceptions import VLLMValidationError
-        from vllm.inputs import TokensPrompt
         from vllm.v1.engine.exceptions import EngineDeadError
 
         detokenize = self.options.native_processing or request.output.detokenize
@@ -323,12 +325,10 @@ class VllmEngine(LLMEngine):
         llm = self._llm
         size = self.engine_config.data_parallel_size if self.engine_config else 1
         rank = request.routing.dp_rank if size > 1 else None
-        rid = f"{ctx.id()}-{next(self._ids)}"
-        key = ctx.id()
+        rid, key = f"{ctx.id()}-{next(self._ids)}", ctx.id()
         self.live_requests.add(key, rid)
-        stream = llm.generate(
-            TokensPrompt(prompt_token_ids=list(request.token_ids)), params, rid,
-            data_parallel_rank=rank, lora_request=lora,  # fcfs: 0 (vLLM: others are errors)
+        stream = llm.generate(  # priority under fcfs: 0 (vLLM: others are errors)
+            prompt, params, rid, data_parallel_rank=rank, lora_request=lora,
             priority=request.priority if self._priority else 0,
         )
         remove = ctx.add_listener(lambda _killed: self._spawn_abort(llm, [rid]))
