@@ -131,7 +131,7 @@ async def test_only_authorized_clients_get_answers(spawn, namespace, tiny_model,
     load = re.search(r"publishing load every \S+ s on (tcp://\S+)", text)
     assert load is not None, text[-3000:]
 
-    def first_report(keypair: tuple[bytes, bytes] | None) -> bool:
+    def first_report(keypair: tuple[bytes, bytes] | None, wait_ms: int = 2000) -> bool:
         ctx = zmq.Context()
         sub = ctx.socket(zmq.SUB)
         sub.linger = 0
@@ -146,7 +146,9 @@ async def test_only_authorized_clients_get_answers(spawn, namespace, tiny_model,
             sub.close(0)
             ctx.term()
 
-    assert await asyncio.to_thread(first_report, client)
+    # Generous for the one that must arrive (a CURVE handshake on a loaded machine); the
+    # refused ones wait the short default, which is all a refusal can be shown by.
+    assert await asyncio.to_thread(first_report, client, 20_000)
     assert not await asyncio.to_thread(first_report, None)
     assert not await asyncio.to_thread(first_report, rogue)
 

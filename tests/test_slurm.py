@@ -159,7 +159,8 @@ def check_serving(job: Job) -> set[int]:
         return len(listed) == WORKERS
 
     assert wait_until(six_listed, 30, step=0.2), f"/health lists {listed}{job.context()}"
-    assert listed == job.ready_instances(), job.context()
+    # A worker is discoverable just before its READY line reaches the job's output file.
+    assert wait_until(lambda: listed == job.ready_instances(), 30, step=0.2), job.context()
     client = first.openai_client(PORT)
     model = client.models.list().data[0].id
     raw = client.completions.with_raw_response.create(model=model, prompt="hi", max_tokens=2)
