@@ -253,7 +253,7 @@ async def serve(
     app.responses = store_from_args(args)  # per process (each of --http-workers N its own)
     app.media = media_from_args(args)
     if slot is None:  # one process per --batch-dir: not with --http-workers N
-        app.batches = BatchRunner(app, batch_config(args))
+        app.batches = BatchRunner(app, app.metrics.registry, batch_config(args))
     if slot is not None:
         siblings = SiblingMetrics(slot, app.metrics.render)
         app.metrics_page = siblings.page

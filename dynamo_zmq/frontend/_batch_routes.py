@@ -18,7 +18,7 @@ Errors are OpenAI's error object. The files and batches live on this frontend's 
 from __future__ import annotations
 
 import urllib.parse
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import msgspec
 
@@ -28,19 +28,30 @@ from ._batch_files import check_new_file, storage_full
 from ._batch_input import ENDPOINTS, parse_lines, parse_upload
 from ._batch_runner import BatchRunner
 from ._limits import HttpLimits
+from ._tenants import Tenants
 from .errors import HttpError, bad_request
 
-if TYPE_CHECKING:
-    from .app import FrontendApp
-
-__all__ = ["PREFIXES", "serve_batch_api"]
+__all__ = ["PREFIXES", "BatchHost", "serve_batch_api"]
 
 #: The paths (and their subpaths) this module answers.
 PREFIXES = ("/v1/files", "/v1/batches")
 _OCTETS = [(b"content-type", b"application/octet-stream")]
 
 
-async def serve_batch_api(app: FrontendApp, scope: Scope, receive: Receive, send: Send) -> None:
+class BatchHost(Protocol):
+    """What the routes need of the app serving them (``FrontendApp`` is one)."""
+
+    @property
+    def batches(self) -> BatchRunner | None: ...
+
+    @property
+    def limits(self) -> HttpLimits: ...
+
+    @property
+    def tenants(self) -> Tenants | None: ...
+
+
+async def serve_batch_api(app: BatchHost, scope: Scope, receive: Receive, send: Send) -> None:
     """Answer a request under ``/v1/files`` or ``/v1/batches``."""
     try:
         runner = app.batches
@@ -94,7 +105,7 @@ def _page(items: list[dict[str, Any]], query: dict[str, str], default_limit: int
                   "has_more": len(items) > limit})
 
 
-async def _upload(app: FrontendApp, runner: BatchRunner, _: list[str], __: dict[str, str],
+async def _upload(app: BatchHost, runner: BatchRunner, _: list[str], __: dict[str, str],
                   scope: Scope, receive: Receive) -> Answer:
     store = runner.store
     # read (and refuse with a clean 413 below) bodies up to the store's size plus the usual
@@ -115,7 +126,7 @@ async def _upload(app: FrontendApp, runner: BatchRunner, _: list[str], __: dict[
     return _json(store.add(upload.filename, upload.purpose, upload.content))
 
 
-async def _list_files(app: FrontendApp, runner: BatchRunner, _: list[str],
+async def _list_files(app: BatchHost, runner: BatchRunner, _: list[str],
                       query: dict[str, str], scope: Scope, receive: Receive) -> Answer:
     files = runner.store.list(query.get("purpose"))
     if query.get("order", "desc") == "asc":
@@ -123,17 +134,17 @@ async def _list_files(app: FrontendApp, runner: BatchRunner, _: list[str],
     return _page(files, query, 10000)
 
 
-async def _file(app: FrontendApp, runner: BatchRunner, ids: list[str], _: dict[str, str],
+async def _file(app: BatchHost, runner: BatchRunner, ids: list[str], _: dict[str, str],
                 scope: Scope, receive: Receive) -> Answer:
     return _json(runner.store.get(ids[0]))
 
 
-async def _content(app: FrontendApp, runner: BatchRunner, ids: list[str], _: dict[str, str],
+async def _content(app: BatchHost, runner: BatchRunner, ids: list[str], _: dict[str, str],
                    scope: Scope, receive: Receive) -> Answer:
     return 200, runner.store.content(ids[0]), _OCTETS
 
 
-async def _delete_file(app: FrontendApp, runner: BatchRunner, ids: list[str],
+async def _delete_file(app: BatchHost, runner: BatchRunner, ids: list[str],
                        _: dict[str, str], scope: Scope, receive: Receive) -> Answer:
     file_id = ids[0]
     runner.store.get(file_id)
@@ -144,7 +155,7 @@ async def _delete_file(app: FrontendApp, runner: BatchRunner, ids: list[str],
     return _json({"id": file_id, "object": "file", "deleted": True})
 
 
-async def _create(app: FrontendApp, runner: BatchRunner, _: list[str], __: dict[str, str],
+async def _create(app: BatchHost, runner: BatchRunner, _: list[str], __: dict[str, str],
                   scope: Scope, receive: Receive) -> Answer:
     try:
         req = msgspec.json.decode(await read_body(receive, scope, app.limits))
@@ -190,18 +201,18 @@ async def _create(app: FrontendApp, runner: BatchRunner, _: list[str], __: dict[
     return _json(runner.create(meta["id"], endpoint, metadata, tenant, lines).obj)
 
 
-async def _list_batches(app: FrontendApp, runner: BatchRunner, _: list[str],
+async def _list_batches(app: BatchHost, runner: BatchRunner, _: list[str],
                         query: dict[str, str], scope: Scope, receive: Receive) -> Answer:
     batches = sorted(runner.batches.values(), key=lambda b: b.created, reverse=True)
     return _page([b.obj for b in batches], query, 20)
 
 
-async def _batch(app: FrontendApp, runner: BatchRunner, ids: list[str], _: dict[str, str],
+async def _batch(app: BatchHost, runner: BatchRunner, ids: list[str], _: dict[str, str],
                  scope: Scope, receive: Receive) -> Answer:
     return _json(runner.get(ids[0]).obj)
 
 
-async def _cancel(app: FrontendApp, runner: BatchRunner, ids: list[str], _: dict[str, str],
+async def _cancel(app: BatchHost, runner: BatchRunner, ids: list[str], _: dict[str, str],
                   scope: Scope, receive: Receive) -> Answer:
     return _json(runner.cancel(ids[0]).obj)
 

@@ -28,10 +28,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-from prometheus_client import Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from ..resources import cancel_and_wait
-from ._batch_call import call_in_process
+from ._batch_call import App, call_in_process
 from ._batch_files import FileStore
 from ._batch_input import BatchLine, parse_lines
 from ._batch_state import ACTIVE, Batch, load_batches, progress_record
@@ -39,7 +39,6 @@ from .errors import HttpError, from_exception
 
 if TYPE_CHECKING:
     from ._batch_args import BatchConfig
-    from .app import FrontendApp
 
 __all__ = ["ACTIVE", "BatchRunner"]
 
@@ -58,13 +57,15 @@ _EXPIRED = {"code": "batch_expired",
 class BatchRunner:
     """The batches of one frontend process and the directory they live in."""
 
-    def __init__(self, app: FrontendApp, config: BatchConfig) -> None:
+    def __init__(self, app: App, registry: CollectorRegistry, config: BatchConfig) -> None:
+        """``app``: the frontend's ASGI app (each line is sent to it); ``registry``: its
+        metrics'."""
         self.app, self.config = app, config
         self.store = FileStore(config.root, config.max_bytes, config.retention)
         self.batches: dict[str, Batch] = {}
         self._slots = asyncio.Semaphore(config.concurrency)
         self._sweeper: asyncio.Task[None] | None = None
-        r = app.metrics.registry
+        r = registry
         self.in_flight = Gauge("dynamo_frontend_batch_requests_in_flight",
                                "Batch requests this frontend has in flight", registry=r)
         self.peak = Gauge("dynamo_frontend_batch_requests_in_flight_peak",

@@ -15,22 +15,40 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
+
+from tokenizers import Tokenizer
 
 from ..llm import MediaItem
 from ..llm._media_keys import mm_hash
 from ._chat_template import message_dict
-from ._limits import text_chars
+from ._limits import PromptBound, text_chars
+from ._model_files import NativeTokenizerLike
 from .errors import HttpError, bad_request, unsupported
 from .protocol import ChatCompletionRequest
 
-if TYPE_CHECKING:
-    from .preprocess import Preprocessor
-
-__all__ = ["MARKER", "Vision", "image_chat"]
+__all__ = ["MARKER", "ImagePreprocessor", "Vision", "image_chat"]
 
 #: Stands for an image in the rendering of a template that ignores image parts.
 MARKER = "\x00<dynamo-zmq:image>\x00"
+
+
+class ImagePreprocessor(PromptBound, Protocol):
+    """What a prompt with images needs of the model's ``Preprocessor``."""
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+
+    @property
+    def native(self) -> NativeTokenizerLike | None: ...
+
+    def render(self, req: ChatCompletionRequest,
+               messages: list[dict[str, Any]] | None = None) -> str:
+        """The chat prompt text of ``req`` (its ``messages`` as given)."""
+
+    def native_chat(self, req: ChatCompletionRequest,
+                    messages: list[dict[str, Any]] | None = None) -> list[int]:
+        """``req``'s prompt by the engine's own template (its ``messages`` as given)."""
 
 
 @dataclass(frozen=True)
@@ -41,7 +59,7 @@ class Vision:
     tokens_per_image: int
 
 
-def image_chat(pre: Preprocessor, req: ChatCompletionRequest, images: Sequence[bytes],
+def image_chat(pre: ImagePreprocessor, req: ChatCompletionRequest, images: Sequence[bytes],
                vision: Vision) -> tuple[list[int], list[MediaItem]]:
     """The prompt's token ids with each image's run, and the images as ``MediaItem``.
 
@@ -76,7 +94,7 @@ def _item(data: bytes, offset: int, vision: Vision) -> MediaItem:
     return MediaItem(data, mm_hash(data), offset, vision.tokens_per_image)
 
 
-def _segments(pre: Preprocessor, req: ChatCompletionRequest, n: int,
+def _segments(pre: ImagePreprocessor, req: ChatCompletionRequest, n: int,
               vision: Vision) -> list[str]:
     """The rendered prompt cut at its ``n`` images."""
     added = pre.tokenizer.get_added_tokens_decoder().get(vision.image_token_id)
@@ -96,7 +114,7 @@ def _segments(pre: Preprocessor, req: ChatCompletionRequest, n: int,
     return segments
 
 
-def _native(pre: Preprocessor, req: ChatCompletionRequest, images: Sequence[bytes],
+def _native(pre: ImagePreprocessor, req: ChatCompletionRequest, images: Sequence[bytes],
             vision: Vision) -> tuple[list[int], list[MediaItem]]:
     """The engine's own template's token ids, each image token it writes expanded."""
     raw = pre.native_chat(req, [message_dict(m, parts=True) for m in req.messages])

@@ -12,7 +12,6 @@ answers ``{"input_tokens": N}`` without asking a worker (nor a tenant's budget).
 from __future__ import annotations
 
 import uuid
-from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -21,6 +20,7 @@ from . import errors as http_errors
 from ._anthropic_errors import anthropic_send
 from ._anthropic_protocol import MessagesRequest, parse_count_tokens, parse_messages, to_chat
 from ._anthropic_run import MessagesRun
+from ._api_host import ApiHost
 from ._api_params import ParamNames, messages_names
 from ._asgi import Receive, Scope, Send, error, read_body, reply
 from ._deadline import request_timeout
@@ -35,9 +35,6 @@ from .errors import HttpError
 from .models import ModelEntry
 from .responses import ChatFormatter
 
-if TYPE_CHECKING:
-    from .app import FrontendApp
-
 __all__ = ["serve_messages"]
 
 #: The response header naming the instance that served the request (as app.py's).
@@ -45,7 +42,7 @@ _SERVED_BY = b"x-dynamo-worker"
 _ENDPOINT = "messages"
 
 
-async def serve_messages(app: FrontendApp, scope: Scope, receive: Receive, send: Send) -> None:
+async def serve_messages(app: ApiHost, scope: Scope, receive: Receive, send: Send) -> None:
     """Serve a request on one of the Messages API's routes (405 for a method but POST)."""
     send = anthropic_send(send)
     path = scope["path"]
@@ -58,34 +55,34 @@ async def serve_messages(app: FrontendApp, scope: Scope, receive: Receive, send:
         await _messages(app, scope, receive, send)
 
 
-async def _count_tokens(app: FrontendApp, scope: Scope, receive: Receive, send: Send) -> None:
+async def _count_tokens(app: ApiHost, scope: Scope, receive: Receive, send: Send) -> None:
     names: ParamNames | None = None  # Anthropic's names of chat's parameters
     try:
         body = await read_body(receive, scope, app.limits)
         req = parse_count_tokens(body)
         chat = to_chat(req)
         names = messages_names(bool(req.system), req.messages)
-        entry, _ = app._entry(req.model)
+        entry, _ = app.entry(req.model)
         prompt_chars(entry.preprocessor, chat)
         images = await load_images(entry, chat, app.media)
-        pre = await app._offload.run(len(body), entry.preprocessor.chat, chat, entry.require,
+        pre = await app.offload.run(len(body), entry.preprocessor.chat, chat, entry.require,
                                      images, entry.vision)
     except HttpError as exc:
         if names is not None:
             exc = names.rename(exc)
-        app._refuse("count_tokens", exc, None)
+        app.refuse_request("count_tokens", exc, None)
         await error(send, exc)
         return
     await reply(send, 200, msgspec.json.encode({"input_tokens": len(pre.token_ids)}))
 
 
-async def _messages(app: FrontendApp, scope: Scope, receive: Receive, send: Send) -> None:
+async def _messages(app: ApiHost, scope: Scope, receive: Receive, send: Send) -> None:
     ticket: Ticket | None = None
     names: ParamNames | None = None
     try:
         body = await read_body(receive, scope, app.limits)
-        ticket = app._admit(scope)
-        target = app._target(scope)
+        ticket = app.admit(scope)
+        target = app.target(scope)
         timeout = request_timeout(scope, app.timeout)
         req = parse_messages(body)
         chat = to_chat(req)
@@ -93,10 +90,10 @@ async def _messages(app: FrontendApp, scope: Scope, receive: Receive, send: Send
         priority = header_priority(scope)
         if priority is not None:
             chat.priority = priority
-        entry, only = app._entry(req.model)
+        entry, only = app.entry(req.model)
         prompt_chars(entry.preprocessor, chat)
         images = await load_images(entry, chat, app.media)
-        work, _ = await app._offload.run(len(body), chat_work, entry, chat, images)
+        work, _ = await app.offload.run(len(body), chat_work, entry, chat, images)
         pre = work[0].pre
         if only is not None:  # a LoRA adapter's request
             pre.lora_name = req.model
@@ -112,7 +109,7 @@ async def _messages(app: FrontendApp, scope: Scope, receive: Receive, send: Send
     except HttpError as exc:
         if names is not None:
             exc = names.rename(exc)
-        app._refuse(_ENDPOINT, exc, ticket)
+        app.refuse_request(_ENDPOINT, exc, ticket)
         await error(send, exc)
         return
     served = entry.name if only is None else req.model
@@ -129,13 +126,13 @@ async def _messages(app: FrontendApp, scope: Scope, receive: Receive, send: Send
         request_scope.settle(ticket)
 
 
-async def _run(app: FrontendApp, scope: RequestScope, send: Send, entry: ModelEntry,
+async def _run(app: ApiHost, scope: RequestScope, send: Send, entry: ModelEntry,
                work: list[SubRequest], req: MessagesRequest, served: str,
                message_id: str) -> str:
     """Send the request's one sequence under ``scope`` and answer it; the status label."""
     run = MessagesRun(
         app.metrics, entry.name, ChatFormatter(served), work, 1, scope.prompt_tokens,
-        scope.started, scope.ending, lambda pre: app._migration(entry, pre, scope.options),
+        scope.started, scope.ending, lambda pre: app.migration(entry, pre, scope.options),
     )
     run.message_id, run.served, run.stops = message_id, served, tuple(req.stop_sequences or ())
     try:

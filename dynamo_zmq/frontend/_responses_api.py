@@ -13,12 +13,13 @@ begins are OpenAI's error object with its status; a stream that fails ends with
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
 from ..llm import Capability, FinishReason, RouteOptions
 from . import errors as http_errors
+from ._api_host import ApiHost
 from ._api_params import ParamNames, responses_names
 from ._asgi import JSON, SSE, Receive, Scope, Send, error, read_body, reply, send_message
 from ._deadline import request_timeout
@@ -37,9 +38,6 @@ from ._tenants import Ticket
 from .errors import HttpError
 from .models import ModelEntry
 from .responses import ChatFormatter
-
-if TYPE_CHECKING:
-    from .app import FrontendApp
 
 __all__ = ["PREFIX", "create_response", "stored_response"]
 
@@ -66,7 +64,7 @@ async def stored_response(store: ResponsesStore, method: str, path: str, send: S
         await error(send, exc)
 
 
-async def create_response(app: FrontendApp, scope: Scope, receive: Receive, send: Send) -> None:
+async def create_response(app: ApiHost, scope: Scope, receive: Receive, send: Send) -> None:
     """``POST /v1/responses``."""
     assert app.manager is not None
     store = app.responses
@@ -74,8 +72,8 @@ async def create_response(app: FrontendApp, scope: Scope, receive: Receive, send
     names: ParamNames | None = None  # the Responses names of chat's parameters
     try:
         body = await read_body(receive, scope, app.limits)
-        ticket = app._admit(scope)
-        target = app._target(scope)
+        ticket = app.admit(scope)
+        target = app.target(scope)
         timeout = request_timeout(scope, app.timeout)
         priority = header_priority(scope)
         session = session_id(scope)
@@ -88,10 +86,10 @@ async def create_response(app: FrontendApp, scope: Scope, receive: Receive, send
         req = to_chat(rreq, conversation)
         if priority is not None:  # the header wins over the body (_priority.py)
             req.priority = priority
-        entry, only = app._entry(req.model)
+        entry, only = app.entry(req.model)
         prompt_chars(entry.preprocessor, req)
         images = await load_images(entry, req, app.media)
-        work, _ = await app._offload.run(len(body), chat_work, entry, req, images)
+        work, _ = await app.offload.run(len(body), chat_work, entry, req, images)
         if only is not None:  # a LoRA adapter's request
             work[0].pre.lora_name = req.model
         if Capability.EMBEDDINGS_ONLY in entry.capabilities:
@@ -104,7 +102,7 @@ async def create_response(app: FrontendApp, scope: Scope, receive: Receive, send
     except HttpError as exc:
         if names is not None:
             exc = names.rename(exc)
-        app._refuse(_ENDPOINT, exc, ticket)
+        app.refuse_request(_ENDPOINT, exc, ticket)
         await error(send, exc)
         return
     served = entry.name if only is None else req.model
@@ -119,7 +117,7 @@ async def create_response(app: FrontendApp, scope: Scope, receive: Receive, send
         async with request_scope:
             fan = FanOut(app.metrics, entry.name, ChatFormatter(served), work, 1, prompt_tokens,
                          request_scope.started, request_scope.ending,
-                         lambda pre: app._migration(entry, pre, options))
+                         lambda pre: app.migration(entry, pre, options))
             try:
                 request_scope.status = await _answer(request_scope, send, entry, fan, builder,
                                                      store, conversation)

@@ -120,7 +120,7 @@ class FrontendApp:
         self.manager: ModelManager | None = None
         self.metrics = FrontendMetrics()
         self.limits = limits or HttpLimits()
-        self._offload = Offload()
+        self.offload = Offload()
         self._rejections = Rejections(self.metrics)
         #: The requests open now: the shutdown ends those still open when its grace is over.
         self.in_flight = InFlight()
@@ -158,7 +158,7 @@ class FrontendApp:
                     return
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
-                self._offload.close()
+                self.offload.close()
                 if self.batches is not None:
                     await self.batches.stop()
                 await self._on_shutdown()
@@ -215,8 +215,8 @@ class FrontendApp:
         ticket: Ticket | None = None
         try:
             body = await read_body(receive, scope, self.limits)
-            ticket = self._admit(scope)
-            target = self._target(scope)
+            ticket = self.admit(scope)
+            target = self.target(scope)
             timeout = request_timeout(scope, self.timeout)
             priority = header_priority(scope)
             session = session_id(scope)
@@ -226,17 +226,17 @@ class FrontendApp:
                 req = parse_chat(body)
                 if priority is not None:  # the header wins over the body (_priority.py)
                     req.priority = priority
-                entry, only = self._entry(req.model)
+                entry, only = self.entry(req.model)
                 prompt_chars(entry.preprocessor, req)
                 images = await load_images(entry, req, self.media)
-                work, n = await self._offload.run(len(body), chat_work, entry, req, images)
+                work, n = await self.offload.run(len(body), chat_work, entry, req, images)
             else:
                 req = parse_completion(body)
                 if priority is not None:
                     req.priority = priority
-                entry, only = self._entry(req.model)
+                entry, only = self.entry(req.model)
                 prompt_chars(entry.preprocessor, req)
-                work, n = await self._offload.run(len(body), completion_work, entry, req)
+                work, n = await self.offload.run(len(body), completion_work, entry, req)
             if only is not None:  # a LoRA adapter's request
                 for sub in work:
                     sub.pre.lora_name = req.model
@@ -255,7 +255,7 @@ class FrontendApp:
             if ticket is not None:
                 ticket.reserve(prompt_tokens, sum(s.pre.stop.max_tokens or 0 for s in work))
         except HttpError as exc:
-            self._refuse(endpoint, exc, ticket)
+            self.refuse_request(endpoint, exc, ticket)
             await error(send, exc)
             return
         served = entry.name if only is None else req.model  # vLLM answers with the adapter's
@@ -286,17 +286,17 @@ class FrontendApp:
         ticket: Ticket | None = None
         try:
             body = await read_body(receive, scope, self.limits)
-            ticket = self._admit(scope)
-            target = self._target(scope)
+            ticket = self.admit(scope)
+            target = self.target(scope)
             timeout = request_timeout(scope, self.timeout)
             req, inputs = parse_embedding(body)
-            entry, only = self._entry(req.model)
+            entry, only = self.entry(req.model)
             request_id = f"embd-{uuid.uuid4().hex}"
             text_chars(entry.preprocessor, [
                 ("input" if len(inputs) == 1 else f"input[{i}]", t)
                 for i, t in enumerate(inputs) if isinstance(t, str)
             ])
-            requests = await self._offload.run(
+            requests = await self.offload.run(
                 len(body), embedding_requests, entry, req, inputs, request_id
             )
             for r in requests if only is not None else ():
@@ -307,7 +307,7 @@ class FrontendApp:
             if ticket is not None:
                 ticket.reserve(prompt_tokens, 0)
         except HttpError as exc:
-            self._refuse(endpoint, exc, ticket)
+            self.refuse_request(endpoint, exc, ticket)
             await error(send, exc)
             return
         options = RouteOptions(instance_id=target, idle_timeout=self.idle_timeout, timeout=timeout,
@@ -321,29 +321,29 @@ class FrontendApp:
         finally:
             request_scope.settle(ticket)
 
-    def _admit(self, scope: Scope) -> Ticket | None:
+    def admit(self, scope: Scope) -> Ticket | None:
         """The request's tenant ticket (None: no tenant limits); 429 over its request rate."""
         return None if self.tenants is None else self.tenants.admit(scope)
 
-    def _refuse(self, endpoint: str, exc: HttpError, ticket: Ticket | None) -> None:
+    def refuse_request(self, endpoint: str, exc: HttpError, ticket: Ticket | None) -> None:
         """Count a request refused before it reached a worker."""
         self.metrics.requests.labels("", endpoint, "unknown", "error").inc()
         self._rejections.note(endpoint, exc)
         if ticket is not None:
             ticket.refused(exc)
 
-    def _entry(self, model: str) -> tuple[ModelEntry, frozenset[int] | None]:
+    def entry(self, model: str) -> tuple[ModelEntry, frozenset[int] | None]:
         """The model's entry, and the only instances its request may go to (a LoRA adapter's
         holders; None: any)."""
         assert self.manager is not None
         return resolve_model(self.manager, model)
 
-    def _target(self, scope: Scope) -> int | None:
+    def target(self, scope: Scope) -> int | None:
         """The instance a ``direct``-mode request names (``_direct.py``)."""
         assert self.manager is not None
         return direct_target(scope, self.manager.mode)
 
-    def _migration(
+    def migration(
         self, entry: ModelEntry, pre: PreprocessedRequest, options: RouteOptions
     ) -> Migration | None:
         """The request's migration to another worker if the one serving it is lost mid-stream
@@ -377,7 +377,7 @@ class FrontendApp:
         ``scope`` and answer it; how it ended (the status label)."""
         fan = FanOut(
             self.metrics, entry.name, fmt, subs, n, scope.prompt_tokens, scope.started,
-            scope.ending, lambda pre: self._migration(entry, pre, scope.options),
+            scope.ending, lambda pre: self.migration(entry, pre, scope.options),
         )
         try:
             failure = await fan.open(entry.router, scope.ctx, scope.options)
