@@ -68,10 +68,16 @@ def _free_port() -> int:
 
 
 def _rss_mb(pid: int) -> float:
+    """Resident MB of ``pid``.
+
+    Raises:
+        ProcessLookupError: no such process, or one that has exited but is not yet reaped (a
+            zombie's status has no ``VmRSS``): a worker between incarnations, not a 0 MB one.
+    """
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
-    return 0.0
+    raise ProcessLookupError(pid)
 
 
 def _fds(pid: int) -> int:
